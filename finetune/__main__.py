@@ -1,0 +1,7 @@
+"""``python -m finetune train|export ...``."""
+
+import sys
+
+from finetune.cli import main
+
+sys.exit(main())

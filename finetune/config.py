@@ -1,0 +1,344 @@
+"""The run config: typed dataclasses, YAML/JSON loading and strict ``key=value`` overrides.
+
+Precedence (lowest to highest): **dataclass defaults < run-config file < command-line overrides**.
+``finetune.config.load_run_config`` applies them in that order; ``tests/test_config.py`` pins it.
+
+Overrides use dotted paths into the dataclasses (``train.lr=3e-5``, ``data.max_seq_len=256``,
+``output_dir=/scratch/run1``) and, under the ``ds.`` prefix, into the DeepSpeed JSON
+(``ds.zero_optimization.stage=2``, ``ds.bf16.enabled=false``); the latter are checked in
+:mod:`finetune.ds_config`. An unknown key or a value of the wrong type is an error, never
+silently ignored (the nanoGPT ``configurator.py`` rule); every problem found is reported
+together in one :class:`ConfigError` (the litgpt ``validate_args`` pattern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A run config, DeepSpeed config or input file is wrong. ``str(err)`` lists every problem, one per line."""
+
+    def __init__(self, problems: list[str] | str):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass
+class ModelConfig:
+    """Where the model and tokenizer come from (local folders only; the Hub is never contacted)."""
+
+    path: str = ""
+    """Local folder with ``config.json`` (and the weights when ``init: pretrained``)."""
+    tokenizer_path: str = ""
+    """Local tokenizer folder; empty means ``model.path``."""
+    init: str = "pretrained"
+    """``pretrained``: load the weights from ``model.path``; ``scratch``: random init from ``config.json`` only."""
+    config_overrides: dict = field(default_factory=dict)
+    """Keys set on the model config before building, e.g. ``{num_hidden_layers: 2}`` for a small scratch model."""
+
+
+@dataclass
+class DataConfig:
+    """Local parquet inputs and how they become token batches."""
+
+    train_files: list = field(default_factory=list)
+    """Parquet files or glob patterns for the training split."""
+    validation_files: list = field(default_factory=list)
+    """Parquet files or globs for validation; empty means hold out ``validation_fraction`` of train."""
+    validation_fraction: float = 0.05
+    """Fraction of training rows held out for validation (fixed ``train.seed``) when no validation files."""
+    text_column: str = "text"
+    """Name of the text column in every parquet file."""
+    max_seq_len: int = 128
+    """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
+    packing: bool = True
+    """CLM only: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens."""
+    mlm_probability: float = 0.15
+    """MLM only: fraction of tokens selected for masking (BERT: 80% [MASK], 10% random, 10% kept)."""
+    pad_to_multiple_of: int = 0
+    """Pad each batch to a multiple of this (8 helps tensor cores); 0 pads to the longest row only."""
+    cache_dir: str = ""
+    """Where tokenized datasets are cached; empty means ``$FINETUNE_CACHE`` or ``~/.cache/finetune``."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: collate in the training process; exact resume needs 0 for MLM)."""
+    max_train_rows: int = 0
+    """Use only the first N training rows (0: all); for smoke tests."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, optimizer, schedule and the step cadence of eval, logging and checkpoints."""
+
+    micro_batch_size: int = 8
+    """Rows per rank per forward pass (DeepSpeed ``train_micro_batch_size_per_gpu``)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    epochs: int = 1
+    """Passes over the training data (ignored when ``max_steps`` > 0)."""
+    max_steps: int = 0
+    """Optimizer steps to run; 0 means ``epochs`` full passes."""
+    lr: float = 5e-5
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    lr_scheduler: str = "linear"
+    """transformers ``get_scheduler`` name: ``linear``, ``cosine``, ``constant_with_warmup``, ``constant``."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (DeepSpeed ``gradient_clipping``); 0 disables."""
+    loss_weighting: str = "token"
+    """``token``: exact mean over all target tokens of the global batch; ``micro_batch``: DeepSpeed's plain mean of micro-batch means."""
+    eval_every: int = 0
+    """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_max_batches: int = 0
+    """Cap on eval micro-batches per rank (0: the whole validation split)."""
+    save_every: int = 0
+    """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    log_every: int = 10
+    """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
+    seed: int = 42
+    """Seed for init, shuffling, masking, dropout and the validation split."""
+    dist_timeout_minutes: float = 10.0
+    """Collective-operation timeout: a dead rank makes the others fail after this long, not hang."""
+
+
+@dataclass
+class RunConfig:
+    """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
+
+    recipe: str = ""
+    """Task recipe: ``bert_mlm`` or ``gpt_clm`` (see ``finetune/recipes``)."""
+    output_dir: str = ""
+    """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs."""
+    deepspeed: str = "ds_configs/zero2.json"
+    """DeepSpeed JSON file (relative paths are from the working directory)."""
+    ds: dict = field(default_factory=dict)
+    """Overrides merged into the DeepSpeed JSON (``ds.zero_optimization.stage=3`` on the command line)."""
+    export: bool = True
+    """Write a Hugging Face export (``output_dir/export``) at the end of training."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model and tokenizer."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data files and tokenization."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimization and cadence."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and overriding
+# ---------------------------------------------------------------------------------------------
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(options))})"
+
+
+def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
+    """Convert ``value`` (from YAML or a CLI string) to ``typ``; append a problem and return None if impossible."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif typ is list:
+        if isinstance(value, list):
+            return value
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            if isinstance(parsed, list):
+                return parsed
+    elif typ is dict:
+        if isinstance(value, dict):
+            return value
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value)
+            if isinstance(parsed, dict):
+                return parsed
+    problems.append(f"{where}: expected {getattr(typ, '__name__', typ)}, got {value!r}")
+    return None
+
+
+def _apply_mapping(obj: Any, mapping: dict, prefix: str, problems: list[str]) -> None:
+    """Set dataclass ``obj``'s fields from a nested ``mapping`` (from the file), recursing into sub-configs."""
+    types = _field_types(type(obj))
+    for key, value in mapping.items():
+        where = f"{prefix}{key}"
+        if key not in types:
+            problems.append(f"unknown key '{where}'{_suggest(str(key), list(types))}")
+            continue
+        typ = types[key]
+        if dataclasses.is_dataclass(typ):
+            if not isinstance(value, dict):
+                problems.append(f"{where}: expected a mapping of {typ.__name__} keys, got {value!r}")
+                continue
+            _apply_mapping(getattr(obj, key), value, where + ".", problems)
+        elif typ is dict and key == "ds" and isinstance(value, dict):
+            setattr(obj, key, deep_merge(getattr(obj, key), value))
+        else:
+            coerced = _coerce(value, typ, where, problems)
+            if coerced is not None:
+                setattr(obj, key, coerced)
+
+
+def _apply_override(cfg: RunConfig, dotted: str, raw: str, problems: list[str]) -> None:
+    """Apply one ``a.b.c=value`` override; ``ds.*`` paths go into ``cfg.ds`` verbatim (checked later)."""
+    parts = dotted.split(".")
+    if parts[0] == "ds":
+        if len(parts) < 2:
+            problems.append(f"override '{dotted}={raw}': name a DeepSpeed key, e.g. ds.zero_optimization.stage=3")
+            return
+        nested: dict = {}
+        cur = nested
+        for p in parts[1:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = parse_scalar(raw)
+        cfg.ds = deep_merge(cfg.ds, nested)
+        return
+    obj: Any = cfg
+    for i, p in enumerate(parts):
+        types = _field_types(type(obj))
+        where = ".".join(parts[: i + 1])
+        if p not in types:
+            problems.append(f"unknown key '{where}' in override '{dotted}={raw}'{_suggest(p, list(types))}")
+            return
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(types[p]):
+                problems.append(f"override '{dotted}': '{where}' is a {types[p].__name__}, not a section")
+                return
+            obj = getattr(obj, p)
+        else:
+            if dataclasses.is_dataclass(types[p]):
+                problems.append(f"override '{dotted}={raw}': '{where}' is a section; set one of its keys")
+                return
+            coerced = _coerce(raw, types[p], where, problems)
+            if coerced is not None:
+                setattr(obj, p, coerced)
+
+
+def parse_scalar(raw: str) -> Any:
+    """Parse a command-line value: YAML scalars (``true``, ``2``, ``[1, 2]``) plus floats like ``3e-5``."""
+    value = yaml.safe_load(raw) if raw != "" else ""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """Return ``base`` updated recursively with ``update`` (new dict; nested dicts are merged, others replaced)."""
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    """Read a YAML or JSON run-config file into a dict.
+
+    Raises:
+        ConfigError: the file is missing, unparsable, or not a mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"run config '{p}' does not exist (pass --config <file.yaml>)")
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"run config '{p}' cannot be parsed: {e}".replace("\n", " ")) from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"run config '{p}' must be a mapping of keys, got {type(data).__name__}")
+    return data
+
+
+def load_run_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+    """Build a :class:`RunConfig` from defaults, then the file at ``path``, then ``overrides``.
+
+    Args:
+        path: YAML/JSON run config, or None for defaults only.
+        overrides: ``"dotted.key=value"`` strings; later ones win.
+
+    Returns:
+        The merged config (not yet validated against the file system: see
+        :func:`finetune.validate.validate_run`).
+
+    Raises:
+        ConfigError: every unknown key, wrong type or malformed override, all in one error.
+    """
+    cfg = RunConfig()
+    problems: list[str] = []
+    if path is not None:
+        _apply_mapping(cfg, read_config_file(path), "", problems)
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"override '{item}' is not key=value (example: train.lr=3e-5)")
+            continue
+        key, raw = item.split("=", 1)
+        _apply_override(cfg, key.strip(), raw.strip(), problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    """The config as plain nested dicts (for YAML dumps and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(data: dict) -> str:
+    """YAML text of ``data`` with keys in definition order."""
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)

@@ -1,0 +1,220 @@
+"""Parquet files -> tokenized ``datasets.Dataset`` (cached) -> per-rank DataLoaders.
+
+* Files are checked before anything heavy runs (:func:`check_parquet_files`): a glob that matches
+  nothing, an unreadable or empty file, or a missing text column (the error lists the columns).
+* Tokenization is ``Dataset.map(batched=True)`` with an explicit cache file whose name hashes everything
+  that decides its content (files with size and mtime, tokenizer files, recipe, lengths, split), so a
+  second run with the same inputs loads it instead of tokenizing. Rank 0 tokenizes first; the
+  other ranks wait at a barrier, then read the same cache file.
+* Training uses :class:`ResumableDistributedSampler` (``DistributedSampler`` + skip of the batches
+  already consumed when resuming mid-epoch) with ``set_epoch`` every epoch; batches are padded per
+  batch by the recipe's collator, never to a global maximum.
+* Evaluation shards the validation rows across ranks without duplicates: the shorter shards are
+  topped up with flagged filler rows whose labels are set to -100, so every rank runs the same number
+  of forward passes (needed by ZeRO-3) and metrics count each row once.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from finetune import distributed as dist_utils
+from finetune.config import DataConfig
+from finetune.logs import logger
+
+
+def expand_files(patterns: list, key: str, problems: list[str]) -> list[str]:
+    """Expand file names and globs (sorted, deduplicated); a pattern matching nothing is a problem."""
+    files: list[str] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(os.path.expanduser(str(pat)), recursive=True))
+        if not hits:
+            problems.append(f"{key}: '{pat}' matches no file")
+        files += [h for h in hits if h not in files]
+    return files
+
+
+def check_parquet_files(files: list[str], key: str, text_column: str, problems: list[str]) -> int:
+    """Open each parquet file's footer: readable, non-empty, has ``text_column``. Returns the total row count."""
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for f in files:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError with varying messages
+            problems.append(f"{key}: '{f}' is not a readable parquet file ({type(e).__name__}: {e})")
+            continue
+        names = pf.schema_arrow.names
+        if text_column not in names:
+            problems.append(f"{key}: '{f}' has no column '{text_column}' (columns: {', '.join(names)}); "
+                            f"set data.text_column")
+        if pf.metadata.num_rows == 0:
+            problems.append(f"{key}: '{f}' is empty (0 rows)")
+        rows += pf.metadata.num_rows
+    return rows
+
+
+def default_cache_dir(data_cfg: DataConfig) -> Path:
+    """``data.cache_dir``, else ``$FINETUNE_CACHE``, else ``~/.cache/finetune``."""
+    return Path(data_cfg.cache_dir or os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+
+
+def _fingerprint(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _file_id(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def _tokenizer_id(tokenizer) -> list:
+    folder = Path(tokenizer.name_or_path)
+    files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+    return [_file_id(str(p)) for p in files] + [tokenizer.pad_token, tokenizer.eos_token]
+
+
+@dataclass
+class Splits:
+    """Tokenized train and validation datasets (rows of ``input_ids``, ``attention_mask``, ...)."""
+
+    train: "datasets.Dataset"  # noqa: F821
+    validation: "datasets.Dataset"  # noqa: F821
+
+
+def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
+    """Read the parquet files, split off validation if needed, tokenize (cached), rank 0 first.
+
+    Args:
+        recipe: the recipe module (its ``tokenize_function``).
+        recipe_name: recipe name, part of the cache key.
+        tokenizer: a prepared ``PreTrainedTokenizerBase``.
+        data_cfg: the ``data`` section.
+        seed: seed of the held-out validation split.
+
+    Returns:
+        :class:`Splits` with only model-input columns.
+    """
+    import datasets
+
+    problems: list[str] = []
+    train_files = expand_files(data_cfg.train_files, "data.train_files", problems)
+    val_files = expand_files(data_cfg.validation_files, "data.validation_files", problems)
+    cache = default_cache_dir(data_cfg)
+    cache.mkdir(parents=True, exist_ok=True)
+    col = data_cfg.text_column
+
+    def read(files):
+        return datasets.load_dataset("parquet", data_files=files, split="train",
+                                     cache_dir=str(cache / "parquet"), columns=[col])
+
+    base_key = {"recipe": recipe_name, "tokenizer": _tokenizer_id(tokenizer), "column": col,
+                "max_seq_len": data_cfg.max_seq_len, "packing": data_cfg.packing if recipe_name == "gpt_clm" else None,
+                "datasets": datasets.__version__, "version": 1}
+    fn = recipe.tokenize_function(tokenizer, data_cfg)
+
+    def tokenize(ds, split_key: dict, name: str):
+        key = _fingerprint({**base_key, **split_key})
+        path = cache / "tokenized" / f"{recipe_name}-{name}-{key}.arrow"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        hit = path.exists()
+        out = ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(path),
+                     load_from_cache_file=True, desc=f"tokenizing {name}")
+        logger.info(f"{name}: {len(out):,} rows ({'cache hit' if hit else 'tokenized'}: {path})")
+        return out
+
+    with dist_utils.main_process_first():
+        raw_train = read(train_files)
+        if data_cfg.max_train_rows:
+            raw_train = raw_train.select(range(min(data_cfg.max_train_rows, len(raw_train))))
+        ids = {"train_files": [_file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
+        if val_files:
+            raw_val = read(val_files)
+            val_ids = {"val_files": [_file_id(f) for f in val_files]}
+            train_ids = ids
+        else:
+            perm = np.random.default_rng(seed).permutation(len(raw_train))
+            n_val = max(1, int(round(len(raw_train) * data_cfg.validation_fraction)))
+            raw_val = raw_train.select(sorted(perm[:n_val]))
+            raw_train = raw_train.select(sorted(perm[n_val:]))
+            split = {"holdout": data_cfg.validation_fraction, "seed": seed}
+            train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
+        train = tokenize(raw_train, train_ids, "train")
+        validation = tokenize(raw_val, val_ids, "validation")
+    return Splits(train=train, validation=validation)
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``torch.utils.data.DistributedSampler`` that can skip the first ``skip`` samples of one epoch.
+
+    The order within an epoch depends only on ``(seed, epoch)``, so skipping the samples a checkpoint
+    already consumed resumes exactly at the next micro-batch without collating the skipped ones.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Select the epoch's permutation and skip its first ``skip`` samples (on this rank)."""
+        super().set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class _EvalShard(Dataset):
+    """This rank's validation rows (``rank::world``), topped up to an equal length with flagged filler rows."""
+
+    def __init__(self, dataset, rank: int, world: int):
+        self.dataset = dataset
+        self.indices = list(range(rank, len(dataset), world))
+        self.length = math.ceil(len(dataset) / world)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        real = i < len(self.indices)
+        row = dict(self.dataset[self.indices[i] if real else 0])
+        row["_filler"] = not real
+        return row
+
+
+def _eval_collate(collator):
+    def collate(rows):
+        filler = torch.tensor([r.pop("_filler") for r in rows])
+        batch = collator(rows)
+        batch["labels"][filler] = -100
+        return batch
+
+    return collate
+
+
+def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int) -> DataLoader:
+    """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`."""
+    sampler = ResumableDistributedSampler(dataset, dist_utils.world_size(), dist_utils.rank(), seed)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collator, drop_last=True,
+                      num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
+
+
+def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int) -> DataLoader:
+    """Per-rank validation loader; every rank yields the same number of batches; filler rows have no labels."""
+    shard = _EvalShard(dataset, dist_utils.rank(), dist_utils.world_size())
+    return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=_eval_collate(collator),
+                      num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())

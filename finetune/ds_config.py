@@ -1,0 +1,179 @@
+"""The DeepSpeed JSON: load it, apply ``ds.*`` overrides, check it strictly, and fill in what the run config owns.
+
+The run config is the single source of truth for batch sizes, the optimizer and gradient clipping:
+:func:`resolve_ds_config` writes ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+``train_batch_size = micro x accumulation x world size``, ``gradient_clipping`` and an AdamW
+``optimizer`` block into the dict handed to ``deepspeed.initialize``. A JSON value that contradicts
+them is an error (DeepSpeed would silently prefer one or assert mid-start-up).
+
+DeepSpeed ignores unknown top-level keys (a typo such as ``"zero_optimisation"`` silently trains without
+ZeRO); :func:`check_ds_config` rejects them, using the keys DeepSpeed's own ``DeepSpeedConfig`` reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import json
+from pathlib import Path
+
+from finetune.config import ConfigError, RunConfig, deep_merge
+
+# Top-level keys read outside DeepSpeedConfig.__init__ (optional sections, launcher and op settings).
+_EXTRA_TOP_LEVEL_KEYS = {
+    "optimizer", "scheduler", "aio", "activation_checkpointing", "flops_profiler", "autotuning",
+    "zero_allow_untested_optimizer", "mics_shard_size", "mics_hierarchical_params_gather",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def known_top_level_keys() -> frozenset[str]:
+    """Top-level keys DeepSpeed understands, recorded from what its own ``DeepSpeedConfig`` looks up.
+
+    Returns:
+        A frozenset of key names (about 60 for DeepSpeed 0.19).
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    seen: set[str] = set()
+
+    class _Recorder(dict):
+        def get(self, k, *a):
+            seen.add(k)
+            return super().get(k, *a)
+
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+        def __copy__(self):
+            return self
+
+    DeepSpeedConfig(_Recorder({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}))
+    return frozenset(k for k in seen if isinstance(k, str)) | _EXTRA_TOP_LEVEL_KEYS
+
+
+def load_ds_json(path: str) -> dict:
+    """Read a DeepSpeed JSON file.
+
+    Raises:
+        ConfigError: missing file, invalid JSON, or not an object.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"deepspeed: config file '{p}' does not exist (see ds_configs/ for shipped ones)")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed: '{p}' is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed: '{p}' must hold a JSON object")
+    return data
+
+
+def zero_stage(ds: dict) -> int:
+    """ZeRO stage (0-3) of a DeepSpeed config dict."""
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def optimizer_offloaded(ds: dict) -> bool:
+    """True when the optimizer state lives on the CPU or NVMe (DeepSpeed then requires its own CPU Adam)."""
+    dev = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return dev in ("cpu", "nvme")
+
+
+def check_ds_config(ds: dict, source: str) -> list[str]:
+    """Problems with a merged DeepSpeed config dict: unknown top-level keys, then DeepSpeed's own checks.
+
+    Args:
+        ds: the DeepSpeed config after ``ds.*`` overrides.
+        source: file name used in messages.
+
+    Returns:
+        One message per problem (empty when fine).
+    """
+    problems = []
+    known = known_top_level_keys()
+    for key in ds:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"deepspeed: unknown top-level key '{key}' in {source}{hint}; DeepSpeed would ignore it")
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            problems.append(
+                f"deepspeed: {source} sets '{key}'; the optimizer and LR schedule come from the run config "
+                f"(train.lr, train.weight_decay, train.lr_scheduler, train.warmup_steps): remove '{key}'")
+    return problems
+
+
+def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool) -> tuple[dict, list[str]]:
+    """The DeepSpeed dict for ``deepspeed.initialize``: JSON file + ``cfg.ds`` overrides + run-config values.
+
+    Args:
+        cfg: the run config (``cfg.deepspeed`` names the JSON file).
+        world_size: number of data-parallel ranks.
+        on_cpu: True on the CPU accelerator (picks ``torch.optim.AdamW`` instead of the fused CUDA Adam).
+
+    Returns:
+        ``(ds_dict, problems)``: the resolved dict and every problem found (batch-size
+        contradictions name micro batch, accumulation, world size and the JSON's value).
+
+    Raises:
+        ConfigError: the JSON file is missing or unparsable.
+    """
+    raw = load_ds_json(cfg.deepspeed)
+    ds = deep_merge(raw, copy.deepcopy(cfg.ds))
+    problems = check_ds_config(ds, f"'{cfg.deepspeed}' (+ ds.* overrides)")
+
+    t = cfg.train
+    mb, gas = t.micro_batch_size, t.gradient_accumulation_steps
+    expected = mb * gas * world_size
+    for key, want in (("train_micro_batch_size_per_gpu", mb), ("gradient_accumulation_steps", gas),
+                      ("train_batch_size", expected)):
+        have = ds.get(key, "auto")
+        if have != "auto" and have != want:
+            problems.append(
+                f"deepspeed: batch-size contradiction: {cfg.deepspeed} has {key}={have}, but the run config gives "
+                f"train.micro_batch_size={mb} x train.gradient_accumulation_steps={gas} x world size={world_size} "
+                f"= train_batch_size {expected}; remove '{key}' from the JSON (the run config is the source of truth)")
+    ds["train_micro_batch_size_per_gpu"] = mb
+    ds["gradient_accumulation_steps"] = gas
+    ds["train_batch_size"] = expected
+    if ds.get("gradient_clipping", "auto") not in ("auto", t.max_grad_norm):
+        problems.append(f"deepspeed: {cfg.deepspeed} has gradient_clipping={ds['gradient_clipping']} but "
+                        f"train.max_grad_norm={t.max_grad_norm}; remove it from the JSON")
+    ds["gradient_clipping"] = t.max_grad_norm
+    ds.setdefault("steps_per_print", 10**9)  # our own loop logs; keep DeepSpeed's periodic prints quiet
+    if "optimizer" not in ds and "scheduler" not in ds:
+        params = {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": t.adam_eps,
+                  "weight_decay": t.weight_decay}
+        if on_cpu and not optimizer_offloaded(ds):
+            params["torch_adam"] = True  # torch.optim.AdamW; the fused Adam kernel is CUDA-only
+        ds["optimizer"] = {"type": "AdamW", "params": params}
+    if ds.get("fp16", {}).get("enabled") is True and on_cpu:
+        problems.append(f"deepspeed: fp16 is enabled in {cfg.deepspeed} but the CPU accelerator does not support "
+                        f"fp16; use a bf16 or fp32 config (ds.fp16.enabled=false)")
+    if not problems:
+        problems += _deepspeed_own_checks(ds, world_size, cfg.deepspeed)
+    return ds, problems
+
+
+def _deepspeed_own_checks(ds: dict, world_size: int, source: str) -> list[str]:
+    """Run DeepSpeed's own config parser (pydantic models reject unknown keys inside sections)."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    probe = copy.deepcopy(ds)
+    # Parse as a single rank: DeepSpeed derives world size from the process group, which may not exist yet.
+    probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]
+    try:
+        DeepSpeedConfig(probe)
+    except Exception as e:  # pydantic ValidationError, AssertionError, ValueError from DeepSpeed
+        msg = " ".join(str(e).split())
+        return [f"deepspeed: {source} rejected by DeepSpeed: {msg[:600]}"]
+    return []

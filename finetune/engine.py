@@ -1,0 +1,104 @@
+"""Model, tokenizer and DeepSpeed engine set-up.
+
+* Model and tokenizer load from local folders only (``local_files_only=True``).
+* ``init: scratch`` builds the model from ``config.json`` alone (``MODEL_CLASS.from_config``), seeded
+  so every rank builds the same weights.
+* Under ZeRO-3 a ``transformers.integrations.HfDeepSpeedConfig`` is created before the model, so
+  ``from_pretrained``/``from_config`` build it inside ``deepspeed.zero.Init`` and no rank materialises
+  the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
+* AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.ds_config`);
+  the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
+  ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from finetune.config import RunConfig
+from finetune.ds_config import zero_stage
+from finetune.logs import logger
+
+_NO_DECAY = ("bias", "layernorm", "layer_norm", "ln_", "norm.weight")
+
+
+def load_tokenizer(cfg: RunConfig, recipe):
+    """Tokenizer from ``model.tokenizer_path`` (or ``model.path``), prepared by the recipe."""
+    from transformers import AutoTokenizer
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    return recipe.prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def load_model_config(cfg: RunConfig):
+    """``AutoConfig`` from ``model.path`` with ``model.config_overrides`` applied."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    for k, v in cfg.model.config_overrides.items():
+        setattr(config, k, v)
+    return config
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: no weight decay on biases and normalization weights (as HF Trainer does)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if any(s in name.lower() for s in _NO_DECAY) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@dataclass
+class Built:
+    """The DeepSpeed engine and what was built alongside it."""
+
+    engine: Any
+    """``deepspeed.DeepSpeedEngine``: call it like the model; ``backward``/``step`` train it."""
+    model_config: Any
+    """The transformers ``PretrainedConfig`` the model was built from."""
+    hf_ds_config: Any = None
+    """``HfDeepSpeedConfig`` kept alive under ZeRO-3 (transformers holds only a weak reference)."""
+
+
+def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
+    """Build the model and wrap it in a DeepSpeed engine.
+
+    Args:
+        cfg: run config.
+        recipe: recipe module (its ``MODEL_CLASS``).
+        ds: resolved DeepSpeed config dict.
+        total_steps: optimizer steps of the whole run (length of the LR schedule).
+
+    Returns:
+        :class:`Built`.
+    """
+    import deepspeed
+    from transformers import get_scheduler
+    from transformers.integrations import HfDeepSpeedConfig
+
+    model_config = load_model_config(cfg)
+    hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
+    torch.manual_seed(cfg.train.seed)
+    if cfg.model.init == "pretrained":
+        model = recipe.MODEL_CLASS.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
+                                                   dtype=torch.float32)
+    else:
+        model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
+                f"{zero_stage(ds)}")
+
+    t = cfg.train
+
+    def scheduler(optimizer):
+        return get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps,
+                             num_training_steps=total_steps)
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, t.weight_decay),
+                                           config=ds, lr_scheduler=scheduler, dist_init_required=False)
+    return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)

@@ -1,0 +1,38 @@
+"""Task recipes, selected by ``recipe:`` in the run config.
+
+A recipe is a small module (no base class) that provides exactly these names, the contract the
+shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's ``recipe_interfaces``):
+
+``MODEL_CLASS``
+    The transformers auto class (``AutoModelForMaskedLM``, ``AutoModelForCausalLM``).
+``prepare_tokenizer(tokenizer) -> tokenizer``
+    Fix up special tokens (e.g. GPT-2's missing pad token); raise ``ConfigError`` if unusable.
+``tokenize_function(tokenizer, data_cfg) -> fn``
+    ``fn(batch: dict[str, list]) -> dict[str, list]`` for ``datasets.Dataset.map(batched=True)``; reads
+    ``data_cfg.text_column``, may return fewer or more rows than it got (drops empty texts, packs blocks).
+``make_collator(tokenizer, data_cfg) -> fn``
+    ``fn(rows: list[dict]) -> dict[str, Tensor]`` with ``input_ids``/``attention_mask`` (int64,
+    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch.
+``count_targets(labels) -> Tensor``
+    Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator.
+``eval_stats(logits, labels) -> dict[str, tuple[Tensor, Tensor]]``
+    Extra eval metrics as ``name -> (numerator, denominator)`` sums, reduced over batches and ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+RECIPES = ("bert_mlm", "gpt_clm")
+
+
+def get_recipe(name: str) -> ModuleType:
+    """Import ``finetune.recipes.<name>``.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`RECIPES`.
+    """
+    if name not in RECIPES:
+        raise KeyError(f"unknown recipe '{name}' (choose one of: {', '.join(RECIPES)})")
+    return importlib.import_module(f"finetune.recipes.{name}")

@@ -1,0 +1,71 @@
+"""Causal-language-model fine-tuning (GPT-2 and other ``AutoModelForCausalLM`` models).
+
+With ``data.packing: true`` (default) texts are tokenized, joined with EOS and cut into full blocks of
+``data.max_seq_len`` tokens, as in transformers' ``run_clm.py`` ``group_texts``: no pad tokens, every
+position trains (the tail shorter than a block in each map batch of 1,000 rows is dropped).
+With packing off, each text is truncated to ``max_seq_len`` and padded per batch; pad positions get
+label -100. The pad token defaults to EOS when the tokenizer has none (GPT-2 has none).
+Eval metrics: loss and perplexity.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
+
+from finetune.config import ConfigError, DataConfig
+
+MODEL_CLASS = AutoModelForCausalLM
+
+
+def prepare_tokenizer(tokenizer):
+    """Use EOS as the pad token when there is none.
+
+    Raises:
+        ConfigError: the tokenizer has neither a pad nor an EOS token.
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
+                              f"token; gpt_clm needs one of them")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig):
+    """Batched map function: text -> ``input_ids``/``attention_mask`` (+ ``labels`` when packing)."""
+    col, block = data_cfg.text_column, data_cfg.max_seq_len
+
+    def packed(batch):
+        texts = [t for t in batch[col] if t is not None and t.strip()]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        stream = [tok for row in ids for tok in row + [tokenizer.eos_token_id]]
+        n = (len(stream) // block) * block
+        blocks = [stream[i:i + block] for i in range(0, n, block)]
+        return {"input_ids": blocks, "attention_mask": [[1] * block for _ in blocks],
+                "labels": [list(b) for b in blocks]}
+
+    def unpacked(batch):
+        texts = [t for t in batch[col] if t is not None and t.strip()]
+        return tokenizer(texts, truncation=True, max_length=block)
+
+    return packed if data_cfg.packing else unpacked
+
+
+def make_collator(tokenizer, data_cfg: DataConfig):
+    """Packed: stack equal-length blocks. Unpacked: pad per batch, labels -100 on pad positions."""
+    if data_cfg.packing:
+        return default_data_collator
+    return DataCollatorForLanguageModeling(tokenizer, mlm=False,
+                                           pad_to_multiple_of=data_cfg.pad_to_multiple_of or None,
+                                           return_tensors="pt")
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Positions predicted after the one-token shift (``labels[:, 1:] != -100``); 0-dim int64."""
+    return (labels[:, 1:] != -100).sum()
+
+
+def eval_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """No extra metrics beyond loss and perplexity."""
+    return {}

@@ -1,0 +1,19 @@
+"""Launch target: ``deepspeed finetune/run.py --config X``, ``torchrun ... finetune/run.py``, ``python finetune/run.py``.
+
+Run as a script, Python puts ``finetune/`` itself first on ``sys.path``, where module names such as
+``data`` or ``config`` could shadow other packages; the repository root goes there instead, so the
+package imports the same way whether it is installed or not.
+"""
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+from finetune.cli import train_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(train_main())

@@ -1,0 +1,205 @@
+"""The one training loop every recipe shares.
+
+Per optimizer step, on every rank::
+
+    micro = [next(batches) for _ in range(gradient_accumulation_steps)]
+    N = all_reduce(sum(count_targets(b.labels) for b in micro))        # one all-reduce per step
+    for b in micro:
+        loss = engine(**b, num_items_in_batch=N / (world * gas)).loss   # summed loss * world * gas / N
+        engine.backward(loss)                                           # DeepSpeed divides by gas ...
+        engine.step()                                                   # ... and averages over ranks
+
+Token-weighted loss (``train.loss_weighting: token``, default). DeepSpeed averages gradients with equal
+weight per micro-batch and per rank, which is not the gradient of the mean over all target tokens when
+micro-batches hold different numbers of targets (padding, MLM masking): the gradient-accumulation loss
+bug transformers fixed in 2024 (``num_items_in_batch``). Here each micro-batch loss is
+``sum_i l_i * (W * G) / N`` (``W`` ranks, ``G`` accumulation steps, ``N`` targets in the whole global
+batch); after DeepSpeed's ``1/G`` scaling and ``1/W`` averaging the gradient is exactly
+``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch.
+``loss_weighting: micro_batch`` passes no ``num_items_in_batch``: each micro-batch loss is its own mean
+(``sum_i l_i / n_micro``) and the optimized loss is the mean of those means, DeepSpeed's plain behaviour.
+
+Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
+learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
+Evaluation every ``train.eval_every`` steps and at the end; checkpoints every ``train.save_every`` steps
+and at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from finetune import checkpoint as ckpt_utils
+from finetune import distributed as dist_utils
+from finetune.checkpoint import TrainState
+from finetune.config import RunConfig
+from finetune.logs import MetricsSink, logger
+
+
+def to_device(batch: dict, device) -> dict:
+    """Move every tensor of ``batch`` to ``device`` (non-blocking from pinned memory)."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _rng_fork(device):
+    devices = [device] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda")
+
+
+@torch.no_grad()
+def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
+    """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
+
+    Runs under a forked RNG seeded with ``train.seed`` so MLM masks are the same at every evaluation
+    and the training RNG stream is untouched. All ranks must call it (ZeRO-3 gathers parameters).
+
+    Returns:
+        ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}``.
+    """
+    engine.eval()
+    device = engine.device
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
+    one = torch.ones((), device=device)
+    with _rng_fork(device):
+        torch.manual_seed(cfg.train.seed)
+        for i, batch in enumerate(loader):
+            if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
+                break
+            batch = to_device(batch, device)
+            out = engine(**batch, num_items_in_batch=one)  # loss = summed token loss
+            sums["loss"] += out.loss.double()
+            sums["targets"] += recipe.count_targets(batch["labels"])
+            for name, (num, den) in recipe.eval_stats(out.logits, batch["labels"]).items():
+                sums[f"{name}/num"] += num
+                sums[f"{name}/den"] += den
+    names = sorted(sums)
+    totals = dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()
+    total = dict(zip(names, totals))
+    engine.train()
+    loss = total["loss"] / max(total["targets"], 1.0)
+    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+    for n in names:
+        if n.endswith("/num"):
+            base = n[: -len("/num")]
+            metrics[f"eval/{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
+    return metrics
+
+
+def _grad_norm_stage0(engine) -> float:
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
+        run_dir: Path, resume_from: Path | None = None, stop_flag=None) -> TrainState:
+    """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
+
+    Args:
+        cfg: run config.
+        engine: DeepSpeed engine.
+        recipe: recipe module.
+        train_dl: training loader whose sampler is a ``ResumableDistributedSampler``.
+        eval_dl: validation loader.
+        state: where to start (from a checkpoint or fresh).
+        total_steps: optimizer steps of the whole run.
+        run_dir: run folder (metrics, checkpoints).
+        resume_from: checkpoint whose RNG states to restore once the first batch iterator exists.
+        stop_flag: callable returning True when this rank was asked to stop (signal); checked every
+            step and agreed on by all ranks, then a checkpoint is saved and the loop returns early.
+
+    Returns:
+        The final :class:`TrainState`.
+    """
+    t = cfg.train
+    gas, world, device = t.gradient_accumulation_steps, dist_utils.world_size(), engine.device
+    token_weighted = t.loss_weighting == "token"
+    sampler = train_dl.sampler
+    micro_per_epoch = (sampler.num_samples // t.micro_batch_size) // gas * gas
+    sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main())
+    stage0 = engine.zero_optimization_stage() == 0
+    last_saved = state.step if resume_from else -1
+    # Running sums since the last log line: [loss of each step, steps, non-pad tokens]
+    acc = torch.zeros(3, dtype=torch.float64, device=device)
+    t_log = time.perf_counter()
+    pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
+                dynamic_ncols=True)
+    engine.train()
+
+    while state.step < total_steps:
+        sampler.set_epoch(state.epoch, skip=state.batches_in_epoch * t.micro_batch_size)
+        batches = iter(train_dl)
+        if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
+            ckpt_utils.restore_rng_state(resume_from)
+            resume_from = None
+        while state.batches_in_epoch < micro_per_epoch and state.step < total_steps:
+            micro = [next(batches) for _ in range(gas)]
+            if token_weighted:
+                n = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum().to(device, torch.float32)
+                denom = dist_utils.all_reduce_sum(n).clamp(min=1.0) / (world * gas)
+            grad_norm = None
+            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
+            for i, batch in enumerate(micro):
+                batch = to_device(batch, device)
+                kwargs = {"num_items_in_batch": denom} if token_weighted else {}
+                loss = engine(**batch, **kwargs).loss
+                engine.backward(loss)
+                if stage0 and log_now and i == gas - 1:
+                    grad_norm = _grad_norm_stage0(engine)  # grads are all-reduced; DeepSpeed keeps no norm at stage 0
+                engine.step()
+                acc[0] += loss.detach().double() / gas
+                acc[2] += batch["attention_mask"].sum()
+            acc[1] += 1
+            state.step += 1
+            state.batches_in_epoch += gas
+            pbar.update(1)
+
+            if log_now:
+                totals = dist_utils.all_reduce_sum(acc.clone())
+                elapsed = time.perf_counter() - t_log
+                steps = max(totals[1].item() / world, 1.0)
+                if grad_norm is None:
+                    gn = engine.get_global_grad_norm()
+                    grad_norm = float(gn) if gn is not None else float("nan")
+                state.tokens_seen += int(totals[2].item())
+                scalars = {"train/loss": totals[0].item() / world / steps, "train/lr": engine.get_lr()[0],
+                           "train/grad_norm": grad_norm, "train/tokens_per_s": totals[2].item() / elapsed,
+                           "train/epoch": state.epoch + state.batches_in_epoch / micro_per_epoch}
+                sink.write(state.step, scalars)
+                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}", tok_s=f"{scalars['train/tokens_per_s']:.0f}")
+                logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
+                if not math.isfinite(scalars["train/loss"]):
+                    logger.warning(f"step {state.step}: train loss is {scalars['train/loss']}")
+                acc.zero_()
+                t_log = time.perf_counter()
+
+            if t.eval_every and state.step % t.eval_every == 0 and state.step < total_steps:
+                metrics = evaluate(engine, eval_dl, recipe, cfg)
+                sink.write(state.step, metrics)
+                logger.info(f"step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+                t_log = time.perf_counter()
+            stop = stop_flag is not None and dist_utils.any_rank(stop_flag(), device)
+            if stop or (t.save_every and state.step % t.save_every == 0):
+                ckpt_utils.save(engine, run_dir, state)
+                last_saved = state.step
+                t_log = time.perf_counter()
+            if stop:
+                logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
+                pbar.close()
+                return state
+        if state.batches_in_epoch >= micro_per_epoch:
+            state.epoch += 1
+            state.batches_in_epoch = 0
+    pbar.close()
+
+    metrics = evaluate(engine, eval_dl, recipe, cfg)
+    sink.write(state.step, metrics)
+    logger.info(f"final eval at step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    if last_saved != state.step:
+        ckpt_utils.save(engine, run_dir, state)
+    return state
