@@ -1,0 +1,82 @@
+"""Shared helpers: launch the real toolkit under a real launcher on CPU ranks and read what it wrote.
+
+Every launch gets its own free master port (tests may run beside each other) and a shared
+tokenization cache for the session (``FINETUNE_CACHE``), so only the first run of a recipe tokenizes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "tests" / "configs"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra: str) -> dict:
+    """Environment for CPU DeepSpeed runs: CPU accelerator, one OpenMP thread per rank, shared caches."""
+    env = dict(os.environ)
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    env.setdefault("FINETUNE_CACHE", str(REPO / ".pytest_cache" / "finetune-cache"))
+    env.update(extra)
+    return env
+
+
+def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume: str | None = None,
+           timeout: int = 600, extra_args: list[str] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``deepspeed --num_gpus nproc finetune/run.py --config config overrides...`` from the repo root.
+
+    Returns the completed process (stdout and stderr merged into ``.stdout``); does not raise on failure.
+    """
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+           "finetune/run.py", "--config", str(config), *overrides, *extra_args]
+    if resume is not None:
+        cmd += ["--resume"] + ([resume] if resume != "latest" else [])
+    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
+
+
+def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python <args>`` (single process, no launcher) from the repo root."""
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """Assert a launch succeeded, showing its output tail when not."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Rows of ``run_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Optimizer step -> logged train loss (needs ``train.log_every=1`` for every step)."""
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt() -> Path:
+    return CONFIGS / "tiny_gpt.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_bert() -> Path:
+    return CONFIGS / "tiny_bert.yaml"
