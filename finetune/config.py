@@ -154,7 +154,18 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+# Names users bring from HF Trainer / other tools, mapped to ours (for "did you mean" hints).
+_ALIASES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_train_batch_size": "micro_batch_size",
+            "batch_size": "micro_batch_size", "train_micro_batch_size_per_gpu": "micro_batch_size",
+            "max_length": "max_seq_len", "block_size": "max_seq_len", "seq_len": "max_seq_len",
+            "lr_scheduler_type": "lr_scheduler", "max_grad_norm_clip": "max_grad_norm",
+            "gradient_clipping": "max_grad_norm", "logging_steps": "log_every", "save_steps": "save_every",
+            "eval_steps": "eval_every", "model_name_or_path": "path", "tokenizer_name": "tokenizer_path"}
+
+
 def _suggest(key: str, options: list[str]) -> str:
+    if _ALIASES.get(key) in options:
+        return f" (did you mean '{_ALIASES[key]}'?)"
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
     return f" (did you mean '{close[0]}'?)" if close else f" (valid keys: {', '.join(sorted(options))})"
 
@@ -231,8 +242,10 @@ def _apply_override(cfg: RunConfig, dotted: str, raw: str, problems: list[str]) 
     """Apply one ``a.b.c=value`` override; ``ds.*`` paths go into ``cfg.ds`` verbatim (checked later)."""
     parts = dotted.split(".")
     if parts[0] == "ds":
-        if len(parts) < 2:
-            problems.append(f"override '{dotted}={raw}': name a DeepSpeed key, e.g. ds.zero_optimization.stage=3")
+        if len(parts) < 2:  # ds={...} replaces all overrides from the file
+            value = _coerce(raw, dict, "ds", problems)
+            if value is not None:
+                cfg.ds = value
             return
         nested: dict = {}
         cur = nested
