@@ -355,3 +355,41 @@ def config_to_dict(cfg: RunConfig) -> dict:
 def dump_yaml(data: dict) -> str:
     """YAML text of ``data`` with keys in definition order."""
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def config_reference_markdown() -> str:
+    """Markdown table of every run-config key: dotted name, type, default and its one-line docstring.
+
+    The docstrings are read from this module's source (the string literal under each field), so the
+    README's reference is generated from the code (``python -m finetune.config``) and tested against it.
+    """
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["_"])))
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[node.name, a.target.id] = " ".join(str(b.value.value).split())
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(obj: Any, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+                continue
+            typ = _field_types(type(obj))[f.name]
+            doc = docs.get((type(obj).__name__, f.name), "").replace("|", "\\|")
+            rows.append(f"| `{prefix}{f.name}` | {typ.__name__} | `{json.dumps(value)}` | {doc} |")
+
+    walk(RunConfig(), "")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown())

@@ -1,0 +1,143 @@
+"""Real training runs: both recipes x ZeRO 0, 2, 3 and 3 + CPU offload, 2 CPU ranks, fp32, tiny models.
+
+Each run is launched once per module (``runs`` fixture) and several tests read its run folder: loss
+goes down, evaluation and TensorBoard scalars are there, checkpoints are complete, the export reloads
+with ``from_pretrained`` and reproduces the engine's logits, and a resume continues bit-for-bit.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
+
+RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
+STAGES = ["zero0", "zero2", "zero3", "zero3_offload"]
+TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"}
+EVAL_SCALARS = {"eval/loss", "eval/perplexity"}
+MODEL_CLASS = {"gpt": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``runs(recipe, stage)`` -> run folder of a finished 16-step run (launched on first use)."""
+    cache: dict[tuple[str, str], Path] = {}
+    root = tmp_path_factory.mktemp("runs")
+
+    def get(recipe: str, stage: str) -> Path:
+        if (recipe, stage) not in cache:
+            out = root / f"{recipe}_{stage}"
+            ok(launch(RECIPES[recipe], [f"output_dir={out}", f"deepspeed=ds_configs/{stage}.json"]))
+            cache[recipe, stage] = out
+        return cache[recipe, stage]
+
+    return get
+
+
+def tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars read back from the TensorBoard event files with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("recipe", ["gpt", "bert"])
+def test_training_run(runs, recipe, stage):
+    run = runs(recipe, stage)
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(1, 17)), "one train loss per optimizer step"
+    values = list(losses.values())
+    assert all(math.isfinite(v) for v in values)
+    assert sum(values[-3:]) / 3 < sum(values[:3]) / 3, f"loss did not go down: {values}"
+
+    evals = [r for r in read_metrics(run) if "eval/perplexity" in r]
+    assert [r["step"] for r in evals] == [8, 16]
+    assert all(math.isclose(r["eval/perplexity"], math.exp(r["eval/loss"]), rel_tol=1e-9) for r in evals)
+    if recipe == "bert":
+        assert all(0.0 <= r["eval/masked_accuracy"] <= 1.0 for r in evals)
+
+    scalars = tb_scalars(run)
+    wanted = TRAIN_SCALARS | EVAL_SCALARS | ({"eval/masked_accuracy"} if recipe == "bert" else set())
+    assert wanted <= set(scalars), f"missing in TensorBoard: {wanted - set(scalars)}"
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17)), "indexed by optimizer step"
+    assert [round(v, 4) for _, v in scalars["train/loss"]] == [round(v, 4) for v in values]
+    assert all(v > 0 for _, v in scalars["train/grad_norm"]) and all(v > 0 for _, v in scalars["train/tokens_per_s"])
+
+    for step in (8, 16):
+        assert (run / "checkpoints" / f"step{step}" / "COMPLETE").is_file()
+        assert (run / "checkpoints" / f"step{step}" / "rng_state_rank1.pt").is_file()
+    for name in ("run_config.yaml", "ds_config.json", "meta.json", "logs/rank0.log", "logs/rank1.log",
+                 "export/config.json", "export/model.safetensors", "export/tokenizer_config.json"):
+        assert (run / name).is_file(), name
+    assert "| rank 1 |" in (run / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+@pytest.mark.parametrize("recipe", ["gpt", "bert"])
+def test_export_reloads_with_engine_logits(runs, recipe, stage):
+    """The export loads with plain ``from_pretrained`` and gives the trained engine's logits (fp32: 1e-5)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    run = runs(recipe, stage)
+    tensors = load_file(run / "export" / "model.safetensors")
+    assert tensors and all(t.numel() > 0 for t in tensors.values())
+    model = getattr(transformers, MODEL_CLASS[recipe]).from_pretrained(run / "export", local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(run / "export", local_files_only=True)
+    assert tokenizer.vocab_size == model.config.vocab_size
+    check = torch.load(run / "export_check.pt")
+    with torch.no_grad():
+        logits = model(**check["inputs"]).logits
+    assert logits.shape == check["engine_logits"].shape
+    assert (logits - check["engine_logits"]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(("recipe", "stage"), [("gpt", "zero2"), ("bert", "zero3")])
+def test_resume_continues_exactly(runs, recipe, stage, tmp_path):
+    """Resume from the step-8 checkpoint: steps 9..16 repeat the uninterrupted run's losses (1e-6 relative)."""
+    full = runs(recipe, stage)
+    out = tmp_path / "resumed"
+    proc = ok(launch(RECIPES[recipe], [f"output_dir={out}", f"deepspeed=ds_configs/{stage}.json"],
+                     resume=str(full / "checkpoints" / "step8")))
+    assert "resumed from" in proc.stdout
+    resumed, reference = train_losses(out), train_losses(full)
+    assert sorted(resumed) == list(range(9, 17))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6), f"step {step}"
+    evals = {r["step"]: r["eval/loss"] for r in read_metrics(out) if "eval/loss" in r}
+    assert evals[16] == pytest.approx([r["eval/loss"] for r in read_metrics(full) if r["step"] == 16
+                                       and "eval/loss" in r][0], rel=1e-6)
+    # The second run with the same data and tokenizer read the tokenized cache instead of tokenizing.
+    assert "cache hit" in (out / "logs" / "rank0.log").read_text()
+
+
+def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
+    """``--resume`` (latest) in a finished run folder has nothing left to train; a fresh start there is refused."""
+    run = runs("gpt", "zero2")
+    proc = launch(RECIPES["gpt"], [f"output_dir={run}", "deepspeed=ds_configs/zero2.json"], nproc=2)
+    assert proc.returncode != 0 and "already holds checkpoints" in proc.stdout
+    proc = ok(launch(RECIPES["gpt"], [f"output_dir={run}", "deepspeed=ds_configs/zero2.json", "train.max_steps=18"],
+                     resume="latest"))
+    assert "resumed from" in proc.stdout and "step16" in proc.stdout
+    assert sorted(s for s in train_losses(run) if s > 16) == [17, 18]
+
+
+def test_export_command(runs, tmp_path):
+    """``python -m finetune export <checkpoint> <out>`` writes a loadable folder; a non-empty target is refused."""
+    import transformers
+
+    run = runs("bert", "zero3")
+    out = tmp_path / "hf"
+    proc = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step8"), str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    model = transformers.AutoModelForMaskedLM.from_pretrained(out, local_files_only=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    proc = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step8"), str(out)])
+    assert proc.returncode == 2 and "is not empty" in proc.stdout
