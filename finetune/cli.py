@@ -194,9 +194,10 @@ def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> Non
     import torch
 
     from finetune import distributed as dist_utils
+    from finetune.config import load_run_config
+    from finetune.export import plain_model_construction
     from finetune.logs import logger
     from finetune.recipes import get_recipe
-    from finetune.config import load_run_config
 
     rows = [validation[i] for i in range(min(4, len(validation)))]
     with torch.random.fork_rng():
@@ -209,8 +210,9 @@ def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> Non
     engine.train()
     if dist_utils.is_main():
         recipe = get_recipe(load_run_config(run_dir / "run_config.yaml").recipe)
-        exported = recipe.MODEL_CLASS.from_pretrained(run_dir / "export", local_files_only=True,
-                                                      dtype=torch.float32).eval()
+        with plain_model_construction():
+            exported = recipe.MODEL_CLASS.from_pretrained(run_dir / "export", local_files_only=True,
+                                                          dtype=torch.float32).eval()
         with torch.no_grad():
             got = exported(**inputs).logits.float()
         diff = (got - ref).abs().max().item()

@@ -11,6 +11,7 @@ Command line: ``finetune export <checkpoint folder> <out folder>`` (or ``python 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,24 @@ from finetune.logs import logger
 
 MODEL_META = "model_config"
 """Run-folder subfolder with the model ``config.json`` and tokenizer files, written at the start of a run."""
+
+
+@contextlib.contextmanager
+def plain_model_construction():
+    """Build models normally inside this block even while a ZeRO-3 ``HfDeepSpeedConfig`` is alive.
+
+    Under ZeRO-3, transformers wraps ``from_pretrained``/``from_config`` in ``deepspeed.zero.Init``, a
+    collective operation: building the export model on rank 0 alone would hang. The training
+    engine's config is set back afterwards.
+    """
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
 def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -44,9 +63,15 @@ def _check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt
     expected = model.state_dict()
     problems = []
     for name, tensor in state.items():
-        if name in expected and tensor.numel() == 0 and expected[name].numel() > 0:
+        if name not in expected:
+            continue
+        if tensor.numel() == 0 and expected[name].numel() > 0:
             problems.append(f"'{name}' is empty (shape {tuple(tensor.shape)}, model expects "
                             f"{tuple(expected[name].shape)}): a ZeRO-3 partition was not gathered")
+        elif tensor.shape != expected[name].shape:
+            problems.append(f"'{name}' has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name].shape)}")
+    if problems:
+        raise ConfigError([f"export: {ckpt}: {p}" for p in problems])
     result = model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
     provided_ptrs = {model.state_dict()[k].data_ptr() for k in state if k in expected}
     for name in result.missing_keys:
@@ -88,7 +113,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
 
     state = consolidated_state_dict(ckpt)
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
-    model = recipe.MODEL_CLASS.from_config(config, dtype=torch.float32)
+    with plain_model_construction():
+        model = recipe.MODEL_CLASS.from_config(config, dtype=torch.float32)
     _check_and_load(model, state, ckpt)
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
