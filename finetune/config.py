@@ -70,7 +70,8 @@ class DataConfig:
     cache_dir: str = ""
     """Where tokenized datasets are cached; empty means ``$FINETUNE_CACHE`` or ``~/.cache/finetune``."""
     num_workers: int = 0
-    """DataLoader worker processes per rank (0: collate in the training process; exact resume needs 0 for MLM)."""
+    """DataLoader worker processes per rank (0: collate in the training process). Resume is exact with any value:
+    MLM masks are seeded per row from ``(train.seed, epoch, row index)``, not from the RNG state."""
     max_train_rows: int = 0
     """Use only the first N training rows (0: all); for smoke tests."""
 

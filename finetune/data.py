@@ -9,6 +9,11 @@
 * Training uses :class:`ResumableDistributedSampler` (``DistributedSampler`` + skip of the batches
   already consumed when resuming mid-epoch) with ``set_epoch`` every epoch; batches are padded per
   batch by the recipe's collator, never to a global maximum.
+* Rows reach the collator with their row index (:class:`IndexedRows`, :class:`_EvalShard`), and
+  :class:`RowSeededCollate` turns it into a per-row seed ``row_seed(train.seed, epoch, index)`` for
+  collators that draw random numbers (MLM masks). A row is therefore masked the same way whichever
+  rank, micro-batch or DataLoader worker collates it: batches do not depend on the world size, on
+  ``micro_batch_size x gradient_accumulation_steps`` or on RNG state (exact resume with workers).
 * Evaluation shards the validation rows across ranks without duplicates: the shorter shards are
   topped up with flagged filler rows whose labels are set to -100, so every rank runs the same number
   of forward passes (needed by ZeRO-3) and metrics count each row once.
@@ -155,6 +160,66 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
     return Splits(train=train, validation=validation)
 
 
+def row_seed(seed: int, epoch: int, index: int) -> int:
+    """Seed of one row's random choices (MLM masks): a well-mixed hash of ``(seed, epoch, index)``.
+
+    Args:
+        seed: ``train.seed``.
+        epoch: training epoch (0-based); evaluation uses 0.
+        index: the row's index in its split's tokenized dataset.
+
+    Returns:
+        A non-negative int below ``2**63`` (for ``torch.Generator.manual_seed``), from NumPy's
+        ``SeedSequence``, so nearby inputs give unrelated streams.
+    """
+    words = [int(v) & 0xFFFFFFFFFFFFFFFF for v in (seed, epoch, index)]
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+class IndexedRows(Dataset):
+    """``dataset`` (rows are dicts) whose rows also carry ``"_index"``: the row's index in ``dataset`` (int)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        row = dict(self.dataset[i])
+        row["_index"] = int(i)
+        return row
+
+
+class RowSeededCollate:
+    """Collate function around a recipe's collator: each row's ``"_index"`` becomes a per-row seed.
+
+    Rows must carry ``"_index"`` (from :class:`IndexedRows` or :class:`_EvalShard`); it is removed. When
+    the collator declares ``row_seeded = True`` (the MLM one), every row gets ``"_seed"`` =
+    :func:`row_seed` ``(seed, epoch, index)`` (int) for its random choices; other collators see plain rows.
+
+    The loop calls :meth:`set_epoch` next to the sampler's ``set_epoch``, before the epoch's batch
+    iterator exists, so DataLoader workers (which copy this object when the iterator starts) see it too.
+    """
+
+    def __init__(self, collator, seed: int, epoch: int = 0):
+        self.collator = collator
+        self.seed = seed
+        self.epoch = epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Seed the rows of the coming batches with ``epoch``."""
+        self.epoch = epoch
+
+    def __call__(self, rows: list[dict]) -> dict:
+        seeded = getattr(self.collator, "row_seeded", False)
+        for row in rows:
+            index = row.pop("_index")
+            if seeded:
+                row["_seed"] = row_seed(self.seed, self.epoch, index)
+        return self.collator(rows)
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """``torch.utils.data.DistributedSampler`` that can skip the first ``skip`` samples of one epoch.
 
@@ -179,7 +244,10 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class _EvalShard(Dataset):
-    """This rank's validation rows (``rank::world``), topped up to an equal length with flagged filler rows."""
+    """This rank's validation rows (``rank::world``), topped up to an equal length with flagged filler rows.
+
+    Rows carry ``"_index"`` (their index in the validation dataset; 0 for fillers) and ``"_filler"`` (bool).
+    """
 
     def __init__(self, dataset, rank: int, world: int):
         self.dataset = dataset
@@ -191,15 +259,19 @@ class _EvalShard(Dataset):
 
     def __getitem__(self, i):
         real = i < len(self.indices)
-        row = dict(self.dataset[self.indices[i] if real else 0])
+        index = self.indices[i] if real else 0
+        row = dict(self.dataset[index])
+        row["_index"] = index
         row["_filler"] = not real
         return row
 
 
-def _eval_collate(collator):
+def _eval_collate(collator, seed: int):
+    seeded = RowSeededCollate(collator, seed, epoch=0)
+
     def collate(rows):
         filler = torch.tensor([r.pop("_filler") for r in rows])
-        batch = collator(rows)
+        batch = seeded(rows)
         batch["labels"][filler] = -100
         return batch
 
@@ -207,14 +279,23 @@ def _eval_collate(collator):
 
 
 def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int) -> DataLoader:
-    """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`."""
-    sampler = ResumableDistributedSampler(dataset, dist_utils.world_size(), dist_utils.rank(), seed)
-    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collator, drop_last=True,
-                      num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
+    """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`.
+
+    Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
+    ``seed`` (call its ``set_epoch`` with the sampler's).
+    """
+    rows = IndexedRows(dataset)
+    sampler = ResumableDistributedSampler(rows, dist_utils.world_size(), dist_utils.rank(), seed)
+    return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=RowSeededCollate(collator, seed),
+                      drop_last=True, num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
-def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int) -> DataLoader:
-    """Per-rank validation loader; every rank yields the same number of batches; filler rows have no labels."""
+def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int = 0) -> DataLoader:
+    """Per-rank validation loader; every rank yields the same number of batches; filler rows have no labels.
+
+    Row seeds (MLM masks) are ``row_seed(seed, 0, validation row index)``: the same at every evaluation and
+    for any world size or micro batch. The CLI keeps ``seed=0``, so every run scores the same masked positions.
+    """
     shard = _EvalShard(dataset, dist_utils.rank(), dist_utils.world_size())
-    return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=_eval_collate(collator),
+    return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=_eval_collate(collator, seed),
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())

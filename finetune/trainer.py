@@ -5,7 +5,8 @@ Per optimizer step, on every rank::
     micro = [next(batches) for _ in range(gradient_accumulation_steps)]
     N = all_reduce(sum(count_targets(b.labels) for b in micro))        # one all-reduce per step
     for b in micro:
-        loss = engine(**b, num_items_in_batch=N / (world * gas)).loss   # summed loss * world * gas / N
+        logits = engine(**inputs_of(b)).logits                          # the model gets no labels
+        loss = loss_sum(logits, b.labels) * world * gas / N             # recipe's summed token loss
         engine.backward(loss)                                           # DeepSpeed divides by gas ...
         engine.step()                                                   # ... and averages over ranks
 
@@ -16,8 +17,10 @@ bug transformers fixed in 2024 (``num_items_in_batch``). Here each micro-batch l
 ``sum_i l_i * (W * G) / N`` (``W`` ranks, ``G`` accumulation steps, ``N`` targets in the whole global
 batch); after DeepSpeed's ``1/G`` scaling and ``1/W`` averaging the gradient is exactly
 ``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch.
-``loss_weighting: micro_batch`` passes no ``num_items_in_batch``: each micro-batch loss is its own mean
-(``sum_i l_i / n_micro``) and the optimized loss is the mean of those means, DeepSpeed's plain behaviour.
+``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
+optimized loss is the mean of those means, DeepSpeed's plain behaviour.
+The loss is computed here from the logits by the recipe (``loss_sum``), never by the model: models do not
+all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns its own mean).
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
@@ -56,8 +59,9 @@ def _rng_fork(device):
 def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
     """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
 
-    Runs under a forked RNG seeded with ``train.seed`` so MLM masks are the same at every evaluation
-    and the training RNG stream is untouched. All ranks must call it (ZeRO-3 gathers parameters).
+    MLM masks are seeded per validation row (``finetune.data.eval_loader``), so they are the same at every
+    evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
+    untouched. All ranks must call it (ZeRO-3 gathers parameters).
 
     Returns:
         ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}``.
@@ -65,17 +69,17 @@ def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
     engine.eval()
     device = engine.device
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
-    one = torch.ones((), device=device)
     with _rng_fork(device):
         torch.manual_seed(cfg.train.seed)
         for i, batch in enumerate(loader):
             if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
                 break
             batch = to_device(batch, device)
-            out = engine(**batch, num_items_in_batch=one)  # loss = summed token loss
-            sums["loss"] += out.loss.double()
-            sums["targets"] += recipe.count_targets(batch["labels"])
-            for name, (num, den) in recipe.eval_stats(out.logits, batch["labels"]).items():
+            labels = batch.pop("labels")
+            out = engine(**batch)
+            sums["loss"] += recipe.loss_sum(out.logits, labels).double()
+            sums["targets"] += recipe.count_targets(labels)
+            for name, (num, den) in recipe.eval_stats(out.logits, labels).items():
                 sums[f"{name}/num"] += num
                 sums[f"{name}/den"] += den
     names = sorted(sums)
@@ -133,6 +137,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
 
     while state.step < total_steps:
         sampler.set_epoch(state.epoch, skip=state.batches_in_epoch * t.micro_batch_size)
+        getattr(train_dl.collate_fn, "set_epoch", lambda epoch: None)(state.epoch)  # MLM masks: (seed, epoch, row)
         batches = iter(train_dl)
         if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
             ckpt_utils.restore_rng_state(resume_from)
@@ -146,8 +151,9 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
             for i, batch in enumerate(micro):
                 batch = to_device(batch, device)
-                kwargs = {"num_items_in_batch": denom} if token_weighted else {}
-                loss = engine(**batch, **kwargs).loss
+                labels = batch.pop("labels")
+                norm = denom if token_weighted else recipe.count_targets(labels).clamp(min=1)
+                loss = recipe.loss_sum(engine(**batch).logits, labels) / norm
                 engine.backward(loss)
                 if stage0 and log_now and i == gas - 1:
                     grad_norm = _grad_norm_stage0(engine)  # grads are all-reduced; DeepSpeed keeps no norm at stage 0

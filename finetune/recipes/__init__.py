@@ -12,7 +12,16 @@ shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's `
     ``data_cfg.text_column``, may return fewer or more rows than it got (drops empty texts, packs blocks).
 ``make_collator(tokenizer, data_cfg) -> fn``
     ``fn(rows: list[dict]) -> dict[str, Tensor]`` with ``input_ids``/``attention_mask`` (int64,
-    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch.
+    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch. Random choices
+    (MLM masks) must not use the global RNG: a collator with ``fn.row_seeded = True`` gets an int
+    ``"_seed"`` in every row (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for
+    evaluation) and draws that row's choices from a generator seeded with it, so batches do not depend
+    on ranks, micro-batch split or workers; it should fall back to the global RNG for rows without
+    ``"_seed"``. Other collators get rows of tokenized columns only.
+``loss_sum(logits, labels) -> Tensor``
+    Cross-entropy summed over the positions ``count_targets`` counts (0-dim float32; ``logits``
+    ``[micro_batch, seq, vocab]``, upcast to float32). The loop divides it by the token-weighting
+    denominator itself: the model never computes the loss (not every model honours ``num_items_in_batch``).
 ``count_targets(labels) -> Tensor``
     Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator.
 ``eval_stats(logits, labels) -> dict[str, tuple[Tensor, Tensor]]``

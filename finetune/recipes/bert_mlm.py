@@ -1,15 +1,21 @@
 """BERT masked-language-model fine-tuning (Devlin et al. 2019, "BERT", section 3.1).
 
 Rows are tokenized with ``[CLS] ... [SEP]`` and truncated to ``data.max_seq_len``; masking is
-``transformers.DataCollatorForLanguageModeling`` (``data.mlm_probability`` of tokens selected; of those
-80% ``[MASK]``, 10% random, 10% kept), applied per batch so every epoch sees new masks.
+``transformers.DataCollatorForLanguageModeling.torch_mask_tokens`` (``data.mlm_probability`` of tokens
+selected; of those 80% ``[MASK]``, 10% random, 10% kept), applied to each row before padding with a
+``torch.Generator`` seeded from ``(train.seed, epoch, row index)`` (the row's ``"_seed"``, see
+:class:`finetune.data.RowSeededCollate`). Masks thus depend on neither the world size, nor the split of
+the global batch into micro-batches, nor RNG state (exact resume with DataLoader workers), and every
+epoch sees new masks. Evaluation masks use epoch 0, the same at every evaluation.
 Eval metrics: loss, perplexity and masked-token accuracy.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
+from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
 from finetune.config import ConfigError, DataConfig
 
@@ -39,11 +45,64 @@ def tokenize_function(tokenizer, data_cfg: DataConfig):
     return fn
 
 
+class MLMCollator:
+    """Masks each row with its own generator, then pads the batch.
+
+    Called with rows (dicts of lists of int: ``input_ids``, ``attention_mask``, ``token_type_ids``,
+    ``special_tokens_mask``, and ``_seed`` when the rows come through :class:`finetune.data.RowSeededCollate`).
+    Each row's ``input_ids`` [1, len] go through ``DataCollatorForLanguageModeling.torch_mask_tokens`` with
+    ``generator = torch.Generator().manual_seed(row["_seed"])``; a row without ``_seed`` uses the global
+    torch RNG. Returns ``input_ids``, ``attention_mask``, ``token_type_ids`` and ``labels`` (int64,
+    [micro_batch, seq], padded on the tokenizer's padding side; ``labels`` is -100 on unmasked and pad
+    positions).
+    """
+
+    row_seeded = True
+    """Ask :class:`finetune.data.RowSeededCollate` for a ``_seed`` per row."""
+
+    def __init__(self, tokenizer, mlm_probability: float, pad_to_multiple_of: int | None):
+        self.tokenizer = tokenizer
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.masker = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability,
+                                                      return_tensors="pt")
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        masked, labels = [], []
+        for row in rows:
+            row = dict(row)
+            seed = row.pop("_seed", None)
+            special = row.pop("special_tokens_mask", None)
+            ids = torch.tensor(row["input_ids"], dtype=torch.long)[None]
+            special = None if special is None else torch.tensor(special, dtype=torch.bool)[None]
+            self.masker.generator = None if seed is None else torch.Generator().manual_seed(seed)
+            try:
+                ids, row_labels = self.masker.torch_mask_tokens(ids, special_tokens_mask=special)
+            finally:
+                self.masker.generator = None
+            row["input_ids"] = ids[0].tolist()
+            masked.append(row)
+            labels.append(row_labels[0])
+        batch = dict(pad_without_fast_tokenizer_warning(self.tokenizer, masked, return_tensors="pt",
+                                                        pad_to_multiple_of=self.pad_to_multiple_of))
+        seq = batch["input_ids"].shape[1]
+        batch["labels"] = torch.full((len(rows), seq), -100, dtype=torch.long)
+        for i, row_labels in enumerate(labels):
+            if self.tokenizer.padding_side == "left":
+                batch["labels"][i, seq - len(row_labels):] = row_labels
+            else:
+                batch["labels"][i, :len(row_labels)] = row_labels
+        return batch
+
+
 def make_collator(tokenizer, data_cfg: DataConfig):
-    """``DataCollatorForLanguageModeling(mlm=True)``: pads per batch and masks (labels -100 on unmasked tokens)."""
-    return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=data_cfg.mlm_probability,
-                                           pad_to_multiple_of=data_cfg.pad_to_multiple_of or None,
-                                           return_tensors="pt")
+    """:class:`MLMCollator`: masks each row (seeded per row), pads per batch (labels -100 on unmasked tokens)."""
+    return MLMCollator(tokenizer, data_cfg.mlm_probability, data_cfg.pad_to_multiple_of or None)
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` [batch, seq, vocab] (upcast to float32) summed over masked positions of
+    ``labels`` [batch, seq] (``!= -100``); 0-dim float32. As transformers' ``ForMaskedLMLoss`` with a sum."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:

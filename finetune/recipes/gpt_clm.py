@@ -11,6 +11,7 @@ Eval metrics: loss and perplexity.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
 
 from finetune.config import ConfigError, DataConfig
@@ -59,6 +60,13 @@ def make_collator(tokenizer, data_cfg: DataConfig):
     return DataCollatorForLanguageModeling(tokenizer, mlm=False,
                                            pad_to_multiple_of=data_cfg.pad_to_multiple_of or None,
                                            return_tensors="pt")
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over targets: ``logits[:, t]`` [batch, seq, vocab] (upcast to float32)
+    predicts ``labels[:, t + 1]`` (``!= -100``); 0-dim float32. As transformers' ``ForCausalLMLoss`` with a sum."""
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum")
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
