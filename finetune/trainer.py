@@ -189,7 +189,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 sink.write(state.step, metrics)
                 logger.info(f"step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
                 t_log = time.perf_counter()
-            stop = stop_flag is not None and dist_utils.any_rank(stop_flag(), device)
+            # (not at the last step: that one ends the run normally, with its final eval and checkpoint)
+            stop = stop_flag is not None and state.step < total_steps and dist_utils.any_rank(stop_flag(), device)
             if stop or (t.save_every and state.step % t.save_every == 0):
                 ckpt_utils.save(engine, run_dir, state)
                 last_saved = state.step
