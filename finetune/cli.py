@@ -98,16 +98,42 @@ def train_main(argv: list[str] | None = None) -> int:
             return 0
         from finetune.validate import validate_run
 
+        _auto_resume(args, cfg)
         resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu())
     except ConfigError as e:
         return _error(e)
+    from finetune.preemption import StopSignal
+
     try:
-        return _train(cfg, resolved, launcher)
+        # Signals are flags from here on (a SIGTERM/SIGUSR1 during start-up stops after the first step).
+        with StopSignal() as stop:
+            return _train(cfg, resolved, launcher, stop)
     except ConfigError as e:
         return _error(e)
 
 
-def _train(cfg, resolved, launcher: str) -> int:
+def _auto_resume(args, cfg) -> None:
+    """Requeued Slurm job or restarted torchrun worker group: continue from the latest complete checkpoint.
+
+    With no ``--resume`` given and ``SLURM_RESTART_COUNT`` (set by Slurm in a requeued job) or
+    ``TORCHELASTIC_RESTART_COUNT`` above 0, a complete checkpoint in ``output_dir`` is resumed as if
+    ``--resume`` had been passed; without one the run starts from the beginning.
+    """
+    from finetune import checkpoint as ckpt_utils
+
+    if args.resume is not None or not cfg.output_dir:
+        return
+    restarts = {k: int(os.environ.get(k) or 0) for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")}
+    restarts = {k: v for k, v in restarts.items() if v > 0}
+    if restarts and ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(cfg.output_dir)):
+        args.resume = "latest"
+        if int(os.environ.get("RANK", "0")) == 0:
+            why = ", ".join(f"{k}={v}" for k, v in restarts.items())
+            print(f"finetune: restarted ({why}): resuming from the latest complete checkpoint in {cfg.output_dir}",
+                  file=sys.stderr, flush=True)
+
+
+def _train(cfg, resolved, launcher: str, stop) -> int:
     import torch
 
     from finetune import checkpoint as ckpt_utils
@@ -126,6 +152,7 @@ def _train(cfg, resolved, launcher: str) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
     dist_utils.barrier()
     setup_logging(run_dir, rank)
+    logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
     try:
         recipe = get_recipe(cfg.recipe)
         ds = dict(resolved.ds)
@@ -160,18 +187,17 @@ def _train(cfg, resolved, launcher: str) -> int:
                 raise ConfigError(problem)
             state = ckpt_utils.load(engine, resolved.resume_ckpt)
 
-        from finetune.preemption import StopSignal
-
-        with StopSignal() as stop:
-            state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
-                        resume_from=resolved.resume_ckpt, stop_flag=stop.requested)
-            if stop.requested():
-                return stop.exit_code()
+        state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
+                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested)
+        if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
+            logger.warning(f"stopped at step {state.step} of {total_steps}; resume with --resume (a requeued "
+                           f"Slurm job resumes by itself)")
+            return stop.exit_code()
 
         if cfg.export:
             ckpt = ckpt_utils.checkpoints_dir(run_dir) / f"step{state.step}"
             if rank == 0:
-                export_checkpoint(ckpt, run_dir / "export")
+                export_checkpoint(ckpt, run_dir / "export", keep_previous=True)
             dist_utils.barrier()
             _verify_export(engine, splits.validation, collator, run_dir, ds)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")

@@ -12,6 +12,7 @@ Command line: ``finetune export <checkpoint folder> <out folder>`` (or ``python 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from pathlib import Path
 
@@ -81,13 +82,25 @@ def _check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt
         raise ConfigError([f"export: {ckpt}: {p}" for p in problems])
 
 
-def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path | None = None) -> Path:
+PROVENANCE = "finetune_export.json"
+"""File in every export naming the checkpoint and step it came from."""
+
+
+def _step_of(ckpt: Path) -> int | None:
+    marker = ckpt / "COMPLETE"
+    return json.loads(marker.read_text()).get("step") if marker.is_file() else None
+
+
+def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path | None = None,
+                      keep_previous: bool = False) -> Path:
     """Write a Hugging Face folder for checkpoint ``ckpt`` that ``from_pretrained`` loads.
 
     Args:
         ckpt: a complete checkpoint folder (``.../checkpoints/step<N>``).
-        out_dir: the folder to create; must not exist yet, or be empty.
+        out_dir: the folder to create; must not exist yet, or be empty (unless ``keep_previous``).
         run_dir: the run folder (default: ``ckpt/../..``), for the model config, tokenizer and recipe.
+        keep_previous: when ``out_dir`` holds an earlier export (a resumed run finishing again), move it
+            to ``<out_dir>-step<N>`` once the new export is complete instead of refusing.
 
     Returns:
         ``out_dir``.
@@ -107,7 +120,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         raise ConfigError(f"export: '{ckpt}' is not a complete checkpoint (no COMPLETE marker)")
     if not (meta / "config.json").is_file() or not (run_dir / "run_config.yaml").is_file():
         raise ConfigError(f"export: run folder '{run_dir}' lacks {MODEL_META}/config.json or run_config.yaml")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and any(out_dir.iterdir()) and not keep_previous:
         raise ConfigError(f"export: '{out_dir}' exists and is not empty; choose a new folder")
     recipe = get_recipe(load_run_config(run_dir / "run_config.yaml").recipe)
 
@@ -121,7 +134,15 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
-    if out_dir.exists():
+    (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
+    if out_dir.exists() and any(out_dir.iterdir()):
+        old = json.loads((out_dir / PROVENANCE).read_text()) if (out_dir / PROVENANCE).is_file() else {}
+        aside = out_dir.with_name(f"{out_dir.name}-step{old.get('step', 'unknown')}")
+        while aside.exists():
+            aside = aside.with_name(aside.name + "-old")
+        out_dir.rename(aside)
+        logger.info(f"previous export kept as {aside}")
+    elif out_dir.exists():
         out_dir.rmdir()
     tmp.rename(out_dir)
     n = sum(t.numel() for t in model.parameters())

@@ -7,6 +7,7 @@ with ``from_pretrained`` and reproduces the engine's logits, and a resume contin
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -127,6 +128,9 @@ def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
                      resume="latest"))
     assert "resumed from" in proc.stdout and "step16" in proc.stdout
     assert sorted(s for s in train_losses(run) if s > 16) == [17, 18]
+    # The earlier export is kept aside, the new one comes from step 18.
+    assert json.loads((run / "export" / "finetune_export.json").read_text())["step"] == 18
+    assert json.loads((run / "export-step16" / "finetune_export.json").read_text())["step"] == 16
 
 
 def test_export_command(runs, tmp_path):
