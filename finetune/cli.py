@@ -204,8 +204,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         return 0
     except ConfigError:
         raise
-    except BaseException:
-        logger.exception(f"rank {rank} failed")
+    except BaseException as e:
+        logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{_failure_hint(e)}")
         raise
     finally:
         if torch.distributed.is_initialized():
@@ -213,6 +213,17 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+
+
+def _failure_hint(e: BaseException) -> str:
+    """Extra words for a failed rank's log line when a collective broke because another rank went away."""
+    text = str(e)
+    peer_gone = ("closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
+                 "remote process exited", "timed out", "Timeout")
+    if any(p in text for p in peer_gone):
+        return (" (a collective failed: another rank probably died or hung; its logs/rank<r>.log and the "
+                "launcher's output name it)")
+    return ""
 
 
 def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> None:

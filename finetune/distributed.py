@@ -1,10 +1,30 @@
 """Rank/world discovery for every launcher, process-group start-up and small collective helpers.
 
-``deepspeed`` and ``torchrun`` export ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-``MASTER_PORT``. ``srun`` and ``mpirun`` do not: :func:`export_rank_env` derives the five variables from
-``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID`` (head node from ``SLURM_JOB_NODELIST``) or from
-OpenMPI's ``OMPI_COMM_WORLD_*``, so ``deepspeed.init_distributed`` never falls back to mpi4py discovery
-(which aborts under a Slurm-less OpenMPI). A plain ``python finetune/run.py`` becomes a world of one.
+PyTorch's ``env://`` rendezvous needs ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``. :func:`export_rank_env` makes sure all five are set, whichever launcher started the
+process, so ``deepspeed.init_distributed`` never falls back to its mpi4py discovery (which aborts in
+``MPI_Init`` under ``srun`` with an OpenMPI built without Slurm's PMI, and defaults to port 29500):
+
+===============================================  ===========  ==============================================
+launcher                                         name         where the five variables come from
+===============================================  ===========  ==============================================
+``deepspeed --num_gpus N`` / ``--hostfile``      deepspeed    the launcher sets all five
+``torchrun --nproc_per_node N``                  torchrun     the launcher sets all five
+``mpirun -np N`` (OpenMPI)                       mpi          ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK}``;
+                                                              address and port: rank 0's host and a free
+                                                              port broadcast with mpi4py (``pip install
+                                                              .[mpi]``), else ``127.0.0.1`` (one node) and a
+                                                              port derived from the MPI job id
+``mpiexec`` (MPICH, Intel MPI: ``PMI_RANK``)     mpi          ``PMI_RANK``/``PMI_SIZE``/``MPI_LOCALRANKID``
+``srun`` (also ``deepspeed --launcher slurm``)   srun         ``SLURM_PROCID``/``SLURM_STEP_NUM_TASKS``/
+                                                              ``SLURM_LOCALID``; head node of
+                                                              ``SLURM_JOB_NODELIST``; port from the job id
+``python finetune/run.py``                       single       a world of one on a free port
+===============================================  ===========  ==============================================
+
+``MASTER_ADDR``/``MASTER_PORT`` already in the environment always win (``mpirun -x MASTER_PORT=...``,
+``export MASTER_PORT=...`` before ``srun``). A partial set (say ``RANK`` without ``WORLD_SIZE``) outside
+these launchers is an error rather than a guess.
 """
 
 from __future__ import annotations
@@ -18,54 +38,132 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from finetune.config import ConfigError
 
-def _first_slurm_host() -> str:
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_PORT_BASE, _PORT_SPAN = 20000, 10000  # derived ports stay below Linux's ephemeral range (32768-60999)
+_launcher: str | None = None
+
+
+def slurm_head_node() -> str:
+    """First host of the job's node list (``scontrol show hostnames``), ``127.0.0.1`` outside Slurm."""
     nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
     if not nodelist:
         return "127.0.0.1"
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                              check=True, timeout=30).stdout.split()
-        return out[0] if out else "127.0.0.1"
+        if out:
+            return out[0]
     except (OSError, subprocess.SubprocessError):
-        return nodelist.split(",")[0].split("[")[0]
+        pass
+    # no scontrol here: expand the first entry of a list like "gpu[01-04,07],cpu3" by hand
+    first = nodelist.split(",")[0]
+    if "[" in first:
+        prefix, rng = first.split("[", 1)
+        return prefix + rng.split(",")[0].split("-")[0].rstrip("]")
+    return first
 
 
 def _free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _derived_port(key: int) -> int:
+    return _PORT_BASE + key % _PORT_SPAN
+
+
+def _mpi_rendezvous(env) -> None:
+    """MASTER_ADDR/MASTER_PORT for an MPI launch: broadcast from rank 0 when mpi4py is there."""
+    local_size = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env.get("MPI_LOCALNRANKS", "0")) or 0)
+    one_node = local_size == int(env["WORLD_SIZE"])
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        return
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is not None:
+        comm = MPI.COMM_WORLD
+        mine = ("127.0.0.1" if one_node else socket.gethostname(), str(_free_port()))
+        addr, port = comm.bcast(mine if comm.Get_rank() == 0 else None, root=0)
+        env.setdefault("MASTER_ADDR", addr)
+        env.setdefault("MASTER_PORT", port)
+        return
+    if not one_node and "MASTER_ADDR" not in env:
+        if "SLURM_JOB_NODELIST" not in env:
+            raise ConfigError("mpirun across nodes: install mpi4py (pip install '.[mpi]') or pass "
+                               "-x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=<free port> to mpirun")
+        env["MASTER_ADDR"] = slurm_head_node()
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMI_JOBID") or env.get("SLURM_JOB_ID") or "0"
+    env.setdefault("MASTER_PORT", str(_derived_port(int("".join(c for c in job if c.isdigit()) or 0))))
 
 
 def export_rank_env() -> str:
     """Make sure ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` are set.
 
     Returns:
-        The launcher the variables came from: ``env`` (deepspeed/torchrun), ``slurm``, ``mpi`` or ``single``.
+        The launcher the variables came from: ``deepspeed``, ``torchrun``, ``env`` (another launcher that
+        set all five), ``mpi``, ``srun`` or ``single``. :func:`launcher` returns it later.
+
+    Raises:
+        ConfigError: some but not all of ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are set and no launcher
+            that explains the rest is recognised (a world size guessed wrong would hang).
+    """
+    global _launcher
+    env = os.environ
+    if all(k in env for k in RANK_VARS):
+        if "TORCHELASTIC_RUN_ID" in env:
+            _launcher = "torchrun"
+        elif "CROSS_RANK" in env and "LOCAL_SIZE" in env:
+            _launcher = "deepspeed"
+        else:
+            _launcher = "env"
+    elif "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
+        ompi = "OMPI_COMM_WORLD_RANK" in env
+        env.setdefault("RANK", env["OMPI_COMM_WORLD_RANK" if ompi else "PMI_RANK"])
+        env.setdefault("WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE" if ompi else "PMI_SIZE"])
+        env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK" if ompi else "MPI_LOCALRANKID", "0"))
+        _mpi_rendezvous(env)
+        _launcher = "mpi"
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # a task of srun (the batch script has no step id)
+        env.setdefault("RANK", env["SLURM_PROCID"])
+        env.setdefault("WORLD_SIZE", env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", "1")))
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        env.setdefault("MASTER_ADDR", slurm_head_node())
+        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0") or 0)
+        env.setdefault("MASTER_PORT", str(_derived_port(job * 7 + step)))
+        _launcher = "srun"
+    elif any(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) and env.get("WORLD_SIZE", "1") != "1":
+        missing = [k for k in RANK_VARS if k not in env]
+        raise ConfigError(f"incomplete rank environment: {', '.join(missing)} not set (launch with deepspeed, "
+                           f"torchrun, mpirun or srun, or set all of {', '.join(RANK_VARS)})")
+    else:
+        env.setdefault("RANK", "0")
+        env.setdefault("WORLD_SIZE", "1")
+        env.setdefault("LOCAL_RANK", "0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+        _launcher = "single"
+    return _launcher
+
+
+def launcher() -> str:
+    """The launcher :func:`export_rank_env` recognised (``unknown`` before it ran)."""
+    return _launcher or "unknown"
+
+
+def describe() -> str:
+    """One line with this process's place in the world, for every rank's log (tests parse it).
+
+    ``wiring: rank R of W, local rank L, launcher X, host H, pid P, master ADDR:PORT``
     """
     env = os.environ
-    if all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
-        return "env"
-    if "OMPI_COMM_WORLD_RANK" in env:
-        env.setdefault("RANK", env["OMPI_COMM_WORLD_RANK"])
-        env.setdefault("WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE"])
-        env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-        env.setdefault("MASTER_ADDR", _first_slurm_host() if "SLURM_JOB_NODELIST" in env else "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
-        return "mpi"
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
-        env.setdefault("RANK", env["SLURM_PROCID"])
-        env.setdefault("WORLD_SIZE", env["SLURM_NTASKS"])
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-        env.setdefault("MASTER_ADDR", _first_slurm_host())
-        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        return "slurm"
-    env.setdefault("RANK", "0")
-    env.setdefault("WORLD_SIZE", "1")
-    env.setdefault("LOCAL_RANK", "0")
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
-    env.setdefault("MASTER_PORT", str(_free_port()))
-    return "single"
+    return (f"wiring: rank {rank()} of {world_size()}, local rank {local_rank()}, launcher {launcher()}, "
+            f"host {socket.gethostname()}, pid {os.getpid()}, master {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}")
 
 
 def rank() -> int:
