@@ -2,7 +2,9 @@
 
 * Model and tokenizer load from local folders only (``local_files_only=True``).
 * ``init: scratch`` builds the model from ``config.json`` alone (``MODEL_CLASS.from_config``), seeded
-  so every rank builds the same weights.
+  so every rank builds the same weights, and the same weights at every ZeRO stage: under ZeRO-3
+  transformers skips torch's default ``reset_parameters`` and runs only the model's ``_init_weights``,
+  so the other stages build the model the same way (:func:`scratch_model`) to draw the same numbers.
 * Under ZeRO-3 a ``transformers.integrations.HfDeepSpeedConfig`` is created before the model, so
   ``from_pretrained``/``from_config`` build it inside ``deepspeed.zero.Init`` and no rank materialises
   the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
@@ -41,6 +43,22 @@ def load_model_config(cfg: RunConfig):
     for k, v in cfg.model.config_overrides.items():
         setattr(config, k, v)
     return config
+
+
+def scratch_model(model_class, model_config):
+    """Randomly initialised fp32 model, drawing from the torch RNG exactly as transformers does under ZeRO-3.
+
+    ``from_config`` normally runs torch's default init of every layer during construction and then the
+    model's ``_init_weights`` over it; under ZeRO-3 (``zero.Init``) the first is skipped. Building under
+    ``transformers.initialization.no_init_weights`` and then calling ``init_weights`` (init + tie) skips it
+    here too, so a seeded scratch model has the same weights at every ZeRO stage.
+    """
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():
+        model = model_class.from_config(model_config, dtype=torch.float32)
+    model.init_weights()
+    return model
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -87,8 +105,10 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
     if cfg.model.init == "pretrained":
         model = recipe.MODEL_CLASS.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
                                                    dtype=torch.float32)
-    else:
+    elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
         model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32)
+    else:
+        model = scratch_model(recipe.MODEL_CLASS, model_config)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
                 f"{zero_stage(ds)}")

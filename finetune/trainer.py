@@ -96,8 +96,11 @@ def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
 
 
 def _grad_norm_stage0(engine) -> float:
+    """Global gradient norm, accumulated in fp64 as ZeRO 1-3 compute theirs (fp32 sums drift ~1e-5 on big tensors)."""
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not grads:
+        return 0.0
+    return float(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).norm())
 
 
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
