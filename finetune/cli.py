@@ -102,14 +102,17 @@ def train_main(argv: list[str] | None = None) -> int:
         resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu())
     except ConfigError as e:
         return _error(e)
-    from finetune.preemption import StopSignal
+    from finetune.preemption import StopRequested, StopSignal
 
     try:
-        # Signals are flags from here on (a SIGTERM/SIGUSR1 during start-up stops after the first step).
+        # SIGTERM/SIGUSR1: during start-up stop at once; once training runs, checkpoint and stop (preemption.py)
         with StopSignal() as stop:
             return _train(cfg, resolved, launcher, stop)
     except ConfigError as e:
         return _error(e)
+    except StopRequested as e:
+        print(f"finetune: rank {dist_utils.rank()} {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
 
 
 def _auto_resume(args, cfg) -> None:
@@ -142,6 +145,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint
     from finetune.logs import logger, setup_logging, tensorboard_section
+    from finetune.preemption import StopRequested
     from finetune.recipes import get_recipe
     from finetune.trainer import fit
 
@@ -187,6 +191,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 raise ConfigError(problem)
             state = ckpt_utils.load(engine, resolved.resume_ckpt)
 
+        stop.defer_to_loop()
         state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
                     resume_from=resolved.resume_ckpt, stop_flag=stop.requested)
         if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
@@ -202,7 +207,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
             _verify_export(engine, splits.validation, collator, run_dir, ds)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
-    except ConfigError:
+    except (ConfigError, StopRequested):
         raise
     except BaseException as e:
         logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{_failure_hint(e)}")

@@ -25,21 +25,40 @@ from finetune.logs import logger
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-class StopSignal:
-    """Context manager that turns ``SIGUSR1``/``SIGTERM`` into a flag (previous handlers restored on exit).
+class StopRequested(BaseException):
+    """Raised by :class:`StopSignal`'s handler for a signal that arrives before training starts."""
 
-    A second signal does not kill the process: under Slurm a rank can get ``SIGTERM`` both from Slurm and
-    from its launcher, and the checkpoint must still be written. ``SIGKILL`` remains the hard stop.
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name} before training started")
+        self.signum = signum
+
+
+class StopSignal:
+    """Context manager for ``SIGUSR1``/``SIGTERM`` (previous handlers restored on exit).
+
+    Before :meth:`defer_to_loop` (start-up: data, model, engine) a signal raises :class:`StopRequested`:
+    there is nothing to checkpoint yet, so the rank stops at once. After it, a signal only sets the flag
+    the training loop polls. A second signal does not kill the process then: under Slurm a rank can get
+    ``SIGTERM`` both from Slurm and from its launcher, and the checkpoint must still be written.
+    ``SIGKILL`` remains the hard stop.
     """
 
     def __init__(self):
         self.signum: int | None = None
         self._previous: dict = {}
+        self._deferred = False
 
     def _handle(self, signum, frame):  # noqa: ARG002
+        if not self._deferred:
+            self.signum = signum
+            raise StopRequested(signum)
         if self.signum is None:
             logger.warning(f"received {signal.Signals(signum).name}: will checkpoint after this step and stop")
         self.signum = signum
+
+    def defer_to_loop(self) -> None:
+        """From now on a signal only sets the flag (:meth:`requested`) the training loop checks every step."""
+        self._deferred = True
 
     def __enter__(self) -> "StopSignal":
         for s in SIGNALS:

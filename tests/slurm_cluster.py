@@ -210,7 +210,7 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
             "AuthType=auth/munge",
             "CredType=cred/munge",
             # cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
-            f"AuthInfo=socket={sock},cred_expire=10",
+            f"AuthInfo=socket={sock},cred_expire=8",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SelectType=select/cons_tres",

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, cpu_env, free_port, launch, ok, train_losses
-from launch_helpers import (RUN_OVERRIDES, STEPS, assert_same_losses, assert_wiring, ensure_openmpi, logged_steps,
-                            reference_run, wait_for, wiring)
-
-pytestmark = pytest.mark.slow
+from finetune import distributed as dist_utils
+from finetune.config import ConfigError
+from finetune.preemption import forward
+from launch_helpers import (RUN_OVERRIDES, STEPS, apt_install, assert_same_losses, assert_wiring, ensure_openmpi,
+                            logged_steps, reference_run, wait_for, wiring)
 
 CONFIG = REPO / "tests" / "configs" / "tiny_gpt.yaml"
 
@@ -35,8 +36,10 @@ def reference(tmp_path_factory) -> tuple[Path, dict[int, float]]:
 
 
 def _run(cmd: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+    # stdin from /dev/null: mpirun forwards its stdin to rank 0 and, on pytest's captured stdin, slows the
+    # whole launch down several-fold
+    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
 def _train_args(run_dir: Path) -> list[str]:
@@ -47,6 +50,7 @@ def _meta(run_dir: Path) -> dict:
     return json.loads((run_dir / "meta.json").read_text())
 
 
+@pytest.mark.slow
 def test_deepspeed_num_gpus(reference):
     run_dir, losses = reference
     assert_wiring(run_dir, "deepspeed")
@@ -54,6 +58,7 @@ def test_deepspeed_num_gpus(reference):
     assert sorted(losses) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_deepspeed_hostfile(reference, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")
@@ -65,6 +70,7 @@ def test_deepspeed_hostfile(reference, tmp_path):
     assert_same_losses(run_dir, reference[1])
 
 
+@pytest.mark.slow
 def test_torchrun(reference, tmp_path):
     run_dir = tmp_path / "run"
     ok(_run([str(BIN / "torchrun"), "--nnodes", "1", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
@@ -74,6 +80,7 @@ def test_torchrun(reference, tmp_path):
     assert_same_losses(run_dir, reference[1])
 
 
+@pytest.mark.slow
 def test_mpirun(reference, tmp_path):
     try:
         mpirun = ensure_openmpi()
@@ -81,11 +88,66 @@ def test_mpirun(reference, tmp_path):
         pytest.skip(f"OpenMPI/mpi4py cannot be installed here: {e}")
     run_dir = tmp_path / "run"
     # as root OpenMPI wants --allow-run-as-root; no core binding, like the other launchers
-    ok(_run([mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+    ok(_run([mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--stdin", "none", "-np", "2",
              sys.executable, *_train_args(run_dir)]))
     w = assert_wiring(run_dir, "mpi")
     assert w[0]["master"].startswith("127.0.0.1:")  # one node: rank 0 broadcast loopback and a free port
     assert _meta(run_dir)["launcher"] == "mpi" and _meta(run_dir)["world_size"] == 2
+    assert_same_losses(run_dir, reference[1])
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: ``[(namespace, interface, address), ...]`` (removed after)."""
+    import random
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    if not shutil.which("ip"):
+        try:
+            apt_install(["iproute2"])
+        except RuntimeError as e:
+            pytest.skip(f"no ip command: {e}")
+    tag, net = f"{os.getpid() % 100000}", f"10.{random.randrange(200, 250)}.{random.randrange(1, 250)}"
+    hosts = [(f"ftnsa{tag}", f"fta{tag}", f"{net}.1"), (f"ftnsb{tag}", f"ftb{tag}", f"{net}.2")]
+    cmds = [["ip", "netns", "add", hosts[0][0]], ["ip", "netns", "add", hosts[1][0]],
+            ["ip", "link", "add", hosts[0][1], "type", "veth", "peer", "name", hosts[1][1]]]
+    for ns, ifname, addr in hosts:
+        cmds += [["ip", "link", "set", ifname, "netns", ns], ["ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname],
+                 ["ip", "-n", ns, "link", "set", ifname, "up"], ["ip", "-n", ns, "link", "set", "lo", "up"]]
+    try:
+        for c in cmds:
+            out = subprocess.run(c, capture_output=True, text=True)
+            if out.returncode != 0:
+                pytest.skip(f"cannot build two network namespaces here: {' '.join(c)}: {out.stderr.strip()}")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_in_network_namespaces(reference, tmp_path, two_hosts):
+    """``torchrun --nnodes 2``, one node per network namespace, one rank per node, over a veth pair."""
+    run_dir = tmp_path / "run"
+    master = two_hosts[0][2]
+    port = str(free_port())
+    procs = []
+    for node, (ns, ifname, _) in enumerate(two_hosts):
+        # gloo binds the address the host name resolves to (127.0.0.1 here) unless told the interface
+        env = cpu_env(GLOO_SOCKET_IFNAME=ifname)
+        cmd = ["ip", "netns", "exec", ns, str(BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(node),
+               "--nproc_per_node", "1", "--master_addr", master, "--master_port", port, *_train_args(run_dir)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+    w = wiring(run_dir)
+    assert sorted(w) == [0, 1] and {v["world"] for v in w.values()} == {2}
+    assert [w[r]["local_rank"] for r in (0, 1)] == [0, 0]  # one rank on each "node"
+    assert {v["launcher"] for v in w.values()} == {"torchrun"} and {v["master"] for v in w.values()} == {f"{master}:{port}"}
     assert_same_losses(run_dir, reference[1])
 
 
@@ -108,10 +170,11 @@ def _start(run_dir: Path, overrides=RUN_OVERRIDES) -> subprocess.Popen:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "finetune/run.py",
            "--config", str(CONFIG), f"output_dir={run_dir}", *overrides]
     log = open(run_dir.parent / f"{run_dir.name}.launch.log", "w")
-    return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
+@pytest.mark.slow
 def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
     """SIGTERM to the launch's process group (Ctrl-C style, or a scheduler): ranks stop at one step, save it."""
     run_dir = tmp_path / "run"
@@ -140,6 +203,7 @@ def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
     assert_same_losses(run_dir, reference[1])  # steps before the stop from the first launch, the rest resumed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
 def test_dead_rank_ends_launch(tmp_path, how):
     """Rank 1 killed (SIGKILL) or failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the launch
@@ -166,3 +230,117 @@ def test_dead_rank_ends_launch(tmp_path, how):
         rank1 = (run_dir / "logs" / "rank1.log").read_text(errors="replace")
         assert "rank 1 failed: KeyboardInterrupt" in rank1, rank1[-3000:]
     assert train_losses(run_dir), "no step was logged before the failure"
+
+
+# ---- rank environment from each launcher's variables (in-process, no launch) -------------------------------
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "LOCAL_SIZE",
+                  "TORCHELASTIC_RUN_ID", "PMI_RANK", "PMI_SIZE")
+
+
+@pytest.fixture
+def rank_env():
+    """Set a launcher's variables (and nothing else of that kind) in os.environ; restore all of it afterwards
+    (export_rank_env adds variables of its own, which monkeypatch would not undo)."""
+    saved = dict(os.environ)
+
+    def set_env(**env: str) -> os._Environ:
+        for k in list(os.environ):
+            if k in _LAUNCHER_VARS or k.startswith(("OMPI_", "SLURM_")):
+                del os.environ[k]
+        os.environ.update(env)
+        return os.environ
+    yield set_env
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_rank_env_deepspeed_and_torchrun(rank_env):
+    five = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="10.0.0.1", MASTER_PORT="23456")
+    rank_env(**five, CROSS_RANK="0", LOCAL_SIZE="2")
+    assert dist_utils.export_rank_env() == "deepspeed"
+    rank_env(**five, TORCHELASTIC_RUN_ID="none")
+    assert dist_utils.export_rank_env() == "torchrun"
+    env = rank_env(**five)
+    assert dist_utils.export_rank_env() == "env" and env["MASTER_PORT"] == "23456"
+
+
+def test_rank_env_srun(rank_env):
+    env = rank_env(SLURM_PROCID="5", SLURM_STEP_ID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="8",
+                    SLURM_LOCALID="1", SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="gpu[07-08]")
+    assert dist_utils.export_rank_env() == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("5", "8", "1", "gpu07")
+    port = env["MASTER_PORT"]
+    assert 20000 <= int(port) < 30000
+    rank_env(SLURM_PROCID="0", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="8", SLURM_LOCALID="0",
+              SLURM_JOB_ID="4321", SLURM_JOB_NODELIST="gpu[07-08]")
+    dist_utils.export_rank_env()
+    assert os.environ["MASTER_PORT"] == port  # every task of the step derives the same port
+    env = rank_env(SLURM_PROCID="0", SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_LOCALID="0",
+                    SLURM_JOB_ID="1", SLURM_JOB_NODELIST="n1", MASTER_ADDR="n9", MASTER_PORT="29999")
+    dist_utils.export_rank_env()
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n9", "29999")  # exported by a script: they win
+
+
+def test_rank_env_batch_script_is_a_world_of_one(rank_env):
+    """Inside sbatch but outside srun (no SLURM_STEP_ID), SLURM_NTASKS is the allocation, not this launch."""
+    env = rank_env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1")
+    assert dist_utils.export_rank_env() == "single" and env["WORLD_SIZE"] == "1"
+
+
+def test_rank_env_mpirun_without_mpi4py(rank_env, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import fails: the job-id fallback
+    ompi = dict(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK="1",
+                OMPI_COMM_WORLD_LOCAL_SIZE="2", OMPI_MCA_ess_base_jobid="1286209537")
+    env = rank_env(**ompi)
+    assert dist_utils.export_rank_env() == "mpi"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == ("1", "2", "1", "127.0.0.1")
+    assert 20000 <= int(env["MASTER_PORT"]) < 30000
+    rank_env(**{**ompi, "OMPI_COMM_WORLD_SIZE": "4"})  # two nodes, nobody names rank 0's host
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        dist_utils.export_rank_env()
+
+
+def test_rank_env_partial_is_an_error(rank_env):
+    rank_env(RANK="1", WORLD_SIZE="2")
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        dist_utils.export_rank_env()
+    env = rank_env()
+    assert dist_utils.export_rank_env() == "single" and env["WORLD_SIZE"] == "1"
+
+
+def test_forward_signals_ranks_not_launchers():
+    """What the sbatch traps run: only processes with RANK and LOCAL_RANK (the ranks) get the signal."""
+    tree = subprocess.Popen(["bash", "-c", "RANK=0 LOCAL_RANK=0 sleep 30 & sleep 30 & wait"],
+                            start_new_session=True)
+    try:
+        import psutil
+
+        kids = wait_for(lambda: len(psutil.Process(tree.pid).children()) == 2 and psutil.Process(tree.pid).children(),
+                        10, what="two children")
+        rank = next(p for p in kids if "RANK" in p.environ())
+        other = next(p for p in kids if p is not rank)
+        assert forward(signal.SIGTERM, tree.pid) == [rank.pid]
+        rank.wait(10)
+        assert other.is_running() and tree.poll() is None
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait()
+
+
+def test_stop_signal_raises_at_startup_then_defers_to_the_loop():
+    """Before training a signal stops the rank at once (nothing to save); during training it is a flag."""
+    from finetune.preemption import StopRequested, StopSignal
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StopRequested, match="SIGTERM before training started"):
+        with StopSignal():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises as soon as the signal is delivered
+    with StopSignal() as stop:
+        stop.defer_to_loop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal (Slurm and the launcher) changes nothing
+        wait_for(stop.requested, 5)
+        assert stop.exit_code() in (128 + signal.SIGUSR1, 128 + signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == before  # previous handlers back
