@@ -204,7 +204,7 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
             f"ClusterName=ft{os.getpid()}",
             # job ids (and so the sbatch scripts' MASTER_PORT) unlike those of another test cluster beside it
             f"FirstJobId={random.randrange(1000, 60000)}",
-            f"SlurmctldHost={node}",
+            f"SlurmctldHost={node}(127.0.0.1)",  # no name resolution needed for the daemons
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "AuthType=auth/munge",
@@ -237,7 +237,7 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
             "GresTypes=gpu",
-            f"NodeName={node} CPUs={cpus} RealMemory=20000 {f'Gres=gpu:{gpus} ' if gpus else ''}State=UNKNOWN",
+            f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=20000 {f'Gres=gpu:{gpus} ' if gpus else ''}State=UNKNOWN",
             f"PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP",
             "",
         ]))
