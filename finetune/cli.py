@@ -218,13 +218,32 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+        _remove_shm_buffers()
+
+
+def _remove_shm_buffers() -> None:
+    """Unlink this rank's DeepSpeed CPU shared-memory allreduce buffers.
+
+    DeepSpeed's CPU ``shm`` comm op creates ``/dev/shm/deepspeed_allreduce_buffer_<i>_<addr>_<port>_<rank>``
+    (tens of MB each) and never unlinks them; with a new port per launch they fill RAM-backed ``/dev/shm``.
+    Unlinking only removes the name: mappings still held by other ranks stay valid.
+    """
+    import glob
+
+    addr, port, rank = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if addr and port and rank is not None:
+        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def _failure_hint(e: BaseException) -> str:
     """Extra words for a failed rank's log line when a collective broke because another rank went away."""
     text = str(e)
     peer_gone = ("closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
-                 "remote process exited", "timed out", "Timeout")
+                 "remote process exited", "timed out", "Timed out", "Timeout")
     if any(p in text for p in peer_gone):
         return (" (a collective failed: another rank probably died or hung; its logs/rank<r>.log and the "
                 "launcher's output name it)")

@@ -190,14 +190,43 @@ def init(timeout_minutes: float) -> None:
     """Start the process group through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
 
     Args:
-        timeout_minutes: collective timeout; a rank that died makes the others raise after this long.
+        timeout_minutes: collective timeout (``train.dist_timeout_minutes``), for the default group and
+            for every group created later: a rank that hangs makes the others raise after this long. (A
+            rank that exits is noticed at once: its sockets close, and the launcher ends the others.)
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    from torch.distributed import distributed_c10d
 
+    timeout = timedelta(minutes=timeout_minutes)
+    # DeepSpeed creates its own groups (ZeRO's data-parallel group, ...) with dist.new_group(), which takes
+    # torch's built-in default timeout (30 min for gloo, 10 min for NCCL), not the one init_process_group got.
+    # Make that default ours, so a hung rank stops a launch after train.dist_timeout_minutes.
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if isinstance(getattr(distributed_c10d, name, None), timedelta):
+            setattr(distributed_c10d, name, timeout)
     if get_accelerator().device_name() == "cuda":
         get_accelerator().set_device(local_rank())
-    deepspeed.init_distributed(timeout=timedelta(minutes=timeout_minutes), auto_mpi_discovery=False)
+    deepspeed.init_distributed(timeout=timeout, auto_mpi_discovery=False)
+    if get_accelerator().device_name() == "cpu":
+        _unlink_shm_buffer()
+
+
+def _unlink_shm_buffer() -> None:
+    """Free DeepSpeed's CPU all-reduce buffer when the ranks exit, however they exit.
+
+    Under the ``deepspeed`` launcher (``LOCAL_SIZE`` = world size) every rank of the CPU backend creates a
+    ~70 MB ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` and maps every other rank's;
+    nothing ever unlinks them, so each launch would leave ``2 x 70 MB x ranks`` of RAM behind in /dev/shm.
+    Once every rank has mapped all buffers (``init_distributed`` returned everywhere: the barrier), each
+    rank unlinks its own name; the mappings stay valid and the memory is released with the last rank.
+    """
+    env = os.environ
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{env.get('MASTER_ADDR', '')}_"
+            f"{env.get('MASTER_PORT', '')}_{rank()}")
+    barrier()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name)
 
 
 def barrier() -> None:
