@@ -344,3 +344,27 @@ def test_stop_signal_raises_at_startup_then_defers_to_the_loop():
         wait_for(stop.requested, 5)
         assert stop.exit_code() in (128 + signal.SIGUSR1, 128 + signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) == before  # previous handlers back
+
+
+def test_init_timeout_covers_deepspeed_groups_and_shm_buffer_is_unlinked(tmp_path):
+    """dist_utils.init: groups DeepSpeed creates later get train.dist_timeout_minutes too (not torch's 30 min),
+    and the CPU backend's /dev/shm all-reduce buffer is unlinked once mapped (no RAM left behind)."""
+    port = free_port()
+    code = f"""
+import os
+from datetime import timedelta
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="{port}")
+from finetune import distributed as d
+d.init(0.5)
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+assert c10d._get_default_timeout(dist.Backend.GLOO) == timedelta(minutes=0.5)
+g = dist.new_group([0])  # as DeepSpeed's ZeRO data-parallel group is made
+name = f"/dev/shm/deepspeed_allreduce_buffer_{{os.getuid()}}_127.0.0.1_{port}_0"
+assert not os.path.exists(name), name
+print("OK")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cpu_env(), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:]
