@@ -218,25 +218,6 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
-        _remove_shm_buffers()
-
-
-def _remove_shm_buffers() -> None:
-    """Unlink this rank's DeepSpeed CPU shared-memory allreduce buffers.
-
-    DeepSpeed's CPU ``shm`` comm op creates ``/dev/shm/deepspeed_allreduce_buffer_<i>_<addr>_<port>_<rank>``
-    (tens of MB each) and never unlinks them; with a new port per launch they fill RAM-backed ``/dev/shm``.
-    Unlinking only removes the name: mappings still held by other ranks stay valid.
-    """
-    import glob
-
-    addr, port, rank = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")
-    if addr and port and rank is not None:
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
 
 
 def _failure_hint(e: BaseException) -> str:

@@ -72,17 +72,6 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
 
-@pytest.fixture(autouse=True)
-def _clean_dev_shm():
-    """Remove DeepSpeed shm allreduce buffers left by ranks that were killed (tens of MB each, in RAM)."""
-    yield
-    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"):
-        try:
-            path.unlink()
-        except OSError:
-            pass
-
-
 @pytest.fixture(scope="session")
 def tiny_gpt() -> Path:
     return CONFIGS / "tiny_gpt.yaml"
