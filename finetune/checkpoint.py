@@ -16,6 +16,7 @@ import json
 import os
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,16 +34,27 @@ _TAG = re.compile(r"^step(\d+)$")
 
 @dataclass
 class TrainState:
-    """Where the loop is: the part of a checkpoint that is ours rather than DeepSpeed's."""
+    """Where the loop is: the part of a checkpoint that is ours rather than DeepSpeed's.
+
+    The position in the epoch is kept in global terms (rows of the epoch's global order consumed by all
+    ranks together), not per-rank micro-batches, so a resume with another micro batch or accumulation
+    split (same global batch) continues at exactly the next row.
+    """
 
     step: int = 0
     """Optimizer steps completed."""
     epoch: int = 0
     """Current epoch (0-based)."""
-    batches_in_epoch: int = 0
-    """Micro-batches this rank has consumed in the current epoch."""
+    samples_in_epoch: int = 0
+    """Rows of the current epoch consumed, summed over ranks (a multiple of the world size)."""
     tokens_seen: int = 0
     """Non-pad tokens trained on, summed over ranks."""
+    bad_steps: int = 0
+    """Optimizer steps skipped because the loss or the gradient norm was not finite (whole run)."""
+
+
+CONFIG_FILE = "run_config.yaml"
+"""Each checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_config.yaml``)."""
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -116,16 +128,33 @@ def restore_rng_state(ckpt: Path) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
-def save(engine, output_dir: str | Path, state: TrainState) -> Path:
+def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None) -> Path:
     """Save a checkpoint on all ranks; mark it complete after every rank has written.
 
-    Must be called by every rank. Returns the checkpoint folder.
+    Must be called by every rank. ``config`` (the resolved run config as a dict) is written to
+    ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Returns the checkpoint folder.
+
+    Raises:
+        ConfigError: the disk filled up or the folder cannot be written (the message names the folder and
+            its free space; the checkpoint stays without its ``COMPLETE`` marker, so nothing loads it).
     """
+    from finetune.config import dump_yaml
+
     ckdir = checkpoints_dir(output_dir)
     tag = f"step{state.step}"
     t0 = time.perf_counter()
-    engine.save_checkpoint(str(ckdir), tag=tag, client_state={"train_state": asdict(state)}, save_latest=True)
-    torch.save(_rng_state(), ckdir / tag / f"rng_state_rank{dist_utils.rank()}.pt")
+    try:
+        engine.save_checkpoint(str(ckdir), tag=tag, client_state={"train_state": asdict(state)}, save_latest=True)
+        torch.save(_rng_state(), ckdir / tag / f"rng_state_rank{dist_utils.rank()}.pt")
+        if dist_utils.is_main() and config is not None:
+            (ckdir / tag / CONFIG_FILE).write_text(dump_yaml(config))
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "unexpected pos" not in str(e) and "write" not in str(e).lower():
+            raise
+        free = shutil.disk_usage(ckdir).free if ckdir.exists() else 0
+        raise ConfigError(f"checkpoint: writing '{ckdir / tag}' failed ({type(e).__name__}: {e}); "
+                          f"{free / 2**30:.2f} GiB free there: free space or move output_dir "
+                          f"(the partial checkpoint has no {MARKER} marker and is never loaded)") from e
     dist_utils.barrier()
     if dist_utils.is_main():
         tmp = ckdir / tag / f".{MARKER}.tmp"
@@ -137,12 +166,37 @@ def save(engine, output_dir: str | Path, state: TrainState) -> Path:
     return ckdir / tag
 
 
-def check_compatible(ckpt: Path) -> str | None:
-    """A problem if ``ckpt`` was written with another world size (ZeRO shards are per rank), else None."""
-    meta = json.loads((ckpt / MARKER).read_text())
-    if meta.get("world_size") != dist_utils.world_size():
-        return (f"--resume: '{ckpt}' was saved with world size {meta.get('world_size')}, this launch has "
-                f"{dist_utils.world_size()}; resume with the same number of ranks")
+def marker(ckpt: Path) -> dict:
+    """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``time``."""
+    return json.loads((ckpt / MARKER).read_text())
+
+
+def check_compatible(ckpt: Path, world_size: int, zero_stage: int) -> list[str]:
+    """Problems resuming ``ckpt`` on this layout: another world size or ZeRO stage (shards are per layout).
+
+    Read from the ``COMPLETE`` marker, before any model is built.
+    """
+    meta = marker(ckpt)
+    problems = []
+    if meta.get("world_size") not in (None, world_size):
+        problems.append(f"--resume: '{ckpt}' was saved with world size {meta['world_size']}, this launch has "
+                        f"{world_size} (ZeRO shards are per rank); resume with {meta['world_size']} ranks, or "
+                        f"export it (finetune export {ckpt} <dir>) and start a new run from the export")
+    if meta.get("zero_stage") not in (None, zero_stage):
+        problems.append(f"--resume: '{ckpt}' was saved with ZeRO stage {meta['zero_stage']}, this launch uses "
+                        f"stage {zero_stage}; resume with ds.zero_optimization.stage={meta['zero_stage']} (or its "
+                        f"DeepSpeed JSON), or export it (finetune export {ckpt} <dir>) and start a new run "
+                        f"from the export with the new stage")
+    return problems
+
+
+def saved_config(ckpt: Path) -> dict | None:
+    """The run config ``ckpt`` was trained with (its own copy, else the run folder's first launch's)."""
+    import yaml
+
+    for p in (ckpt / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
+        if p.is_file():
+            return yaml.safe_load(p.read_text())
     return None
 
 
@@ -156,7 +210,12 @@ def load(engine, ckpt: Path) -> TrainState:
                                           load_lr_scheduler_states=True)
     if path is None or "train_state" not in (client or {}):
         raise ConfigError(f"--resume: DeepSpeed could not load '{ckpt}'")
-    state = TrainState(**client["train_state"])
+    saved = dict(client["train_state"])
+    if "batches_in_epoch" in saved:  # checkpoints before the position was global: per-rank micro-batches
+        old = saved_config(ckpt) or {}
+        micro = old.get("train", {}).get("micro_batch_size", 0)
+        saved["samples_in_epoch"] = saved.pop("batches_in_epoch") * micro * marker(ckpt).get("world_size", 1)
+    state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
     logger.info(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, "
-                f"micro-batch {state.batches_in_epoch} of the epoch")
+                f"{state.samples_in_epoch} rows of the epoch consumed")
     return state

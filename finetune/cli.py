@@ -14,6 +14,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from finetune.config import ConfigError, config_to_dict, dump_yaml, load_run_config
@@ -29,7 +30,11 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=3e-5 "
                    "ds.zero_optimization.stage=3 (precedence: defaults < file < these)")
     p.add_argument("--resume", nargs="?", const="latest", default=None,
-                   help="continue from the latest complete checkpoint in output_dir, or from the given path")
+                   help="continue from the latest complete checkpoint in output_dir (with output_root: of the "
+                        "newest run under it), or from the given checkpoint or run folder")
+    p.add_argument("--resume-allow-changes", action="store_true",
+                   help="on --resume, continue even when the config changes what the run is (data, model, seed, "
+                        "global batch, ...): printed as notes instead of refused")
     p.add_argument("--print-config", action="store_true", help="print the resolved run and DeepSpeed configs, exit")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
@@ -52,24 +57,29 @@ def _git_hash() -> str:
         return "unknown"
 
 
-def _write_run_folder(run_dir: Path, cfg, ds: dict, tokenizer, model_config, launcher: str) -> None:
+def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, model_config, launcher: str) -> None:
+    """Rank 0: this launch's record (``launches/<n>/``: run config, DeepSpeed config, meta) and, for a new run,
+    the model config and tokenizer the export is built from. Nothing an earlier launch wrote is rewritten."""
     import deepspeed
     import torch
     import transformers
 
     from finetune.distributed import world_size
     from finetune.export import MODEL_META
+    from finetune.run_folder import slurm_job_id, write_launch_record
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run_config.yaml").write_text(dump_yaml(config_to_dict(cfg)))
-    (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2))
-    meta = {"command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(), "git": _git_hash(),
-            "launcher": launcher, "world_size": world_size(), "host": platform.node(),
+    meta = {"launch": launch_no, "command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(),
+            "git": _git_hash(), "launcher": launcher, "world_size": world_size(), "host": platform.node(),
+            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
+                                                                                             time.gmtime()),
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()}}
-    (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
-    model_config.save_pretrained(run_dir / MODEL_META)
-    tokenizer.save_pretrained(run_dir / MODEL_META)
+    write_launch_record(run_dir, launch_no, {"run_config.yaml": dump_yaml(config_to_dict(cfg)),
+                                             "ds_config.json": json.dumps(ds, indent=2),
+                                             "meta.json": json.dumps(meta, indent=2)})
+    if not (run_dir / MODEL_META / "config.json").is_file():
+        model_config.save_pretrained(run_dir / MODEL_META)
+        tokenizer.save_pretrained(run_dir / MODEL_META)
 
 
 def _error(e: ConfigError) -> int:
@@ -83,6 +93,7 @@ def train_main(argv: list[str] | None = None) -> int:
     """Entry point of ``finetune/run.py`` and ``finetune train``. Returns the process exit status."""
     args = _train_parser().parse_args(argv)
     from finetune import distributed as dist_utils
+    from finetune.run_folder import resolve_output_dir
 
     try:
         cfg = load_run_config(args.config, args.overrides)
@@ -98,11 +109,14 @@ def train_main(argv: list[str] | None = None) -> int:
             return 0
         from finetune.validate import validate_run
 
-        _auto_resume(args, cfg)
-        resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu())
+        args.resume, note = resolve_output_dir(cfg, args.resume)
+        if note and dist_utils.rank() == 0:
+            print(f"finetune: {note}", file=sys.stderr, flush=True)
+        resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu(), args.resume_allow_changes)
     except ConfigError as e:
         return _error(e)
     from finetune.preemption import StopRequested, StopSignal
+    from finetune.trainer import TrainingDiverged
 
     try:
         # SIGTERM/SIGUSR1: during start-up stop at once; once training runs, checkpoint and stop (preemption.py)
@@ -110,30 +124,13 @@ def train_main(argv: list[str] | None = None) -> int:
             return _train(cfg, resolved, launcher, stop)
     except ConfigError as e:
         return _error(e)
+    except TrainingDiverged as e:
+        if dist_utils.rank() == 0:
+            print(f"finetune: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except StopRequested as e:
         print(f"finetune: rank {dist_utils.rank()} {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
-
-
-def _auto_resume(args, cfg) -> None:
-    """Requeued Slurm job or restarted torchrun worker group: continue from the latest complete checkpoint.
-
-    With no ``--resume`` given and ``SLURM_RESTART_COUNT`` (set by Slurm in a requeued job) or
-    ``TORCHELASTIC_RESTART_COUNT`` above 0, a complete checkpoint in ``output_dir`` is resumed as if
-    ``--resume`` had been passed; without one the run starts from the beginning.
-    """
-    from finetune import checkpoint as ckpt_utils
-
-    if args.resume is not None or not cfg.output_dir:
-        return
-    restarts = {k: int(os.environ.get(k) or 0) for k in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")}
-    restarts = {k: v for k, v in restarts.items() if v > 0}
-    if restarts and ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(cfg.output_dir)):
-        args.resume = "latest"
-        if int(os.environ.get("RANK", "0")) == 0:
-            why = ", ".join(f"{k}={v}" for k, v in restarts.items())
-            print(f"finetune: restarted ({why}): resuming from the latest complete checkpoint in {cfg.output_dir}",
-                  file=sys.stderr, flush=True)
 
 
 def _train(cfg, resolved, launcher: str, stop) -> int:
@@ -142,30 +139,32 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune import checkpoint as ckpt_utils
     from finetune import data as data_utils
     from finetune import distributed as dist_utils
+    from finetune import resume as resume_policy
     from finetune.engine import build_engine, load_model_config, load_tokenizer
-    from finetune.export import export_checkpoint
+    from finetune.export import export_checkpoint, verify_export
     from finetune.logs import logger, setup_logging, tensorboard_section
     from finetune.preemption import StopRequested
     from finetune.recipes import get_recipe
-    from finetune.trainer import fit
+    from finetune.run_folder import open_run
+    from finetune.trainer import TrainingDiverged, fit
 
     dist_utils.init(cfg.train.dist_timeout_minutes)
-    run_dir = Path(cfg.output_dir)
-    rank = dist_utils.rank()
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    dist_utils.barrier()
-    setup_logging(run_dir, rank)
-    logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
+    opened = open_run(cfg)  # rank 0 creates/locks the folder; refused launches raise here, having written nothing
+    run_dir, rank = opened.run_dir, dist_utils.rank()
     try:
+        setup_logging(run_dir, rank)
+        logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
+        for note in resolved.resume_notes:
+            logger.warning(note)
         recipe = get_recipe(cfg.recipe)
         ds = dict(resolved.ds)
         ds.setdefault("tensorboard", tensorboard_section(run_dir))
         tokenizer = load_tokenizer(cfg, recipe)
         if rank == 0:
-            _write_run_folder(run_dir, cfg, ds, tokenizer, load_model_config(cfg), launcher)
-        logger.info(f"run folder {run_dir}; world size {dist_utils.world_size()} ({launcher}); recipe {cfg.recipe}; "
-                    f"DeepSpeed config {cfg.deepspeed}")
+            _write_run_folder(run_dir, opened.launch, cfg, ds, tokenizer, load_model_config(cfg), launcher)
+            print(f"finetune: run folder {run_dir} (launch {opened.launch})", file=sys.stderr, flush=True)
+        logger.info(f"run folder {run_dir} (launch {opened.launch}); world size {dist_utils.world_size()} "
+                    f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
 
         splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
         collator = recipe.make_collator(tokenizer, cfg.data)
@@ -184,16 +183,17 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
 
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine
+        _check_free_space(run_dir, engine)
         state = ckpt_utils.TrainState()
         if resolved.resume_ckpt is not None:
-            problem = ckpt_utils.check_compatible(resolved.resume_ckpt)
-            if problem:
-                raise ConfigError(problem)
             state = ckpt_utils.load(engine, resolved.resume_ckpt)
+            old = ckpt_utils.saved_config(resolved.resume_ckpt)
+            if old is not None:
+                resume_policy.apply(engine, old, cfg, total_steps)
 
         stop.defer_to_loop()
         state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
-                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested)
+                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
         if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
             logger.warning(f"stopped at step {state.step} of {total_steps}; resume with --resume (a requeued "
                            f"Slurm job resumes by itself)")
@@ -204,20 +204,46 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
             if rank == 0:
                 export_checkpoint(ckpt, run_dir / "export", keep_previous=True)
             dist_utils.barrier()
-            _verify_export(engine, splits.validation, collator, run_dir, ds)
+            verify_export(engine, splits.validation, collator, run_dir, ds, recipe)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):
+        raise
+    except TrainingDiverged as e:
+        logger.error(f"rank {rank}: {e}")
         raise
     except BaseException as e:
         logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{_failure_hint(e)}")
         raise
     finally:
+        if opened.lock is not None:
+            opened.lock.release()
         if torch.distributed.is_initialized():
             try:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+
+
+def _check_free_space(run_dir: Path, engine) -> None:
+    """Refuse to train when the run folder's disk cannot hold one checkpoint (all ranks share the estimate).
+
+    Estimate: parameters x (4 bytes fp32 weights + 8 bytes AdamW moments, + 4 bytes fp32 master weights and
+    2 bytes 16-bit weights in bf16/fp16) x 1.1, written by all ranks together.
+    """
+    import shutil
+
+    from finetune.logs import logger
+
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+    per_param = 12 + (6 if (engine.bfloat16_enabled() or engine.fp16_enabled()) else 0)
+    need = int(n * per_param * 1.1)
+    free = shutil.disk_usage(run_dir).free
+    logger.info(f"checkpoint size estimate {need / 2**20:.1f} MiB; {free / 2**30:.1f} GiB free in {run_dir}")
+    if free < need:
+        raise ConfigError(f"output_dir: '{run_dir}' has {free / 2**20:.1f} MiB free, one checkpoint needs about "
+                          f"{need / 2**20:.1f} MiB ({n:,} parameters with AdamW states); free space or move "
+                          f"output_dir")
 
 
 def _failure_hint(e: BaseException) -> str:
@@ -229,42 +255,6 @@ def _failure_hint(e: BaseException) -> str:
         return (" (a collective failed: another rank probably died or hung; its logs/rank<r>.log and the "
                 "launcher's output name it)")
     return ""
-
-
-def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> None:
-    """Compare the export's logits with the engine's on a fixed batch; save both; fail an fp32 run beyond 1e-4."""
-    import torch
-
-    from finetune import distributed as dist_utils
-    from finetune.config import load_run_config
-    from finetune.export import plain_model_construction
-    from finetune.logs import logger
-    from finetune.recipes import get_recipe
-
-    rows = [validation[i] for i in range(min(4, len(validation)))]
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        batch = collator(rows)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    engine.eval()
-    with torch.no_grad():
-        ref = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits.float().cpu()
-    engine.train()
-    if dist_utils.is_main():
-        recipe = get_recipe(load_run_config(run_dir / "run_config.yaml").recipe)
-        with plain_model_construction():
-            exported = recipe.MODEL_CLASS.from_pretrained(run_dir / "export", local_files_only=True,
-                                                          dtype=torch.float32).eval()
-        with torch.no_grad():
-            got = exported(**inputs).logits.float()
-        diff = (got - ref).abs().max().item()
-        torch.save({"inputs": inputs, "engine_logits": ref}, run_dir / "export_check.pt")
-        (run_dir / "export_check.json").write_text(json.dumps({"max_abs_logit_diff": diff}))
-        low_precision = ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
-        logger.info(f"export check: max |logits(export) - logits(engine)| = {diff:.3g} on a fixed batch")
-        if not low_precision and diff > 1e-4:
-            raise RuntimeError(f"export check failed: exported logits differ from the engine's by {diff:.3g}")
-    dist_utils.barrier()
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,8 @@ class TrainConfig:
     """Seed for init, shuffling, masking, dropout and the validation split."""
     dist_timeout_minutes: float = 10.0
     """Collective-operation timeout: a dead rank makes the others fail after this long, not hang."""
+    max_bad_steps: int = 3
+    """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
 
 
 @dataclass
@@ -127,7 +129,9 @@ class RunConfig:
     recipe: str = ""
     """Task recipe: ``bert_mlm`` or ``gpt_clm`` (see ``finetune/recipes``)."""
     output_dir: str = ""
-    """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs."""
+    """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
+    output_root: str = ""
+    """Parent of runs (used when ``output_dir`` is empty): each launch gets a new run folder ``<output_root>/<YYYYmmdd-HHMMSS>[-job<SLURM_JOB_ID>]``; ``--resume`` continues the newest run under it; a requeued Slurm job finds its own."""
     deepspeed: str = "ds_configs/zero2.json"
     """DeepSpeed JSON file (relative paths are from the working directory)."""
     ds: dict = field(default_factory=dict)

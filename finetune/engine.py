@@ -121,4 +121,6 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, t.weight_decay),
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False)
+    if hasattr(engine.optimizer, "check_grad_overflow"):  # ZeRO 1/2 in bf16 would apply a NaN/inf update
+        engine.optimizer.check_grad_overflow = True
     return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)

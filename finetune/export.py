@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -118,11 +119,20 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     meta = run_dir / MODEL_META
     if not is_complete(ckpt):
         raise ConfigError(f"export: '{ckpt}' is not a complete checkpoint (no COMPLETE marker)")
-    if not (meta / "config.json").is_file() or not (run_dir / "run_config.yaml").is_file():
+    run_config = ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
+    if not (meta / "config.json").is_file() or not run_config.is_file():
         raise ConfigError(f"export: run folder '{run_dir}' lacks {MODEL_META}/config.json or run_config.yaml")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"export: '{out_dir}' is a file, not a folder; give the path of a new folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not keep_previous:
         raise ConfigError(f"export: '{out_dir}' exists and is not empty; choose a new folder")
-    recipe = get_recipe(load_run_config(run_dir / "run_config.yaml").recipe)
+    parent = out_dir.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"export: cannot create '{out_dir}' ('{parent}' is not a writable folder); choose "
+                          f"another folder")
+    recipe = get_recipe(load_run_config(run_config).recipe)
 
     state = consolidated_state_dict(ckpt)
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
@@ -148,3 +158,54 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     n = sum(t.numel() for t in model.parameters())
     logger.info(f"exported {ckpt} -> {out_dir} ({n:,} parameters, model.safetensors)")
     return out_dir
+
+
+def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe) -> None:
+    """Compare the export's logits with the engine's on a fixed batch; all ranks call it (ZeRO-3 gathers).
+
+    The batch is the first 4 validation rows (collated under a fixed seed). Rank 0 reloads
+    ``run_dir/export`` with plain ``from_pretrained`` and writes ``export_check.json``: the maximum absolute
+    logit difference, the batch shape and a small summary of the engine's logits (mean, std, the first
+    logits of the first position), never the full tensors. A non-finite difference (NaN/inf logits) never
+    passes, and the JSON stays valid (``null`` for a non-finite number).
+
+    Raises:
+        RuntimeError: the difference is not finite, or above 1e-4 in an fp32 run.
+    """
+    import math
+
+    from finetune import distributed as dist_utils
+
+    rows = [validation[i] for i in range(min(4, len(validation)))]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        batch = collator(rows)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    engine.eval()
+    with torch.no_grad():
+        ref = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits.float().cpu()
+    engine.train()
+    if dist_utils.is_main():
+        with plain_model_construction():
+            exported = recipe.MODEL_CLASS.from_pretrained(run_dir / "export", local_files_only=True,
+                                                          dtype=torch.float32).eval()
+        with torch.no_grad():
+            got = exported(**inputs).logits.float()
+        diff = (got - ref).abs().max().item()
+
+        def finite(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        summary = {"max_abs_logit_diff": finite(diff), "finite": math.isfinite(diff),
+                   "batch_shape": list(inputs["input_ids"].shape), "logits_shape": list(ref.shape),
+                   "engine_logits_mean": finite(ref.mean().item()), "engine_logits_std": finite(ref.std().item()),
+                   "engine_logits_head": [finite(v) for v in ref.reshape(-1)[:8].tolist()]}
+        (run_dir / "export_check.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
+        low_precision = ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
+        logger.info(f"export check: max |logits(export) - logits(engine)| = {diff:.3g} on a fixed batch")
+        if not math.isfinite(diff):
+            raise RuntimeError(f"export check failed: the logits are not finite (max difference {diff}); the model "
+                               f"diverged")
+        if not low_precision and not diff <= 1e-4:
+            raise RuntimeError(f"export check failed: exported logits differ from the engine's by {diff:.3g}")
+    dist_utils.barrier()

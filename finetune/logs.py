@@ -8,6 +8,7 @@ only) and, for scripts and tests, to ``metrics.jsonl`` in the run folder (one JS
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -40,15 +41,22 @@ def tensorboard_section(run_dir: Path) -> dict:
 class MetricsSink:
     """Writes scalar events to DeepSpeed's monitor (TensorBoard) and ``metrics.jsonl``; rank 0 only.
 
+    Every ``metrics.jsonl`` row is ``{"step": int, "launch": int, "<tag>": float | null, ...}``: ``launch`` is
+    the launch that wrote it (a resumed run re-runs the steps after its checkpoint, so a step can have rows
+    of two launches: the later launch's row is the one that counts), and a non-finite value is ``null`` so
+    every line stays valid JSON.
+
     Args:
         engine: the DeepSpeed engine (``engine.monitor.write_events`` takes ``[(tag, value, step)]``).
         run_dir: run folder for ``metrics.jsonl``.
         enabled: False on ranks other than 0.
+        launch: this launch's number in the run folder.
     """
 
-    def __init__(self, engine, run_dir: Path, enabled: bool):
+    def __init__(self, engine, run_dir: Path, enabled: bool, launch: int = 1):
         self.engine = engine
         self.enabled = enabled
+        self.launch = launch
         self.path = run_dir / "metrics.jsonl"
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -56,5 +64,7 @@ class MetricsSink:
         if not self.enabled:
             return
         self.engine.monitor.write_events([(tag, float(v), step) for tag, v in scalars.items()])
+        row = {"step": step, "launch": self.launch,
+               **{k: (float(v) if math.isfinite(float(v)) else None) for k, v in scalars.items()}}
         with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **{k: float(v) for k, v in scalars.items()}}) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
 from finetune.checkpoint import TrainState
-from finetune.config import RunConfig
+from finetune.config import RunConfig, config_to_dict
 from finetune.logs import MetricsSink, logger
 
 
@@ -103,8 +103,30 @@ def _grad_norm_stage0(engine) -> float:
     return float(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).norm())
 
 
+class TrainingDiverged(RuntimeError):
+    """``train.max_bad_steps`` consecutive optimizer steps had a non-finite loss or gradient norm."""
+
+
+def _skip_update_stage0(engine) -> None:
+    """Make the coming ``engine.step()`` a no-op at ZeRO stage 0 (ZeRO 1-3 skip non-finite steps themselves).
+
+    The optimizer's ``step`` is shadowed by a no-op for this one call (no AdamW moment, weight-decay or
+    parameter change), and an ``overflow`` flag on it makes DeepSpeed count the step as skipped and hold the
+    LR schedule, exactly as its ZeRO optimizers do on an overflow; DeepSpeed still clears the gradients.
+    :func:`_end_skip_stage0` removes both after the step.
+    """
+    engine.optimizer.step = lambda *args, **kwargs: None
+    engine.optimizer.overflow = True
+
+
+def _end_skip_stage0(engine) -> None:
+    for name in ("step", "overflow"):
+        if name in vars(engine.optimizer):
+            delattr(engine.optimizer, name)
+
+
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
-        run_dir: Path, resume_from: Path | None = None, stop_flag=None) -> TrainState:
+        run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1) -> TrainState:
     """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
 
     Args:
@@ -119,19 +141,27 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         resume_from: checkpoint whose RNG states to restore once the first batch iterator exists.
         stop_flag: callable returning True when this rank was asked to stop (signal); checked every
             step and agreed on by all ranks, then a checkpoint is saved and the loop returns early.
+        launch: this launch's number in the run folder (marks its ``metrics.jsonl`` rows).
 
     Returns:
         The final :class:`TrainState`.
+
+    Raises:
+        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient
+            norm. Each such step is skipped (no parameter update) and counted; nothing is saved or
+            exported from the state the run stops in.
     """
     t = cfg.train
     gas, world, device = t.gradient_accumulation_steps, dist_utils.world_size(), engine.device
     token_weighted = t.loss_weighting == "token"
     sampler = train_dl.sampler
-    micro_per_epoch = (sampler.num_samples // t.micro_batch_size) // gas * gas
-    sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main())
+    step_rows = t.micro_batch_size * gas  # rows per rank per optimizer step
+    epoch_rows = sampler.num_samples  # rows per rank per epoch
+    sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
     stage0 = engine.zero_optimization_stage() == 0
     last_saved = state.step if resume_from else -1
-    # Running sums since the last log line: [loss of each step, steps, non-pad tokens]
+    bad_in_a_row = 0
+    # Running sums since the last log line: [loss of each good step, good steps, non-pad tokens]
     acc = torch.zeros(3, dtype=torch.float64, device=device)
     t_log = time.perf_counter()
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
@@ -139,51 +169,81 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     engine.train()
 
     while state.step < total_steps:
-        sampler.set_epoch(state.epoch, skip=state.batches_in_epoch * t.micro_batch_size)
+        done = state.samples_in_epoch // world  # this rank's rows of the epoch already trained on
+        sampler.set_epoch(state.epoch, skip=done)
         getattr(train_dl.collate_fn, "set_epoch", lambda epoch: None)(state.epoch)  # MLM masks: (seed, epoch, row)
         batches = iter(train_dl)
         if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
             ckpt_utils.restore_rng_state(resume_from)
             resume_from = None
-        while state.batches_in_epoch < micro_per_epoch and state.step < total_steps:
+        while done + step_rows <= epoch_rows and state.step < total_steps:
             micro = [next(batches) for _ in range(gas)]
             if token_weighted:
                 n = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum().to(device, torch.float32)
                 denom = dist_utils.all_reduce_sum(n).clamp(min=1.0) / (world * gas)
             grad_norm = None
             log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, batch in enumerate(micro):
                 batch = to_device(batch, device)
                 labels = batch.pop("labels")
                 norm = denom if token_weighted else recipe.count_targets(labels).clamp(min=1)
                 loss = recipe.loss_sum(engine(**batch).logits, labels) / norm
                 engine.backward(loss)
-                if stage0 and log_now and i == gas - 1:
-                    grad_norm = _grad_norm_stage0(engine)  # grads are all-reduced; DeepSpeed keeps no norm at stage 0
+                if stage0 and i == gas - 1:  # grads are all-reduced: the same norm on every rank
+                    grad_norm = _grad_norm_stage0(engine)  # DeepSpeed keeps no norm at stage 0
+                    if not math.isfinite(grad_norm):
+                        _skip_update_stage0(engine)
                 engine.step()
-                acc[0] += loss.detach().double() / gas
+                step_loss += loss.detach().double() / gas
                 acc[2] += batch["attention_mask"].sum()
-            acc[1] += 1
+            if stage0:
+                _end_skip_stage0(engine)
             state.step += 1
-            state.batches_in_epoch += gas
+            state.samples_in_epoch += step_rows * world
+            done += step_rows
             pbar.update(1)
+
+            # One all-reduce per step for both: a stop signal on any rank, a non-finite loss on any rank.
+            stop_here = stop_flag is not None and stop_flag() and state.step < total_steps
+            flags = dist_utils.all_reduce_sum(torch.stack([
+                torch.tensor(float(stop_here), dtype=torch.float64, device=device),
+                (~torch.isfinite(step_loss)).double()]))
+            stop, loss_bad = (flags > 0).tolist()
+            if loss_bad or not engine.was_step_applied():
+                state.bad_steps += 1
+                bad_in_a_row += 1
+                logger.warning(f"step {state.step}: non-finite loss or gradient norm; update skipped "
+                               f"({bad_in_a_row} in a row; the run stops at train.max_bad_steps={t.max_bad_steps})")
+                if bad_in_a_row >= t.max_bad_steps:
+                    pbar.close()
+                    last = ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(run_dir))
+                    raise TrainingDiverged(
+                        f"training diverged: {bad_in_a_row} consecutive optimizer steps up to step {state.step} had "
+                        f"a non-finite loss or gradient norm (train.max_bad_steps={t.max_bad_steps}); nothing was "
+                        f"saved or exported from this state; last good checkpoint: "
+                        f"{last[-1] if last else 'none'}; lower train.lr or check the data")
+            else:
+                bad_in_a_row = 0
+                acc[0] += step_loss
+                acc[1] += 1
 
             if log_now:
                 totals = dist_utils.all_reduce_sum(acc.clone())
                 elapsed = time.perf_counter() - t_log
-                steps = max(totals[1].item() / world, 1.0)
+                steps = totals[1].item() / world
                 if grad_norm is None:
                     gn = engine.get_global_grad_norm()
                     grad_norm = float(gn) if gn is not None else float("nan")
                 state.tokens_seen += int(totals[2].item())
-                scalars = {"train/loss": totals[0].item() / world / steps, "train/lr": engine.get_lr()[0],
-                           "train/grad_norm": grad_norm, "train/tokens_per_s": totals[2].item() / elapsed,
-                           "train/epoch": state.epoch + state.batches_in_epoch / micro_per_epoch}
+                scalars = {"train/loss": totals[0].item() / world / steps if steps else float("nan"),
+                           "train/lr": engine.get_lr()[0], "train/grad_norm": grad_norm,
+                           "train/tokens_per_s": totals[2].item() / elapsed,
+                           "train/epoch": state.epoch + state.samples_in_epoch / (epoch_rows * world),
+                           "train/bad_steps": state.bad_steps}
                 sink.write(state.step, scalars)
                 pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}", tok_s=f"{scalars['train/tokens_per_s']:.0f}")
                 logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
-                if not math.isfinite(scalars["train/loss"]):
-                    logger.warning(f"step {state.step}: train loss is {scalars['train/loss']}")
                 acc.zero_()
                 t_log = time.perf_counter()
 
@@ -192,24 +252,24 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 sink.write(state.step, metrics)
                 logger.info(f"step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
                 t_log = time.perf_counter()
-            # (not at the last step: that one ends the run normally, with its final eval and checkpoint)
-            stop = stop_flag is not None and state.step < total_steps and dist_utils.any_rank(stop_flag(), device)
-            if stop or (t.save_every and state.step % t.save_every == 0):
-                ckpt_utils.save(engine, run_dir, state)
+            # (not at the last step: that one ends the run normally, with its final eval and checkpoint;
+            # not right after a skipped step: the save waits for the end or a stop)
+            if stop or (t.save_every and state.step % t.save_every == 0 and bad_in_a_row == 0):
+                ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg))
                 last_saved = state.step
                 t_log = time.perf_counter()
             if stop:
                 logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                 pbar.close()
                 return state
-        if state.batches_in_epoch >= micro_per_epoch:
+        if done + step_rows > epoch_rows:
             state.epoch += 1
-            state.batches_in_epoch = 0
+            state.samples_in_epoch = 0
     pbar.close()
 
     metrics = evaluate(engine, eval_dl, recipe, cfg)
     sink.write(state.step, metrics)
     logger.info(f"final eval at step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     if last_saved != state.step:
-        ckpt_utils.save(engine, run_dir, state)
+        ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg))
     return state

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import checkpoint as ckpt_utils
+from finetune import resume as resume_policy
+from finetune import run_folder
 from finetune.config import ConfigError, RunConfig
 from finetune.data import check_parquet_files, expand_files
-from finetune.ds_config import resolve_ds_config
+from finetune.ds_config import resolve_ds_config, zero_stage
 from finetune.recipes import RECIPES
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -19,10 +22,28 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
 
 @dataclass
 class Resolved:
-    """What validation worked out: the DeepSpeed dict and the checkpoint to resume from (or None)."""
+    """What validation worked out: the DeepSpeed dict, the checkpoint to resume from (or None) and, for a
+    resume, one line per config change against the checkpoint's config (for the log)."""
 
     ds: dict
     resume_ckpt: Path | None
+    resume_notes: list[str] = field(default_factory=list)
+
+
+def _check_writable(key: str, path: str, problems: list[str]) -> None:
+    """``path`` (need not exist yet) can be created and written: its nearest existing ancestor is a writable folder."""
+    p = Path(path).absolute()
+    if p.parts[1:2] in (("proc",), ("sys",)):
+        problems.append(f"{key}: '{path}' is under /{p.parts[1]} (a kernel file system); choose a folder on a disk")
+        return
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        problems.append(f"{key}: '{probe}' is a file, not a folder; choose another {key}")
+    elif not os.access(probe, os.W_OK | os.X_OK):
+        problems.append(f"{key}: '{path}' cannot be written ('{probe}' is read-only or not yours); "
+                        f"choose a writable {key}")
 
 
 def _check_model(cfg: RunConfig, problems: list[str]) -> None:
@@ -73,7 +94,8 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.loss_weighting: '{t.loss_weighting}' is not 'token' or 'micro_batch'")
 
 
-def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool) -> Resolved:
+def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
+                 allow_changes: bool = False) -> Resolved:
     """Check everything that can be checked before a model is built; raise all problems together.
 
     Args:
@@ -81,6 +103,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         resume: the ``--resume`` value (``latest``, a path) or None.
         world_size: number of ranks of this launch.
         on_cpu: True on DeepSpeed's CPU accelerator.
+        allow_changes: ``--resume-allow-changes``: config changes that make a different run are notes, not
+            problems (see :mod:`finetune.resume`).
 
     Returns:
         :class:`Resolved`.
@@ -88,14 +112,16 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     Raises:
         ConfigError: one line per problem: unknown recipe, missing model/tokenizer/data files,
             unreadable/empty parquet, missing text column, bad numbers, DeepSpeed JSON problems
-            (unknown keys, batch-size contradiction), nothing to resume, or an output folder that
-            already holds checkpoints.
+            (unknown keys, batch-size contradiction), nothing to resume, a checkpoint of another world size
+            or ZeRO stage, refused config changes on resume, an output folder that already holds
+            checkpoints, is locked by a live launch, or cannot be written.
     """
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
         problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
-    if not cfg.output_dir:
-        problems.append("output_dir: not set (the run folder for logs, checkpoints and the export)")
+    if not cfg.output_dir and not cfg.output_root:
+        problems.append("output_dir: not set (the run folder for logs, checkpoints and the export; or set "
+                        "output_root, a parent folder in which every launch gets a new run folder)")
     _check_model(cfg, problems)
     if not cfg.data.train_files:
         problems.append("data.train_files: no training files given")
@@ -109,15 +135,32 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems += ds_problems
     except ConfigError as e:
         problems += e.problems
-    resume_ckpt = None
+    resume_ckpt, notes = None, []
     if cfg.output_dir:
+        _check_writable("output_dir", cfg.output_dir, problems)
         if resume is not None:
             resume_ckpt, problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
             if problem:
                 problems.append(problem)
+            elif ds:
+                problems += ckpt_utils.check_compatible(resume_ckpt, world_size, zero_stage(ds))
+                old = ckpt_utils.saved_config(resume_ckpt)
+                if old is not None:
+                    refused, notes = resume_policy.review(old, ckpt_utils.marker(resume_ckpt).get("world_size", 1),
+                                                          cfg, world_size, allow_changes)
+                    problems += refused
         elif ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(cfg.output_dir)):
             problems.append(f"output_dir: '{cfg.output_dir}' already holds checkpoints; pass --resume to continue "
                             f"that run or choose a new output_dir (nothing is overwritten)")
+        lock = run_folder.lock_problem(cfg.output_dir)
+        if lock:
+            problems.append(lock)
+    elif cfg.output_root:
+        _check_writable("output_root", cfg.output_root, problems)
+        if resume is not None:
+            problems.append(f"--resume: no run under output_root '{cfg.output_root}' has a complete checkpoint "
+                            f"(a checkpoint counts once its '{ckpt_utils.MARKER}' marker exists); drop --resume "
+                            f"to start a new run")
     if problems:
         raise ConfigError(problems)
-    return Resolved(ds=ds, resume_ckpt=resume_ckpt)
+    return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes)

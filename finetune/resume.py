@@ -1,0 +1,139 @@
+"""What ``--resume`` may change, and applying the changes that are allowed.
+
+A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_config.yaml``). On
+``--resume`` the launch's config is compared with it key by key and every difference is printed:
+
+* **Refused** (the continuation would be a different run), one line per key, unless
+  ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key, the ``data.*`` keys that decide
+  which rows and tokens exist (files, columns, ``max_seq_len``, ``packing``, masking, row caps, the
+  held-out fraction), ``train.seed``, ``train.loss_weighting`` and the global batch size
+  (micro batch x accumulation x world size).
+* **Applied** from the resumed step on: the learning rate and its schedule (``lr``, ``lr_scheduler``,
+  ``warmup_steps``, and ``max_steps``/``epochs``, which set the schedule's length: the scheduler is
+  rebuilt for the new values at the current step), the AdamW hyper-parameters (written into the restored
+  optimizer's parameter groups, which would otherwise keep the checkpoint's), clipping, and the eval,
+  save and log cadence (read from the config by the loop).
+* A different micro batch / accumulation split of the same global batch is allowed: the loop position is
+  kept in rows of the epoch's global order (``TrainState.samples_in_epoch``), so no row is repeated or
+  skipped.
+
+A different world size or ZeRO stage is refused before anything is built
+(:func:`finetune.checkpoint.check_compatible`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from finetune.config import RunConfig, config_to_dict
+
+_REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
+_REFUSED_PREFIXES = ("model.", "data.")
+_FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of"}
+_NOT_COMPARED = {"output_dir", "output_root"}
+SCHEDULE_KEYS = ("train.lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps", "train.epochs")
+_OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "config_overrides":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changes(old: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """``key -> (checkpoint's value, this launch's value)`` for every run-config key that differs."""
+    a, b = _flatten(old), _flatten(config_to_dict(cfg))
+    keys = [k for k in dict.fromkeys([*b, *a]) if k not in _NOT_COMPARED]
+    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+
+
+def _refused(key: str) -> bool:
+    return key in _REFUSED_EXACT or (key.startswith(_REFUSED_PREFIXES) and key not in _FREE_DATA)
+
+
+def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -> tuple[list[str], list[str]]:
+    """Compare the checkpoint's config with this launch's.
+
+    Args:
+        old: the checkpoint's resolved run config (dict).
+        old_world: the checkpoint's world size (from its ``COMPLETE`` marker).
+        cfg: this launch's config.
+        world: this launch's world size.
+        allow: ``--resume-allow-changes`` was given.
+
+    Returns:
+        ``(problems, notes)``: one-line refusals (empty when ``allow``) and one line per change for the log.
+    """
+    diff = changes(old, cfg)
+    problems, notes = [], []
+    fix = "start a new run (drop --resume), or pass --resume-allow-changes to continue anyway"
+    for key, (was, now) in diff.items():
+        if key in ("train.micro_batch_size", "train.gradient_accumulation_steps"):
+            continue
+        if _refused(key):
+            line = f"--resume: {key} changed ({was!r} -> {now!r}): the continuation would be a different run"
+            (notes if allow else problems).append(line + ("; continuing as --resume-allow-changes asks" if allow
+                                                          else f"; {fix}"))
+        elif key in SCHEDULE_KEYS:
+            notes.append(f"--resume: {key}: {was!r} -> {now!r} (applied: the LR schedule is rebuilt at the current step)")
+        else:
+            notes.append(f"--resume: {key}: {was!r} -> {now!r} (applied from now on)")
+    ot, t = old.get("train", {}), cfg.train
+    old_micro, old_gas = ot.get("micro_batch_size", t.micro_batch_size), ot.get("gradient_accumulation_steps",
+                                                                              t.gradient_accumulation_steps)
+    old_global, new_global = old_micro * old_gas * old_world, t.micro_batch_size * t.gradient_accumulation_steps * world
+    split = (f"micro batch {old_micro} x accumulation {old_gas} x world {old_world} -> "
+             f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {world}")
+    if old_global != new_global:
+        line = f"--resume: the global batch changed from {old_global} to {new_global} rows ({split})"
+        (notes if allow else problems).append(
+            line + ("; continuing as --resume-allow-changes asks" if allow else
+                    f": a different run; keep micro batch x accumulation x world size = {old_global}, or {fix}"))
+    elif (old_micro, old_gas) != (t.micro_batch_size, t.gradient_accumulation_steps):
+        notes.append(f"--resume: same global batch of {new_global} rows, new split ({split}); the position is kept "
+                     f"in rows, so no row is repeated or skipped")
+    return problems, notes
+
+
+def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
+    """Make the restored optimizer and LR schedule follow this launch's config (after ``load_checkpoint``).
+
+    DeepSpeed restores the optimizer's parameter groups and the scheduler's state from the checkpoint,
+    which would silently keep the old learning rate, schedule and AdamW settings. Optimizer settings are
+    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.param_groups`);
+    when a schedule key changed, a new ``transformers.get_scheduler`` schedule is built for the new values
+    and moved to the restored position (``last_epoch``), so the next step uses the new schedule's value.
+    Nothing is touched when nothing changed (resume stays bit-exact).
+    """
+    from transformers import get_scheduler
+
+    diff = changes(old, cfg)
+    t = cfg.train
+    groups = engine.optimizer.param_groups
+    if any(k in diff for k in _OPTIMIZER_KEYS):
+        for i, g in enumerate(groups):
+            if "betas" in g:
+                g["betas"] = (t.adam_beta1, t.adam_beta2)
+            if "eps" in g:
+                g["eps"] = t.adam_eps
+            if i == 0:
+                g["weight_decay"] = t.weight_decay
+    if not any(k in diff for k in SCHEDULE_KEYS) or engine.lr_scheduler is None:
+        return
+    old_sched = engine.lr_scheduler
+    position = old_sched.last_epoch
+    for g in groups:
+        g["initial_lr"] = t.lr
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
+        sched = get_scheduler(t.lr_scheduler, old_sched.optimizer, num_warmup_steps=t.warmup_steps,
+                              num_training_steps=total_steps)
+        sched.last_epoch = position - 1
+        sched.step()
+    engine.lr_scheduler = sched

@@ -1,0 +1,157 @@
+"""``--resume`` with a changed config, a changed layout, and runs that diverge (issue 7, items 1-4 and 10).
+
+One real 8-step run (2 CPU ranks, ZeRO-2, tiny GPT-2, checkpoint at step 4) is the base; each resume
+works on a copy of it. Refusals are checked by single-process launches that carry the base run's rank
+environment (``WORLD_SIZE=2``): validation refuses before any process group or model exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CONFIGS, cpu_env, free_port, launch, ok, read_metrics, run_python, train_losses
+
+CONFIG = CONFIGS / "tiny_gpt.yaml"
+BASE = ["train.max_steps=8", "train.save_every=4", "train.eval_every=0", "train.log_every=1", "export=false"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("base") / "run"
+    ok(launch(CONFIG, [f"output_dir={run}", *BASE]))
+    return run
+
+
+def copy_of(base: Path, tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(base, run)
+    return run
+
+
+def two_rank_env() -> dict:
+    """Rank 0 of a 2-rank world, for validation-only launches (refused before the process group starts)."""
+    return cpu_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def errors(proc) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+
+
+def snapshot(run: Path) -> dict[str, float]:
+    """Every file of the run folder -> mtime (a refused launch must leave all of them as they were)."""
+    return {str(p.relative_to(run)): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+
+
+def test_run_records_and_checkpoint_config(base):
+    """The checkpoint keeps its resolved config; the launch record is in launches/1; rows are marked by launch."""
+    ck = base / "checkpoints" / "step4"
+    assert (ck / "run_config.yaml").is_file() and "lr: 0.02" in (ck / "run_config.yaml").read_text()
+    assert sorted(p.name for p in (base / "launches").iterdir()) == ["1"]
+    for name in ("run_config.yaml", "ds_config.json", "meta.json"):
+        assert (base / "launches" / "1" / name).read_text() == (base / name).read_text()
+    rows = read_metrics(base)
+    assert {r["launch"] for r in rows} == {1} and all("train/bad_steps" in r for r in rows if "train/loss" in r)
+    assert not (base / ".lock").exists(), "the lock is released at the end"
+
+
+def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path):
+    """Data files, seed, global batch and ZeRO stage: one line each, exit 2, nothing written."""
+    run = copy_of(base, tmp_path)
+    before = snapshot(run)
+    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE,
+                       "data.train_files=[data/wikitext2/validation.parquet]", "train.seed=7",
+                       "train.micro_batch_size=2", "ds.zero_optimization.stage=3", "--resume"], env=two_rank_env())
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    lines = errors(proc)
+    assert any("data.train_files changed" in ln and "--resume-allow-changes" in ln for ln in lines), lines
+    assert any("train.seed changed (42 -> 7)" in ln for ln in lines), lines
+    assert any("global batch changed from 8 to 4" in ln for ln in lines), lines
+    assert any("ZeRO stage 2" in ln and "ds.zero_optimization.stage=2" in ln for ln in lines), lines
+    assert len(lines) == 4, lines
+    assert snapshot(run) == before, "a refused launch wrote into the run folder"
+
+
+def test_world_size_change_refused_before_anything_is_built(base, tmp_path):
+    run = copy_of(base, tmp_path)
+    before = snapshot(run)
+    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE, "--resume"])
+    assert proc.returncode == 2
+    assert errors(proc) and "world size 2, this launch has 1" in errors(proc)[0]
+    assert "Traceback" not in proc.stdout and "model:" not in proc.stdout
+    assert snapshot(run) == before, "a refused launch rewrote meta.json or something else"
+
+
+def test_export_onto_a_file_is_a_one_line_error(base, tmp_path):
+    a_file = tmp_path / "model.bin"
+    a_file.write_text("x")
+    proc = run_python(["-m", "finetune", "export", str(base / "checkpoints" / "step8"), str(a_file)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout
+    assert errors(proc) == [f"finetune: error: export: '{a_file}' is a file, not a folder; give the path of a new folder"]
+
+
+def test_lr_change_is_applied_and_split_change_repeats_no_row(base, tmp_path):
+    """``train.lr`` on resume rebuilds the schedule from the resumed step; a new micro batch x accumulation split
+    of the same global batch continues with exactly the uninterrupted run's losses (no row repeated or skipped)."""
+    reference = train_losses(base)
+
+    run = copy_of(base, tmp_path / "lr")
+    proc = ok(launch(CONFIG, [f"output_dir={run}", *BASE, "train.lr=0.1"], resume=str(run / "checkpoints" / "step4")))
+    assert "train.lr: 0.02 -> 0.1 (applied" in proc.stdout
+    lr = {r["step"]: r["train/lr"] for r in read_metrics(run) if r.get("launch") == 2 and "train/lr" in r}
+    # linear schedule, 2 warmup steps, 8 steps: lr(s) = peak * (8 - s) / 6 after step s
+    assert lr[5] == pytest.approx(0.1 * 3 / 6, rel=1e-6) and lr[7] == pytest.approx(0.1 / 6, rel=1e-6)
+    assert sorted(p.name for p in (run / "launches").iterdir()) == ["1", "2"]
+    assert "lr: 0.1" in (run / "launches" / "2" / "run_config.yaml").read_text()
+    assert "lr: 0.02" in (run / "run_config.yaml").read_text(), "the first launch's record was rewritten"
+    steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 8, 5, 6, 7, 8]  # rows of both launches, told apart by "launch"
+
+    run = copy_of(base, tmp_path / "split")
+    proc = ok(launch(CONFIG, [f"output_dir={run}", *BASE, "train.micro_batch_size=2",
+                              "train.gradient_accumulation_steps=2"], resume=str(run / "checkpoints" / "step4")))
+    assert "same global batch of 8 rows, new split" in proc.stdout
+    resumed = {r["step"]: r["train/loss"] for r in read_metrics(run) if r.get("launch") == 2 and "train/loss" in r}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), f"step {step}: rows differ from the uninterrupted run"
+
+
+def test_skipped_nonfinite_steps_leave_weights_unchanged(tmp_path):
+    """ZeRO-0: once the loss is NaN each step is skipped (weights as at the last good step), counted, logged as
+    null (valid JSON), and the export check refuses the non-finite logits."""
+    run = tmp_path / "run"
+    proc = launch(CONFIG, [f"output_dir={run}", "deepspeed=ds_configs/zero0.json", "train.lr=1e30",
+                           "train.max_steps=5", "train.save_every=1", "train.eval_every=0", "train.log_every=1",
+                           "train.max_bad_steps=100"])
+    assert proc.returncode != 0, "an export of a diverged model must fail its check"
+    assert "export check failed: the logits are not finite" in proc.stdout
+    rows = read_metrics(run)  # every line parses (json.loads): no bare NaN
+    bad = {r["step"]: r["train/bad_steps"] for r in rows if "train/bad_steps" in r}
+    first_bad = min(s for s, n in bad.items() if n > 0)
+    assert bad[5] == 5 - first_bad + 1 and first_bad >= 2, bad
+    assert all(r["train/loss"] is None for r in rows if "train/loss" in r and r["step"] >= first_bad)
+    good = torch.load(run / "checkpoints" / f"step{first_bad - 1}" / "mp_rank_00_model_states.pt",
+                      weights_only=False)["module"]
+    last = torch.load(run / "checkpoints" / "step5" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert all(torch.equal(good[k], last[k]) for k in good), "a skipped step changed the weights"
+    check = json.loads((run / "export_check.json").read_text())
+    assert check["finite"] is False and check["max_abs_logit_diff"] is None
+    assert not (run / "export_check.pt").exists()
+
+
+def test_divergence_stops_the_run_without_saving_or_exporting(tmp_path):
+    """ZeRO-2: ``train.max_bad_steps`` consecutive bad steps end the run with one error line, exit status 3."""
+    run = tmp_path / "run"
+    proc = launch(CONFIG, [f"output_dir={run}", "train.lr=1e30", "train.max_steps=30", "train.save_every=10",
+                           "train.eval_every=0", "train.log_every=1"])
+    assert proc.returncode != 0
+    lines = errors(proc)
+    assert len(lines) == 1 and "training diverged: 3 consecutive optimizer steps" in lines[0], proc.stdout[-3000:]
+    assert "last good checkpoint: none" in lines[0]
+    assert not (run / "export").exists() and not list((run / "checkpoints").glob("step*"))
+    assert max(r["step"] for r in read_metrics(run)) < 10

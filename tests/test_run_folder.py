@@ -1,0 +1,101 @@
+"""Run folders: a new folder per launch under ``output_root``, resume-the-newest, a requeued job finds its own
+run, one launch per folder (the lock), unwritable folders refused in one line (issues 13 and 7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
+
+from finetune import run_folder
+
+CONFIG = CONFIGS / "tiny_gpt.yaml"
+SHORT = ["train.max_steps=2", "train.save_every=0", "train.eval_every=0", "train.log_every=1", "export=false"]
+
+
+def errors(proc) -> list[str]:
+    return [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+
+
+def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
+    """The shipped-config pattern: the same command twice makes two runs; --resume continues the newer one;
+    a requeued Slurm job continues its own run even when a newer run exists."""
+    root = tmp_path / "runs"
+    common = ["output_dir=", f"output_root={root}", *SHORT]
+    ok(launch(CONFIG, common, env=cpu_env(SLURM_JOB_ID="4242")))
+    first = run_folder.runs_under(root)
+    assert len(first) == 1 and first[0].name.endswith("-job4242")
+    time.sleep(1.1)  # names carry the second of the launch
+    proc = ok(launch(CONFIG, common))
+    runs = run_folder.runs_under(root)
+    assert len(runs) == 2 and runs[0] == first[0]
+    newest = runs[1]
+    assert f"run folder {newest}" in proc.stdout
+    before = {p: p.stat().st_mtime_ns for p in first[0].rglob("*") if p.is_file()}
+
+    ok(launch(CONFIG, ["output_dir=", f"output_root={root}", *SHORT, "train.max_steps=3"], resume="latest"))
+    assert sorted(p.name for p in (newest / "launches").iterdir()) == ["1", "2"]
+    assert max(r["step"] for r in read_metrics(newest)) == 3
+    assert {p: p.stat().st_mtime_ns for p in first[0].rglob("*") if p.is_file()} == before, "old run was touched"
+
+    # A requeued job (same SLURM_JOB_ID, SLURM_RESTART_COUNT=1, no --resume) resumes its own, older run.
+    proc = ok(launch(CONFIG, ["output_dir=", f"output_root={root}", *SHORT, "train.max_steps=3"],
+                     env=cpu_env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")))
+    assert f"resuming from the latest complete checkpoint in {first[0]}" in proc.stdout
+    assert sorted(p.name for p in (first[0] / "launches").iterdir()) == ["1", "2"]
+    assert len(run_folder.runs_under(root)) == 2
+
+
+def test_second_launch_into_a_busy_folder_is_refused(tmp_path):
+    """Two launches into one output_dir: the second is refused in one line and writes nothing; the first finishes."""
+    run = tmp_path / "run"
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "finetune/run.py",
+           "--config", str(CONFIG), f"output_dir={run}", "train.max_steps=24", "train.save_every=0",
+           "train.eval_every=0", "export=false"]
+    first = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while not (run / ".lock").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        holder = json.loads((run / ".lock").read_text())
+        assert holder["pid"] > 0 and holder["host"]
+        second = launch(CONFIG, [f"output_dir={run}", "train.max_steps=24", "export=false"])
+        assert second.returncode != 0
+        lines = errors(second)
+        assert len(lines) == 1 and "is in use by another launch" in lines[0] and f"pid {holder['pid']}" in lines[0]
+        out, _ = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, out[-3000:]
+    assert sorted(p.name for p in (run / "launches").iterdir()) == ["1"]
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 25)), "metrics of two launches interleaved"
+
+
+def test_stale_lock_of_a_dead_process_is_replaced(tmp_path):
+    """A lock whose process is gone (same host) does not block; a live holder does."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    (tmp_path / ".lock").write_text(json.dumps({"host": os.uname().nodename, "pid": pid, "since_utc": "x"}))
+    assert run_folder.lock_problem(tmp_path) is None
+    lock = run_folder.RunLock(tmp_path)
+    assert lock.acquire() is None and json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    other = run_folder.RunLock(tmp_path)  # this process is alive: a second taker is refused
+    assert "in use by another launch" in (other.acquire() or "")
+    lock.release()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_unwritable_output_dirs_are_one_line_errors(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    for out, needle in ((f"/proc/finetune-{os.getpid()}", "kernel file system"), (f"{a_file}/run", "is a file")):
+        proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={out}"])
+        assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-2000:]
+        assert any(needle in ln for ln in errors(proc)), proc.stdout[-2000:]
