@@ -165,8 +165,8 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
 
     The batch is the first 4 validation rows (collated under a fixed seed). Rank 0 reloads
     ``run_dir/export`` with plain ``from_pretrained`` and writes ``export_check.json``: the maximum absolute
-    logit difference, the batch shape and a small summary of the engine's logits (mean, std, the first
-    logits of the first position), never the full tensors. A non-finite difference (NaN/inf logits) never
+    logit difference, the input batch (token ids and attention mask) and a small summary of the engine's
+    logits (shape, mean, std, the first 8 logits of the first position), never the full tensors. A non-finite difference (NaN/inf logits) never
     passes, and the JSON stays valid (``null`` for a non-finite number).
 
     Raises:
@@ -197,7 +197,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
             return x if math.isfinite(x) else None
 
         summary = {"max_abs_logit_diff": finite(diff), "finite": math.isfinite(diff),
-                   "batch_shape": list(inputs["input_ids"].shape), "logits_shape": list(ref.shape),
+                   "inputs": {k: v.tolist() for k, v in inputs.items()}, "logits_shape": list(ref.shape),
                    "engine_logits_mean": finite(ref.mean().item()), "engine_logits_std": finite(ref.std().item()),
                    "engine_logits_head": [finite(v) for v in ref.reshape(-1)[:8].tolist()]}
         (run_dir / "export_check.json").write_text(json.dumps(summary, indent=2, allow_nan=False))

@@ -103,11 +103,31 @@ def test_known_deepspeed_keys_come_from_deepspeed():
     assert "zero_optimisation" not in keys
 
 
+def _earlier_run(root: Path, name: str = "20260101-000000") -> Path:
+    """A finished run under ``root``: launch record and a complete checkpoint (what the main command leaves)."""
+    ck = root / name / "checkpoints" / "step5"
+    ck.mkdir(parents=True)
+    (ck / "COMPLETE").write_text(json.dumps({"step": 5, "world_size": 2, "zero_stage": 2}))
+    (root / name / "launches" / "1").mkdir(parents=True)
+    return root / name
+
+
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
-def test_shipped_run_config_validates(path):
-    cfg = load_run_config(path, STAND_INS.get(path.name, []))
+def test_shipped_run_config_validates(path, tmp_path):
+    """Every shipped config validates, also when its root already holds a finished run (the quick start run
+    twice): a new launch gets a new folder, ``--resume`` finds the earlier run. The root is the test's own."""
+    root = tmp_path / "runs"
+    earlier = _earlier_run(root)
+    cfg = load_run_config(path, [*STAND_INS.get(path.name, []), f"output_root={root}"])
+    assert cfg.output_root and not cfg.output_dir, "shipped configs name a root, so they can run again"
     resolved = validate_run(cfg, None, world_size=2, on_cpu=True)
     assert resolved.ds["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * 2
+    assert resolved.resume_ckpt is None and not cfg.output_dir  # the new folder is named at launch
+
+    from finetune.run_folder import resolve_output_dir
+
+    resume, _ = resolve_output_dir(cfg, "latest")
+    assert cfg.output_dir == str(earlier) and resume == "latest"
 
 
 def test_reference_target_config_needs_its_real_paths():

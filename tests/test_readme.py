@@ -48,7 +48,10 @@ def test_readme_main_command_in_fresh_clone(tmp_path):
     proc = subprocess.run(argv, cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    run = clone / "runs" / "gpt_clm_wikitext2"
+    runs = sorted((clone / "runs" / "gpt_clm_wikitext2").iterdir())
+    assert len(runs) == 1, runs  # output_root: one new run folder per launch
+    run = runs[0]
+    assert f"run folder runs/gpt_clm_wikitext2/{run.name}" in proc.stdout
     assert (run / "logs" / "rank0.log").is_file() and (run / "logs" / "rank1.log").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run / "checkpoints").glob("step*/COMPLETE"))
