@@ -9,6 +9,7 @@ Per optimizer step, on every rank::
         loss = loss_sum(logits, b.labels) * world * gas / N             # recipe's summed token loss
         engine.backward(loss)                                           # DeepSpeed divides by gas ...
         engine.step()                                                   # ... and averages over ranks
+    stop, bad = all_reduce([stop signal here?, loss not finite here?])  # the step's second all-reduce
 
 Token-weighted loss (``train.loss_weighting: token``, default). DeepSpeed averages gradients with equal
 weight per micro-batch and per rank, which is not the gradient of the mean over all target tokens when
@@ -21,6 +22,13 @@ batch); after DeepSpeed's ``1/G`` scaling and ``1/W`` averaging the gradient is 
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
 The loss is computed here from the logits by the recipe (``loss_sum``), never by the model: models do not
 all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns its own mean).
+
+Non-finite steps. A step whose loss (any rank) or global gradient norm is not finite is skipped: ZeRO 1-3
+skip it themselves (DeepSpeed's overflow check, also forced on for bf16 in ``engine.build_engine``); at
+stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and makes that step a no-op.
+Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a row raise
+:class:`TrainingDiverged`. The position in the epoch is counted in rows of the global order
+(``TrainState.samples_in_epoch``), so a resume with another micro-batch split continues at the next row.
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
