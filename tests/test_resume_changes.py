@@ -155,3 +155,18 @@ def test_divergence_stops_the_run_without_saving_or_exporting(tmp_path):
     assert "last good checkpoint: none" in lines[0]
     assert not (run / "export").exists() and not list((run / "checkpoints").glob("step*"))
     assert max(r["step"] for r in read_metrics(run)) < 10
+
+
+def test_allow_changes_turns_refusals_into_warnings(base, tmp_path, monkeypatch):
+    """``--resume-allow-changes``: the same changes validate, each reported as a warning line."""
+    from finetune.config import load_run_config
+    from finetune.validate import validate_run
+
+    monkeypatch.chdir(CONFIG.parent.parent.parent)
+    run = copy_of(base, tmp_path)
+    cfg = load_run_config(CONFIG, [f"output_dir={run}", *BASE, "data.train_files=[data/wikitext2/validation.parquet]",
+                                   "train.micro_batch_size=2"])
+    resolved = validate_run(cfg, "latest", world_size=2, on_cpu=True, allow_changes=True)
+    assert resolved.resume_ckpt == run / "checkpoints" / "step8"
+    notes = [n for n in resolved.resume_notes if "continuing as --resume-allow-changes asks" in n]
+    assert any("data.train_files changed" in n for n in notes) and any("global batch changed" in n for n in notes)
