@@ -74,6 +74,8 @@ class DataConfig:
     MLM masks are seeded per row from ``(train.seed, epoch, row index)``, not from the RNG state."""
     max_train_rows: int = 0
     """Use only the first N training rows (0: all); for smoke tests."""
+    tokenize_timeout_minutes: float = 1440.0
+    """How long the other ranks wait for rank 0's first-time tokenization (not bounded by ``train.dist_timeout_minutes``)."""
 
 
 @dataclass

@@ -52,7 +52,8 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     t, d = cfg.train, cfg.data
     positive = {"train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps":
                 t.gradient_accumulation_steps, "train.lr": t.lr, "data.max_seq_len": d.max_seq_len,
-                "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes}
+                "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes,
+                "data.tokenize_timeout_minutes": d.tokenize_timeout_minutes}
     problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     non_negative = {"train.max_steps": t.max_steps, "train.warmup_steps": t.warmup_steps, "train.eval_every":
                     t.eval_every, "train.save_every": t.save_every, "train.weight_decay": t.weight_decay,
