@@ -184,12 +184,13 @@ PARTIAL_PREFIX = ".partial-"
 """Tokenization in progress writes ``<cache>/tokenized/.partial-<random>/`` (with ``owner.json``), never the entry."""
 
 
-def _tokenize_atomically(ds, fn, path: Path, desc: str) -> None:
+def _tokenize_atomically(ds, fn, path: Path, desc: str, fingerprint: str) -> None:
     """``ds.map(fn, batched=True)`` into ``path``, which appears only once complete (``os.replace``).
 
     The map writes inside a private folder ``PARTIAL_PREFIX...`` next to ``path`` (``datasets`` puts its own
     temp file there too), marked with this host and pid; a killed process leaves only that folder, which no
-    run reads and :func:`clean_dead_partials` removes.
+    run reads and :func:`clean_dead_partials` removes. ``fingerprint`` (our cache key) spares ``datasets``
+    hashing ``fn`` with its tokenizer (seconds for a large vocabulary).
     """
     import tempfile
 
@@ -199,7 +200,7 @@ def _tokenize_atomically(ds, fn, path: Path, desc: str) -> None:
         (partial / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                                         "entry": path.name}))
         ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(partial / path.name),
-               load_from_cache_file=False, desc=desc)
+               load_from_cache_file=False, desc=desc, new_fingerprint=fingerprint)
         os.replace(partial / path.name, path)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -291,7 +292,7 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
         else:
             start = time.monotonic()
             rows = DropEmptyText(fn, col)
-            _tokenize_atomically(ds, rows, path, f"tokenizing {name}")
+            _tokenize_atomically(ds, rows, path, f"tokenizing {name}", key)
             out = datasets.Dataset.from_file(str(path))
             dropped = rows.dropped
             logger.info(f"{name}: {len(out):,} rows (tokenized {len(ds):,} texts in {time.monotonic() - start:.1f} s"
