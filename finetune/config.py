@@ -75,7 +75,8 @@ class DataConfig:
     max_train_rows: int = 0
     """Use only the first N training rows (0: all); for smoke tests."""
     tokenize_timeout_minutes: float = 1440.0
-    """How long the other ranks wait for rank 0's first-time tokenization (not bounded by ``train.dist_timeout_minutes``)."""
+    """Minutes the other ranks wait for rank 0's first-time tokenization (a limit of its own: a large dataset
+    takes longer than ``train.dist_timeout_minutes``, the limit of the training collectives)."""
 
 
 @dataclass

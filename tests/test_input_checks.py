@@ -128,7 +128,8 @@ def test_bert_model_tokenizer_data_mismatches_before_any_model(tmp_path):
                        f"data.text_column to a text column (string columns: body (string)) or convert the column "
                        f"to strings")
     assert errs[1].startswith("model.config_overrides: 'num_hidden_layer' is not a key of the model config "
-                              "'data/models/bert-small/config.json' (model_type bert) (did you mean 'num_hidden_layers'?)")
+                              "'data/models/bert-small/config.json' (model_type bert) "
+                              "(did you mean 'num_hidden_layers'?)")
     assert errs[2].startswith("data.max_seq_len: 1024 is more tokens than the model has positions for "
                               "(max_position_embeddings=512") and errs[2].endswith("set data.max_seq_len=512 or lower")
     assert "has no mask or pad token; bert_mlm needs both" in errs[3]
