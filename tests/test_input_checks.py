@@ -200,7 +200,7 @@ def test_slow_first_tokenization_outlasts_dist_timeout_and_a_killed_one_leaves_n
         first.kill()
         first.wait()
     assert not list(tokenized.glob("*.arrow")), "a killed tokenization left a cache entry"
-    assert list(tokenized.glob(".partial-*")), "the test should kill the run while it writes"
+    assert any(p.is_file() for p in tokenized.rglob("*")), "the test should kill the run while it writes"
 
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), *args,
            f"output_dir={run}", "train.micro_batch_size=100000"]
