@@ -187,9 +187,12 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
 
     Raises:
         ConfigError: one line per problem: unknown recipe, missing model/tokenizer/data files,
-            unreadable/empty parquet, missing text column, bad numbers, DeepSpeed JSON problems
-            (unknown keys, batch-size contradiction), nothing to resume, or an output folder that
-            already holds checkpoints.
+            unreadable/empty parquet, missing or non-string text column, a text column without text,
+            model/tokenizer/data incompatibilities (:func:`_check_compatibility`: override keys, shape
+            overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
+            tokens), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
+            DeepSpeed's own parser only when our numbers are fine), nothing to resume, or an output
+            folder that already holds checkpoints.
     """
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
