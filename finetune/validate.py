@@ -121,8 +121,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
-    if tok_dir is None or not tok_dir.is_dir():
-        return
+    if tok_dir is None or not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return  # reported by _check_model
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:  # missing or corrupt tokenizer files raise many types
