@@ -198,12 +198,20 @@ def _tokenize_atomically(ds, fn, path: Path, desc: str, fingerprint: str) -> Non
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=path.parent))
     try:
         (partial / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                        "entry": path.name}))
+                                                        "pid_namespace": _pid_namespace(), "entry": path.name}))
         ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(partial / path.name),
                load_from_cache_file=False, desc=desc, new_fingerprint=fingerprint)
         os.replace(partial / path.name, path)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def _pid_namespace() -> int | None:
+    """Inode of this process's PID namespace (containers on one host may share a host name, not pids)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -219,16 +227,18 @@ def _pid_alive(pid: int) -> bool:
 def clean_dead_partials(folder: Path, stale_hours: float = 168.0) -> list[Path]:
     """Remove partial tokenizations of dead processes from ``folder`` (``<cache>/tokenized``).
 
-    A ``.partial-*`` folder is removed when its ``owner.json`` names this host and a pid that no longer runs,
-    or when it has no readable ``owner.json`` and is older than ``stale_hours`` (on another host a live run
-    cannot be told from a dead one, so those stay until then too). Returns the removed folders.
+    A ``.partial-*`` folder is removed when its ``owner.json`` names this host (and PID namespace) and a pid
+    that no longer runs, or when it is older than ``stale_hours`` (a live run on another host cannot be told
+    from a dead one, so those stay until then). Every node's local rank 0 calls it before tokenizing.
+    Returns the removed folders.
     """
     removed = []
     now = time.time()
     for p in sorted(folder.glob(PARTIAL_PREFIX + "*")) if folder.is_dir() else []:
         try:
             owner = json.loads((p / "owner.json").read_text())
-            dead = owner["host"] == socket.gethostname() and not _pid_alive(int(owner["pid"]))
+            dead = (owner["host"] == socket.gethostname() and owner.get("pid_namespace") == _pid_namespace()
+                    and not _pid_alive(int(owner["pid"])))
         except (OSError, ValueError, KeyError, TypeError):
             dead = False
         try:
@@ -305,7 +315,7 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
         return out
 
     with dist_utils.main_process_first(data_cfg.tokenize_timeout_minutes):
-        if dist_utils.is_main():
+        if dist_utils.local_rank() == 0:
             clean_dead_partials(tokenized_dir)
         raw_train = read(train_files)
         if data_cfg.max_train_rows:
