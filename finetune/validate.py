@@ -110,8 +110,9 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
-        problems.append(f"model.config_overrides: hidden size {hidden} is not a multiple of the number of attention "
-                        f"heads {heads} ({where} + overrides)")
+        overridden = set(m.config_overrides) & {"hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head"}
+        problems.append(f"{'model.config_overrides' if overridden else 'model.path'}: hidden size {hidden} is not a "
+                        f"multiple of the number of attention heads {heads} ({where} + overrides)")
     positions = next((getattr(config, k) for k in _POSITION_KEYS if isinstance(getattr(config, k, None), int)), None)
     if positions is not None:
         key = next(k for k in _POSITION_KEYS if getattr(config, k, None) == positions)
