@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -35,7 +36,12 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume-allow-changes", action="store_true",
                    help="on --resume, continue even when the config changes what the run is (data, model, seed, "
                         "global batch, ...): printed as notes instead of refused")
-    p.add_argument("--print-config", action="store_true", help="print the resolved run and DeepSpeed configs, exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="run every check a launch runs, print the resolved run and DeepSpeed configs, exit "
+                        "(status 2 and one line per problem when something is wrong)")
+    p.add_argument("--check", action="store_true",
+                   help="run every check a launch runs (config, files, model/tokenizer/data compatibility, "
+                        "resume target) and exit: 0 when all is well, 2 with one line per problem")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -89,6 +95,13 @@ def _error(e: ConfigError) -> int:
     return 2
 
 
+def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:
+    """``problems`` without those about a key that already has a load problem (``key: ...``): a key given with
+    the wrong type keeps its default, and a second line about that default would only confuse."""
+    keys = {p.split(":", 1)[0] for p in load_problems if re.match(r"^[\w.]+: ", p)}
+    return [p for p in problems if p.split(":", 1)[0] not in keys]
+
+
 def train_main(argv: list[str] | None = None) -> int:
     """Entry point of ``finetune/run.py`` and ``finetune train``. Returns the process exit status."""
     args = _train_parser().parse_args(argv)
@@ -96,23 +109,30 @@ def train_main(argv: list[str] | None = None) -> int:
     from finetune.run_folder import resolve_output_dir
 
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        load_problems: list[str] = []
+        cfg = load_run_config(args.config, args.overrides, problems=load_problems)
         launcher = dist_utils.export_rank_env()
-        if args.print_config:
-            from finetune.ds_config import resolve_ds_config
-
-            ds, problems = resolve_ds_config(cfg, dist_utils.world_size(), _on_cpu())
-            if problems:
-                raise ConfigError(problems)
-            if dist_utils.rank() == 0:
-                print(dump_yaml({**config_to_dict(cfg), "resolved_deepspeed": ds}))
-            return 0
         from finetune.validate import validate_run
 
         args.resume, note = resolve_output_dir(cfg, args.resume)
-        if note and dist_utils.rank() == 0:
+        if note and dist_utils.rank() == 0 and not (args.print_config or args.check):
             print(f"finetune: {note}", file=sys.stderr, flush=True)
-        resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu(), args.resume_allow_changes)
+        try:
+            resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu(), args.resume_allow_changes)
+        except ConfigError as e:
+            raise ConfigError(load_problems + _unless_about(e.problems, load_problems)) from e
+        if load_problems:
+            raise ConfigError(load_problems)
+        if args.print_config or args.check:
+            if dist_utils.rank() == 0:
+                if args.print_config:
+                    print(dump_yaml({**config_to_dict(cfg), "resolved_deepspeed": resolved.ds}))
+                else:
+                    print(f"finetune: {args.config}: no problems found (world size {dist_utils.world_size()}"
+                          f"{f'; resume from {resolved.resume_ckpt}' if resolved.resume_ckpt else ''})")
+                for note in resolved.resume_notes:
+                    print(f"finetune: {note}")
+            return 0
     except ConfigError as e:
         return _error(e)
     from finetune.preemption import StopRequested, StopSignal

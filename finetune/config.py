@@ -74,6 +74,9 @@ class DataConfig:
     MLM masks are seeded per row from ``(train.seed, epoch, row index)``, not from the RNG state."""
     max_train_rows: int = 0
     """Use only the first N training rows (0: all); for smoke tests."""
+    tokenize_timeout_minutes: float = 1440.0
+    """Minutes the other ranks wait for rank 0's first-time tokenization (a limit of its own: a large dataset
+    takes longer than ``train.dist_timeout_minutes``, the limit of the training collectives)."""
 
 
 @dataclass
@@ -323,12 +326,17 @@ def read_config_file(path: str | os.PathLike) -> dict:
     return data
 
 
-def load_run_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> RunConfig:
+def load_run_config(path: str | os.PathLike | None, overrides: list[str] = (),
+                    problems: list[str] | None = None) -> RunConfig:
     """Build a :class:`RunConfig` from defaults, then the file at ``path``, then ``overrides``.
 
     Args:
         path: YAML/JSON run config, or None for defaults only.
         overrides: ``"dotted.key=value"`` strings; later ones win.
+        problems: when a list is given, key problems (unknown keys, wrong types, malformed overrides) are
+            appended to it instead of raised, and the config is returned with those keys left as they were,
+            so that validation can report its own problems in the same pass (a file that cannot be read
+            still raises).
 
     Returns:
         The merged config (not yet validated against the file system: see
@@ -338,7 +346,8 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] = ()) -
         ConfigError: every unknown key, wrong type or malformed override, all in one error.
     """
     cfg = RunConfig()
-    problems: list[str] = []
+    collect = problems is not None
+    problems = problems if collect else []
     if path is not None:
         _apply_mapping(cfg, read_config_file(path), "", problems)
     for item in overrides:
@@ -347,7 +356,7 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] = ()) -
             continue
         key, raw = item.split("=", 1)
         _apply_override(cfg, key.strip(), raw.strip(), problems)
-    if problems:
+    if problems and not collect:
         raise ConfigError(problems)
     return cfg
 

@@ -1,11 +1,17 @@
 """Parquet files -> tokenized ``datasets.Dataset`` (cached) -> per-rank DataLoaders.
 
-* Files are checked before anything heavy runs (:func:`check_parquet_files`): a glob that matches
-  nothing, an unreadable or empty file, or a missing text column (the error lists the columns).
-* Tokenization is ``Dataset.map(batched=True)`` with an explicit cache file whose name hashes everything
+* Files are checked before anything heavy runs (:func:`check_parquet_files`, footers only): a glob that
+  matches nothing, an unreadable or empty file, a missing text column (the error lists the columns), a
+  text column that is not of a string type (its type is named), or one whose statistics show no text.
+* Tokenization is ``Dataset.map(batched=True)`` into a cache file whose name hashes everything
   that decides its content (files with size and mtime, tokenizer files, recipe, lengths, split), so a
-  second run with the same inputs loads it instead of tokenizing. Rank 0 tokenizes first; the
-  other ranks wait at a barrier, then read the same cache file.
+  second run with the same inputs loads it instead of tokenizing. Rows with a null, empty or whitespace
+  text are dropped and counted (:class:`DropEmptyText`); a split left without rows is an error. The file
+  is written in a private ``.partial-*`` folder and renamed into place when complete, so a killed
+  tokenization never leaves an entry a later run could read (:func:`clean_dead_partials` removes what
+  dead runs left). Rank 0 tokenizes first; the other ranks wait for it on their own process group whose
+  timeout is ``data.tokenize_timeout_minutes``, not ``train.dist_timeout_minutes``
+  (:func:`finetune.distributed.main_process_first`), then read the same cache file.
 * Training uses :class:`ResumableDistributedSampler` (``DistributedSampler`` + skip of the batches
   already consumed when resuming mid-epoch) with ``set_epoch`` every epoch; batches are padded per
   batch by the recipe's collator, never to a global maximum.
@@ -26,6 +32,9 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from finetune import distributed as dist_utils
-from finetune.config import DataConfig
+from finetune.config import ConfigError, DataConfig
 from finetune.logs import logger
 
 
@@ -49,8 +58,49 @@ def expand_files(patterns: list, key: str, problems: list[str]) -> list[str]:
     return files
 
 
+def _string_type(typ) -> bool:
+    """True for Arrow string columns (``string``, ``large_string``, ``string_view``, dictionary of strings)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return pa.types.is_string(typ) or pa.types.is_large_string(typ) or getattr(pa.types, "is_string_view",
+                                                                               lambda t: False)(typ)
+
+
+def _no_text_in_statistics(pf, column: str) -> bool:
+    """True when the footer statistics prove that ``column`` holds no non-empty text in any row group.
+
+    Uses only exact facts: a null count equal to the row count, or a maximum value of ``""``. A file
+    without statistics (or with whitespace-only texts) passes here; tokenization drops and counts such rows.
+    """
+    index = pf.schema_arrow.get_field_index(column)
+    leaves = [i for i in range(pf.metadata.num_columns)
+              if pf.metadata.schema.column(i).path.split(".")[0] == column]
+    if index < 0 or len(leaves) != 1:
+        return False
+    for g in range(pf.metadata.num_row_groups):
+        group = pf.metadata.row_group(g)
+        stats = group.column(leaves[0]).statistics
+        if group.num_rows == 0:
+            continue
+        if stats is None:
+            return False
+        all_null = stats.has_null_count and stats.null_count == group.num_rows
+        all_empty = stats.has_min_max and stats.max in ("", b"")
+        if not (all_null or all_empty):
+            return False
+    return True
+
+
 def check_parquet_files(files: list[str], key: str, text_column: str, problems: list[str]) -> int:
-    """Open each parquet file's footer: readable, non-empty, has ``text_column``. Returns the total row count."""
+    """Open each parquet file's footer: readable, non-empty, has ``text_column`` of a string type with text.
+
+    Reads footers only (schema, row counts, column statistics), never the data. Problems appended: an
+    unreadable file, 0 rows, a missing ``text_column`` (the columns are listed), a ``text_column`` whose Arrow
+    type is not a string (its type is named: ints, binary, ...), and a ``text_column`` whose statistics show
+    that every row is null or empty. Returns the total row count.
+    """
     import pyarrow.parquet as pq
 
     rows = 0
@@ -60,11 +110,23 @@ def check_parquet_files(files: list[str], key: str, text_column: str, problems: 
         except Exception as e:  # pyarrow raises ArrowInvalid/OSError with varying messages
             problems.append(f"{key}: '{f}' is not a readable parquet file ({type(e).__name__}: {e})")
             continue
-        names = pf.schema_arrow.names
+        schema = pf.schema_arrow
+        names = schema.names
         if text_column not in names:
             problems.append(f"{key}: '{f}' has no column '{text_column}' (columns: {', '.join(names)}); "
                             f"set data.text_column")
-        if pf.metadata.num_rows == 0:
+        elif pf.metadata.num_rows == 0:
+            problems.append(f"{key}: '{f}' is empty (0 rows)")
+        elif not _string_type(schema.field(text_column).type):
+            typ = schema.field(text_column).type
+            others = [f"{n} ({schema.field(n).type})" for n in names if _string_type(schema.field(n).type)]
+            hint = f"string columns: {', '.join(others)}" if others else "the file has no string column"
+            problems.append(f"{key}: '{f}' column '{text_column}' has type {typ}, not text (string); "
+                            f"set data.text_column to a text column ({hint}) or convert the column to strings")
+        elif _no_text_in_statistics(pf, text_column):
+            problems.append(f"{key}: '{f}' has no non-empty text: every row of column '{text_column}' is null or "
+                            f"empty ({pf.metadata.num_rows:,} rows)")
+        if text_column not in names and pf.metadata.num_rows == 0:
             problems.append(f"{key}: '{f}' is empty (0 rows)")
         rows += pf.metadata.num_rows
     return rows
@@ -88,6 +150,106 @@ def _tokenizer_id(tokenizer) -> list:
     folder = Path(tokenizer.name_or_path)
     files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
     return [_file_id(str(p)) for p in files] + [tokenizer.pad_token, tokenizer.eos_token]
+
+
+class DropEmptyText:
+    """Batched map function around a recipe's ``tokenize_function``: rows whose text is null, empty or
+    whitespace are dropped (with all their columns) before the recipe sees the batch, and counted.
+
+    The recipe thus never gets an empty text, nor an empty batch (a batch of only empty rows returns empty
+    columns without calling it: tokenizers fail on an empty list). Rows are dropped inside each map batch,
+    so a batch holds the same texts as before (packing cuts blocks per batch of 1,000 rows).
+
+    Attributes:
+        dropped: number of rows dropped so far (int).
+    """
+
+    def __init__(self, fn, column: str):
+        self.fn, self.column, self.dropped = fn, column, 0
+
+    def __call__(self, batch: dict) -> dict:
+        texts = batch[self.column]
+        keep = [i for i, t in enumerate(texts) if isinstance(t, str) and t.strip()]
+        if len(keep) == len(texts):
+            return self.fn(batch)
+        self.dropped += len(texts) - len(keep)
+        if not keep:  # the output columns, from a one-row stand-in batch (its output is thrown away)
+            probe = {k: v[:1] for k, v in batch.items()}
+            probe[self.column] = ["x"]
+            return {k: [] for k in self.fn(probe)}
+        return self.fn({k: [v[i] for i in keep] for k, v in batch.items()})
+
+
+PARTIAL_PREFIX = ".partial-"
+"""Tokenization in progress writes ``<cache>/tokenized/.partial-<random>/`` (with ``owner.json``), never the entry."""
+
+
+def _tokenize_atomically(ds, fn, path: Path, desc: str, fingerprint: str) -> None:
+    """``ds.map(fn, batched=True)`` into ``path``, which appears only once complete (``os.replace``).
+
+    The map writes inside a private folder ``PARTIAL_PREFIX...`` next to ``path`` (``datasets`` puts its own
+    temp file there too), marked with this host and pid; a killed process leaves only that folder, which no
+    run reads and :func:`clean_dead_partials` removes. ``fingerprint`` (our cache key) spares ``datasets``
+    hashing ``fn`` with its tokenizer (seconds for a large vocabulary).
+    """
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=path.parent))
+    try:
+        (partial / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                        "pid_namespace": _pid_namespace(), "entry": path.name}))
+        ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(partial / path.name),
+               load_from_cache_file=False, desc=desc, new_fingerprint=fingerprint)
+        os.replace(partial / path.name, path)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _pid_namespace() -> int | None:
+    """Inode of this process's PID namespace (containers on one host may share a host name, not pids)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clean_dead_partials(folder: Path, stale_hours: float = 168.0) -> list[Path]:
+    """Remove partial tokenizations of dead processes from ``folder`` (``<cache>/tokenized``).
+
+    A ``.partial-*`` folder is removed when its ``owner.json`` names this host (and PID namespace) and a pid
+    that no longer runs, or when it is older than ``stale_hours`` (a live run on another host cannot be told
+    from a dead one, so those stay until then). Every node's local rank 0 calls it before tokenizing.
+    Returns the removed folders.
+    """
+    removed = []
+    now = time.time()
+    for p in sorted(folder.glob(PARTIAL_PREFIX + "*")) if folder.is_dir() else []:
+        try:
+            owner = json.loads((p / "owner.json").read_text())
+            dead = (owner["host"] == socket.gethostname() and owner.get("pid_namespace") == _pid_namespace()
+                    and not _pid_alive(int(owner["pid"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            dead = False
+        try:
+            stale = now - p.stat().st_mtime > stale_hours * 3600
+        except OSError:
+            continue
+        if dead or stale:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+            logger.info(f"removed the partial tokenization of a dead run: {p}")
+    return removed
 
 
 @dataclass
@@ -128,18 +290,33 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
                 "max_seq_len": data_cfg.max_seq_len, "packing": data_cfg.packing if recipe_name == "gpt_clm" else None,
                 "datasets": datasets.__version__, "version": 1}
     fn = recipe.tokenize_function(tokenizer, data_cfg)
+    tokenized_dir = cache / "tokenized"
 
-    def tokenize(ds, split_key: dict, name: str):
+    def tokenize(ds, split_key: dict, name: str, key_name: str):
         key = _fingerprint({**base_key, **split_key})
-        path = cache / "tokenized" / f"{recipe_name}-{name}-{key}.arrow"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        hit = path.exists()
-        out = ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(path),
-                     load_from_cache_file=True, desc=f"tokenizing {name}")
-        logger.info(f"{name}: {len(out):,} rows ({'cache hit' if hit else 'tokenized'}: {path})")
+        path = tokenized_dir / f"{recipe_name}-{name}-{key}.arrow"
+        if path.exists():
+            out = datasets.Dataset.from_file(str(path))
+            logger.info(f"{name}: {len(out):,} rows (cache hit: {path})")
+            dropped = None
+        else:
+            start = time.monotonic()
+            rows = DropEmptyText(fn, col)
+            _tokenize_atomically(ds, rows, path, f"tokenizing {name}", key)
+            out = datasets.Dataset.from_file(str(path))
+            dropped = rows.dropped
+            logger.info(f"{name}: {len(out):,} rows (tokenized {len(ds):,} texts in {time.monotonic() - start:.1f} s"
+                        f"{f'; dropped {dropped:,} empty or null texts' if dropped else ''}: {path})")
+        if len(out) == 0:
+            why = (f"every one of its {len(ds):,} texts in column '{col}' is empty or null" if dropped == len(ds)
+                   else f"{len(ds):,} texts in column '{col}' gave no row (empty, null, or shorter than one "
+                        f"data.max_seq_len block when packing)")
+            raise ConfigError(f"{key_name}: the {name} split has no rows to train on: {why}")
         return out
 
-    with dist_utils.main_process_first():
+    with dist_utils.main_process_first(data_cfg.tokenize_timeout_minutes):
+        if dist_utils.local_rank() == 0:
+            clean_dead_partials(tokenized_dir)
         raw_train = read(train_files)
         if data_cfg.max_train_rows:
             raw_train = raw_train.select(range(min(data_cfg.max_train_rows, len(raw_train))))
@@ -148,6 +325,7 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
             raw_val = read(val_files)
             val_ids = {"val_files": [_file_id(f) for f in val_files]}
             train_ids = ids
+            val_key = "data.validation_files"
         else:
             perm = np.random.default_rng(seed).permutation(len(raw_train))
             n_val = max(1, int(round(len(raw_train) * data_cfg.validation_fraction)))
@@ -155,8 +333,9 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
             raw_train = raw_train.select(sorted(perm[n_val:]))
             split = {"holdout": data_cfg.validation_fraction, "seed": seed}
             train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
-        train = tokenize(raw_train, train_ids, "train")
-        validation = tokenize(raw_val, val_ids, "validation")
+            val_key = "data.validation_fraction"
+        train = tokenize(raw_train, train_ids, "train", "data.train_files")
+        validation = tokenize(raw_val, val_ids, "validation", val_key)
     return Splits(train=train, validation=validation)
 
 

@@ -236,13 +236,41 @@ def barrier() -> None:
 
 
 @contextlib.contextmanager
-def main_process_first():
-    """Rank 0 runs the body first (e.g. tokenizes and writes the cache); the others wait, then run it (cache hit)."""
+def main_process_first(timeout_minutes: float = 1440.0):
+    """Rank 0 runs the body first (e.g. tokenizes and writes the cache); the others wait, then run it (cache hit).
+
+    The others wait on a separate gloo process group whose timeout is ``timeout_minutes``
+    (``data.tokenize_timeout_minutes``), so a long first-time tokenization is not cut short by
+    ``train.dist_timeout_minutes``, the timeout of the training collectives. A rank 0 that dies still
+    ends the wait at once (its connections close). Rank 0 then tells the others how its body ended: when it
+    raised a :class:`ConfigError` they raise the same one (only rank 0 prints it), any other exception
+    becomes a ``RuntimeError`` on the others that points to rank 0's log.
+
+    Args:
+        timeout_minutes: the waiting ranks' limit, in minutes.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
     if not is_main():
-        barrier()
-    yield
-    if is_main():
-        barrier()
+        status = [None]
+        dist.broadcast_object_list(status, src=0, group=group)
+        if status[0] is not None:
+            kind, detail = status[0]
+            if kind == "config":
+                raise ConfigError(detail)
+            raise RuntimeError(f"rank 0 failed while preparing the data ({detail}); see logs/rank0.log")
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:
+        status = ("config", e.problems) if isinstance(e, ConfigError) else ("error", f"{type(e).__name__}: {e}")
+        with contextlib.suppress(Exception):  # best effort: the others also end when this rank exits
+            dist.broadcast_object_list([status], src=0, group=group)
+        raise
+    dist.broadcast_object_list([None], src=0, group=group)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

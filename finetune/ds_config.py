@@ -112,13 +112,16 @@ def check_ds_config(ds: dict, source: str) -> list[str]:
     return problems
 
 
-def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool) -> tuple[dict, list[str]]:
+def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool,
+                      deepspeed_checks: bool = True) -> tuple[dict, list[str]]:
     """The DeepSpeed dict for ``deepspeed.initialize``: JSON file + ``cfg.ds`` overrides + run-config values.
 
     Args:
         cfg: the run config (``cfg.deepspeed`` names the JSON file).
         world_size: number of data-parallel ranks.
         on_cpu: True on the CPU accelerator (picks ``torch.optim.AdamW`` instead of the fused CUDA Adam).
+        deepspeed_checks: also run DeepSpeed's own config parser (when ours found no problem); the caller
+            passes False when the run config's numbers are already known to be wrong (e.g. a micro batch of 0).
 
     Returns:
         ``(ds_dict, problems)``: the resolved dict and every problem found (batch-size
@@ -159,7 +162,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool) -> tuple[di
     if ds.get("fp16", {}).get("enabled") is True and on_cpu:
         problems.append(f"deepspeed: fp16 is enabled in {cfg.deepspeed} but the CPU accelerator does not support "
                         f"fp16; use a bf16 or fp32 config (ds.fp16.enabled=false)")
-    if not problems:
+    if not problems and deepspeed_checks:
         problems += _deepspeed_own_checks(ds, world_size, cfg.deepspeed)
     return ds, problems
 

@@ -69,11 +69,112 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"model.tokenizer_path: '{tok}' has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
 
 
+# Config keys that set parameter shapes: with init=pretrained, overriding one makes the weights on disk not fit.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim",
+               "max_position_embeddings", "n_positions", "type_vocab_size", "num_key_value_heads", "head_dim",
+               "embedding_size")
+# Where a config keeps its number of position embeddings (the first one set counts).
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# Model types whose position ids start after the padding index (RoBERTa style): pad_token_id + 1 fewer usable.
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "data2vec-text",
+                     "roberta-prelayernorm", "ibert", "mpnet", "luke", "bros")
+
+
+def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
+    """Model, tokenizer and data settings that fit together, from ``config.json`` and the tokenizer files alone.
+
+    Builds no model: transformers' ``AutoConfig`` (with ``model.config_overrides`` applied) and
+    ``AutoTokenizer`` (prepared by the recipe) are all it loads. Appends a problem for: an unreadable
+    config.json, an override key the model config does not have, a shape override with pretrained
+    weights, a model type the recipe's model class cannot build, a hidden size not divisible by the
+    number of attention heads, ``data.max_seq_len`` above the model's position embeddings, an unreadable
+    tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``),
+    and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
+    (their own problems are reported elsewhere).
+    """
+    m = cfg.model
+    model_dir = Path(m.path) if m.path else None
+    tok_dir = Path(m.tokenizer_path or m.path) if (m.tokenizer_path or m.path) else None
+    if cfg.recipe not in RECIPES or model_dir is None or not (model_dir / "config.json").is_file():
+        return
+    import difflib
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.recipes import get_recipe
+
+    recipe = get_recipe(cfg.recipe)
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # ValueError (unknown model_type), OSError, JSON errors
+        problems.append(f"model.path: '{model_dir}/config.json' cannot be read by transformers: "
+                        f"{' '.join(str(e).split())[:300]}")
+        return
+    where = f"'{model_dir}/config.json' (model_type {config.model_type})"
+    for key, value in m.config_overrides.items():
+        if not hasattr(config, str(key)):
+            close = difflib.get_close_matches(str(key), list(config.to_dict()) + list(config.attribute_map), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"model.config_overrides: '{key}' is not a key of the model config {where}{hint}; "
+                            f"it would be ignored")
+            continue
+        before = getattr(config, key)
+        if m.init == "pretrained" and key in _SHAPE_KEYS and before != value:
+            problems.append(f"model.config_overrides: {key}={value} differs from {where} ({before}), but the "
+                            f"pretrained weights in '{model_dir}' have that shape; drop the override or use "
+                            f"model.init=scratch")
+        setattr(config, key, value)
+    mapping = getattr(recipe.MODEL_CLASS, "_model_mapping", None)
+    if mapping is not None and type(config) not in mapping:
+        problems.append(f"model.path: {where} is a model type that {recipe.MODEL_CLASS.__name__} (recipe "
+                        f"{cfg.recipe}) cannot build; choose a model with that head or another recipe")
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
+            and hidden % heads):
+        overridden = set(m.config_overrides) & {"hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head"}
+        problems.append(f"{'model.config_overrides' if overridden else 'model.path'}: hidden size {hidden} is not a "
+                        f"multiple of the number of attention heads {heads} ({where} + overrides)")
+    positions = next((getattr(config, k) for k in _POSITION_KEYS if isinstance(getattr(config, k, None), int)), None)
+    if positions is not None:
+        key = next(k for k in _POSITION_KEYS if getattr(config, k, None) == positions)
+        usable = positions - ((config.pad_token_id or 0) + 1 if config.model_type in _OFFSET_POSITIONS else 0)
+        if cfg.data.max_seq_len > usable:
+            problems.append(f"data.max_seq_len: {cfg.data.max_seq_len} is more tokens than the model has positions "
+                            f"for ({key}={positions}"
+                            f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
+                            f"set data.max_seq_len={usable} or lower")
+    if tok_dir is None or not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return  # reported by _check_model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    except Exception as e:  # missing or corrupt tokenizer files raise many types
+        problems.append(f"model.tokenizer_path: the tokenizer in '{tok_dir}' cannot be loaded: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return
+    try:
+        tokenizer = recipe.prepare_tokenizer(tokenizer)
+    except ConfigError as e:
+        problems += e.problems
+    if cfg.recipe == "gpt_clm" and cfg.data.packing and tokenizer.eos_token_id is None:
+        problems.append(f"model.tokenizer_path: tokenizer '{tok_dir}' has no EOS token, which data.packing=true "
+                        f"puts between texts; set data.packing=false or use a tokenizer with an EOS token")
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        needed = max([len(tokenizer)] + [i + 1 for i in tokenizer.all_special_ids if i is not None])
+        if needed > vocab:
+            problems.append(f"model.tokenizer_path: tokenizer '{tok_dir}' has {needed:,} token ids but the model's "
+                            f"vocab_size is {vocab:,} ({where} + overrides): ids >= {vocab:,} would index past the "
+                            f"embedding matrix; use the model's own tokenizer"
+                            + (" or set model.config_overrides={vocab_size: %d}" % needed
+                               if m.init == "scratch" else ""))
+
+
 def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     t, d = cfg.train, cfg.data
     positive = {"train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps":
                 t.gradient_accumulation_steps, "train.lr": t.lr, "data.max_seq_len": d.max_seq_len,
-                "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes}
+                "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes,
+                "data.tokenize_timeout_minutes": d.tokenize_timeout_minutes}
     problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     non_negative = {"train.max_steps": t.max_steps, "train.warmup_steps": t.warmup_steps, "train.eval_every":
                     t.eval_every, "train.save_every": t.save_every, "train.weight_decay": t.weight_decay,
@@ -111,10 +212,13 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
 
     Raises:
         ConfigError: one line per problem: unknown recipe, missing model/tokenizer/data files,
-            unreadable/empty parquet, missing text column, bad numbers, DeepSpeed JSON problems
-            (unknown keys, batch-size contradiction), nothing to resume, a checkpoint of another world size
-            or ZeRO stage, refused config changes on resume, an output folder that already holds
-            checkpoints, is locked by a live launch, or cannot be written.
+            unreadable/empty parquet, missing or non-string text column, a text column without text,
+            model/tokenizer/data incompatibilities (:func:`_check_compatibility`: override keys, shape
+            overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
+            tokens), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
+            DeepSpeed's own parser only when our numbers are fine), nothing to resume, a checkpoint of
+            another world size or ZeRO stage, refused config changes on resume, an output folder that
+            already holds checkpoints, is locked by a live launch, or cannot be written.
     """
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
@@ -128,10 +232,14 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
         check_parquet_files(expand_files(patterns, key, problems), key, cfg.data.text_column, problems)
-    _check_numbers(cfg, problems)
+    _check_compatibility(cfg, problems)
+    number_problems: list[str] = []
+    _check_numbers(cfg, number_problems)
+    problems += number_problems
     ds: dict = {}
     try:
-        ds, ds_problems = resolve_ds_config(cfg, world_size, on_cpu)
+        # DeepSpeed's own parser sees only numbers we accept, so it never repeats one of our problems in its words
+        ds, ds_problems = resolve_ds_config(cfg, world_size, on_cpu, deepspeed_checks=not number_problems)
         problems += ds_problems
     except ConfigError as e:
         problems += e.problems
