@@ -102,17 +102,19 @@ def train_main(argv: list[str] | None = None) -> int:
         resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu())
     except ConfigError as e:
         return _error(e)
+    from finetune import health
     from finetune.preemption import StopRequested, StopSignal
 
     try:
         # SIGTERM/SIGUSR1: during start-up stop at once; once training runs, checkpoint and stop (preemption.py)
         with StopSignal() as stop:
-            return _train(cfg, resolved, launcher, stop)
+            code = _train(cfg, resolved, launcher, stop)
     except ConfigError as e:
-        return _error(e)
+        code = _error(e)
     except StopRequested as e:
         print(f"finetune: rank {dist_utils.rank()} {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        code = 128 + e.signum
+    return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
 
 
 def _auto_resume(args, cfg) -> None:
@@ -142,6 +144,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune import checkpoint as ckpt_utils
     from finetune import data as data_utils
     from finetune import distributed as dist_utils
+    from finetune import health
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint
     from finetune.logs import logger, setup_logging, tensorboard_section
@@ -158,6 +161,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     setup_logging(run_dir, rank)
     logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
     try:
+        # heartbeat/exit-status record read by the other ranks when one fails; faulthandler into the rank's log
+        health.start(run_dir / "ranks", run_dir / "logs" / f"rank{rank}.log")
         recipe = get_recipe(cfg.recipe)
         ds = dict(resolved.ds)
         ds.setdefault("tensorboard", tensorboard_section(run_dir))
@@ -210,6 +215,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     except (ConfigError, StopRequested):
         raise
     except BaseException as e:
+        health.failed(e)  # first, so that the other ranks' diagnosis finds it
         logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{_failure_hint(e)}")
         raise
     finally:
@@ -221,14 +227,13 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
 
 
 def _failure_hint(e: BaseException) -> str:
-    """Extra words for a failed rank's log line when a collective broke because another rank went away."""
-    text = str(e)
-    peer_gone = ("closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
-                 "remote process exited", "timed out", "Timed out", "Timeout")
-    if any(p in text for p in peer_gone):
-        return (" (a collective failed: another rank probably died or hung; its logs/rank<r>.log and the "
-                "launcher's output name it)")
-    return ""
+    """Extra words for a failed rank's log line when a collective broke because another rank went away:
+    which rank, from the ranks' heartbeat/exit-status records (finetune/health.py; waits up to ~15 s)."""
+    from finetune import health
+
+    if not health.is_peer_failure(e):
+        return ""
+    return f" (a collective failed because of another rank: {health.diagnose()})"
 
 
 def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> None:
