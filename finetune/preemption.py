@@ -193,7 +193,7 @@ def run_launcher(cmd: list[str], poll_s: float = 60.0) -> int:
         statuses = []
         deadline = time.time() + poll_s
         while True:
-            try:  # orphans are our children now: block until each has exited
+            try:  # orphans are our children now: reap each as it exits
                 pid, code = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
@@ -201,8 +201,13 @@ def run_launcher(cmd: list[str], poll_s: float = 60.0) -> int:
                 statuses.append(f"{pid}:{_shell_status(os.waitstatus_to_exitcode(code))}")
                 continue
             if time.time() > deadline:
-                alive = " ".join(f"{p.pid} ({' '.join(p.cmdline()[:3])})" for p in psutil.Process().children(recursive=True))
-                _say(f"still waiting for: {alive}")
+                alive = []
+                for p in psutil.Process().children(recursive=True):
+                    try:
+                        alive.append(f"{p.pid} ({' '.join(p.cmdline()[:3])})")
+                    except psutil.Error:
+                        pass
+                _say(f"still waiting for: {' '.join(alive)}")
                 deadline = time.time() + poll_s
             time.sleep(0.1)
         if statuses:
