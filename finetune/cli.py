@@ -233,7 +233,8 @@ def _failure_hint(e: BaseException) -> str:
 
     if not health.is_peer_failure(e):
         return ""
-    return f" (a collective failed because of another rank: {health.diagnose()})"
+    who = health.diagnose() or "another rank probably died or hung (no rank records yet); see the launcher's output"
+    return f" (a collective failed because of another rank: {who})"
 
 
 def _verify_export(engine, validation, collator, run_dir: Path, ds: dict) -> None:
