@@ -135,22 +135,24 @@ def train_main(argv: list[str] | None = None) -> int:
             return 0
     except ConfigError as e:
         return _error(e)
+    from finetune import health
     from finetune.preemption import StopRequested, StopSignal
     from finetune.trainer import TrainingDiverged
 
     try:
         # SIGTERM/SIGUSR1: during start-up stop at once; once training runs, checkpoint and stop (preemption.py)
         with StopSignal() as stop:
-            return _train(cfg, resolved, launcher, stop)
+            code = _train(cfg, resolved, launcher, stop)
     except ConfigError as e:
-        return _error(e)
+        code = _error(e)
     except TrainingDiverged as e:
         if dist_utils.rank() == 0:
             print(f"finetune: error: {e}", file=sys.stderr, flush=True)
-        return 3
+        code = 3
     except StopRequested as e:
         print(f"finetune: rank {dist_utils.rank()} {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        code = 128 + e.signum
+    return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
 
 
 def _train(cfg, resolved, launcher: str, stop) -> int:
@@ -159,6 +161,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune import checkpoint as ckpt_utils
     from finetune import data as data_utils
     from finetune import distributed as dist_utils
+    from finetune import health
     from finetune import resume as resume_policy
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint, verify_export
@@ -174,6 +177,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     try:
         setup_logging(run_dir, rank)
         logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
+        # heartbeat/exit-status record read by the other ranks when one fails; faulthandler into the rank's log
+        health.start(run_dir / "launches" / str(opened.launch) / "ranks", run_dir / "logs" / f"rank{rank}.log")
         for note in resolved.resume_notes:
             logger.warning(note)
         recipe = get_recipe(cfg.recipe)
@@ -233,6 +238,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         logger.error(f"rank {rank}: {e}")
         raise
     except BaseException as e:
+        health.failed(e)  # first, so that the other ranks' diagnosis finds it
         logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{_failure_hint(e)}")
         raise
     finally:
@@ -267,14 +273,14 @@ def _check_free_space(run_dir: Path, engine) -> None:
 
 
 def _failure_hint(e: BaseException) -> str:
-    """Extra words for a failed rank's log line when a collective broke because another rank went away."""
-    text = str(e)
-    peer_gone = ("closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
-                 "remote process exited", "timed out", "Timed out", "Timeout")
-    if any(p in text for p in peer_gone):
-        return (" (a collective failed: another rank probably died or hung; its logs/rank<r>.log and the "
-                "launcher's output name it)")
-    return ""
+    """Extra words for a failed rank's log line when a collective broke because another rank went away:
+    which rank, from the ranks' heartbeat/exit-status records (finetune/health.py; waits up to ~15 s)."""
+    from finetune import health
+
+    if not health.is_peer_failure(e):
+        return ""
+    who = health.diagnose() or "another rank probably died or hung (no rank records yet); see the launcher's output"
+    return f" (a collective failed because of another rank: {who})"
 
 
 def export_main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@
 #   finetune_rendezvous            head node, MASTER_ADDR and MASTER_PORT for the job
 #   finetune_hostfile <slots>      DeepSpeed hostfile ("<host> slots=<n>", one line per node of the job)
 #   finetune_launch <command...>   run the launcher in the background; on USR1/TERM forward the signal to
-#                                  every rank; after a USR1 stop, requeue the job (it resumes by itself)
+#                                  every rank; return once every rank has exited (not just the launcher);
+#                                  after a USR1 stop, requeue the job (it resumes by itself)
 #
 # Why the forwarding: `#SBATCH --signal=B:USR1@<seconds>` signals only this batch shell, and neither the
 # deepspeed launcher nor torchrun passes SIGUSR1 on to its ranks (SIGUSR1 would even kill them). The trap
@@ -15,9 +16,16 @@
 # SIGTERM (scancel, preemption) reaches every process of the job from Slurm itself; the ranks checkpoint
 # in the KillWait grace period (30 s by default) and the job is not requeued by this script (Slurm does it
 # for preemption with PreemptMode=REQUEUE; the requeued job resumes the same way).
+#
+# Why the launcher runs under `python -m finetune.preemption run --`: on SIGTERM the deepspeed launcher
+# exits at once (status 143) while the ranks are still writing their checkpoint, and a batch shell that
+# waited on the launcher alone would end the job step (or let it be requeued) mid-save. That wrapper is a
+# child subreaper: the ranks (orphaned or not, or srun and its tasks) are re-parented to it, and it
+# returns only once every one of them has exited, so the job ends after the checkpoint is COMPLETE (or
+# after Slurm's KillWait, when Slurm kills everything).
 
 finetune_log() {
-    echo "[finetune $(date '+%F %T')] $*"
+    echo "[finetune $(date '+%F %T.%3N')] $*"
 }
 
 finetune_rendezvous() {
@@ -45,7 +53,7 @@ _finetune_forward() {
 
 finetune_launch() {
     finetune_log "launch: $*"
-    "$@" &
+    python -m finetune.preemption run -- "$@" &
     _FINETUNE_PID=$!
     trap '_finetune_forward USR1' USR1
     trap '_finetune_forward TERM' TERM
@@ -57,7 +65,7 @@ finetune_launch() {
         kill -0 "$_FINETUNE_PID" 2>/dev/null || break
     done
     trap - USR1 TERM
-    finetune_log "launcher exited with status $rc"
+    finetune_log "launcher and ranks exited with status $rc"
     if [ -n "${_FINETUNE_GOT_USR1:-}" ] && [ "$rc" -ne 0 ]; then
         if [ "${SLURM_RESTART_COUNT:-0}" -lt "${FINETUNE_MAX_RESTARTS:-1000}" ]; then
             finetune_log "requeueing job $SLURM_JOB_ID: the requeued job resumes from the latest complete checkpoint"

@@ -4,7 +4,8 @@ Launchers: ``deepspeed --num_gpus 2`` (the reference run), ``deepspeed --hostfil
 ``mpirun`` (OpenMPI, installed with apt when missing, plus mpi4py). ``srun`` and DeepSpeed's Slurm
 backend are in ``test_slurm.py``. Then: SIGTERM to a whole ``deepspeed`` launch leaves a complete
 checkpoint (never a half-written one marked complete) that resumes to the uninterrupted losses, and a rank
-killed or failing mid-run ends the whole launch quickly with a non-zero status and a log naming the rank.
+killed or failing mid-run ends the whole launch quickly with a non-zero status, and the survivors' logs and
+the launch output name that rank, its host and pid (finetune/health.py).
 """
 
 from __future__ import annotations
@@ -204,15 +205,24 @@ def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"])
-def test_dead_rank_ends_launch(tmp_path, how):
-    """Rank 1 killed (SIGKILL) or failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the launch
-    exits non-zero within seconds (not after train.dist_timeout_minutes) and the logs name rank and error."""
+@pytest.mark.parametrize("how,victim", [("SIGKILL", 0), ("SIGKILL", 1), ("SIGINT", 1)],
+                         ids=["SIGKILL-rank0", "SIGKILL-rank1", "SIGINT-rank1"])
+def test_dead_rank_ends_launch(tmp_path, how, victim):
+    """Rank 0 or rank 1 killed (SIGKILL) or failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the
+    launch exits non-zero within seconds (not after train.dist_timeout_minutes), and the survivor's log and the
+    launch output name the rank that failed, its host and pid (DeepSpeed's own line names the last rank it
+    started, whichever died). Before rank 1 is killed, ``kill -USR2`` dumps its stacks into its own log."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir, [*RUN_OVERRIDES, "train.max_steps=500"])
     wait_for(lambda: logged_steps(run_dir) >= 2 or proc.poll() is not None, 300, what="step 2")
     assert proc.poll() is None
-    pid = wiring(run_dir)[1]["pid"]
+    w = wiring(run_dir)
+    pid, survivor = w[victim]["pid"], 1 - victim
+    victim_log = run_dir / "logs" / f"rank{victim}.log"
+    if how == "SIGKILL" and victim == 1:  # faulthandler: a hang dump on demand lands in the rank's own log
+        os.kill(pid, signal.SIGUSR2)
+        wait_for(lambda: "most recent call first" in victim_log.read_text(errors="replace"), 30, what="stack dump")
+        assert "trainer.py" in victim_log.read_text(errors="replace") and proc.poll() is None  # dumped, still running
     t0 = time.time()
     os.kill(pid, getattr(signal, how))
     rc = proc.wait(timeout=120)
@@ -221,15 +231,41 @@ def test_dead_rank_ends_launch(tmp_path, how):
     assert rc != 0
     assert elapsed < 60, f"launch took {elapsed:.0f}s to fail"
     out = (tmp_path / "run.launch.log").read_text(errors="replace")
-    rank0 = (run_dir / "logs" / "rank0.log").read_text(errors="replace")
-    # the surviving rank says which rank it is and what broke
-    assert "rank 0 failed: " in rank0 and "another rank probably died" in rank0, rank0[-3000:]
+    survivor_log = (run_dir / "logs" / f"rank{survivor}.log").read_text(errors="replace")
+    name = f"rank {victim} (host {w[victim]['host']}, pid {pid})"
+    # the surviving rank says which rank it is, what broke, and which rank caused it; so does the launch output
+    assert f"rank {survivor} failed: " in survivor_log, survivor_log[-3000:]
+    what = f"{name} died at about" if how == "SIGKILL" else f"{name} failed at"
+    assert what in survivor_log and what in out, f"{survivor_log[-3000:]}\n---\n{out[-3000:]}"
+    records = {r: json.loads((run_dir / "launches" / "1" / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert records[survivor]["state"] == "failed" and records[survivor]["peer_failure"] is True
+    assert (records[victim]["pid"], records[victim]["rank"]) == (pid, victim)
     if how == "SIGKILL":
-        assert "--local_rank=1" in out and "exits with return code = -9" in out, out[-3000:]
+        assert records[victim]["state"] == "running"  # no exit status: the survivor saw its pid gone
     else:
-        rank1 = (run_dir / "logs" / "rank1.log").read_text(errors="replace")
-        assert "rank 1 failed: KeyboardInterrupt" in rank1, rank1[-3000:]
+        assert "KeyboardInterrupt" in survivor_log.split(what, 1)[1].splitlines()[0]
+        assert records[victim]["state"] == "failed" and records[victim]["error"].startswith("KeyboardInterrupt")
+        assert f"rank {victim} failed: KeyboardInterrupt" in victim_log.read_text(errors="replace")
     assert train_losses(run_dir), "no step was logged before the failure"
+
+
+def test_faulthandler_writes_fatal_signal_to_rank_log(tmp_path):
+    """A rank dying of a fatal signal (here SIGSEGV) leaves its Python stack in its own log file."""
+    log = tmp_path / "logs" / "rank0.log"
+    code = f"""
+import os, signal
+from pathlib import Path
+from finetune.health import install_faulthandler
+install_faulthandler(Path({str(log)!r}))
+def deep_inside_training():
+    os.kill(os.getpid(), signal.SIGSEGV)
+deep_inside_training()
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cpu_env(), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert out.returncode == -signal.SIGSEGV
+    text = log.read_text()
+    assert "Fatal Python error: Segmentation fault" in text and "deep_inside_training" in text, text
 
 
 # ---- rank environment from each launcher's variables (in-process, no launch) -------------------------------

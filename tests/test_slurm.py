@@ -7,6 +7,8 @@
   limit) mid-run, through both scripts (deepspeed's local launcher, and deepspeed's Slurm backend, which
   runs ``srun``): every rank gets the signal, they stop at one step with a complete checkpoint, the job
   requeues itself, resumes from that checkpoint by itself and finishes with the uninterrupted run's losses.
+* ``scancel`` (SIGTERM to every process of the job, as on preemption) mid-run: the job ends only after the
+  ranks have exited with a ``COMPLETE`` checkpoint (the deepspeed launcher itself exits at once on SIGTERM).
 
 The scripts are submitted as shipped; sbatch options on the command line only shrink the resources
 (2 GPUs stand for 2 CPU ranks: ``FINETUNE_GPUS_PER_NODE=2``, ``DS_ACCELERATOR=cpu``).
@@ -17,13 +19,15 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from conftest import BIN, REPO, cpu_env
 from launch_helpers import (CONFIG, RUN_OVERRIDES, STEPS, assert_same_losses, assert_wiring, logged_steps,
-                            reference_run, wait_for)
+                            reference_run, wait_for, wiring)
 from slurm_cluster import SlurmUnavailable, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -150,3 +154,41 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, reference, tmp_path, scrip
     assert f"resumed from {ck / f'step{stopped}'}: step {stopped}" in ranks[0]  # by itself: no --resume given
     assert_wiring(run_dir, launcher)
     assert_same_losses(run_dir, reference[1])  # steps after the resume equal the uninterrupted run's
+
+
+def test_scancel_ends_job_after_checkpoint_is_complete(slurm, tmp_path):
+    """scancel mid-run: Slurm sends SIGTERM to the batch shell, the launcher and the ranks at once; the deepspeed
+    launcher exits at once, and the job must still end only after the ranks wrote their COMPLETE checkpoint."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    job = slurm.sbatch(SINGLE, str(CONFIG), f"output_dir={run_dir}", *RUN_OVERRIDES,
+                       options=_options(slurm, tmp_path, SINGLE), env=_job_env(slurm), cwd=REPO)
+    wait_for(lambda: logged_steps(run_dir) >= 3 or slurm.job(job).get("JobState") not in ("PENDING", "RUNNING"),
+             300, what="step 3")
+    pids = [w["pid"] for w in wiring(run_dir).values()]
+    assert len(pids) == 2 and logged_steps(run_dir) < STEPS - 2, _job_log(tmp_path, job)[-3000:]
+    slurm.run("scancel", str(job))
+    info = slurm.wait(job, states=("CANCELLED",), timeout=120)  # not COMPLETING: every process of the job is gone
+    ended = time.time()
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    log = _job_log(tmp_path, job)
+    assert not [p for p in pids if alive(p)], f"ranks outlived the job {info}\n{log[-3000:]}"
+    complete = [ck for ck in (run_dir / "checkpoints").glob("step*") if (ck / "COMPLETE").is_file()]
+    assert len(complete) == 1, f"complete checkpoints when the job ended: {complete}\n{log[-3000:]}"
+    marker = json.loads((complete[0] / "COMPLETE").read_text())
+    assert 3 <= marker["step"] < STEPS and marker["time"] < ended
+    # the batch shell's last lines come after the ranks exited, i.e. after the marker was written
+    last = re.findall(r"^\[finetune ([\d-]+ [\d:.]+)\] every process of the launch has exited \(got SIGTERM\); "
+                      r"launcher status (\d+)", log, re.M)
+    assert last, log[-3000:]
+    assert datetime.strptime(last[-1][0], "%Y-%m-%d %H:%M:%S.%f").timestamp() >= marker["time"], log[-3000:]
+    assert f"launcher and ranks exited with status {last[-1][1]}" in log
+    for r in (0, 1):
+        text = (run_dir / "logs" / f"rank{r}.log").read_text()
+        assert "received SIGTERM" in text and f"stopped at step {marker['step']} of {STEPS}" in text

@@ -1,0 +1,295 @@
+"""Which rank failed: per-rank heartbeat and exit-status files, and ``faulthandler`` dumps in each rank's log.
+
+When one rank dies, the others only see a collective fail ("Connection closed by peer"), and DeepSpeed's
+``launch.py`` names the last rank it started rather than the one that died. So every rank keeps a small
+JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a temporary file, then
+``os.replace``; no fsync)::
+
+    {"launch": "<id shared by the ranks of this launch>", "rank": 1, "host": "node07", "pid": 4242,
+     "started": 1732270000.1, "time": 1732270060.3, "beat": 12, "state": "running",
+     "where": "finetune/trainer.py:171 fit > torch/distributed/distributed_c10d.py:2805 all_reduce"}
+
+* A background thread rewrites it every :data:`HEARTBEAT_S` seconds (``time``, ``beat``, and ``where``:
+  the main thread's innermost ``finetune`` frame and innermost frame, so a hung rank shows where it hangs).
+  Cost: one small file write every few seconds per rank; nothing per step.
+* On the way out the rank writes ``state``: ``exited`` with ``exit_code``, or ``failed`` with ``error``
+  (and ``peer_failure: true`` when it only failed because a collective broke under it).
+* A rank whose collective broke calls :func:`diagnose`, which reads the other ranks' records and names the
+  culprit: ``rank R (host H, pid P) failed at T: <error>``, ``... exited with status S at T``, ``... died
+  at about T without an exit status`` (same host: its pid is gone, so it was killed by a signal such as
+  SIGKILL or the out-of-memory killer) or ``... stopped heartbeating at T`` (another host: its record has
+  not changed for :data:`STALE_S` seconds). It waits at most :data:`DIAGNOSE_S` seconds for the evidence.
+
+``faulthandler`` writes to the rank's own log file: a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
+SIGILL) leaves the Python stack of every thread there, and ``kill -USR2 <pid>`` dumps them on demand
+(a hung rank: its pid is in the ``wiring:`` line and in its record), without stopping the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+HEARTBEAT_S = 5.0
+"""Seconds between heartbeat writes."""
+STALE_S = 2 * HEARTBEAT_S + 2.0
+"""A record unchanged this long (by the reader's clock) belongs to a rank that stopped heartbeating."""
+DIAGNOSE_S = STALE_S + 3.0
+"""The longest :func:`diagnose` waits for a failed rank's record or its heartbeat to go stale."""
+DUMP_SIGNAL = signal.SIGUSR2
+"""``kill -USR2 <pid>`` writes every thread's Python stack to the rank's log (``faulthandler.register``)."""
+
+_PEER_GONE = ("closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
+              "remote process exited", "timed out", "Timed out", "Timeout", "Connection refused")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True when ``e`` looks like a collective that broke because another rank went away or hung."""
+    return any(p in str(e) for p in _PEER_GONE)
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _short(frame: traceback.FrameSummary) -> str:
+    parts = Path(frame.filename).parts
+    tail = "/".join(parts[-2:]) if len(parts) >= 2 else frame.filename
+    return f"{tail}:{frame.lineno} {frame.name}"
+
+
+def _where(thread_id: int) -> str:
+    """``finetune/trainer.py:171 fit > torch/...:2805 all_reduce``: where a thread is (no source lines read)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return ""
+    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)  # innermost first
+    ours = next((f for f in stack if f"{os.sep}finetune{os.sep}" in f.filename), None)
+    inner = stack[0] if len(stack) else None
+    if ours is None or ours is inner:
+        return _short(inner) if inner else ""
+    return f"{_short(ours)} > {_short(inner)}"
+
+
+class RankHealth:
+    """This rank's record (heartbeat thread, exit status) and the reading of the other ranks' records.
+
+    Args:
+        folder: where every rank of the launch writes ``rank<r>.json`` (shared by all nodes).
+        rank: this rank.
+        world: world size.
+        launch: an id the ranks of this launch share (records of an earlier launch in ``folder`` are ignored).
+    """
+
+    def __init__(self, folder: Path, rank: int, world: int, launch: str):
+        self.folder = Path(folder)
+        self.rank, self.world, self.launch = rank, world, launch
+        self.record = {"launch": launch, "rank": rank, "host": socket.gethostname(), "pid": os.getpid(),
+                       "create_time": _create_time(os.getpid()), "started": time.time(), "time": time.time(),
+                       "beat": 0, "state": "running", "where": ""}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread: threading.Thread | None = None
+
+    def path(self, rank: int) -> Path:
+        """``<folder>/rank<r>.json``."""
+        return self.folder / f"rank{rank}.json"
+
+    def _write(self) -> None:
+        tmp = self.folder / f".rank{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(self.record))
+        os.replace(tmp, self.path(self.rank))
+
+    def start(self) -> "RankHealth":
+        """Write the first record and start the heartbeat thread (daemon)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._write()
+        self._thread = threading.Thread(target=self._beat, name="finetune-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.record.update(time=time.time(), beat=self.record["beat"] + 1, where=_where(self._main))
+                with contextlib.suppress(OSError):  # a full or vanished file system must not kill the rank
+                    self._write()
+
+    def _final(self, **fields) -> None:
+        self._stop.set()
+        with self._lock:
+            if self.record["state"] != "running":  # the first outcome stays (failed, then exit code 1)
+                if "exit_code" in fields:
+                    self.record["exit_code"] = fields["exit_code"]
+            else:  # ("where" stays the last heartbeat's: here it would only name this function)
+                self.record.update(time=time.time(), **fields)
+            with contextlib.suppress(OSError):
+                self._write()
+
+    def finish(self, exit_code: int) -> None:
+        """Record that this rank is exiting with ``exit_code``; stop the heartbeat."""
+        self._final(state="exited", exit_code=exit_code)
+
+    def failed(self, e: BaseException) -> None:
+        """Record that this rank failed with ``e`` (``peer_failure`` when a collective broke under it)."""
+        self._final(state="failed", error=f"{type(e).__name__}: {e}"[:500], peer_failure=is_peer_failure(e))
+
+    def _read(self, rank: int) -> dict | None:
+        try:
+            rec = json.loads(self.path(rank).read_text())
+        except (OSError, ValueError):
+            return None
+        return rec if rec.get("launch") == self.launch else None
+
+    def diagnose(self, wait_s: float = DIAGNOSE_S) -> str:
+        """Name the rank(s) whose failure broke this rank's collective, from their records.
+
+        Polls the other ranks' records (and, on this host, their pids) for up to ``wait_s`` seconds, and
+        returns as soon as a rank that failed, exited or died on its own is found; ranks that only failed
+        because of another rank are named last. Without any, says which ranks still heartbeat and where
+        their main threads are (a hang), and asks those on this host for a stack dump in their logs.
+
+        Returns:
+            One line for the log, e.g. ``rank 1 (host node07, pid 4242) died at about 2026-01-05 10:31:21
+            without an exit status (killed by a signal: SIGKILL, the out-of-memory killer, a crash)``.
+        """
+        t0 = time.time()
+        seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, when this rank first saw that beat)
+        host = socket.gethostname()
+        while True:
+            now = time.time()
+            culprits, victims, alive, missing = [], [], [], []
+            for r in range(self.world):
+                if r == self.rank:
+                    continue
+                rec = self._read(r)
+                if rec is None:
+                    missing.append(r)
+                    continue
+                who = f"rank {r} (host {rec['host']}, pid {rec['pid']})"
+                if rec["state"] == "failed":
+                    line = f"{who} failed at {_when(rec['time'])}: {rec.get('error', '?')}"
+                    (victims if rec.get("peer_failure") else culprits).append(line)
+                elif rec["state"] == "exited":
+                    culprits.append(f"{who} exited with status {rec.get('exit_code')} at {_when(rec['time'])}")
+                elif rec["host"] == host and not _alive(rec["pid"], rec.get("create_time")):
+                    culprits.append(f"{who} died at about {_when(now)} without an exit status (killed by a signal: "
+                                    f"SIGKILL, the out-of-memory killer, a crash; last heartbeat "
+                                    f"{_when(rec['time'])}{', in ' + rec['where'] if rec.get('where') else ''})")
+                else:
+                    beat, since = seen.setdefault(r, (rec["beat"], now))
+                    if rec["beat"] != beat:
+                        seen[r] = (rec["beat"], now)
+                    elif now - since > STALE_S:
+                        culprits.append(f"{who} stopped heartbeating at {_when(rec['time'])} (no exit status: "
+                                        f"killed, or its node failed)")
+                        continue
+                    alive.append((r, who, rec))
+            if culprits or time.time() - t0 > wait_s:
+                break
+            time.sleep(0.2)
+        if culprits or victims:
+            return "; ".join(culprits + victims)
+        parts = []
+        for r, who, rec in alive:
+            dumped = ""
+            if rec["host"] == host:
+                with contextlib.suppress(OSError):
+                    os.kill(rec["pid"], DUMP_SIGNAL)
+                    dumped = f"; its stacks: logs/rank{r}.log"
+            parts.append(f"{who} still heartbeats, main thread in {rec.get('where') or '?'}{dumped}")
+        if missing:
+            parts.append(f"no record of rank(s) {', '.join(map(str, missing))} in {self.folder}")
+        return "no other rank failed or exited: " + "; ".join(parts) if parts else "no other rank failed or exited"
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # noqa: BLE001  (psutil missing or the process gone: the pid check is then plain)
+        return None
+
+
+def _alive(pid: int, create_time: float | None) -> bool:
+    """True while ``pid`` is the same running process (not gone, not a zombie, not a reused pid)."""
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        if create_time is not None and abs(p.create_time() - create_time) > 1e-3:
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE
+    except ImportError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+    except Exception:  # noqa: BLE001  (NoSuchProcess, AccessDenied on a vanished pid)
+        return False
+
+
+def install_faulthandler(log_file: Path) -> None:
+    """Fatal signals and ``kill -USR2 <pid>`` write every thread's Python stack to ``log_file`` (appended)."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    f = open(log_file, "a")  # noqa: SIM115  (kept open for the life of the process: faulthandler writes to its fd)
+    faulthandler.enable(file=f, all_threads=True)
+    if hasattr(faulthandler, "register"):
+        faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+    _FAULT_FILES.append(f)
+
+
+_FAULT_FILES: list = []
+_current: RankHealth | None = None
+
+
+def start(folder: Path, log_file: Path | None = None) -> RankHealth:
+    """Start this rank's heartbeat in ``folder`` and install ``faulthandler`` into ``log_file``.
+
+    Every rank must call it (rank 0 broadcasts the launch id once the process group exists).
+    """
+    global _current
+    from finetune import distributed as dist_utils
+
+    if log_file is not None:
+        install_faulthandler(log_file)
+    launch = [f"{socket.gethostname()}:{os.getpid()}:{time.time()}"]
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(launch, src=0)
+    _current = RankHealth(folder, dist_utils.rank(), dist_utils.world_size(), launch[0]).start()
+    return _current
+
+
+def finish(exit_code: int) -> int:
+    """Record this rank's exit status (no-op before :func:`start`); returns ``exit_code``."""
+    if _current is not None:
+        _current.finish(exit_code)
+    return exit_code
+
+
+def failed(e: BaseException) -> None:
+    """Record that this rank failed with ``e`` (no-op before :func:`start`)."""
+    if _current is not None:
+        _current.failed(e)
+
+
+def diagnose(wait_s: float = DIAGNOSE_S) -> str:
+    """:meth:`RankHealth.diagnose` of this rank ("" before :func:`start`)."""
+    return _current.diagnose(wait_s) if _current is not None else ""

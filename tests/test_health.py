@@ -1,0 +1,95 @@
+"""finetune/health.py without a launch: how a rank reads the other ranks' records after a collective broke.
+
+The real dead-rank launches (rank 0 and rank 1 killed, rank 1 raising) are in test_launchers.py; these cover
+the branches a one-node launch cannot reach: a rank on another host that stopped heartbeating, a hung rank
+that still heartbeats (it is asked for a stack dump), records of an earlier launch, and the blame order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, cpu_env
+from finetune import health
+from launch_helpers import wait_for
+
+
+def _record(folder, rank, launch="L", **fields):
+    rec = {"launch": launch, "rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "create_time": None,
+           "started": time.time(), "time": time.time(), "beat": 3, "state": "running", "where": "x.py:1 f", **fields}
+    (folder / f"rank{rank}.json").write_text(json.dumps(rec))
+
+
+@pytest.fixture
+def me(tmp_path):
+    """Rank 0 of a world of 4 whose records live in tmp_path (no heartbeat thread)."""
+    return health.RankHealth(tmp_path, rank=0, world=4, launch="L")
+
+
+def test_blames_the_rank_that_failed_on_its_own_first(me, tmp_path, monkeypatch):
+    monkeypatch.setattr(health, "STALE_S", 0.5)
+    _record(tmp_path, 1, state="failed", error="RuntimeError: Connection closed by peer", peer_failure=True)
+    _record(tmp_path, 2, state="running", host="node-elsewhere", pid=1)  # never beats again
+    _record(tmp_path, 3, launch="an earlier launch", state="failed", error="OSError: old", peer_failure=False)
+    t0 = time.time()
+    line = me.diagnose(wait_s=5)
+    assert time.time() - t0 < 3
+    assert line.startswith("rank 2 (host node-elsewhere, pid 1) stopped heartbeating at "), line
+    assert "rank 1 (host" in line and "Connection closed by peer" in line  # a victim, named after the culprit
+    assert "OSError: old" not in line  # another launch's record
+
+
+def test_dead_pid_on_this_host_and_exit_status(me, tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _record(tmp_path, 1, pid=gone.pid)
+    _record(tmp_path, 2, state="exited", exit_code=143)
+    line = me.diagnose(wait_s=5)
+    assert f"rank 1 (host {socket.gethostname()}, pid {gone.pid}) died at about" in line, line
+    assert "without an exit status" in line and "exited with status 143 at" in line
+
+
+def test_hung_rank_is_named_with_where_and_dumps_its_stacks(me, tmp_path):
+    """Nobody failed (a timeout): the ranks still heartbeating are listed with their main thread's place, and
+    those on this host dump their stacks into their logs (faulthandler on SIGUSR2; the rank keeps running)."""
+    log = tmp_path / "rank1.log"
+    code = (f"from pathlib import Path; import time\nfrom finetune.health import install_faulthandler\n"
+            f"install_faulthandler(Path({str(log)!r}))\nprint('ready', flush=True)\n"
+            f"def stuck_in_all_reduce():\n    time.sleep(60)\nstuck_in_all_reduce()\n")
+    hung = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert hung.stdout.readline().strip() == "ready"
+        for r in (1, 2, 3):
+            _record(tmp_path, r, pid=hung.pid if r == 1 else os.getpid(), where="finetune/trainer.py:171 fit")
+        me.world = 2
+        line = me.diagnose(wait_s=0.5)
+        assert line.startswith("no other rank failed or exited: rank 1 ("), line
+        assert "still heartbeats, main thread in finetune/trainer.py:171 fit; its stacks: logs/rank1.log" in line
+        wait_for(lambda: "stuck_in_all_reduce" in log.read_text(), 10, what="stack dump in the hung rank's log")
+        assert hung.poll() is None
+    finally:
+        hung.send_signal(signal.SIGKILL)
+        hung.wait()
+
+
+def test_own_record_heartbeat_and_exit(tmp_path, monkeypatch):
+    monkeypatch.setattr(health, "HEARTBEAT_S", 0.05)
+    me = health.RankHealth(tmp_path, rank=0, world=1, launch="L").start()
+    rec = lambda: json.loads((tmp_path / "rank0.json").read_text())  # noqa: E731
+    wait_for(lambda: rec()["beat"] >= 2, 10, what="two heartbeats")
+    assert rec()["where"]  # the main thread's place (here: this test function)
+    me.failed(RuntimeError("gloo: Connection closed by peer"))
+    me.finish(1)
+    final = rec()
+    assert final["state"] == "failed" and final["peer_failure"] is True and final["exit_code"] == 1
+    beat = final["beat"]
+    time.sleep(0.2)
+    assert rec()["beat"] == beat  # the heartbeat stopped
