@@ -118,7 +118,7 @@ def logged_steps(run_dir: Path) -> int:
     p = Path(run_dir) / "metrics.jsonl"
     if not p.exists():
         return 0
-    steps = re.findall(r'^\{"step": (\d+), "train/loss"', p.read_text(), re.M)
+    steps = re.findall(r'^\{"step": (\d+), (?:"launch": \d+, )?"train/loss"', p.read_text(), re.M)
     return max(map(int, steps), default=0)
 
 
