@@ -58,6 +58,7 @@ def _write_run_folder(run_dir: Path, cfg, ds: dict, tokenizer, model_config, lau
     import transformers
 
     from finetune.distributed import world_size
+    from finetune.ds_config import describe_precision
     from finetune.export import MODEL_META
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,6 +66,7 @@ def _write_run_folder(run_dir: Path, cfg, ds: dict, tokenizer, model_config, lau
     (run_dir / "ds_config.json").write_text(json.dumps(ds, indent=2))
     meta = {"command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(), "git": _git_hash(),
             "launcher": launcher, "world_size": world_size(), "host": platform.node(),
+            "precision": describe_precision(cfg, _on_cpu()),
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()}}
     (run_dir / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -142,6 +144,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune import checkpoint as ckpt_utils
     from finetune import data as data_utils
     from finetune import distributed as dist_utils
+    from finetune.ds_config import describe_precision
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint
     from finetune.logs import logger, setup_logging, tensorboard_section
@@ -166,6 +169,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
             _write_run_folder(run_dir, cfg, ds, tokenizer, load_model_config(cfg), launcher)
         logger.info(f"run folder {run_dir}; world size {dist_utils.world_size()} ({launcher}); recipe {cfg.recipe}; "
                     f"DeepSpeed config {cfg.deepspeed}")
+        logger.info("precision {precision} ({why})".format(**describe_precision(cfg, _on_cpu())))
 
         splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
         collator = recipe.make_collator(tokenizer, cfg.data)
