@@ -209,6 +209,10 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 export_checkpoint(ckpt, run_dir / "export", keep_previous=True)
             dist_utils.barrier()
             _verify_export(engine, splits.validation, collator, run_dir, ds)
+            if cfg.train.sample_prompt and rank == 0 and hasattr(recipe, "greedy_sample"):
+                sample = recipe.greedy_sample(run_dir / "export", cfg.train.sample_prompt)
+                (run_dir / "sample.txt").write_text(sample + "\n")
+                logger.info(f"greedy sample (sample.txt): {sample!r}")
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):

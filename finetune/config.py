@@ -120,6 +120,8 @@ class TrainConfig:
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     log_every: int = 10
     """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
+    sample_prompt: str = ""
+    """gpt_clm only: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
     precision: str = "auto"
     """``auto`` (bf16 on GPUs that support it, else fp16; fp32 on CPUs; an explicit bf16/fp16 ``enabled`` in the DeepSpeed JSON wins), ``fp32``, ``bf16`` or ``fp16``."""
     seed: int = 42
