@@ -2,10 +2,10 @@
 ``transformers.pipeline``, exact resume, int and string labels, and every bad-label case as one error line.
 
 Launch budget: 4 launches. ZeRO 3 (string labels, as shipped; 120 steps) carries accuracy, eval artefacts, the
-pipeline export and is resumed from its step-100 checkpoint; ZeRO 0 (80 steps) runs on a copy of the data with
-int labels; ZeRO 2 (80 steps) on the shipped data. Measured (seed 42, global batch 32, 2 ranks): dev accuracy
+pipeline export and is resumed from its step-100 checkpoint; ZeRO 0 runs on a copy of the data with int labels;
+ZeRO 2 on the shipped data (both 120 steps, evaluated at steps 0 and 120 only, no export). Measured (seed 42, global batch 32, 2 ranks): dev accuracy
 0.71 after 120 steps (ZeRO 0, 2, 3) and 0.65 after 60, against a majority class of 0.509 (444 of 872
-positive); the asserted margin is 0.12.
+positive); the asserted margin is 0.12. (80-step runs, whose LR decays sooner, reached only 0.54.)
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ TRAIN, DEV = REPO / "data/sst2/train.parquet", REPO / "data/sst2/validation.parq
 MAJORITY = 444 / 872
 MARGIN = 0.12
 STEPS = {"zero3": ["train.max_steps=120", "train.eval_every=60", "train.save_every=100", "train.log_every=1"],
-         "zero0": ["train.max_steps=80", "train.eval_every=0", "train.log_every=1", "export=false"],
-         "zero2": ["train.max_steps=80", "train.eval_every=0", "train.log_every=1", "export=false"]}
-EVAL_STEPS = {"zero3": [0, 60, 120], "zero0": [0, 80], "zero2": [0, 80]}
+         "zero0": ["train.max_steps=120", "train.eval_every=0", "train.log_every=1", "export=false"],
+         "zero2": ["train.max_steps=120", "train.eval_every=0", "train.log_every=1", "export=false"]}
+EVAL_STEPS = {"zero3": [0, 60, 120], "zero0": [0, 120], "zero2": [0, 120]}
 
 
 def _dev_majority() -> float:
