@@ -215,3 +215,30 @@ def test_pretrained_without_head_logs_new_weights_in_one_line(tmp_path, capfd):
     assert "bert.encoder" not in new[0], "only the head is new"
     err = capfd.readouterr().err
     assert "newly initialized" not in err.lower() and "TRAIN this model" not in err, err
+
+
+def test_label_order_pairs_and_metrics(tmp_path):
+    """Int labels sort numerically (2 < 10), sentence pairs are tokenized as pairs, F1 from the confusion counts."""
+    from transformers import AutoTokenizer
+
+    from finetune.config import load_run_config
+    from finetune.recipes import seq_cls
+
+    f = _write(tmp_path / "pairs.parquet", premise=pa.array(["a cat sits", "dogs run", "it rains"]),
+               hypothesis=pa.array(["an animal sits", "nobody runs", "it is wet"]), label=pa.array([10, 2, 10]))
+    cfg = load_run_config(CONFIG, [f"data.train_files=[{f}]", "data.text_column=premise",
+                                   "data.text_pair_column=hypothesis"])
+    assert seq_cls.label_names(cfg.data) == [2, 10]
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data/models/bert-base-uncased-tokenizer")
+    out = seq_cls.tokenize_function(tokenizer, cfg.data)(pq.read_table(f).to_pydict())
+    assert out["labels"] == [1, 0, 1]
+    assert tokenizer.decode(out["input_ids"][0]) == "[CLS] a cat sits [SEP] an animal sits [SEP]"
+    assert set(out["token_type_ids"][0]) == {0, 1}
+
+    logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
+    labels = torch.tensor([1, 0, 1, 0, -100])  # the last row is an eval filler: not counted
+    counts = seq_cls.eval_counts(logits, labels)
+    assert counts.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    metrics, artefacts = seq_cls.eval_report(counts, type("C", (), {"id2label": {0: "neg", 1: "pos"}})())
+    assert metrics == {"macro_f1": pytest.approx(0.5), "f1": pytest.approx(0.5)}
+    assert artefacts["confusion_matrix"] == {"labels": ["neg", "pos"], "matrix": [[1, 1], [1, 1]]}

@@ -147,7 +147,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             if unknown:
                 problems.append(f"data.validation_files: '{f}' column '{d.label_column}' has label {unknown[0]!r} "
                                 f"that no training file has (training labels: "
-                                f"{', '.join(map(str, _sorted(train_labels)[:20]))})")
+                                f"{', '.join(map(str, sorted(train_labels)[:20]))})")
         if len(train_labels) < 2:
             problems.append(f"data.train_files: column '{d.label_column}' has only the label "
                             f"{next(iter(train_labels))!r}; classification needs at least 2 classes")
@@ -155,7 +155,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
         want = cfg.model.config_overrides.get("num_labels")
         if want is not None and want != n:
             problems.append(f"model.config_overrides.num_labels: {want}, but the training data has {n} labels "
-                            f"({', '.join(map(str, _sorted(train_labels)[:20]))}); remove it (it is set from the data)")
+                            f"({', '.join(map(str, sorted(train_labels)[:20]))}); remove it (it is set from the data)")
         config_json = Path(cfg.model.path) / "config.json"
         if cfg.model.init == "pretrained" and config_json.is_file():
             try:
@@ -166,10 +166,6 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 problems.append(f"model.path: '{config_json}' is a classifier with {len(have)} labels (id2label) but "
                                 f"the training data has {n}; use a checkpoint without a classification head or "
                                 f"data with the same classes")
-
-
-def _sorted(labels: set) -> list:
-    return sorted(labels)
 
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
