@@ -24,8 +24,8 @@ all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always ret
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
-Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``; checkpoints every ``train.save_every`` steps
-and at the end.
+Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
+checkpoints every ``train.save_every`` steps and at the end.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
             base = n[: -len("/num")]
             metrics[f"eval/{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
     if counts is not None:
-        extra, made = recipe.eval_report(dist_utils.all_reduce_sum(counts).cpu(), getattr(engine.module, "config", None))
+        model_config = getattr(engine.module, "config", None)
+        extra, made = recipe.eval_report(dist_utils.all_reduce_sum(counts).cpu(), model_config)
         metrics.update({f"eval/{k}": v for k, v in extra.items()})
         if artefacts is not None:
             artefacts.update(made)

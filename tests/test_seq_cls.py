@@ -3,9 +3,10 @@
 
 Launch budget: 4 launches. ZeRO 3 (string labels, as shipped; 120 steps) carries accuracy, eval artefacts, the
 pipeline export and is resumed from its step-100 checkpoint; ZeRO 0 runs on a copy of the data with int labels;
-ZeRO 2 on the shipped data (both 120 steps, evaluated at steps 0 and 120 only, no export). Measured (seed 42, global batch 32, 2 ranks): dev accuracy
-0.71 after 120 steps (ZeRO 0, 2, 3) and 0.65 after 60, against a majority class of 0.509 (444 of 872
-positive); the asserted margin is 0.12. (80-step runs, whose LR decays sooner, reached only 0.54.)
+ZeRO 2 on the shipped data (both 120 steps, evaluated at steps 0 and 120 only, no export). Measured (seed 42,
+global batch 32, 2 ranks): dev accuracy 0.71 after 120 steps (ZeRO 0, 2, 3) and 0.65 after 60, against a
+majority class of 0.509 (444 of 872 positive); the asserted margin is 0.12. (80-step runs, whose LR decays
+sooner, reached only 0.54.)
 """
 
 from __future__ import annotations
