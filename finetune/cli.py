@@ -71,13 +71,14 @@ def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, m
     import transformers
 
     from finetune.distributed import world_size
+    from finetune.ds_config import describe_precision
     from finetune.export import MODEL_META
     from finetune.run_folder import slurm_job_id, write_launch_record
 
     meta = {"launch": launch_no, "command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(),
             "git": _git_hash(), "launcher": launcher, "world_size": world_size(), "host": platform.node(),
-            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "started_utc": time.strftime("%Y-%m-%d %H:%M:%S",
-                                                                                             time.gmtime()),
+            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "precision": describe_precision(cfg, _on_cpu()),
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()}}
     write_launch_record(run_dir, launch_no, {"run_config.yaml": dump_yaml(config_to_dict(cfg)),
@@ -163,6 +164,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune import distributed as dist_utils
     from finetune import health
     from finetune import resume as resume_policy
+    from finetune.ds_config import describe_precision
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint, verify_export
     from finetune.logs import logger, setup_logging, tensorboard_section
@@ -190,6 +192,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
             print(f"finetune: run folder {run_dir} (launch {opened.launch})", file=sys.stderr, flush=True)
         logger.info(f"run folder {run_dir} (launch {opened.launch}); world size {dist_utils.world_size()} "
                     f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
+        logger.info("precision {precision} ({why})".format(**describe_precision(cfg, _on_cpu())))
 
         splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
         collator = recipe.make_collator(tokenizer, cfg.data)
@@ -230,6 +233,10 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 export_checkpoint(ckpt, run_dir / "export", keep_previous=True)
             dist_utils.barrier()
             verify_export(engine, splits.validation, collator, run_dir, ds, recipe)
+            if cfg.train.sample_prompt and rank == 0 and hasattr(recipe, "greedy_sample"):
+                sample = recipe.greedy_sample(run_dir / "export", cfg.train.sample_prompt)
+                (run_dir / "sample.txt").write_text(sample + "\n")
+                logger.info(f"greedy sample (sample.txt): {sample!r}")
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):

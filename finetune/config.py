@@ -59,6 +59,10 @@ class DataConfig:
     """Fraction of training rows held out for validation (fixed ``train.seed``) when no validation files."""
     text_column: str = "text"
     """Name of the text column in every parquet file."""
+    text_pair_column: str = ""
+    """seq_cls only: second text column for sentence pairs (NLI, paraphrase), tokenized as a pair; empty: single texts."""
+    label_column: str = "label"
+    """seq_cls only: class label column (ints or strings; the sorted training labels become the model's id2label)."""
     max_seq_len: int = 128
     """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
     packing: bool = True
@@ -111,12 +115,18 @@ class TrainConfig:
     """``token``: exact mean over all target tokens of the global batch; ``micro_batch``: DeepSpeed's plain mean of micro-batch means."""
     eval_every: int = 0
     """Evaluate every N optimizer steps (0: only at the end)."""
+    eval_on_start: bool = False
+    """Also evaluate before the first optimizer step (step 0) of a fresh run, so curves start where training did."""
     eval_max_batches: int = 0
     """Cap on eval micro-batches per rank (0: the whole validation split)."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     log_every: int = 10
     """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
+    sample_prompt: str = ""
+    """gpt_clm only: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
+    precision: str = "auto"
+    """``auto`` (bf16 on GPUs that support it, else fp16; fp32 on CPUs; an explicit bf16/fp16 ``enabled`` in the DeepSpeed JSON wins), ``fp32``, ``bf16`` or ``fp16``."""
     seed: int = 42
     """Seed for init, shuffling, masking, dropout and the validation split."""
     dist_timeout_minutes: float = 10.0
@@ -130,7 +140,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm`` or ``gpt_clm`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm`` or ``seq_cls`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

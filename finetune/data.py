@@ -281,12 +281,13 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
     cache = default_cache_dir(data_cfg)
     cache.mkdir(parents=True, exist_ok=True)
     col = data_cfg.text_column
+    cols = recipe.columns(data_cfg) if hasattr(recipe, "columns") else [col]
 
     def read(files):
         return datasets.load_dataset("parquet", data_files=files, split="train",
-                                     cache_dir=str(cache / "parquet"), columns=[col])
+                                     cache_dir=str(cache / "parquet"), columns=cols)
 
-    base_key = {"recipe": recipe_name, "tokenizer": _tokenizer_id(tokenizer), "column": col,
+    base_key = {"recipe": recipe_name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
                 "max_seq_len": data_cfg.max_seq_len, "packing": data_cfg.packing if recipe_name == "gpt_clm" else None,
                 "datasets": datasets.__version__, "version": 1}
     fn = recipe.tokenize_function(tokenizer, data_cfg)

@@ -2,9 +2,10 @@
 
 The run config is the single source of truth for batch sizes, the optimizer and gradient clipping:
 :func:`resolve_ds_config` writes ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-``train_batch_size = micro x accumulation x world size``, ``gradient_clipping`` and an AdamW
-``optimizer`` block into the dict handed to ``deepspeed.initialize``. A JSON value that contradicts
-them is an error (DeepSpeed would silently prefer one or assert mid-start-up).
+``train_batch_size = micro x accumulation x world size``, ``gradient_clipping``, an AdamW
+``optimizer`` block and the ``bf16``/``fp16`` sections (``train.precision``, :func:`choose_precision`)
+into the dict handed to ``deepspeed.initialize``. A JSON value that contradicts them is an error
+(DeepSpeed would silently prefer one or assert mid-start-up).
 
 DeepSpeed ignores unknown top-level keys (a typo such as ``"zero_optimisation"`` silently trains without
 ZeRO); :func:`check_ds_config` rejects them, using the keys DeepSpeed's own ``DeepSpeedConfig`` reads.
@@ -112,7 +113,100 @@ def check_ds_config(ds: dict, source: str) -> list[str]:
     return problems
 
 
-def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool,
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def auto_precision(accelerator) -> tuple[str, str]:
+    """What ``train.precision: auto`` picks on ``accelerator``, and why.
+
+    Args:
+        accelerator: a DeepSpeed accelerator (``deepspeed.accelerator.get_accelerator()``) or anything with
+            its capability queries ``device_name()``, ``is_bf16_supported()``, ``is_fp16_supported()``.
+
+    Returns:
+        ``(precision, reason)``: ``fp32`` on CPUs (bf16 runs there but is ~2.4x slower than fp32 without
+        AMX/avx512_bf16 cores, fp16 is unsupported); on GPUs ``bf16`` when supported (Ampere and newer),
+        else ``fp16`` (V100, T4) when supported, else ``fp32``.
+    """
+    name = accelerator.device_name()
+    if name == "cpu":
+        return "fp32", "auto: CPU accelerator (bf16 is slow without bf16 hardware, fp16 unsupported)"
+    if accelerator.is_bf16_supported():
+        return "bf16", f"auto: {name} accelerator supports bf16"
+    if accelerator.is_fp16_supported():
+        return "fp16", f"auto: {name} accelerator has no bf16 but supports fp16"
+    return "fp32", f"auto: {name} accelerator supports neither bf16 nor fp16"
+
+
+def _json_precision(ds: dict) -> str | None:
+    """The precision a DeepSpeed dict states explicitly (a bf16/fp16 ``enabled`` of true or false), else None."""
+    stated = {s: ds[s]["enabled"] for s in ("bf16", "fp16")
+              if isinstance(ds.get(s), dict) and isinstance(ds[s].get("enabled"), bool)}
+    if not stated:
+        return None
+    on = [s for s, v in stated.items() if v]
+    return on[0] if len(on) == 1 else ("fp32" if not on else "both")
+
+
+def choose_precision(requested: str, ds: dict, source: str, on_cpu: bool, accelerator=None
+                     ) -> tuple[str, str, list[str]]:
+    """Resolve ``train.precision`` against the DeepSpeed JSON (after ``ds.*`` overrides).
+
+    Rule: an explicit ``train.precision`` (fp32/bf16/fp16) is used, and a JSON whose bf16/fp16 ``enabled``
+    says otherwise is a contradiction (an error, as with batch sizes). With ``auto`` the JSON's explicit
+    choice wins (bf16 or fp16 ``enabled: true``; ``enabled: false`` everywhere means fp32); a JSON without
+    one gets :func:`auto_precision` (fp32 on the CPU accelerator, without querying it).
+
+    Args:
+        requested: ``train.precision``.
+        ds: merged DeepSpeed dict.
+        source: the JSON file name, for messages.
+        on_cpu: True on DeepSpeed's CPU accelerator.
+        accelerator: the accelerator to query for ``auto`` (default ``deepspeed.accelerator.get_accelerator()``).
+
+    Returns:
+        ``(precision, reason, problems)`` with precision one of fp32/bf16/fp16.
+    """
+    stated = _json_precision(ds)
+    if requested not in PRECISIONS:
+        return "fp32", "", [f"train.precision: '{requested}' unknown (choose one of: {', '.join(PRECISIONS)})"]
+    if stated == "both":
+        return "fp32", "", [f"deepspeed: {source} enables both bf16 and fp16; enable at most one "
+                            f"(or remove both and set train.precision)"]
+    if requested != "auto":
+        if stated is not None and stated != requested:
+            return requested, "", [
+                f"deepspeed: precision contradiction: {source} gives {stated} (bf16/fp16 'enabled') but "
+                f"train.precision={requested}; remove the bf16/fp16 sections' 'enabled' from the JSON or set "
+                f"train.precision=auto (the JSON's choice is then used)"]
+        return requested, f"train.precision={requested}", []
+    if stated is not None:
+        return stated, f"auto: {source} sets it explicitly", []
+    if on_cpu:
+        return "fp32", "auto: CPU accelerator (bf16 is slow without bf16 hardware, fp16 unsupported)", []
+    if accelerator is None:
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+    precision, reason = auto_precision(accelerator)
+    return precision, reason, []
+
+
+def describe_precision(cfg: RunConfig, on_cpu: bool) -> dict:
+    """``{"precision": ..., "why": ...}`` for the run folder's ``meta.json`` and the log (as resolved by
+    :func:`resolve_ds_config`)."""
+    ds = deep_merge(load_ds_json(cfg.deepspeed), copy.deepcopy(cfg.ds))
+    precision, why, _ = choose_precision(cfg.train.precision, ds, cfg.deepspeed, on_cpu)
+    return {"precision": precision, "why": why}
+
+
+def precision_of(ds: dict) -> str:
+    """``bf16``, ``fp16`` or ``fp32``: what a resolved DeepSpeed dict trains in."""
+    stated = _json_precision(ds)
+    return stated if stated in ("bf16", "fp16") else "fp32"
+
+
+def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator=None,
                       deepspeed_checks: bool = True) -> tuple[dict, list[str]]:
     """The DeepSpeed dict for ``deepspeed.initialize``: JSON file + ``cfg.ds`` overrides + run-config values.
 
@@ -120,6 +214,8 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool,
         cfg: the run config (``cfg.deepspeed`` names the JSON file).
         world_size: number of data-parallel ranks.
         on_cpu: True on the CPU accelerator (picks ``torch.optim.AdamW`` instead of the fused CUDA Adam).
+        accelerator: queried for ``train.precision: auto`` on GPUs (see :func:`choose_precision`); default
+            DeepSpeed's ``get_accelerator()``.
         deepspeed_checks: also run DeepSpeed's own config parser (when ours found no problem); the caller
             passes False when the run config's numbers are already known to be wrong (e.g. a micro batch of 0).
 
@@ -159,6 +255,10 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool,
         if on_cpu and not optimizer_offloaded(ds):
             params["torch_adam"] = True  # torch.optim.AdamW; the fused Adam kernel is CUDA-only
         ds["optimizer"] = {"type": "AdamW", "params": params}
+    precision, _, precision_problems = choose_precision(t.precision, ds, cfg.deepspeed, on_cpu, accelerator)
+    problems += precision_problems
+    for section in ("bf16", "fp16"):
+        ds[section] = {**ds.get(section, {}), "enabled": precision == section}
     if ds.get("fp16", {}).get("enabled") is True and on_cpu:
         problems.append(f"deepspeed: fp16 is enabled in {cfg.deepspeed} but the CPU accelerator does not support "
                         f"fp16; use a bf16 or fp32 config (ds.fp16.enabled=false)")

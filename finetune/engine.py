@@ -39,10 +39,37 @@ def load_model_config(cfg: RunConfig):
     """``AutoConfig`` from ``model.path`` with ``model.config_overrides`` applied."""
     from transformers import AutoConfig
 
+    from finetune.recipes import get_recipe
+
     config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     for k, v in cfg.model.config_overrides.items():
         setattr(config, k, v)
+    recipe = get_recipe(cfg.recipe)
+    if hasattr(recipe, "prepare_model_config"):  # e.g. seq_cls: num_labels/id2label from the training labels
+        config = recipe.prepare_model_config(config, cfg.data)
     return config
+
+
+def load_pretrained(model_class, path: str, model_config):
+    """``model_class.from_pretrained(path)`` in fp32 that logs newly initialised weights in one line.
+
+    A checkpoint without the task's head (a plain BERT for ``seq_cls``) gets a freshly initialised head;
+    transformers' own per-weight warnings are silenced and replaced by one INFO line naming those weights.
+    """
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = model_class.from_pretrained(path, config=model_config, local_files_only=True,
+                                                  dtype=torch.float32, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(level)
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        logger.info(f"newly initialised (not in {path}): {', '.join(missing + mismatched)}")
+    return model
 
 
 def scratch_model(model_class, model_config):
@@ -103,8 +130,7 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     if cfg.model.init == "pretrained":
-        model = recipe.MODEL_CLASS.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
-                                                   dtype=torch.float32)
+        model = load_pretrained(recipe.MODEL_CLASS, cfg.model.path, model_config)
     elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
         model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32)
     else:

@@ -3,6 +3,8 @@
 Scalars go to TensorBoard through DeepSpeed's own monitor (``engine.monitor``, enabled by the
 ``tensorboard`` section :func:`tensorboard_section` adds to the DeepSpeed config; it writes on rank 0
 only) and, for scripts and tests, to ``metrics.jsonl`` in the run folder (one JSON object per event).
+Eval artefacts (seq_cls: the confusion matrix) go to ``eval/step<N>_<name>.json`` in the run folder and,
+when they are matrices, as an image (rendered with matplotlib) to the same TensorBoard writer.
 """
 
 from __future__ import annotations
@@ -68,3 +70,45 @@ class MetricsSink:
                **{k: (float(v) if math.isfinite(float(v)) else None) for k, v in scalars.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
+
+    def write_artefacts(self, step: int, artefacts: dict[str, dict]) -> None:
+        """Write each artefact (name -> JSON-able dict) to ``eval/step<N>_<name>.json``; one with ``labels`` and
+        ``matrix`` also goes to TensorBoard as image ``eval/<name>`` (through DeepSpeed's monitor's writer)."""
+        if not self.enabled or not artefacts:
+            return
+        folder = self.path.parent / "eval"
+        folder.mkdir(exist_ok=True)
+        for name, value in artefacts.items():
+            (folder / f"step{step}_{name}.json").write_text(json.dumps({"step": step, **value}, indent=1))
+            tb = getattr(getattr(self.engine, "monitor", None), "tb_monitor", None)
+            writer = getattr(tb, "summary_writer", None)
+            if writer is not None and "matrix" in value and "labels" in value:
+                writer.add_image(f"eval/{name}", matrix_image(value["matrix"], value["labels"]), step,
+                                 dataformats="HWC")
+                writer.flush()
+
+
+def matrix_image(matrix: list[list[int]], labels: list[str]):
+    """RGB image (uint8 ``numpy`` array [height, width, 3]) of a confusion matrix with counts in the cells
+    (rows: true class, columns: predicted class), rendered off-screen with matplotlib's Agg backend."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    m = np.asarray(matrix)
+    size = 1.5 + 0.5 * len(labels)
+    fig = Figure(figsize=(size + 1, size), dpi=80)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.imshow(m, cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    for i in range(m.shape[0]):
+        for j in range(m.shape[1]):
+            ax.text(j, i, str(m[i, j]), ha="center", va="center",
+                    color="white" if m[i, j] > m.max() / 2 else "black")
+    fig.tight_layout()
+    fig.canvas.draw()
+    return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()

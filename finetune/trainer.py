@@ -32,8 +32,8 @@ Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a ro
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
-Evaluation every ``train.eval_every`` steps and at the end; checkpoints every ``train.save_every`` steps
-and at the end.
+Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
+checkpoints every ``train.save_every`` steps and at the end.
 """
 
 from __future__ import annotations
@@ -64,12 +64,15 @@ def _rng_fork(device):
 
 
 @torch.no_grad()
-def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
+def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = None) -> dict[str, float]:
     """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
 
     MLM masks are seeded per validation row (``finetune.data.eval_loader``), so they are the same at every
     evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
     untouched. All ranks must call it (ZeRO-3 gathers parameters).
+
+    Recipes with ``eval_counts``/``eval_report`` (seq_cls: confusion matrix, F1) add their metrics, and
+    their artefacts (name -> JSON-able dict) are put into ``artefacts`` when it is given.
 
     Returns:
         ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}``.
@@ -77,6 +80,7 @@ def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
     engine.eval()
     device = engine.device
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
+    counts = None
     with _rng_fork(device):
         torch.manual_seed(cfg.train.seed)
         for i, batch in enumerate(loader):
@@ -90,6 +94,9 @@ def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
             for name, (num, den) in recipe.eval_stats(out.logits, labels).items():
                 sums[f"{name}/num"] += num
                 sums[f"{name}/den"] += den
+            if hasattr(recipe, "eval_counts"):
+                c = recipe.eval_counts(out.logits, labels).double()
+                counts = c if counts is None else counts + c
     names = sorted(sums)
     totals = dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()
     total = dict(zip(names, totals))
@@ -100,7 +107,22 @@ def evaluate(engine, loader, recipe, cfg: RunConfig) -> dict[str, float]:
         if n.endswith("/num"):
             base = n[: -len("/num")]
             metrics[f"eval/{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
+    if counts is not None:
+        model_config = getattr(engine.module, "config", None)
+        extra, made = recipe.eval_report(dist_utils.all_reduce_sum(counts).cpu(), model_config)
+        metrics.update({f"eval/{k}": v for k, v in extra.items()})
+        if artefacts is not None:
+            artefacts.update(made)
     return metrics
+
+
+def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, step: int, what: str) -> None:
+    """Evaluate (all ranks), then write scalars and artefacts (rank 0) and one log line."""
+    artefacts: dict = {}
+    metrics = evaluate(engine, eval_dl, recipe, cfg, artefacts)
+    sink.write(step, metrics)
+    sink.write_artefacts(step, artefacts)
+    logger.info(f"{what} {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
 
 
 def _grad_norm_stage0(engine) -> float:
@@ -175,6 +197,9 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
                 dynamic_ncols=True)
     engine.train()
+    if t.eval_on_start and state.step == 0 and resume_from is None:
+        _eval_and_log(engine, eval_dl, recipe, cfg, sink, 0, "eval before training, step")
+        t_log = time.perf_counter()
 
     while state.step < total_steps:
         done = state.samples_in_epoch // world  # this rank's rows of the epoch already trained on
@@ -256,9 +281,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 t_log = time.perf_counter()
 
             if t.eval_every and state.step % t.eval_every == 0 and state.step < total_steps:
-                metrics = evaluate(engine, eval_dl, recipe, cfg)
-                sink.write(state.step, metrics)
-                logger.info(f"step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+                _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
                 t_log = time.perf_counter()
             # (not at the last step: that one ends the run normally, with its final eval and checkpoint;
             # not right after a skipped step: the save waits for the end or a stop)
@@ -275,9 +298,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             state.samples_in_epoch = 0
     pbar.close()
 
-    metrics = evaluate(engine, eval_dl, recipe, cfg)
-    sink.write(state.step, metrics)
-    logger.info(f"final eval at step {state.step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
     if last_saved != state.step:
         ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg))
     return state

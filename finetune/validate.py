@@ -195,6 +195,17 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.loss_weighting: '{t.loss_weighting}' is not 'token' or 'micro_batch'")
 
 
+def _check_recipe_data(cfg: RunConfig, train_files: list[str], validation_files: list[str],
+                       problems: list[str]) -> None:
+    """The recipe's own data checks (``check_labels``: seq_cls label columns), when it has them."""
+    if cfg.recipe in RECIPES:
+        from finetune.recipes import get_recipe
+
+        recipe = get_recipe(cfg.recipe)
+        if hasattr(recipe, "check_labels"):
+            recipe.check_labels(cfg, train_files, validation_files, problems)
+
+
 def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
                  allow_changes: bool = False) -> Resolved:
     """Check everything that can be checked before a model is built; raise all problems together.
@@ -229,9 +240,12 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     _check_model(cfg, problems)
     if not cfg.data.train_files:
         problems.append("data.train_files: no training files given")
+    files = {}
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
-        check_parquet_files(expand_files(patterns, key, problems), key, cfg.data.text_column, problems)
+        files[key] = expand_files(patterns, key, problems)
+        check_parquet_files(files[key], key, cfg.data.text_column, problems)
+    _check_recipe_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
     number_problems: list[str] = []
     _check_numbers(cfg, number_problems)

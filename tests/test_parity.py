@@ -47,7 +47,10 @@ token weighting was a no-op and the MLM eval loss was wrong), so recipes now com
 came from the global RNG per collated batch (now seeded per row); ``init: scratch`` drew different
 weights under ZeRO-3 than at stages 0-2 (now identical).
 
-Launch budget: 14 launches, each run once and shared by the tests that read it (e.g. the ZeRO-0/3 runs are
+seq_cls (``tests/configs/parity_cls.yaml``, SST-2 rows, string labels): ZeRO 0 (2 x 2 x 2 ranks) and ZeRO 3 against
+the same reference, with example weighting (``count_targets`` counts rows); also golden runs.
+
+Launch budget: 16 launches, each run once and shared by the tests that read it (e.g. the ZeRO-0/3 runs are
 also the golden runs). Regenerate golden values with
 ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_parity.py -k golden`` (and say why in the commit).
 """
@@ -68,7 +71,7 @@ from parity_reference import reference_run
 
 pytestmark = pytest.mark.slow
 
-GPT, BERT = CONFIGS / "parity_gpt.yaml", CONFIGS / "parity_bert.yaml"
+GPT, BERT, CLS = CONFIGS / "parity_gpt.yaml", CONFIGS / "parity_bert.yaml", CONFIGS / "parity_cls.yaml"
 GOLDEN = Path(__file__).with_name("parity_golden.json")
 UPDATE_GOLDEN = os.environ.get("PARITY_UPDATE_GOLDEN") == "1"
 
@@ -97,8 +100,10 @@ RUNS: dict[str, tuple[Path, int, list[str]]] = {
     "gpt-offload-z3": (GPT, 2, ["deepspeed=ds_configs/zero3_offload.json", "export=true"]),
     "gpt-bf16": (GPT, 2, [_stage(2), "ds.bf16.enabled=true"]),
     "gpt-microbatch": (GPT, 2, [_stage(2), *_layout(2, 2), "train.loss_weighting=micro_batch"]),
+    "cls-z0": (CLS, 2, [_stage(0), *_layout(2, 2), "export=true"]),
+    "cls-z3": (CLS, 2, [_stage(3), "export=true"]),
 }
-GOLDEN_RUNS = ("gpt-z0", "gpt-z3", "bert-z0", "bert-z3")
+GOLDEN_RUNS = ("gpt-z0", "gpt-z3", "bert-z0", "bert-z3", "cls-z0", "cls-z3")
 
 
 def run_config(name: str):
@@ -267,6 +272,23 @@ def test_zero_stage_matches_single_device(runs, reference, name):
     check_losses(run, ref, rtol=1e-5)
     check_grad_norms(run, ref, rtol=1e-4 if name.endswith("z0") else 1e-5)
     check_weights(run, ref, tol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["cls-z0", "cls-z3"])
+def test_seq_cls_matches_single_device(runs, reference, name):
+    """seq_cls (example weighting): ZeRO 0 with micro 2 x accum 2 x 2 ranks and ZeRO 3 with 4 x 1 x 2 give the
+    single-device losses (1e-5 rel), grad norms and exported weights, classification head included.
+
+    Every row is one target, so token and micro-batch weighting coincide on training batches here (no
+    check_token_weighting_matters); what is checked is the per-example loss summed and divided by the
+    global batch's examples across ranks, accumulation and ZeRO stages.
+    """
+    run, ref = runs(name), reference(name)
+    assert ref.targets == [8] * 20, "one target per example"
+    check_losses(run, ref, rtol=1e-5)
+    check_grad_norms(run, ref, rtol=1e-4 if name.endswith("z0") else 1e-5)
+    check_weights(run, ref, tol=1e-5)
+    assert any("classifier" in k for k in ref.state_dict)
 
 
 # ---------------------------------------------------------------------------------------------------------

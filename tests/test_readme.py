@@ -58,3 +58,10 @@ def test_readme_main_command_in_fresh_clone(tmp_path):
     assert (run / "export" / "model.safetensors").is_file() and (run / "export" / "config.json").is_file()
     losses = [r["train/loss"] for r in read_metrics(run) if "train/loss" in r]
     assert losses[-1] < losses[0]
+    # It visibly learns: eval before the first step (train.eval_on_start) vs the end, and a greedy sample.
+    evals = [r for r in read_metrics(run) if "eval/perplexity" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
+    assert evals[-1]["eval/perplexity"] < evals[0]["eval/perplexity"] / 10, evals
+    sample = (run / "sample.txt").read_text()
+    assert sample.startswith("The game ") and len(sample.strip()) > len("The game")
+    assert "greedy sample" in proc.stdout

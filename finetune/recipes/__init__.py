@@ -26,6 +26,29 @@ shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's `
     Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator.
 ``eval_stats(logits, labels) -> dict[str, tuple[Tensor, Tensor]]``
     Extra eval metrics as ``name -> (numerator, denominator)`` sums, reduced over batches and ranks.
+
+For ``seq_cls`` the "positions" above are examples: ``logits`` is ``[micro_batch, classes]``, ``labels``
+``[micro_batch]`` (-100 on eval filler rows) and ``count_targets`` counts examples, so token weighting
+is example weighting.
+
+Optional names (a recipe without them behaves as if they returned nothing; ``bert_mlm`` and ``gpt_clm``
+define none):
+
+``columns(data_cfg) -> list[str]``
+    Parquet columns the tokenize function reads (default: ``[data_cfg.text_column]``); part of the
+    tokenized-cache key.
+``check_labels(cfg, train_files, validation_files, problems) -> None``
+    Extra checks of the data files before any model is built (``finetune.validate.validate_run``);
+    appends one line per problem to ``problems``.
+``prepare_model_config(model_config, data_cfg) -> model_config``
+    Adjust the transformers config before the model is built and before it is saved to the run folder
+    (``seq_cls``: ``num_labels``, ``id2label``, ``label2id`` from the training labels).
+``eval_counts(logits, labels) -> Tensor`` and ``eval_report(counts, model_config) -> (dict, dict)``
+    Metrics that are not ratios of sums (F1): ``eval_counts`` gives a fixed-shape float64 tensor summed
+    over eval batches and ranks (``seq_cls``: the confusion matrix); ``eval_report`` turns the total into
+    scalar metrics (``name -> float``, logged as ``eval/<name>``) and artefacts (``name -> JSON-able dict``;
+    rank 0 writes each to ``<run folder>/eval/step<N>_<name>.json``, and one with ``labels`` and
+    ``matrix`` also as an image to TensorBoard).
 """
 
 from __future__ import annotations
@@ -33,7 +56,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-RECIPES = ("bert_mlm", "gpt_clm")
+RECIPES = ("bert_mlm", "gpt_clm", "seq_cls")
 
 
 def get_recipe(name: str) -> ModuleType:

@@ -1,0 +1,248 @@
+"""Sequence classification (sentiment, topic, NLI, ...) with any ``AutoModelForSequenceClassification``.
+
+Rows are ``data.text_column`` (and ``data.text_pair_column`` for sentence pairs, tokenized as a pair:
+``[CLS] a [SEP] b [SEP]``), truncated to ``data.max_seq_len`` and padded per batch. The class of each row
+is ``data.label_column``: ints or strings. The label set is read from the training files, sorted (numbers
+numerically, strings alphabetically) so the mapping is the same on every rank and every run; class id
+``i`` is the ``i``-th label. It is written into the model config (``num_labels``, ``id2label``,
+``label2id``), so the export works with ``transformers.pipeline("text-classification", model=export_dir)``
+and returns label names. :func:`check_labels` rejects, before any model is built, a missing label
+column, missing (null) labels, float labels, and validation labels the training files never had.
+
+Loss: cross-entropy per example, summed; ``count_targets`` counts examples, so the loop's token
+weighting becomes example weighting (the loss is the exact mean over the global batch's examples).
+Eval metrics: loss, accuracy, macro-F1 and, for 2 classes, ``f1`` of the second label (the positive
+class of 0/1 or negative/positive labels); the per-class confusion matrix (rows: true class, columns:
+predicted) is written to ``<run folder>/eval/step<N>_confusion_matrix.json`` and as an image to
+TensorBoard at each evaluation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+from finetune.config import ConfigError, DataConfig, RunConfig
+
+MODEL_CLASS = AutoModelForSequenceClassification
+
+
+def prepare_tokenizer(tokenizer):
+    """Check the tokenizer can pad.
+
+    Raises:
+        ConfigError: no ``pad_token`` (set one, or use the EOS token, in the tokenizer folder).
+    """
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
+                              f"token; seq_cls needs one of them to pad batches")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def columns(data_cfg: DataConfig) -> list[str]:
+    """Parquet columns the tokenizer reads: text, optional pair text, label."""
+    return [data_cfg.text_column] + ([data_cfg.text_pair_column] if data_cfg.text_pair_column else []) + \
+        [data_cfg.label_column]
+
+
+def _label_kind(arrow_type) -> str:
+    import pyarrow as pa
+
+    if pa.types.is_integer(arrow_type):
+        return "int"
+    if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
+        return "str"
+    if pa.types.is_floating(arrow_type):
+        return "float"
+    return str(arrow_type)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_labels(path: str, column: str, mtime_ns: int):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=[column]).column(column)
+
+
+def read_labels(path: str, column: str):
+    """The ``column`` of parquet file ``path`` as a ``pyarrow.ChunkedArray`` (cached per file version)."""
+    import os
+
+    return _read_labels(os.path.abspath(path), column, os.stat(path).st_mtime_ns)
+
+
+def label_names(data_cfg: DataConfig) -> list:
+    """Sorted distinct labels (int or str) of the training files: class id ``i`` is ``label_names[i]``.
+
+    Raises:
+        ConfigError: no training file matches (checked earlier by :func:`check_labels` in a normal run).
+    """
+    from finetune.data import expand_files
+
+    problems: list[str] = []
+    files = expand_files(data_cfg.train_files, "data.train_files", problems)
+    if problems:
+        raise ConfigError(problems)
+    labels: set = set()
+    for f in files:
+        labels |= set(read_labels(f, data_cfg.label_column).unique().to_pylist())
+    labels.discard(None)
+    return sorted(labels)
+
+
+def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """Check the label (and pair text) columns before any model is built; append one line per problem.
+
+    Problems: a file without ``data.label_column`` (or ``data.text_pair_column``); a label column that is not
+    int or string (floats: this is a classification recipe); null labels; a validation label the training
+    files never had; ``num_labels`` in ``model.config_overrides`` (or a pretrained ``config.json`` with
+    ``id2label``) that disagrees with the number of training labels. Each names the file, the column
+    and an example value. Unreadable files are skipped (``check_parquet_files`` reports them).
+    """
+    import pyarrow.parquet as pq
+
+    d = cfg.data
+    train_labels: set = set()
+    val_labels: dict[str, list] = {}
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                names = pq.ParquetFile(f).schema_arrow.names
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            if d.text_pair_column and d.text_pair_column not in names:
+                problems.append(f"{key}: '{f}' has no column '{d.text_pair_column}' (columns: {', '.join(names)}); "
+                                f"set data.text_pair_column (or leave it empty for single texts)")
+            if d.label_column not in names:
+                problems.append(f"{key}: '{f}' has no label column '{d.label_column}' (columns: {', '.join(names)}); "
+                                f"set data.label_column")
+                continue
+            col = read_labels(f, d.label_column)
+            kind = _label_kind(col.type)
+            if kind not in ("int", "str"):
+                example = next((v for v in col.to_pylist() if v is not None), None)
+                what = "float" if kind == "float" else kind
+                problems.append(f"{key}: '{f}' column '{d.label_column}' holds {what} values (e.g. {example!r}); "
+                                f"seq_cls needs int or string class labels (convert them, e.g. 1.0 -> 1)")
+                continue
+            if col.null_count:
+                row = col.to_pylist().index(None)
+                problems.append(f"{key}: '{f}' column '{d.label_column}' has {col.null_count} missing (null) "
+                                f"label(s), e.g. row {row}; every row needs a label")
+            values = [v for v in col.unique().to_pylist() if v is not None]
+            if key == "data.train_files":
+                train_labels |= set(values)
+            else:
+                val_labels[f] = values
+    if train_labels:
+        for f, values in val_labels.items():
+            unknown = sorted(set(values) - train_labels, key=str)
+            if unknown:
+                problems.append(f"data.validation_files: '{f}' column '{d.label_column}' has label {unknown[0]!r} "
+                                f"that no training file has (training labels: "
+                                f"{', '.join(map(str, sorted(train_labels)[:20]))})")
+        if len(train_labels) < 2:
+            problems.append(f"data.train_files: column '{d.label_column}' has only the label "
+                            f"{next(iter(train_labels))!r}; classification needs at least 2 classes")
+        n = len(train_labels)
+        want = cfg.model.config_overrides.get("num_labels")
+        if want is not None and want != n:
+            problems.append(f"model.config_overrides.num_labels: {want}, but the training data has {n} labels "
+                            f"({', '.join(map(str, sorted(train_labels)[:20]))}); remove it (it is set from the data)")
+        config_json = Path(cfg.model.path) / "config.json"
+        if cfg.model.init == "pretrained" and config_json.is_file():
+            try:
+                have = json.loads(config_json.read_text()).get("id2label")
+            except (OSError, json.JSONDecodeError):
+                have = None
+            if have and len(have) != n:
+                problems.append(f"model.path: '{config_json}' is a classifier with {len(have)} labels (id2label) but "
+                                f"the training data has {n}; use a checkpoint without a classification head or "
+                                f"data with the same classes")
+
+
+def prepare_model_config(model_config, data_cfg: DataConfig):
+    """Set ``num_labels``, ``id2label`` (id -> label as str) and ``label2id`` from the training labels."""
+    names = label_names(data_cfg)
+    model_config.num_labels = len(names)
+    model_config.id2label = {i: str(name) for i, name in enumerate(names)}
+    model_config.label2id = {str(name): i for i, name in enumerate(names)}
+    model_config.problem_type = "single_label_classification"
+    return model_config
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig):
+    """Batched map function: text (pair) and label -> ``input_ids``, ``attention_mask`` (+ ``token_type_ids``),
+    ``labels`` (int class id). Rows with an empty text are dropped."""
+    col, pair, label_col = data_cfg.text_column, data_cfg.text_pair_column, data_cfg.label_column
+    class_id = {name: i for i, name in enumerate(label_names(data_cfg))}
+    max_len = data_cfg.max_seq_len
+
+    def fn(batch):
+        keep = [i for i, t in enumerate(batch[col]) if t is not None and t.strip()]
+        texts = [batch[col][i] for i in keep]
+        pairs = [batch[pair][i] or "" for i in keep] if pair else None
+        out = tokenizer(texts, pairs, truncation=True, max_length=max_len)
+        out["labels"] = [class_id[batch[label_col][i]] for i in keep]
+        return out
+
+    return fn
+
+
+def make_collator(tokenizer, data_cfg: DataConfig):
+    """``DataCollatorWithPadding``: pads ``input_ids``/``attention_mask`` per batch; ``labels`` int64 [micro_batch]."""
+    return DataCollatorWithPadding(tokenizer, pad_to_multiple_of=data_cfg.pad_to_multiple_of or None,
+                                   return_tensors="pt")
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``logits`` [batch, classes] (upcast to float32) summed over examples whose ``labels``
+    [batch] is not -100 (eval filler rows); 0-dim float32."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Examples with a label (``labels != -100``) in ``labels`` [batch]; 0-dim int64."""
+    return (labels != -100).sum()
+
+
+def eval_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """Accuracy sums: argmax of ``logits`` [batch, classes] equals ``labels`` [batch], over labelled rows."""
+    mask = labels != -100
+    return {"accuracy": (((logits.argmax(dim=-1) == labels) & mask).sum(), mask.sum())}
+
+
+def eval_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Confusion counts [classes, classes] (float64; row = true class, column = predicted) of labelled rows."""
+    n = logits.shape[-1]
+    mask = labels != -100
+    pred = logits.argmax(dim=-1)[mask]
+    flat = labels[mask] * n + pred
+    return torch.bincount(flat, minlength=n * n).reshape(n, n).double()
+
+
+def eval_report(counts: torch.Tensor, model_config) -> tuple[dict[str, float], dict]:
+    """Macro-F1 (and ``f1`` of class 1 for 2 classes) from the summed confusion counts [classes, classes].
+
+    Returns:
+        ``({"macro_f1": float[, "f1": float]}, {"confusion_matrix": {"labels": [...], "matrix": [[int]]}})``;
+        the F1 of a class that is never true nor predicted counts as 0.
+    """
+    c = counts.double()
+    tp = c.diag()
+    precision_den, recall_den = c.sum(0), c.sum(1)
+    f1 = torch.where(precision_den + recall_den > 0, 2 * tp / (precision_den + recall_den).clamp(min=1e-12),
+                     torch.zeros_like(tp))
+    metrics = {"macro_f1": f1.mean().item()}
+    if c.shape[0] == 2:
+        metrics["f1"] = f1[1].item()
+    id2label = getattr(model_config, "id2label", None) or {}
+    labels = [str(id2label.get(i, i)) for i in range(c.shape[0])]
+    return metrics, {"confusion_matrix": {"labels": labels, "matrix": c.round().long().tolist()}}
