@@ -68,3 +68,19 @@ def get_recipe(name: str) -> ModuleType:
     if name not in RECIPES:
         raise KeyError(f"unknown recipe '{name}' (choose one of: {', '.join(RECIPES)})")
     return importlib.import_module(f"finetune.recipes.{name}")
+
+
+def pad_with_eos(tokenizer, recipe: str):
+    """Shared ``prepare_tokenizer`` step: use the EOS token as the pad token when there is none (GPT-2 has none).
+
+    Raises:
+        ConfigError: the tokenizer has neither a pad nor an EOS token.
+    """
+    from finetune.config import ConfigError
+
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
+                              f"token; {recipe} needs one of them to pad batches")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
 
-from finetune.config import ConfigError, DataConfig
+from finetune.config import DataConfig
+from finetune.recipes import pad_with_eos
 
 MODEL_CLASS = AutoModelForCausalLM
 
@@ -25,12 +26,7 @@ def prepare_tokenizer(tokenizer):
     Raises:
         ConfigError: the tokenizer has neither a pad nor an EOS token.
     """
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
-                              f"token; gpt_clm needs one of them")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(tokenizer, "gpt_clm")
 
 
 def tokenize_function(tokenizer, data_cfg: DataConfig):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from finetune.config import ConfigError, DataConfig, RunConfig
+from finetune.recipes import pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -38,12 +39,7 @@ def prepare_tokenizer(tokenizer):
     Raises:
         ConfigError: no ``pad_token`` (set one, or use the EOS token, in the tokenizer folder).
     """
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
-                              f"token; seq_cls needs one of them to pad batches")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(tokenizer, "seq_cls")
 
 
 def columns(data_cfg: DataConfig) -> list[str]:
