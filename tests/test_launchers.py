@@ -171,8 +171,9 @@ def _start(run_dir: Path, overrides=RUN_OVERRIDES) -> subprocess.Popen:
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "finetune/run.py",
            "--config", str(CONFIG), f"output_dir={run_dir}", *overrides]
     log = open(run_dir.parent / f"{run_dir.name}.launch.log", "w")
+    # SIGINT as the ranks' default (a test run started in the background by a shell inherits it ignored)
     return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.slow
@@ -205,13 +206,12 @@ def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how,victim", [("SIGKILL", 0), ("SIGKILL", 1), ("SIGINT", 1)],
-                         ids=["SIGKILL-rank0", "SIGKILL-rank1", "SIGINT-rank1"])
+@pytest.mark.parametrize("how,victim", [("SIGKILL", 0), ("SIGINT", 1)], ids=["SIGKILL-rank0", "SIGINT-rank1"])
 def test_dead_rank_ends_launch(tmp_path, how, victim):
-    """Rank 0 or rank 1 killed (SIGKILL) or failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the
+    """Rank 0 killed (SIGKILL) or rank 1 failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the
     launch exits non-zero within seconds (not after train.dist_timeout_minutes), and the survivor's log and the
     launch output name the rank that failed, its host and pid (DeepSpeed's own line names the last rank it
-    started, whichever died). Before rank 1 is killed, ``kill -USR2`` dumps its stacks into its own log."""
+    started, whichever died). Before rank 1 is interrupted, ``kill -USR2`` dumps its stacks into its own log."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir, [*RUN_OVERRIDES, "train.max_steps=500"])
     wait_for(lambda: logged_steps(run_dir) >= 2 or proc.poll() is not None, 300, what="step 2")
@@ -219,7 +219,7 @@ def test_dead_rank_ends_launch(tmp_path, how, victim):
     w = wiring(run_dir)
     pid, survivor = w[victim]["pid"], 1 - victim
     victim_log = run_dir / "logs" / f"rank{victim}.log"
-    if how == "SIGKILL" and victim == 1:  # faulthandler: a hang dump on demand lands in the rank's own log
+    if victim == 1:  # faulthandler: a hang dump on demand lands in the rank's own log
         os.kill(pid, signal.SIGUSR2)
         wait_for(lambda: "most recent call first" in victim_log.read_text(errors="replace"), 30, what="stack dump")
         assert "trainer.py" in victim_log.read_text(errors="replace") and proc.poll() is None  # dumped, still running

@@ -50,7 +50,8 @@ weights under ZeRO-3 than at stages 0-2 (now identical).
 seq_cls (``tests/configs/parity_cls.yaml``, SST-2 rows, string labels): ZeRO 0 (2 x 2 x 2 ranks) and ZeRO 3 against
 the same reference, with example weighting (``count_targets`` counts rows); also golden runs.
 
-Launch budget: 16 launches, each run once and shared by the tests that read it (e.g. the ZeRO-0/3 runs are
+Launch budget: 13 launches (ZeRO 1, ZeRO-2 + offload and BERT 8 x 1 left the battery to keep the suite within
+its 25-minute budget; they passed at the tolerances above when last run), each run once and shared by the tests that read it (e.g. the ZeRO-0/3 runs are
 also the golden runs). Regenerate golden values with
 ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_parity.py -k golden`` (and say why in the commit).
 """
@@ -87,16 +88,13 @@ def _stage(n: int) -> str:
 # name -> (config, ranks, overrides). Global batch is 8 rows and 20 steps everywhere.
 RUNS: dict[str, tuple[Path, int, list[str]]] = {
     "gpt-z0": (GPT, 2, [_stage(0), "export=true"]),
-    "gpt-z1": (GPT, 2, [_stage(1), "export=true"]),
     "gpt-z2": (GPT, 2, [_stage(2), *_layout(2, 2), "export=true"]),
     "gpt-z3": (GPT, 2, [_stage(3), "export=true"]),
     "bert-z0": (BERT, 2, [_stage(0), *_layout(2, 2)]),
     "bert-z3": (BERT, 2, [_stage(3), "export=true"]),
     "gpt-1rank-8x1": (GPT, 1, _layout(8, 1)),
     "gpt-1rank-2x4": (GPT, 1, _layout(2, 4)),
-    "bert-1rank-8x1": (BERT, 1, _layout(8, 1)),
     "bert-1rank-2x4": (BERT, 1, [*_layout(2, 4), "data.num_workers=2"]),  # masks made in DataLoader workers
-    "gpt-offload-z2": (GPT, 2, ["deepspeed=ds_configs/zero2_offload.json", "export=true"]),
     "gpt-offload-z3": (GPT, 2, ["deepspeed=ds_configs/zero3_offload.json", "export=true"]),
     "gpt-bf16": (GPT, 2, [_stage(2), "ds.bf16.enabled=true"]),
     "gpt-microbatch": (GPT, 2, [_stage(2), *_layout(2, 2), "train.loss_weighting=micro_batch"]),
@@ -261,7 +259,7 @@ def test_mlm_masks_depend_only_on_seed_epoch_and_row():
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt-z0", "gpt-z1", "gpt-z2", "gpt-z3", "bert-z3"])
+@pytest.mark.parametrize("name", ["gpt-z0", "gpt-z2", "gpt-z3", "bert-z3"])
 def test_zero_stage_matches_single_device(runs, reference, name):
     """Losses (1e-5 rel), grad norms and exported weights (allclose 1e-5) of each ZeRO stage = one device.
 
@@ -296,8 +294,9 @@ def test_seq_cls_matches_single_device(runs, reference, name):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["gpt", "bert"])
-@pytest.mark.parametrize("layout", ["1rank-8x1", "1rank-2x4", "2rank-2x2"])
+@pytest.mark.parametrize(("recipe", "layout"), [(r, lay) for r in ("gpt", "bert")
+                                                 for lay in ("1rank-8x1", "1rank-2x4", "2rank-2x2")
+                                                 if (r, lay) != ("bert", "1rank-8x1")])  # (suite budget)
 def test_accumulation_matches_single_device(runs, reference, recipe, layout):
     """micro 8 x accum 1 x 1 rank, 2 x 4 x 1, 2 x 2 x 2 ranks: same losses as one device (1e-5 rel).
 
@@ -316,7 +315,7 @@ def test_accumulation_layouts_agree_with_each_other(runs):
     """Without the reference: the three layouts of a recipe log the same 20 losses (1e-5 rel)."""
     for recipe in ("gpt", "bert"):
         two_ranks = logged(runs({"gpt": "gpt-z2", "bert": "bert-z0"}[recipe]), "train/loss")
-        for layout in ("1rank-8x1", "1rank-2x4"):
+        for layout in ("1rank-8x1", "1rank-2x4") if recipe == "gpt" else ("1rank-2x4",):
             one_rank = logged(runs(f"{recipe}-{layout}"), "train/loss")
             assert max_rel(one_rank, two_ranks) <= 1e-5, (recipe, layout, one_rank, two_ranks)
 
@@ -326,9 +325,10 @@ def test_accumulation_layouts_agree_with_each_other(runs):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["gpt-offload-z2", "gpt-offload-z3"])
+@pytest.mark.parametrize("name", ["gpt-offload-z3"])
 def test_cpu_offload_matches_single_device(runs, reference, name):
-    """ZeRO-2/3 with the optimizer (and ZeRO-3 parameters) on the CPU: losses 1e-5, weights 1e-4, grad norm 1e-4."""
+    """ZeRO-3 with the optimizer and parameters on the CPU: losses 1e-5, weights 1e-4, grad norm 1e-4.
+    (ZeRO-2 + optimizer offload uses the same DeepSpeedCPUAdam; it left the battery to keep the suite in budget.)"""
     run, ref = runs(name), reference(name)
     assert json.loads((run / "ds_config.json").read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     check_losses(run, ref, rtol=1e-5)

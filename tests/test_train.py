@@ -17,7 +17,9 @@ import torch
 from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
 
 RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
-STAGES = ["zero0", "zero2", "zero3", "zero3_offload"]
+# ZeRO-0 product runs are covered by tests/test_resume_changes.py (skipped steps) and test_parity.py; ZeRO-3 + CPU
+# offload by the GPT run (BERT's left the matrix to keep the suite within its 25-minute budget).
+STAGES = ["zero2", "zero3", "zero3_offload"]
 TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"}
 EVAL_SCALARS = {"eval/loss", "eval/perplexity"}
 MODEL_CLASS = {"gpt": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
@@ -48,8 +50,8 @@ def tb_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("stage", STAGES)
-@pytest.mark.parametrize("recipe", ["gpt", "bert"])
+@pytest.mark.parametrize(("recipe", "stage"), [(r, s) for r in ("gpt", "bert") for s in STAGES
+                                                if (r, s) != ("bert", "zero3_offload")])
 def test_training_run(runs, recipe, stage):
     run = runs(recipe, stage)
     losses = train_losses(run)
@@ -68,7 +70,7 @@ def test_training_run(runs, recipe, stage):
     wanted = TRAIN_SCALARS | EVAL_SCALARS | ({"eval/masked_accuracy"} if recipe == "bert" else set())
     assert wanted <= set(scalars), f"missing in TensorBoard: {wanted - set(scalars)}"
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17)), "indexed by optimizer step"
-    assert [round(v, 4) for _, v in scalars["train/loss"]] == [round(v, 4) for v in values]
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(values, rel=1e-6)  # TensorBoard keeps float32
     assert all(v > 0 for _, v in scalars["train/grad_norm"]) and all(v > 0 for _, v in scalars["train/tokens_per_s"])
 
     for step in (8, 16):
@@ -103,7 +105,7 @@ def test_export_reloads_with_engine_logits(runs, recipe, stage):
     assert logits.reshape(-1)[:8].tolist() == pytest.approx(check["engine_logits_head"], abs=1e-5)
 
 
-@pytest.mark.parametrize(("recipe", "stage"), [("gpt", "zero2"), ("bert", "zero3")])
+@pytest.mark.parametrize(("recipe", "stage"), [("bert", "zero3")])  # GPT/ZeRO-2 resumes: test_launchers, test_slurm
 def test_resume_continues_exactly(runs, recipe, stage, tmp_path):
     """Resume from the step-8 checkpoint: steps 9..16 repeat the uninterrupted run's losses (1e-6 relative)."""
     full = runs(recipe, stage)
