@@ -1,4 +1,4 @@
-"""Real training runs: both recipes x ZeRO 0, 2, 3 and 3 + CPU offload, 2 CPU ranks, fp32, tiny models.
+"""Real training runs: both recipes x ZeRO 2 and 3, GPT also ZeRO 3 + CPU offload; 2 CPU ranks, fp32, tiny models.
 
 Each run is launched once per module (``runs`` fixture) and several tests read its run folder: loss
 goes down, evaluation and TensorBoard scalars are there, checkpoints are complete, the export reloads
