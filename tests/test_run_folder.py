@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
 
 from finetune import run_folder
@@ -99,3 +101,22 @@ def test_unwritable_output_dirs_are_one_line_errors(tmp_path):
         proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={out}"])
         assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-2000:]
         assert any(needle in ln for ln in errors(proc)), proc.stdout[-2000:]
+
+
+def test_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_path):
+    """output_dir on an 8 MiB tmpfs: the 2.1M-parameter BERT needs ~28 MiB per checkpoint: one error line naming
+    the folder and both sizes, exit 2, no step trained. Needs root to mount (as CI and this machine have)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        proc = run_python(["finetune/run.py", "--config", str(CONFIGS / "tiny_bert.yaml"), f"output_dir={small}/run",
+                           "export=false"])
+        lines = errors(proc)
+        assert proc.returncode == 2 and len(lines) == 1, proc.stdout[-3000:]
+        assert f"'{small}/run' has" in lines[0] and "MiB free, one checkpoint needs about" in lines[0], lines
+        assert not (small / "run" / "metrics.jsonl").exists() and not (small / "run" / "checkpoints").exists()
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)
