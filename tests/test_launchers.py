@@ -129,6 +129,7 @@ def two_hosts():
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_torchrun_two_nodes_in_network_namespaces(reference, tmp_path, two_hosts):
     """``torchrun --nnodes 2``, one node per network namespace, one rank per node, over a veth pair."""
     run_dir = tmp_path / "run"

@@ -341,6 +341,7 @@ def test_cpu_offload_matches_single_device(runs, reference, name):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_bf16_close_to_fp32_single_device(runs, reference):
     """bf16 losses within 2e-2 of the fp32 reference, and not equal to it (bf16 really on)."""
     run, ref = runs("gpt-bf16"), reference("gpt-bf16")
@@ -354,6 +355,7 @@ def test_bf16_close_to_fp32_single_device(runs, reference):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended
 def test_micro_batch_weighting_is_mean_of_micro_batch_means(runs, reference):
     """``train.loss_weighting=micro_batch`` trains on DeepSpeed's plain mean of micro-batch means (1e-5 against a
     reference that optimizes that), and on padded data it is another objective than token weighting: the
