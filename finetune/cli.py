@@ -63,7 +63,8 @@ def _git_hash() -> str:
         return "unknown"
 
 
-def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, model_config, launcher: str) -> None:
+def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, model_config, launcher: str,
+                      precision: dict) -> None:
     """Rank 0: this launch's record (``launches/<n>/``: run config, DeepSpeed config, meta) and, for a new run,
     the model config and tokenizer the export is built from. Nothing an earlier launch wrote is rewritten."""
     import deepspeed
@@ -71,13 +72,12 @@ def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, m
     import transformers
 
     from finetune.distributed import world_size
-    from finetune.ds_config import describe_precision
     from finetune.export import MODEL_META
     from finetune.run_folder import slurm_job_id, write_launch_record
 
     meta = {"launch": launch_no, "command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(),
             "git": _git_hash(), "launcher": launcher, "world_size": world_size(), "host": platform.node(),
-            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "precision": describe_precision(cfg, _on_cpu()),
+            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "precision": precision,
             "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                          "transformers": transformers.__version__, "python": platform.python_version()}}
@@ -187,12 +187,13 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         ds = dict(resolved.ds)
         ds.setdefault("tensorboard", tensorboard_section(run_dir))
         tokenizer = load_tokenizer(cfg, recipe)
+        precision = describe_precision(cfg, _on_cpu())
         if rank == 0:
-            _write_run_folder(run_dir, opened.launch, cfg, ds, tokenizer, load_model_config(cfg), launcher)
+            _write_run_folder(run_dir, opened.launch, cfg, ds, tokenizer, load_model_config(cfg), launcher, precision)
             print(f"finetune: run folder {run_dir} (launch {opened.launch})", file=sys.stderr, flush=True)
         logger.info(f"run folder {run_dir} (launch {opened.launch}); world size {dist_utils.world_size()} "
                     f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
-        logger.info("precision {precision} ({why})".format(**describe_precision(cfg, _on_cpu())))
+        logger.info("precision {precision} ({why})".format(**precision))
 
         splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
         collator = recipe.make_collator(tokenizer, cfg.data)
