@@ -5,8 +5,8 @@ Per optimizer step, on every rank::
     micro = [next(batches) for _ in range(gradient_accumulation_steps)]
     N = all_reduce(sum(count_targets(b.labels) for b in micro))        # one all-reduce per step
     for b in micro:
-        logits = engine(**inputs_of(b)).logits                          # the model gets no labels
-        loss = loss_sum(logits, b.labels) * world * gas / N             # recipe's summed token loss
+        out = recipe.forward(engine, b)                                 # batch -> loss sum (recipe runs the model)
+        loss = out.loss_sum * world * gas / N                           # summed token loss, token-weighted
         engine.backward(loss)                                           # DeepSpeed divides by gas ...
         engine.step()                                                   # ... and averages over ranks
     stop, bad = all_reduce([stop signal here?, loss not finite here?])  # the step's second all-reduce
@@ -20,8 +20,9 @@ batch); after DeepSpeed's ``1/G`` scaling and ``1/W`` averaging the gradient is 
 ``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch.
 ``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
-The loss is computed here from the logits by the recipe (``loss_sum``), never by the model: models do not
-all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns its own mean).
+The loss sum comes from the recipe (``forward``: "batch -> loss sum", see :mod:`finetune.recipes`), never from
+the model: models do not all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns
+its own mean); the LM recipes run the output head and the cross-entropy at target positions only.
 
 Non-finite steps. A step whose loss (any rank) or global gradient norm is not finite is skipped: ZeRO 1-3
 skip it themselves (DeepSpeed's overflow check, also forced on for bf16 in ``engine.build_engine``); at
@@ -71,7 +72,8 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
     evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
     untouched. All ranks must call it (ZeRO-3 gathers parameters).
 
-    Recipes with ``eval_counts``/``eval_report`` (seq_cls: confusion matrix, F1) add their metrics, and
+    The recipe's ``forward(..., metrics=True)`` gives the loss sum, target count and extra metric sums; recipes
+    returning ``counts`` (seq_cls: confusion matrix) turn their total into metrics with ``eval_report``, and
     their artefacts (name -> JSON-able dict) are put into ``artefacts`` when it is given.
 
     Returns:
@@ -86,17 +88,14 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
         for i, batch in enumerate(loader):
             if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
                 break
-            batch = to_device(batch, device)
-            labels = batch.pop("labels")
-            out = engine(**batch)
-            sums["loss"] += recipe.loss_sum(out.logits, labels).double()
-            sums["targets"] += recipe.count_targets(labels)
-            for name, (num, den) in recipe.eval_stats(out.logits, labels).items():
+            out = recipe.forward(engine, to_device(batch, device), metrics=True)
+            sums["loss"] += out.loss_sum.double()
+            sums["targets"] += out.targets
+            for name, (num, den) in out.metrics.items():
                 sums[f"{name}/num"] += num
                 sums[f"{name}/den"] += den
-            if hasattr(recipe, "eval_counts"):
-                c = recipe.eval_counts(out.logits, labels).double()
-                counts = c if counts is None else counts + c
+            if out.counts is not None:
+                counts = out.counts.double() if counts is None else counts + out.counts.double()
     names = sorted(sums)
     totals = dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()
     total = dict(zip(names, totals))
@@ -219,9 +218,9 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, batch in enumerate(micro):
                 batch = to_device(batch, device)
-                labels = batch.pop("labels")
-                norm = denom if token_weighted else recipe.count_targets(labels).clamp(min=1)
-                loss = recipe.loss_sum(engine(**batch).logits, labels) / norm
+                out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
+                norm = denom if token_weighted else out.targets.clamp(min=1)
+                loss = out.loss_sum / norm
                 engine.backward(loss)
                 if stage0 and i == gas - 1:  # grads are all-reduced: the same norm on every rank
                     grad_norm = _grad_norm_stage0(engine)  # DeepSpeed keeps no norm at stage 0

@@ -13,7 +13,7 @@ trains the same model the textbook way:
   model's own ``_init_weights``), ``model.config_overrides`` applied; train mode.
 * Optimizer: ``torch.optim.AdamW`` over ``finetune.engine.param_groups``; transformers ``get_scheduler``;
   gradients clipped to ``train.max_grad_norm`` (global norm accumulated in fp64).
-* Loss of a step: ``sum over every target token of the global batch / number of targets`` (token
+* Loss of a step (:func:`full_logits_loss_sum`, from the full logits): ``sum over every target token of the global batch / number of targets`` (token
   weighting) or, with ``train.loss_weighting: micro_batch``, the mean over all micro-batches of each
   micro-batch's own mean. The micro-batches are run one after the other and their gradients
   accumulated, which is the same gradient as one forward over the whole global batch.
@@ -27,6 +27,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from finetune.config import RunConfig
@@ -54,6 +55,16 @@ class Reference:
     """Target tokens in each step's global batch."""
     state_dict: dict[str, torch.Tensor] = field(default_factory=dict)
     """Final fp32 weights (CPU tensors), parameter name -> tensor."""
+
+
+def full_logits_loss_sum(recipe: str, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The textbook loss sum from the model's full logits, independent of the recipes' ``forward`` (which runs the
+    head at target positions only): cross-entropy over every position (``gpt_clm``: ``logits[:, t]`` predicts
+    ``labels[:, t + 1]``; ``seq_cls``: one row per example), -100 ignored, summed, fp32."""
+    if recipe == "gpt_clm":
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum")
 
 
 def reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
@@ -133,7 +144,7 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
         token_loss = micro_loss = 0.0
         for b in micro:
             labels = b.pop("labels")
-            summed = recipe.loss_sum(model(**b).logits, labels)
+            summed = full_logits_loss_sum(cfg.recipe, model(**b).logits, labels)
             token = summed / max(n_targets, 1)
             micro_mean = summed / recipe.count_targets(labels).clamp(min=1) / len(micro)
             (token if weighting == "token" else micro_mean).backward()

@@ -240,7 +240,7 @@ def test_label_order_pairs_and_metrics(tmp_path):
 
     logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]])
     labels = torch.tensor([1, 0, 1, 0, -100])  # the last row is an eval filler: not counted
-    counts = seq_cls.eval_counts(logits, labels)
+    counts = seq_cls.confusion_counts(logits, labels)
     assert counts.tolist() == [[1.0, 1.0], [1.0, 1.0]]
     metrics, artefacts = seq_cls.eval_report(counts, type("C", (), {"id2label": {0: "neg", 1: "pos"}})())
     assert metrics == {"macro_f1": pytest.approx(0.5), "f1": pytest.approx(0.5)}

@@ -18,18 +18,24 @@ shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's `
     evaluation) and draws that row's choices from a generator seeded with it, so batches do not depend
     on ranks, micro-batch split or workers; it should fall back to the global RNG for rows without
     ``"_seed"``. Other collators get rows of tokenized columns only.
-``loss_sum(logits, labels) -> Tensor``
-    Cross-entropy summed over the positions ``count_targets`` counts (0-dim float32; ``logits``
-    ``[micro_batch, seq, vocab]``, upcast to float32). The loop divides it by the token-weighting
-    denominator itself: the model never computes the loss (not every model honours ``num_items_in_batch``).
+``forward(model, batch, metrics=False) -> LossOutput``
+    The loss of one micro-batch, "batch -> loss sum": ``batch`` is the collated micro-batch on the model's
+    device (``labels`` included); the recipe calls ``model(**inputs)`` itself (``model`` is the DeepSpeed
+    engine, or a plain/peft-wrapped transformers model) and never passes ``labels`` to it (not every model
+    honours ``num_items_in_batch``: ``BertForMaskedLM`` always returns its own mean). It returns a
+    :class:`LossOutput`: the loss **summed** over the positions ``count_targets`` counts (0-dim float32,
+    fp32 logits); the loop divides it by the token-weighting denominator itself. The recipe decides what
+    runs: ``bert_mlm`` and ``gpt_clm`` run the output head and the cross-entropy only at target positions,
+    in chunks (:mod:`finetune.recipes.lm_loss`), so full ``[tokens, vocab]`` logits never exist.
+    ``metrics=True`` (evaluation, under ``torch.no_grad``) also fills ``LossOutput.metrics`` (and
+    ``counts``). Outside this call the model is unchanged (the export check compares full logits).
 ``count_targets(labels) -> Tensor``
-    Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator.
-``eval_stats(logits, labels) -> dict[str, tuple[Tensor, Tensor]]``
-    Extra eval metrics as ``name -> (numerator, denominator)`` sums, reduced over batches and ranks.
+    Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator. The
+    loop calls it on the labels of every micro-batch of a step before any of them runs (one all-reduce of
+    the step's total); it must equal ``LossOutput.targets``.
 
-For ``seq_cls`` the "positions" above are examples: ``logits`` is ``[micro_batch, classes]``, ``labels``
-``[micro_batch]`` (-100 on eval filler rows) and ``count_targets`` counts examples, so token weighting
-is example weighting.
+For ``seq_cls`` the "positions" above are examples: ``labels`` is ``[micro_batch]`` (-100 on eval filler
+rows) and ``count_targets`` counts examples, so token weighting is example weighting.
 
 Optional names (a recipe without them behaves as if they returned nothing; ``bert_mlm`` and ``gpt_clm``
 define none):
@@ -43,20 +49,44 @@ define none):
 ``prepare_model_config(model_config, data_cfg) -> model_config``
     Adjust the transformers config before the model is built and before it is saved to the run folder
     (``seq_cls``: ``num_labels``, ``id2label``, ``label2id`` from the training labels).
-``eval_counts(logits, labels) -> Tensor`` and ``eval_report(counts, model_config) -> (dict, dict)``
-    Metrics that are not ratios of sums (F1): ``eval_counts`` gives a fixed-shape float64 tensor summed
-    over eval batches and ranks (``seq_cls``: the confusion matrix); ``eval_report`` turns the total into
-    scalar metrics (``name -> float``, logged as ``eval/<name>``) and artefacts (``name -> JSON-able dict``;
-    rank 0 writes each to ``<run folder>/eval/step<N>_<name>.json``, and one with ``labels`` and
-    ``matrix`` also as an image to TensorBoard).
+``eval_report(counts, model_config) -> (dict, dict)``
+    Metrics that are not ratios of sums (F1), from ``LossOutput.counts`` (a fixed-shape float64 tensor
+    summed over eval batches and ranks; ``seq_cls``: the confusion matrix): scalar metrics (``name ->
+    float``, logged as ``eval/<name>``) and artefacts (``name -> JSON-able dict``; rank 0 writes each to
+    ``<run folder>/eval/step<N>_<name>.json``, and one with ``labels`` and ``matrix`` also as an image to
+    TensorBoard). Required when ``forward`` returns ``counts``.
+
+The contract changes for every recipe at once (it moved from ``loss_sum(logits, labels)``,
+``eval_stats(logits, labels)`` and ``eval_counts(logits, labels)`` to ``forward`` in issue 11).
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is not imported by the config checks that read RECIPES
+    import torch
 
 RECIPES = ("bert_mlm", "gpt_clm", "seq_cls")
+
+
+@dataclass
+class LossOutput:
+    """What a recipe's ``forward`` returns for one micro-batch."""
+
+    loss_sum: torch.Tensor
+    """Loss summed over the micro-batch's targets: 0-dim float32, differentiable (the loop divides it)."""
+    targets: torch.Tensor
+    """Targets it sums over (0-dim int64), equal to ``count_targets(labels)``."""
+    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """With ``metrics=True``: extra eval metrics as ``name -> (numerator, denominator)`` sums (0-dim tensors),
+    reduced over batches and ranks and logged as ``eval/<name>`` = numerator / denominator."""
+    counts: torch.Tensor | None = None
+    """With ``metrics=True``, optionally: a fixed-shape float64 tensor summed over eval batches and ranks and
+    handed to the recipe's ``eval_report`` (``seq_cls``: the confusion matrix)."""
 
 
 def get_recipe(name: str) -> ModuleType:

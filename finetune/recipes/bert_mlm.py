@@ -7,17 +7,19 @@ selected; of those 80% ``[MASK]``, 10% random, 10% kept), applied to each row be
 :class:`finetune.data.RowSeededCollate`). Masks thus depend on neither the world size, nor the split of
 the global batch into micro-batches, nor RNG state (exact resume with DataLoader workers), and every
 epoch sees new masks. Evaluation masks use epoch 0, the same at every evaluation.
+Loss: the head and the cross-entropy run at the masked positions only (:mod:`finetune.recipes.lm_loss`).
 Eval metrics: loss, perplexity and masked-token accuracy.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
 from finetune.config import ConfigError, DataConfig
+from finetune.recipes import LossOutput
+from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForMaskedLM
 
@@ -99,19 +101,27 @@ def make_collator(tokenizer, data_cfg: DataConfig):
     return MLMCollator(tokenizer, data_cfg.mlm_probability, data_cfg.pad_to_multiple_of or None)
 
 
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``logits`` [batch, seq, vocab] (upcast to float32) summed over masked positions of
-    ``labels`` [batch, seq] (``!= -100``); 0-dim float32. As transformers' ``ForMaskedLMLoss`` with a sum."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
+    """Masked-LM loss of one micro-batch: the head (transform + vocabulary projection) and the cross-entropy run
+    only at the masked positions (``labels != -100``), in chunks (:func:`finetune.recipes.lm_loss.token_loss_sum`).
+
+    Args:
+        model: the engine (or a transformers masked LM); called with every key of ``batch`` except ``labels``.
+        batch: ``input_ids``, ``attention_mask`` (, ``token_type_ids``) and ``labels`` (int64, [batch, seq]).
+        metrics: also return masked-token accuracy sums (``masked_accuracy``: argmax at a masked position is
+            its original token).
+
+    Returns:
+        :class:`~finetune.recipes.LossOutput` with the cross-entropy summed over masked positions (0-dim float32,
+        as transformers' ``ForMaskedLMLoss`` with a sum).
+    """
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    loss, correct = token_loss_sum(model, inputs, labels, count_correct=metrics)
+    n = count_targets(labels)
+    return LossOutput(loss, n, {"masked_accuracy": (correct, n)} if metrics else {})
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Masked positions (``labels != -100``) in ``labels`` [batch, seq]; 0-dim int64."""
     return (labels != -100).sum()
-
-
-def eval_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Masked-token accuracy sums: argmax of ``logits`` [batch, seq, vocab] equals ``labels`` where masked."""
-    mask = labels != -100
-    correct = (logits.argmax(dim=-1) == labels) & mask
-    return {"masked_accuracy": (correct.sum(), mask.sum())}

@@ -5,7 +5,8 @@ With ``data.packing: true`` (default) texts are tokenized, joined with EOS and c
 position trains (the tail shorter than a block in each map batch of 1,000 rows is dropped).
 With packing off, each text is truncated to ``max_seq_len`` and padded per batch; pad positions get
 label -100. The pad token defaults to EOS when the tokenizer has none (GPT-2 has none).
-Eval metrics: loss and perplexity.
+Loss: labels shifted by one, then the LM head and the cross-entropy at target positions only, chunked
+(:mod:`finetune.recipes.lm_loss`). Eval metrics: loss and perplexity.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
 
 from finetune.config import DataConfig
-from finetune.recipes import pad_with_eos
+from finetune.recipes import LossOutput, pad_with_eos
+from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForCausalLM
 
@@ -58,21 +60,37 @@ def make_collator(tokenizer, data_cfg: DataConfig):
                                            return_tensors="pt")
 
 
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy summed over targets: ``logits[:, t]`` [batch, seq, vocab] (upcast to float32)
-    predicts ``labels[:, t + 1]`` (``!= -100``); 0-dim float32. As transformers' ``ForCausalLMLoss`` with a sum."""
-    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    return F.cross_entropy(logits.float().flatten(0, 1), shifted.flatten(), ignore_index=-100, reduction="sum")
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Next-token targets [batch, seq] of ``labels`` [batch, seq]: position ``t`` predicts ``labels[:, t + 1]``; the
+    last position gets -100. Row by row, so packed rows with ``position_ids`` shift the same way."""
+    return F.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
+    """Next-token loss of one micro-batch: labels are shifted first (:func:`shift_labels`), then the LM head and the
+    cross-entropy run only at positions whose next token is a target, in chunks
+    (:func:`finetune.recipes.lm_loss.token_loss_sum`). Usable as is by any causal-LM recipe whose collator puts
+    -100 where no loss is taken (e.g. prompt tokens).
+
+    Args:
+        model: the engine (or a transformers causal LM, peft-wrapped or not); called with every key of ``batch``
+            except ``labels`` (``position_ids`` of packed rows pass through).
+        batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]).
+        metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
+
+    Returns:
+        :class:`~finetune.recipes.LossOutput` with the cross-entropy summed over targets (0-dim float32, as
+        transformers' ``ForCausalLMLoss`` with a sum).
+    """
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    loss, _ = token_loss_sum(model, inputs, shift_labels(labels))
+    return LossOutput(loss, count_targets(labels))
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Positions predicted after the one-token shift (``labels[:, 1:] != -100``); 0-dim int64."""
     return (labels[:, 1:] != -100).sum()
-
-
-def eval_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """No extra metrics beyond loss and perplexity."""
-    return {}
 
 
 def greedy_sample(export_dir, prompt: str, new_tokens: int = 120) -> str:

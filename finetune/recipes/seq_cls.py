@@ -9,7 +9,7 @@ numerically, strings alphabetically) so the mapping is the same on every rank an
 and returns label names. :func:`check_labels` rejects, before any model is built, a missing label
 column, missing (null) labels, float labels, and validation labels the training files never had.
 
-Loss: cross-entropy per example, summed; ``count_targets`` counts examples, so the loop's token
+Loss (``forward``): cross-entropy per example, summed; ``count_targets`` counts examples, so the loop's token
 weighting becomes example weighting (the loss is the exact mean over the global batch's examples).
 Eval metrics: loss, accuracy, macro-F1 and, for 2 classes, ``f1`` of the second label (the positive
 class of 0/1 or negative/positive labels); the per-class confusion matrix (rows: true class, columns:
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from finetune.config import ConfigError, DataConfig, RunConfig
-from finetune.recipes import pad_with_eos
+from finetune.recipes import LossOutput, pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -198,10 +198,28 @@ def make_collator(tokenizer, data_cfg: DataConfig):
                                    return_tensors="pt")
 
 
-def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of ``logits`` [batch, classes] (upcast to float32) summed over examples whose ``labels``
-    [batch] is not -100 (eval filler rows); 0-dim float32."""
-    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
+    """Classification loss of one micro-batch: cross-entropy of the logits [batch, classes] (upcast to float32)
+    summed over examples whose ``labels`` [batch] is not -100 (eval filler rows).
+
+    Args:
+        model: the engine (or a transformers classifier); called with every key of ``batch`` except ``labels``.
+        batch: ``input_ids``, ``attention_mask`` (, ``token_type_ids``) and ``labels`` (int64, [batch]).
+        metrics: also return accuracy sums (``accuracy``) and the confusion counts (``counts``, see
+            :func:`confusion_counts`) for :func:`eval_report`.
+
+    Returns:
+        :class:`~finetune.recipes.LossOutput`.
+    """
+    labels = batch["labels"]
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    n = count_targets(labels)
+    if not metrics:
+        return LossOutput(loss, n)
+    mask = labels != -100
+    correct = ((logits.argmax(dim=-1) == labels) & mask).sum()
+    return LossOutput(loss, n, {"accuracy": (correct, n)}, confusion_counts(logits, labels))
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -209,14 +227,9 @@ def count_targets(labels: torch.Tensor) -> torch.Tensor:
     return (labels != -100).sum()
 
 
-def eval_stats(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """Accuracy sums: argmax of ``logits`` [batch, classes] equals ``labels`` [batch], over labelled rows."""
-    mask = labels != -100
-    return {"accuracy": (((logits.argmax(dim=-1) == labels) & mask).sum(), mask.sum())}
-
-
-def eval_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Confusion counts [classes, classes] (float64; row = true class, column = predicted) of labelled rows."""
+def confusion_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Confusion counts [classes, classes] (float64; row = true class, column = predicted) of the labelled rows of
+    ``logits`` [batch, classes] and ``labels`` [batch] (-100: not counted)."""
     n = logits.shape[-1]
     mask = labels != -100
     pred = logits.argmax(dim=-1)[mask]

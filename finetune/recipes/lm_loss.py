@@ -1,0 +1,200 @@
+"""Token cross-entropy of a language model computed only where the loss uses it (``bert_mlm``, ``gpt_clm``).
+
+A masked LM takes its loss at the ~15% masked positions, a causal LM at every position whose next
+token is a target; running the output head and a full ``[tokens, vocab]`` softmax everywhere else is
+wasted work (the MLM head plus cross-entropy was ~58% of a BERT step on CPU, issue 11). Here:
+
+* **The head runs at target positions only.** :func:`find_head` finds the module that turns the final
+  hidden states into logits: the child of the model (the innermost ``transformers.PreTrainedModel`` on
+  the way, so a ``peft`` wrapper is looked through) whose subtree holds ``get_output_embeddings()``:
+  BERT's ``cls`` (head transform + vocabulary projection), RoBERTa's and GPT-2's ``lm_head``,
+  DistilBERT's ``vocab_projector``. During :func:`token_loss_sum` only, that module's ``forward`` is
+  replaced on the instance: the model still calls it as a module (so DeepSpeed's ZeRO-3 hooks gather
+  its parameters, tied embeddings included), it receives the hidden states ``[batch, seq, hidden]``,
+  keeps the rows whose target is not -100 and returns the summed cross-entropy (0-dim float32), which
+  the model hands back as its ``logits``. Outside that call the model is untouched (the export check
+  compares full logits).
+* **Chunked cross-entropy.** The selected rows go through the head and ``F.cross_entropy`` in chunks
+  of at most :func:`chunk_tokens` rows (fp32 logits of one chunk stay under
+  :data:`LOGITS_CHUNK_ELEMENTS` elements), so the fp32 ``[targets, vocab]`` logits are never
+  materialised whole. With more than one chunk and gradients on, each chunk (head + cross-entropy) is
+  wrapped in ``torch.utils.checkpoint`` (non-reentrant), as TRL's chunked NLL does: only the chunk's
+  hidden states are kept and its logits are recomputed in the backward pass, inside the head's ZeRO-3
+  backward window (the head's output is what DeepSpeed hooks, so its parameters are gathered before
+  the recomputation runs). A single chunk (the usual MLM micro-batch) is not checkpointed: nothing
+  is recomputed.
+
+Same numbers as the full head: the sum of per-position cross-entropies over the same positions, in fp32
+(``tests/test_head_loss.py`` checks losses and gradients at 1e-6 at ZeRO 0 and 3, MLM and CLM).
+Limit: a model that changes the head's output before returning it (logit soft-capping, a logit scale)
+is refused with a clear error on its first step (the loss would be wrong).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+LOGITS_CHUNK_ELEMENTS = 2**26
+"""Most fp32 logits (rows x vocabulary) one chunk of the cross-entropy materialises: 256 MiB (e.g. 2,198 rows
+of BERT's 30,522-token vocabulary, 1,335 of GPT-2's 50,257)."""
+
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its head module (found once)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DeepSpeed engine (``engine.module``); other modules are returned as they are."""
+    import transformers
+
+    while not isinstance(model, transformers.PreTrainedModel) and isinstance(getattr(model, "module", None),
+                                                                             torch.nn.Module):
+        model = model.module
+    return model
+
+
+def find_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output head of ``model`` (a transformers LM, possibly inside a DeepSpeed engine or a peft wrapper).
+
+    Returns:
+        The direct child of the innermost ``PreTrainedModel`` that holds ``model.get_output_embeddings()``
+        (or that module itself when it is such a child): the module called with the final hidden states.
+
+    Raises:
+        ValueError: the model has no output embeddings (not a masked or causal LM).
+    """
+    import transformers
+
+    root = unwrap(model)
+    if root in _HEADS:
+        return _HEADS[root]
+    emb = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    path = next((name for name, m in root.named_modules() if m is emb), None) if emb is not None else None
+    if path is None or path == "":
+        raise ValueError(f"{type(root).__name__} has no output embeddings (get_output_embeddings()); the token loss "
+                         f"needs a masked or causal language model")
+    parts = path.split(".")
+    owner, owner_depth = root, 0
+    module = root
+    for depth, part in enumerate(parts[:-1], start=1):
+        module = getattr(module, part)
+        if isinstance(module, transformers.PreTrainedModel):
+            owner, owner_depth = module, depth
+    head = getattr(owner, parts[owner_depth])
+    _HEADS[root] = head
+    return head
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Rows per cross-entropy chunk for a vocabulary of ``vocab_size``: ``LOGITS_CHUNK_ELEMENTS // vocab_size``
+    (at least 1)."""
+    return max(1, LOGITS_CHUNK_ELEMENTS // max(int(vocab_size), 1))
+
+
+def _ce_sum(head_fn, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head_fn(hidden).float(), targets, reduction="sum")
+
+
+def chunked_cross_entropy(head_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          count_correct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of ``head_fn(hidden)`` against ``targets``, ``chunk`` rows at a time.
+
+    Args:
+        head_fn: ``[rows, hidden] -> [rows, vocab]`` logits (any float dtype; upcast to fp32 per chunk).
+        hidden: ``[n, hidden]`` hidden states of the target positions.
+        targets: ``[n]`` int64 class ids (no -100).
+        chunk: rows per chunk; with more than one chunk and gradients enabled each chunk is checkpointed
+            (its logits are recomputed in the backward pass instead of kept).
+        count_correct: also count rows whose argmax logit is the target (evaluation; not checkpointed).
+
+    Returns:
+        ``(loss_sum, correct)``: 0-dim float32 (differentiable; 0 for ``n == 0``, still connected to the
+        head so every parameter gets a gradient) and 0-dim int64, or ``None`` without ``count_correct``.
+    """
+    pieces = list(zip(hidden.split(chunk), targets.split(chunk))) or [(hidden, targets)]
+    recompute = torch.is_grad_enabled() and len(pieces) > 1 and not count_correct
+    loss = None
+    correct = torch.zeros((), dtype=torch.long, device=targets.device) if count_correct else None
+    for h, y in pieces:
+        if recompute:
+            part = checkpoint(_ce_sum, head_fn, h, y, use_reentrant=False)
+        else:
+            logits = head_fn(h).float()
+            part = F.cross_entropy(logits, y, reduction="sum")
+            if count_correct:
+                correct += (logits.argmax(dim=-1) == y).sum()
+            del logits
+        loss = part if loss is None else loss + part
+    return loss, correct
+
+
+@contextlib.contextmanager
+def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool):
+    """While active, calling ``head(hidden [batch, seq, hidden])`` returns the summed cross-entropy at ``targets``
+    (``[batch, seq]``, -100 = no loss); the result and the correct count are also kept on the yielded state."""
+    state = SimpleNamespace(loss=None, correct=None, calls=0)
+    own = vars(head).get("forward")  # an instance-level forward someone else set (restored afterwards)
+    original = head.forward
+
+    def forward(hidden, *args, **kwargs):
+        state.calls += 1
+        if state.calls > 1:
+            raise RuntimeError(f"{type(head).__name__} (the output head) was called twice in one forward; the "
+                               f"target-position loss supports models that call their head once")
+        if hidden.shape[:-1] != targets.shape:
+            raise RuntimeError(f"the output head {type(head).__name__} got hidden states of shape "
+                               f"{tuple(hidden.shape)}, expected [batch, seq, hidden] matching the labels "
+                               f"{tuple(targets.shape)}")
+        keep = targets != -100
+        state.loss, state.correct = chunked_cross_entropy(
+            lambda h: original(h, *args, **kwargs), hidden[keep], targets[keep], chunk, count_correct)
+        return state.loss
+
+    head.forward = forward
+    try:
+        yield state
+    finally:
+        if own is not None:
+            head.forward = own
+        else:
+            del head.forward
+
+
+def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
+                   count_correct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run ``model(**inputs)`` with its head and cross-entropy only at the positions where ``targets != -100``.
+
+    Args:
+        model: a masked or causal LM from transformers, or a DeepSpeed engine (or peft model) around one.
+        inputs: the model's keyword inputs (``input_ids``, ``attention_mask``, ...; no ``labels``).
+        targets: ``[batch, seq]`` int64: the class the logits at each position should predict (for a causal
+            LM the labels already shifted by one), -100 where no loss is taken.
+        count_correct: also return how many target positions have their target as the argmax (evaluation).
+
+    Returns:
+        ``(loss_sum, correct)``: the cross-entropy summed over target positions (0-dim float32, fp32 logits;
+        the tensor the model returned, so a ZeRO-3 backward gathers the head's parameters) and the number of
+        correct argmax predictions (0-dim int64), or ``None`` without ``count_correct``.
+
+    Raises:
+        RuntimeError: the model modifies its head's output before returning it (soft-capping, scaling), or
+            calls its head otherwise than once on ``[batch, seq, hidden]`` states.
+    """
+    head = find_head(model)
+    emb = unwrap(model).get_output_embeddings()
+    vocab = getattr(emb, "out_features", None) or getattr(unwrap(model).config, "vocab_size", 32768)
+    with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct) as state:
+        out = model(**inputs)
+    got = out.logits
+    if state.loss is None:
+        raise RuntimeError(f"{type(unwrap(model)).__name__} never called its output head {type(head).__name__}; "
+                           f"the target-position loss cannot run on this model")
+    if got.ndim != 0 or not torch.equal(got.detach(), state.loss.detach()):
+        raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
+                           f"before returning it (e.g. logit soft-capping or scaling); the target-position loss "
+                           f"does not support such models")
+    return got, state.correct
