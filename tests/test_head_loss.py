@@ -1,0 +1,160 @@
+"""The LM recipes' loss runs the output head and the cross-entropy at target positions only, in chunks
+(``finetune/recipes/lm_loss.py``), and gives the full head's loss and gradients (fp32, 1e-6).
+
+* ZeRO 0 and 3 (one real DeepSpeed rank, every parameter partitioned at stage 3, 3-row chunks so the backward
+  recomputes each checkpointed chunk through DeepSpeed's module hooks): ``tests/head_loss_zero.py``.
+* In process: MLM (head transform included) and CLM (tied ``lm_head``), with the default and with tiny chunks,
+  masked accuracy as eval computes it, a peft LoRA wrapper and packed ``position_ids``; outside the recipe call
+  the model returns full logits (the export check needs them); a model that post-processes its head's output
+  (soft-capping) is refused.
+The 2-rank end-to-end runs at ZeRO 0-3 (losses, grad norms, weights against the full-logits reference) are the
+parity battery (``tests/test_parity.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, cpu_env, free_port, ok, run_python
+
+
+def _bert():
+    from transformers import AutoConfig, AutoModelForMaskedLM
+
+    cfg = AutoConfig.from_pretrained(REPO / "data/models/bert-small")
+    for k, v in dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0).items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    return AutoModelForMaskedLM.from_config(cfg).train()
+
+
+def _gpt():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(REPO / "data/models/tiny-gpt2", resid_pdrop=0.0, embd_pdrop=0.0,
+                                                attn_pdrop=0.0).train()
+
+
+def _batch(mlm: bool, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0
+    if mlm:
+        labels = torch.full_like(ids, -100)
+        chosen = torch.rand(ids.shape, generator=g) < 0.25
+        labels[chosen] = ids[chosen]
+    else:
+        labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _full_head(model, batch: dict, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Textbook loss sum and logits from the full ``[batch, seq, vocab]`` logits."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits.float()
+    lg, labels = (logits[:, :-1], batch["labels"][:, 1:]) if causal else (logits, batch["labels"])
+    return F.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels.reshape(-1), reduction="sum"), logits
+
+
+def _loss_and_grads(fn, model) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = fn()
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(got: tuple[float, dict], want: tuple[float, dict], what: str) -> None:
+    assert got[0] == pytest.approx(want[0], rel=1e-6, abs=0), what
+    assert got[1].keys() == want[1].keys(), what
+    scale = max(g.abs().max().item() for g in want[1].values())
+    worst = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
+    assert worst <= 1e-6 * scale, f"{what}: gradients differ by {worst:.2e} (scale {scale:.2e})"
+
+
+def test_target_positions_only_equal_full_head(monkeypatch):
+    """MLM and CLM, default chunks and 3-row checkpointed chunks: loss and every gradient as the full head (1e-6);
+    eval's masked accuracy is the full logits' argmax accuracy; the head really saw only the target rows; the
+    model's own forward is untouched afterwards."""
+    from finetune.recipes import bert_mlm, gpt_clm, lm_loss
+
+    for recipe, model, causal in ((bert_mlm, _bert(), False), (gpt_clm, _gpt(), True)):
+        batch = _batch(not causal, model.config.vocab_size)
+        name = recipe.__name__.rsplit(".", 1)[-1]
+        head = lm_loss.find_head(model)
+        assert head is (model.cls if not causal else model.lm_head), "BERT: transform + decoder; GPT-2: lm_head"
+        want = _loss_and_grads(lambda: _full_head(model, batch, causal)[0], model)
+        seen = []  # rows of each head computation
+        chunked = lm_loss.chunked_cross_entropy
+
+        def spy(head_fn, *args, **kwargs):
+            return chunked(lambda h: (seen.append(h.shape[0]), head_fn(h))[1], *args, **kwargs)
+
+        monkeypatch.setattr(lm_loss, "chunked_cross_entropy", spy)
+        for rows in (None, 3):
+            if rows:
+                monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", rows * model.config.vocab_size)
+            seen.clear()
+            got = _loss_and_grads(lambda: recipe.forward(model, batch).loss_sum, model)
+            _assert_same(got, want, f"{name}, chunk={rows or 'default'}")
+            n = int(recipe.count_targets(batch["labels"]))
+            # forward + (with several chunks) the recomputation in backward; never a row that is not a target
+            assert sum(seen) == n * (2 if rows else 1) and max(seen) <= (rows or n), seen
+        monkeypatch.setattr(lm_loss, "chunked_cross_entropy", chunked)
+        monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", 2**26)
+        with torch.no_grad():
+            out = recipe.forward(model, batch, metrics=True)
+            full_loss, logits = _full_head(model, batch, causal)
+        assert out.loss_sum.item() == pytest.approx(full_loss.item(), rel=1e-6)
+        assert int(out.targets) == int(recipe.count_targets(batch["labels"]))
+        assert logits.shape == (*batch["input_ids"].shape, model.config.vocab_size), "hook left active"
+        if not causal:
+            mask = batch["labels"] != -100
+            correct = ((logits.argmax(-1) == batch["labels"]) & mask).sum()
+            assert [int(t) for t in out.metrics["masked_accuracy"]] == [int(correct), int(mask.sum())]
+
+
+def test_peft_packed_rows_and_unsupported_models():
+    """A peft LoRA model (LoRA on attention and on the tied lm_head itself) with packed ``position_ids``: the same
+    loss and gradients as its full head. A model that soft-caps its logits after the head is refused."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.recipes import gpt_clm
+
+    batch = _batch(False, 50257)
+    batch["position_ids"] = torch.cat([torch.arange(9), torch.arange(7)]).repeat(3, 1)  # two packed documents
+    batch["labels"][:, 9] = -100  # no loss across the document boundary
+    for targets in (["c_attn"], ["c_attn", "lm_head"]):
+        model = get_peft_model(_gpt(), LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
+        want = _loss_and_grads(lambda: _full_head(model, batch, True)[0], model)
+        got = _loss_and_grads(lambda: gpt_clm.forward(model, batch).loss_sum, model)
+        _assert_same(got, want, f"peft LoRA on {targets}")
+        assert any("lora" in k for k in got[1])
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0)
+    gemma = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(RuntimeError, match="changes the output of its head"):
+        gpt_clm.forward(gemma, _batch(False, 300))
+
+
+def test_zero0_and_zero3_equal_full_head(tmp_path):
+    """Real DeepSpeed, 1 rank, ZeRO 0 and 3 (every parameter partitioned), 3-row checkpointed chunks: MLM and CLM
+    losses (1e-6) and full gradients (1e-6 of the largest) equal the full head's on a plain copy of the model."""
+    out = tmp_path / "zero.json"
+    ok(run_python(["tests/head_loss_zero.py", str(out)], env=cpu_env(MASTER_PORT=str(free_port()),
+                                                                      PYTHONPATH=str(REPO))))
+    results = json.loads(out.read_text())
+    assert sorted(results) == ["bert_mlm-z0", "bert_mlm-z3", "gpt_clm-z0", "gpt_clm-z3"]
+    for case, r in results.items():
+        assert r["targets"][0] == r["targets"][1] and r["chunks"] >= 3, (case, r)
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6, abs=0), (case, r)
+        assert r["grad_diff"] <= 1e-6 * r["grad_scale"], (case, r)
+        assert r["partitioned"] == case.endswith("z3"), (case, r)
