@@ -182,7 +182,7 @@ def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[lis
         ConfigError: a template without ``{% generation %}`` renders a conversation's beginning differently when
             more turns follow (the prefix difference is then undefined).
     """
-    if _GENERATION.search(template):
+    if _GENERATION.search(re.sub(r"{#.*?#}", "", template, flags=re.S)):  # a marker outside Jinja comments
         out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
