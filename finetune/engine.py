@@ -8,6 +8,8 @@
 * Under ZeRO-3 a ``transformers.integrations.HfDeepSpeedConfig`` is created before the model, so
   ``from_pretrained``/``from_config`` build it inside ``deepspeed.zero.Init`` and no rank materialises
   the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
+* ``model.attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``) is passed to ``from_pretrained`` /
+  ``from_config`` (checked in :mod:`finetune.validate` before anything is built).
 * AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.ds_config`);
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.

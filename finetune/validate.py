@@ -101,7 +101,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     config.json, an override key the model config does not have, a shape override with pretrained
     weights, a model type the recipe's model class cannot build, a hidden size not divisible by the
     number of attention heads, ``data.max_seq_len`` above the model's position embeddings, an unreadable
-    tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``),
+    tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``), a
+    ``model.attn_implementation`` the model class does not support,
     and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
     (their own problems are reported elsewhere).
     """

@@ -154,7 +154,15 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
                     one = m(input_ids=ids_row[s:e][None]).logits
                     alone += sft.loss_sum(one, batch["labels"][row, s:e][None]).item()
                     worst = max(worst, (one[0] - logits[row, s:e]).abs().max().item())
+            # data.packing=false: one example per row, right-padded with an attention mask (DataCollatorForSeq2Seq)
+            unpacked_cfg = DataConfig(prompt_column="q", response_column="a", max_seq_len=48, packing=False)
+            rows_u = sft.tokenize_function(tokenizer, unpacked_cfg)(rows)
+            padded = sft.make_collator(tokenizer, unpacked_cfg)(
+                [{k: rows_u[k][i] for k in rows_u} for i in range(len(rows_u["input_ids"]))])
+            unpacked = sft.loss_sum(m(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
+                                    padded["labels"]).item()
         assert total == pytest.approx(alone, rel=1e-5), (model, attn, total, alone)
+        assert unpacked == pytest.approx(alone, rel=1e-5), (model, attn, unpacked, alone)
         assert worst < 1e-4, (model, attn, worst)
 
 
