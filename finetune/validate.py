@@ -48,6 +48,15 @@ def _check_writable(key: str, path: str, problems: list[str]) -> None:
 
 def _check_model(cfg: RunConfig, problems: list[str]) -> None:
     m = cfg.model
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        problems.append(f"model.attn_implementation: '{m.attn_implementation}' unknown (choose one of: "
+                        f"{', '.join(ATTN_IMPLEMENTATIONS)})")
+    elif m.attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
+                            "GPU, not available here; use sdpa (default) or eager")
     if not m.path:
         problems.append("model.path: not set (a local folder with config.json)")
         return
@@ -62,15 +71,6 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
                         f"use model.init=scratch to train from config.json alone")
     if m.init not in ("pretrained", "scratch"):
         problems.append(f"model.init: '{m.init}' is not 'pretrained' or 'scratch'")
-    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        problems.append(f"model.attn_implementation: '{m.attn_implementation}' unknown (choose one of: "
-                        f"{', '.join(ATTN_IMPLEMENTATIONS)})")
-    elif m.attn_implementation == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
-        if not is_flash_attn_2_available():
-            problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
-                            "GPU, not available here; use sdpa (default) or eager")
     tok = Path(m.tokenizer_path or m.path)
     if m.tokenizer_path and not tok.is_dir():
         problems.append(f"model.tokenizer_path: folder '{tok}' does not exist")
