@@ -45,6 +45,8 @@ class ModelConfig:
     """``pretrained``: load the weights from ``model.path``; ``scratch``: random init from ``config.json`` only."""
     config_overrides: dict = field(default_factory=dict)
     """Keys set on the model config before building, e.g. ``{num_hidden_layers: 2}`` for a small scratch model."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel passed to transformers: ``sdpa`` (PyTorch scaled-dot-product), ``eager`` or ``flash_attention_2`` (needs ``flash-attn``, GPUs)."""
 
 
 @dataclass
@@ -66,7 +68,17 @@ class DataConfig:
     max_seq_len: int = 128
     """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
     packing: bool = True
-    """CLM only: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens."""
+    """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
+    prompt_column: str = ""
+    """sft only: prompt column (text, no loss), used verbatim: put any separator into it; with ``response_column``."""
+    response_column: str = ""
+    """sft only: response column (text, trained on, followed by EOS); with ``prompt_column``."""
+    messages_column: str = ""
+    """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
+    chat_template: str = ""
+    """sft only: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
+    truncation: str = "truncate"
+    """sft only: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
     mlm_probability: float = 0.15
     """MLM only: fraction of tokens selected for masking (BERT: 80% [MASK], 10% random, 10% kept)."""
     pad_to_multiple_of: int = 0
@@ -124,7 +136,7 @@ class TrainConfig:
     log_every: int = 10
     """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
     sample_prompt: str = ""
-    """gpt_clm only: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
+    """gpt_clm and sft: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
     precision: str = "auto"
     """``auto`` (bf16 on GPUs that support it, else fp16; fp32 on CPUs; an explicit bf16/fp16 ``enabled`` in the DeepSpeed JSON wins), ``fp32``, ``bf16`` or ``fp16``."""
     seed: int = 42
@@ -140,7 +152,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm`` or ``seq_cls`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls`` or ``sft`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

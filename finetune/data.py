@@ -93,13 +93,14 @@ def _no_text_in_statistics(pf, column: str) -> bool:
     return True
 
 
-def check_parquet_files(files: list[str], key: str, text_column: str, problems: list[str]) -> int:
+def check_parquet_files(files: list[str], key: str, text_column: str | None, problems: list[str]) -> int:
     """Open each parquet file's footer: readable, non-empty, has ``text_column`` of a string type with text.
 
     Reads footers only (schema, row counts, column statistics), never the data. Problems appended: an
     unreadable file, 0 rows, a missing ``text_column`` (the columns are listed), a ``text_column`` whose Arrow
     type is not a string (its type is named: ints, binary, ...), and a ``text_column`` whose statistics show
-    that every row is null or empty. Returns the total row count.
+    that every row is null or empty (``text_column=None``: readability and row counts only, for recipes that
+    check their own columns). Returns the total row count.
     """
     import pyarrow.parquet as pq
 
@@ -112,7 +113,10 @@ def check_parquet_files(files: list[str], key: str, text_column: str, problems: 
             continue
         schema = pf.schema_arrow
         names = schema.names
-        if text_column not in names:
+        if text_column is None:  # the recipe checks its own columns (sft)
+            if pf.metadata.num_rows == 0:
+                problems.append(f"{key}: '{f}' is empty (0 rows)")
+        elif text_column not in names:
             problems.append(f"{key}: '{f}' has no column '{text_column}' (columns: {', '.join(names)}); "
                             f"set data.text_column")
         elif pf.metadata.num_rows == 0:
@@ -126,7 +130,7 @@ def check_parquet_files(files: list[str], key: str, text_column: str, problems: 
         elif _no_text_in_statistics(pf, text_column):
             problems.append(f"{key}: '{f}' has no non-empty text: every row of column '{text_column}' is null or "
                             f"empty ({pf.metadata.num_rows:,} rows)")
-        if text_column not in names and pf.metadata.num_rows == 0:
+        if text_column is not None and text_column not in names and pf.metadata.num_rows == 0:
             problems.append(f"{key}: '{f}' is empty (0 rows)")
         rows += pf.metadata.num_rows
     return rows
@@ -290,7 +294,10 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
     base_key = {"recipe": recipe_name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
                 "max_seq_len": data_cfg.max_seq_len, "packing": data_cfg.packing if recipe_name == "gpt_clm" else None,
                 "datasets": datasets.__version__, "version": 1}
+    if hasattr(recipe, "cache_key"):  # sft: data form, truncation, packing, chat template text
+        base_key["recipe_settings"] = recipe.cache_key(data_cfg)
     fn = recipe.tokenize_function(tokenizer, data_cfg)
+    counts_rows = getattr(fn, "counts_rows", False)  # the recipe skips and counts bad rows itself (sft)
     tokenized_dir = cache / "tokenized"
 
     def tokenize(ds, split_key: dict, name: str, key_name: str):
@@ -302,14 +309,19 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
             dropped = None
         else:
             start = time.monotonic()
-            rows = DropEmptyText(fn, col)
+            if counts_rows:
+                fn.reset()
+            rows = fn if counts_rows else DropEmptyText(fn, col)
             _tokenize_atomically(ds, rows, path, f"tokenizing {name}", key)
             out = datasets.Dataset.from_file(str(path))
-            dropped = rows.dropped
+            dropped = None if counts_rows else rows.dropped
             logger.info(f"{name}: {len(out):,} rows (tokenized {len(ds):,} texts in {time.monotonic() - start:.1f} s"
                         f"{f'; dropped {dropped:,} empty or null texts' if dropped else ''}: {path})")
+            if counts_rows:
+                logger.info(f"{name}: {fn.summary()}")
         if len(out) == 0:
             why = (f"every one of its {len(ds):,} texts in column '{col}' is empty or null" if dropped == len(ds)
+                   else f"{len(ds):,} rows gave no example ({fn.summary()})" if counts_rows and dropped is None
                    else f"{len(ds):,} texts in column '{col}' gave no row (empty, null, or shorter than one "
                         f"data.max_seq_len block when packing)")
             raise ConfigError(f"{key_name}: the {name} split has no rows to train on: {why}")

@@ -8,6 +8,8 @@
 * Under ZeRO-3 a ``transformers.integrations.HfDeepSpeedConfig`` is created before the model, so
   ``from_pretrained``/``from_config`` build it inside ``deepspeed.zero.Init`` and no rank materialises
   the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
+* ``model.attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``) is passed to ``from_pretrained`` /
+  ``from_config`` (checked in :mod:`finetune.validate` before anything is built).
 * AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.ds_config`);
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
@@ -50,7 +52,7 @@ def load_model_config(cfg: RunConfig):
     return config
 
 
-def load_pretrained(model_class, path: str, model_config):
+def load_pretrained(model_class, path: str, model_config, attn_implementation: str = "sdpa"):
     """``model_class.from_pretrained(path)`` in fp32 that logs newly initialised weights in one line.
 
     A checkpoint without the task's head (a plain BERT for ``seq_cls``) gets a freshly initialised head;
@@ -62,7 +64,8 @@ def load_pretrained(model_class, path: str, model_config):
     hf_logging.set_verbosity_error()
     try:
         model, info = model_class.from_pretrained(path, config=model_config, local_files_only=True,
-                                                  dtype=torch.float32, output_loading_info=True)
+                                                  dtype=torch.float32, output_loading_info=True,
+                                                  attn_implementation=attn_implementation)
     finally:
         hf_logging.set_verbosity(level)
     missing = sorted(info.get("missing_keys") or [])
@@ -72,7 +75,7 @@ def load_pretrained(model_class, path: str, model_config):
     return model
 
 
-def scratch_model(model_class, model_config):
+def scratch_model(model_class, model_config, attn_implementation: str = "sdpa"):
     """Randomly initialised fp32 model, drawing from the torch RNG exactly as transformers does under ZeRO-3.
 
     ``from_config`` normally runs torch's default init of every layer during construction and then the
@@ -83,7 +86,7 @@ def scratch_model(model_class, model_config):
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        model = model_class.from_config(model_config, dtype=torch.float32)
+        model = model_class.from_config(model_config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.init_weights()
     return model
 
@@ -129,15 +132,16 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
     model_config = load_model_config(cfg)
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
+    attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.validate)
     if cfg.model.init == "pretrained":
-        model = load_pretrained(recipe.MODEL_CLASS, cfg.model.path, model_config)
+        model = load_pretrained(recipe.MODEL_CLASS, cfg.model.path, model_config, attn)
     elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
-        model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32)
+        model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32, attn_implementation=attn)
     else:
-        model = scratch_model(recipe.MODEL_CLASS, model_config)
+        model = scratch_model(recipe.MODEL_CLASS, model_config, attn)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
-                f"{zero_stage(ds)}")
+                f"{zero_stage(ds)}, attention {attn}")
 
     t = cfg.train
 

@@ -165,7 +165,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
 
     The batch is the first 4 validation rows (collated under a fixed seed). Rank 0 reloads
     ``run_dir/export`` with plain ``from_pretrained`` and writes ``export_check.json``: the maximum absolute
-    logit difference, the input batch (token ids and attention mask) and a small summary of the engine's
+    logit difference, the input batch (token ids and attention mask, or position ids of packed rows) and a small summary of the engine's
     logits (shape, mean, std, the first 8 logits of the first position), never the full tensors. A non-finite difference (NaN/inf logits) never
     passes, and the JSON stays valid (``null`` for a non-finite number).
 
@@ -180,7 +180,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         batch = collator(rows)
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}  # sft packs
     engine.eval()
     with torch.no_grad():
         ref = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits.float().cpu()

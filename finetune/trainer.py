@@ -228,7 +228,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                         _skip_update_stage0(engine)
                 engine.step()
                 step_loss += loss.detach().double() / gas
-                acc[2] += batch["attention_mask"].sum()
+                # non-pad tokens; packed sft rows have no attention_mask: their positions (pad tails included)
+                acc[2] += batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
             if stage0:
                 _end_skip_stage0(engine)
             state.step += 1

@@ -48,6 +48,15 @@ def _check_writable(key: str, path: str, problems: list[str]) -> None:
 
 def _check_model(cfg: RunConfig, problems: list[str]) -> None:
     m = cfg.model
+    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        problems.append(f"model.attn_implementation: '{m.attn_implementation}' unknown (choose one of: "
+                        f"{', '.join(ATTN_IMPLEMENTATIONS)})")
+    elif m.attn_implementation == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not is_flash_attn_2_available():
+            problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
+                            "GPU, not available here; use sdpa (default) or eager")
     if not m.path:
         problems.append("model.path: not set (a local folder with config.json)")
         return
@@ -69,6 +78,10 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"model.tokenizer_path: '{tok}' has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+"""Values of ``model.attn_implementation`` (transformers' ``attn_implementation``)."""
+_ATTN_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
+
 # Config keys that set parameter shapes: with init=pretrained, overriding one makes the weights on disk not fit.
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "n_embd", "d_model", "intermediate_size", "n_inner", "ffn_dim",
                "max_position_embeddings", "n_positions", "type_vocab_size", "num_key_value_heads", "head_dim",
@@ -88,7 +101,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     config.json, an override key the model config does not have, a shape override with pretrained
     weights, a model type the recipe's model class cannot build, a hidden size not divisible by the
     number of attention heads, ``data.max_seq_len`` above the model's position embeddings, an unreadable
-    tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``),
+    tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``), a
+    ``model.attn_implementation`` the model class does not support,
     and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
     (their own problems are reported elsewhere).
     """
@@ -128,6 +142,9 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     if mapping is not None and type(config) not in mapping:
         problems.append(f"model.path: {where} is a model type that {recipe.MODEL_CLASS.__name__} (recipe "
                         f"{cfg.recipe}) cannot build; choose a model with that head or another recipe")
+    elif mapping is not None and not getattr(mapping[type(config)], _ATTN_SUPPORT.get(m.attn_implementation, ""), True):
+        problems.append(f"model.attn_implementation: {mapping[type(config)].__name__} ({where}) does not support "
+                        f"'{m.attn_implementation}'; use eager")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
@@ -195,6 +212,15 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.loss_weighting: '{t.loss_weighting}' is not 'token' or 'micro_batch'")
 
 
+def _recipe_checks_columns(cfg: RunConfig) -> bool:
+    """True for recipes whose ``check_labels`` checks every column they read (``sft``: no ``data.text_column``)."""
+    if cfg.recipe not in RECIPES:
+        return False
+    from finetune.recipes import get_recipe
+
+    return getattr(get_recipe(cfg.recipe), "checks_columns", False)
+
+
 def _check_recipe_data(cfg: RunConfig, train_files: list[str], validation_files: list[str],
                        problems: list[str]) -> None:
     """The recipe's own data checks (``check_labels``: seq_cls label columns), when it has them."""
@@ -244,7 +270,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
         files[key] = expand_files(patterns, key, problems)
-        check_parquet_files(files[key], key, cfg.data.text_column, problems)
+        check_parquet_files(files[key], key, None if _recipe_checks_columns(cfg) else cfg.data.text_column, problems)
     _check_recipe_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
     number_problems: list[str] = []

@@ -114,12 +114,14 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
     torch.manual_seed(t.seed)
     if cfg.model.init == "pretrained":
         model = recipe.MODEL_CLASS.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
-                                                   dtype=torch.float32)
+                                                   dtype=torch.float32,
+                                                   attn_implementation=cfg.model.attn_implementation)
     else:  # what transformers' from_config does inside deepspeed.zero.Init, on one device
         from transformers.initialization import no_init_weights
 
         with no_init_weights():
-            model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32)
+            model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32,
+                                                   attn_implementation=cfg.model.attn_implementation)
         model.initialize_weights()
         model.tie_weights()
     model.train()

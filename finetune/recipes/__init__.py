@@ -12,7 +12,9 @@ shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's `
     ``data_cfg.text_column``, may return fewer or more rows than it got (drops empty texts, packs blocks).
 ``make_collator(tokenizer, data_cfg) -> fn``
     ``fn(rows: list[dict]) -> dict[str, Tensor]`` with ``input_ids``/``attention_mask`` (int64,
-    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch. Random choices
+    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch; every key but
+    ``labels`` goes to the model. Packed ``sft`` batches carry ``position_ids`` (restarting per example)
+    instead of an ``attention_mask`` (transformers then builds a block-diagonal causal mask). Random choices
     (MLM masks) must not use the global RNG: a collator with ``fn.row_seeded = True`` gets an int
     ``"_seed"`` in every row (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for
     evaluation) and draws that row's choices from a generator seeded with it, so batches do not depend
@@ -43,6 +45,13 @@ define none):
 ``columns(data_cfg) -> list[str]``
     Parquet columns the tokenize function reads (default: ``[data_cfg.text_column]``); part of the
     tokenized-cache key.
+``cache_key(data_cfg) -> dict``
+    More settings that decide the tokenized rows (``sft``: data form, truncation, packing, chat template text);
+    part of the tokenized-cache key.
+``checks_columns = True``
+    ``check_labels`` checks every column the recipe reads, so ``data.text_column`` is not checked (``sft``).
+A tokenize function with ``counts_rows = True`` gets every row (``finetune.data`` drops no empty texts for
+it), skips and counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split).
 ``check_labels(cfg, train_files, validation_files, problems) -> None``
     Extra checks of the data files before any model is built (``finetune.validate.validate_run``);
     appends one line per problem to ``problems``.
@@ -70,7 +79,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch is not imported by the config checks that read RECIPES
     import torch
 
-RECIPES = ("bert_mlm", "gpt_clm", "seq_cls")
+RECIPES = ("bert_mlm", "gpt_clm", "seq_cls", "sft")
 
 
 @dataclass

@@ -1,0 +1,429 @@
+"""Supervised fine-tuning (instruction / chat SFT) of any ``AutoModelForCausalLM``, with the loss on the answers only.
+
+Data, one of two forms (:func:`form`):
+
+* **prompt/response**: ``data.prompt_column`` and ``data.response_column`` (text). An example is
+  ``tokens(prompt) + tokens(response) + [EOS]`` (the prompt with the tokenizer's special tokens, e.g. Llama's
+  BOS; the prompt is used verbatim, so a separator belongs in it); the prompt tokens get label -100, the
+  response and its EOS are trained on.
+* **chat**: ``data.messages_column``, a list of ``{role, content}`` per row, rendered with
+  ``data.chat_template`` (a Jinja string or a file, e.g. the shipped ``data/chat_templates/chatml.jinja``) or
+  else the tokenizer's own chat template (no template at all is a ``ConfigError`` before any model is built).
+  Every assistant turn is trained on (multi-turn too); system, user and template tokens get label -100.
+  Templates that mark assistant text with ``{% generation %}`` (the shipped one) give the mask through
+  transformers' ``apply_chat_template(return_assistant_tokens_mask=True)``; for other templates each assistant
+  turn is the difference between rendering the conversation up to it with ``add_generation_prompt=True`` and
+  rendering it including the turn (so the turn's end marker, e.g. Qwen's ``<|im_end|>``, is trained on too).
+  Conversations without an assistant turn are dropped and counted.
+
+The first label of every example is -100 (nothing predicts it), so a packed row and its examples run one by one
+have exactly the same targets. An example longer than ``data.max_seq_len`` is cut to it
+(``data.truncation: truncate``; dropped if no answer token is left) or left out (``drop``); the counts and the
+fill ratio are logged once per split (:meth:`SftExamples.summary`).
+
+Packing (``data.packing: true``, the default): the examples of each map batch (1,000 rows) are packed whole
+into rows of at most ``max_seq_len`` tokens by best-fit decreasing bin packing (:func:`pack`), with
+``position_ids`` restarting at 0 for every example and no ``attention_mask`` in the batch. From such
+``position_ids`` transformers (``masking_utils.find_packed_sequence_indices``) builds a block-diagonal causal
+mask for ``sdpa`` and ``eager`` attention and uses variable-length kernels for ``flash_attention_2``, so
+attention never crosses from one example into another and a packed row computes exactly what its examples
+compute alone (``tests/test_sft.py``). Rows of a micro batch are padded to the longest; the padding is a
+segment of its own (positions from 0) after the last example, with label -100. Without packing each example
+is a row, right-padded per batch with an ``attention_mask``.
+
+Loss, token counts and eval metrics are ``gpt_clm``'s (imported: one causal-LM loss path): next-token
+cross-entropy over labels != -100, i.e. answer tokens; eval loss and perplexity are per answer token.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+
+from finetune.config import ConfigError, DataConfig, RunConfig
+from finetune.recipes import pad_with_eos
+from finetune.recipes.gpt_clm import count_targets, eval_stats, greedy_sample, loss_sum  # noqa: F401  (one loss path)
+
+MODEL_CLASS = AutoModelForCausalLM
+
+checks_columns = True
+"""Contract flag: :func:`check_labels` checks this recipe's columns (``data.text_column`` is not read)."""
+
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def form(data_cfg: DataConfig) -> str:
+    """``"chat"`` when ``data.messages_column`` is set, else ``"pair"`` (prompt/response columns)."""
+    return "chat" if data_cfg.messages_column else "pair"
+
+
+def columns(data_cfg: DataConfig) -> list[str]:
+    """Parquet columns the tokenize function reads."""
+    if form(data_cfg) == "chat":
+        return [data_cfg.messages_column]
+    return [data_cfg.prompt_column, data_cfg.response_column]
+
+
+def cache_key(data_cfg: DataConfig) -> dict:
+    """Settings besides the files, columns and tokenizer that decide the tokenized rows (the template's text)."""
+    return {"form": form(data_cfg), "truncation": data_cfg.truncation, "packing": data_cfg.packing,
+            "chat_template": _template_from_config(data_cfg) if form(data_cfg) == "chat" else None}
+
+
+def prepare_model_config(model_config, data_cfg: DataConfig):
+    """Packing: ``use_cache = False`` in the model config (also in the export's ``config.json``).
+
+    transformers derives the block-diagonal mask from ``position_ids`` only when the forward has no KV cache,
+    and Llama/Qwen models create one on every forward (training too) while ``config.use_cache`` is true: the
+    packed examples would then attend to each other (measured: loss off by 0.27 on three short examples).
+    ``generate`` still uses a cache (its generation config decides).
+    """
+    if data_cfg.packing:
+        model_config.use_cache = False
+    return model_config
+
+
+def prepare_tokenizer(tokenizer):
+    """EOS as the pad token when there is none, right padding (positions start at 0 in every unpacked row).
+
+    Raises:
+        ConfigError: the tokenizer has no EOS token (it ends every answer).
+    """
+    tokenizer = pad_with_eos(tokenizer, "sft")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no EOS token, which sft "
+                          f"puts after every answer; use a tokenizer with an EOS token")
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _template_from_config(data_cfg: DataConfig) -> str | None:
+    """``data.chat_template`` as Jinja text: the string itself when it holds ``{%``/``{{``, else the file it names.
+
+    Raises:
+        ConfigError: the named file does not exist.
+    """
+    t = data_cfg.chat_template
+    if not t:
+        return None
+    if "{%" in t or "{{" in t:
+        return t
+    path = Path(t).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.chat_template: '{t}' is neither a Jinja template (no '{{%' or '{{{{') nor a file "
+                          f"(paths are relative to the working directory; the shipped one is "
+                          f"data/chat_templates/chatml.jinja)")
+    return path.read_text()
+
+
+def chat_template(data_cfg: DataConfig, tokenizer) -> str:
+    """The Jinja chat template the chat form renders with: ``data.chat_template``, else the tokenizer's.
+
+    Raises:
+        ConfigError: neither exists (nothing is guessed), or the named file is missing.
+    """
+    template = _template_from_config(data_cfg) or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    if not template:
+        raise ConfigError(f"data.chat_template: tokenizer '{tokenizer.name_or_path}' has no chat template to render "
+                          f"data.messages_column '{data_cfg.messages_column}'; set data.chat_template to a Jinja "
+                          f"template or a file (e.g. data/chat_templates/chatml.jinja, ChatML-style)")
+    return template
+
+
+def message_problem(messages) -> str | None:
+    """Why ``messages`` is not a list of ``{role, content}`` dicts with string values; None when it is."""
+    if not isinstance(messages, (list, tuple)):
+        return f"a {type(messages).__name__}, not a list of {{role, content}} messages"
+    if not messages:
+        return "an empty list of messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {i} is {m!r:.80}, not {{role: str, content: str}}"
+    return None
+
+
+def has_answer(messages) -> bool:
+    """True when the conversation has an assistant turn."""
+    return any(m["role"] == "assistant" for m in messages)
+
+
+def encode_pair(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one prompt/response example (lists of int, same length).
+
+    ``ids = tokens(prompt, with special tokens) + tokens(response) + [EOS]``; labels are -100 on the prompt and on
+    the first position, the token ids elsewhere (response and EOS).
+    """
+    p = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    labels = [-100] * len(p) + list(r)
+    labels[0] = -100
+    return p + r, labels
+
+
+def _render(tokenizer, messages, template: str, **kwargs) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                              **kwargs)["input_ids"])
+
+
+def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one conversation rendered with ``template`` (lists of int, same length).
+
+    Labels are the token ids on assistant turns (content and what the template ends the turn with, e.g. EOS),
+    -100 elsewhere and on the first position. With ``{% generation %}`` markers in the template the turns come
+    from ``apply_chat_template(return_assistant_tokens_mask=True)``; otherwise from rendering prefixes.
+
+    Raises:
+        ConfigError: a template without ``{% generation %}`` renders a conversation's beginning differently when
+            more turns follow (the prefix difference is then undefined).
+    """
+    if _GENERATION.search(re.sub(r"{#.*?#}", "", template, flags=re.S)):  # a marker outside Jinja comments
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    else:
+        ids = _render(tokenizer, messages, template)
+        mask = [0] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            start = len(_render(tokenizer, messages[:i], template, add_generation_prompt=True)) if i else 0
+            upto = _render(tokenizer, messages[: i + 1], template)
+            if ids[: len(upto)] != upto:
+                raise ConfigError("data.chat_template: the chat template renders the start of a conversation "
+                                  "differently when more turns follow, so assistant turns cannot be located; mark "
+                                  "assistant text with {% generation %} ... {% endgeneration %} in the template")
+            mask[start:len(upto)] = [1] * (len(upto) - start)
+    labels = [t if k else -100 for t, k in zip(ids, mask)]
+    labels[0] = -100
+    return ids, labels
+
+
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing: indices of ``lengths`` grouped into bins of total length <= ``capacity``.
+
+    Longest first, each into the fullest bin it still fits in (a new bin when none). Every length must be
+    <= ``capacity``. Bins are in order of creation; each lists its indices in ascending order.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
+        fits = [b for b in range(len(bins)) if room[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda k: room[k])
+            bins[b].append(i)
+            room[b] -= lengths[i]
+        else:
+            bins.append([i])
+            room.append(capacity - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+class SftExamples:
+    """Batched map function: rows -> examples (ids, labels) -> packed (or single-example) rows; counts what it drops.
+
+    Output columns: ``input_ids``, ``labels``, ``position_ids`` (packed) or ``input_ids``, ``attention_mask``,
+    ``labels`` (unpacked); lists of int. ``counts_rows = True`` tells ``finetune.data`` that this function skips
+    and counts bad rows itself; :meth:`summary` is logged once per tokenized split.
+
+    Raises:
+        ConfigError: a messages row is malformed (checked before training by :func:`check_labels`).
+    """
+
+    counts_rows = True
+
+    def __init__(self, tokenizer, data_cfg: DataConfig):
+        self.tokenizer, self.d = tokenizer, data_cfg
+        self.template = chat_template(data_cfg, tokenizer) if form(data_cfg) == "chat" else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counts (one split at a time)."""
+        self.counts: Counter = Counter()
+
+    def _examples(self, batch: dict) -> list[tuple[list[int], list[int]]]:
+        d, c = self.d, self.counts
+        out = []
+        n = len(batch[columns(d)[0]])
+        for i in range(n):
+            c["rows"] += 1
+            if self.template is not None:
+                messages = batch[d.messages_column][i]
+                problem = message_problem(messages)
+                if problem:
+                    raise ConfigError(f"data.messages_column: a row of '{d.messages_column}' is {problem}")
+                if not has_answer(messages):
+                    c["no_answer"] += 1
+                    continue
+                ids, labels = encode_messages(self.tokenizer, messages, self.template)
+            else:
+                prompt, response = batch[d.prompt_column][i], batch[d.response_column][i]
+                if not isinstance(response, str) or not response.strip() or not isinstance(prompt, str):
+                    c["empty"] += 1
+                    continue
+                ids, labels = encode_pair(self.tokenizer, prompt, response)
+            if len(ids) > d.max_seq_len:
+                if d.truncation == "drop":
+                    c["too_long"] += 1
+                    continue
+                ids, labels = ids[: d.max_seq_len], labels[: d.max_seq_len]
+                c["truncated"] += 1
+                if all(v == -100 for v in labels):
+                    c["truncated_no_answer"] += 1
+                    continue
+            out.append((ids, labels))
+        return out
+
+    def __call__(self, batch: dict) -> dict:
+        examples = self._examples(batch)
+        self.counts["examples"] += len(examples)
+        self.counts["tokens"] += sum(len(ids) for ids, _ in examples)
+        if not self.d.packing:
+            return {"input_ids": [ids for ids, _ in examples], "attention_mask": [[1] * len(ids) for ids, _ in examples],
+                    "labels": [labels for _, labels in examples]}
+        bins = pack([len(ids) for ids, _ in examples], self.d.max_seq_len)
+        self.counts["packed_rows"] += len(bins)
+        return {"input_ids": [[t for i in b for t in examples[i][0]] for b in bins],
+                "labels": [[t for i in b for t in examples[i][1]] for b in bins],
+                "position_ids": [[p for i in b for p in range(len(examples[i][0]))] for b in bins]}
+
+    def summary(self) -> str:
+        """One line: rows read, examples kept, what was dropped or truncated and why, packing fill ratio."""
+        c, d = self.counts, self.d
+        dropped = [f"{c[k]:,} {why}" for k, why in (
+            ("no_answer", "without an assistant turn"), ("empty", "with a null or empty response or null prompt"),
+            ("too_long", f"longer than data.max_seq_len={d.max_seq_len} (data.truncation=drop)"),
+            ("truncated_no_answer", f"with no answer token within data.max_seq_len={d.max_seq_len}")) if c[k]]
+        text = f"sft: {c['rows']:,} rows -> {c['examples']:,} examples"
+        if dropped:
+            text += f" (dropped {', '.join(dropped)})"
+        if c["truncated"]:
+            text += f"; truncated {c['truncated']:,} examples to data.max_seq_len={d.max_seq_len}"
+        if d.packing and c["packed_rows"]:
+            positions = c["packed_rows"] * d.max_seq_len
+            text += (f"; packed into {c['packed_rows']:,} rows of {d.max_seq_len} positions, fill ratio "
+                     f"{c['tokens'] / positions:.3f} (real tokens / positions)")
+        return text
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig) -> SftExamples:
+    """The batched map function (:class:`SftExamples`)."""
+    return SftExamples(tokenizer, data_cfg)
+
+
+class PackedCollator:
+    """Stack packed rows: ``input_ids``, ``labels`` and ``position_ids`` (int64 ``[micro_batch, longest row]``).
+
+    Rows are right-padded to the longest row (rounded up to ``pad_to_multiple_of``) with the pad token, label
+    -100 and positions 0, 1, ... (a segment of its own). No ``attention_mask``: transformers derives the
+    block-diagonal causal mask from ``position_ids`` only when there is none.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
+        self.pad, self.multiple = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, rows: list[dict]) -> dict:
+        longest = max(len(r["input_ids"]) for r in rows)
+        if self.multiple:
+            longest = -(-longest // self.multiple) * self.multiple
+        batch = {"input_ids": [], "labels": [], "position_ids": []}
+        for r in rows:
+            n = longest - len(r["input_ids"])
+            batch["input_ids"].append(list(r["input_ids"]) + [self.pad] * n)
+            batch["labels"].append(list(r["labels"]) + [-100] * n)
+            batch["position_ids"].append(list(r["position_ids"]) + list(range(n)))
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def make_collator(tokenizer, data_cfg: DataConfig):
+    """Packed: :class:`PackedCollator`. Unpacked: transformers' ``DataCollatorForSeq2Seq`` (right padding, labels
+    padded with -100)."""
+    if data_cfg.packing:
+        return PackedCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100,
+                                  pad_to_multiple_of=data_cfg.pad_to_multiple_of or None, return_tensors="pt")
+
+
+def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """Check the sft settings and data before any model is built; append one line per problem.
+
+    Problems: neither or both data forms set, an unknown ``data.truncation``, a file without a needed column, a
+    prompt/response column that is not text, a messages column whose first malformed row (not a list of
+    ``{role, content}`` strings) is named, training files in which no conversation has an assistant turn, and
+    no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file.
+    """
+    import pyarrow.parquet as pq
+
+    from finetune.data import _string_type
+
+    d = cfg.data
+    if d.truncation not in ("truncate", "drop"):
+        problems.append(f"data.truncation: '{d.truncation}' is not 'truncate' or 'drop'")
+    pair = bool(d.prompt_column or d.response_column)
+    if d.messages_column and pair:
+        problems.append("data.messages_column: set either data.messages_column (chat) or data.prompt_column and "
+                        "data.response_column (prompt/response), not both")
+        return
+    if not d.messages_column and not (d.prompt_column and d.response_column):
+        problems.append("data.prompt_column: sft needs data.prompt_column and data.response_column (prompt/response "
+                        "text), or data.messages_column (a list of {role, content} per row)")
+        return
+    answers = read = 0  # conversations with an answer; training files read without a problem
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                schema = pq.ParquetFile(f).schema_arrow
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            for col, what in ((d.messages_column, "messages_column"), (d.prompt_column, "prompt_column"),
+                              (d.response_column, "response_column")):
+                if not col:
+                    continue
+                if col not in schema.names:
+                    problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); set "
+                                    f"data.{what}")
+                elif what != "messages_column" and not _string_type(schema.field(col).type):
+                    problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
+                                    f"(string); set data.{what} to a text column")
+            if d.messages_column and d.messages_column in schema.names:
+                rows = pq.read_table(f, columns=[d.messages_column]).column(d.messages_column).to_pylist()
+                for i, messages in enumerate(rows):
+                    problem = message_problem(messages)
+                    if problem:
+                        problems.append(f"{key}: '{f}' row {i} of column '{d.messages_column}' is {problem}; every "
+                                        f"row must be a list of {{role, content}} messages")
+                        break
+                else:
+                    if key == "data.train_files":
+                        answers += sum(has_answer(m) for m in rows)
+                        read += 1
+    if d.messages_column and train_files and read == len(train_files) and not answers:
+        problems.append(f"data.train_files: no conversation in column '{d.messages_column}' has an assistant turn, "
+                        f"so there is nothing to train on (sft trains on assistant turns only)")
+    if d.messages_column:
+        try:
+            if not _template_from_config(d):
+                _tokenizer_template_problem(cfg, problems)
+        except ConfigError as e:
+            problems += e.problems
+
+
+def _tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if not path or not Path(path).is_dir():
+        return  # reported by the model checks
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception:  # noqa: BLE001  (reported by the compatibility checks)
+        return
+    try:
+        chat_template(cfg.data, tokenizer)
+    except ConfigError as e:
+        problems += e.problems
