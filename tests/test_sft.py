@@ -143,7 +143,7 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
         m = sft.MODEL_CLASS.from_config(config, dtype=torch.float32, attn_implementation=attn).train()
         with torch.no_grad():
             logits = m(**{k: v for k, v in batch.items() if k != "labels"}).logits
-            total = sft.loss_sum(logits, batch["labels"]).item()
+            total = sft.forward(m, batch).loss_sum.item()  # the recipe's path: head at target positions only
             alone, worst = 0.0, 0.0
             for row, (ids_row, pos_row) in enumerate(zip(batch["input_ids"], batch["position_ids"])):
                 starts = [i for i, p in enumerate(pos_row.tolist()) if p == 0]
@@ -152,15 +152,15 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
                     if s >= n_real:
                         break  # the pad tail
                     one = m(input_ids=ids_row[s:e][None]).logits
-                    alone += sft.loss_sum(one, batch["labels"][row, s:e][None]).item()
+                    alone += sft.forward(m, {"input_ids": ids_row[s:e][None],
+                                             "labels": batch["labels"][row, s:e][None]}).loss_sum.item()
                     worst = max(worst, (one[0] - logits[row, s:e]).abs().max().item())
             # data.packing=false: one example per row, right-padded with an attention mask (DataCollatorForSeq2Seq)
             unpacked_cfg = DataConfig(prompt_column="q", response_column="a", max_seq_len=48, packing=False)
             rows_u = sft.tokenize_function(tokenizer, unpacked_cfg)(rows)
             padded = sft.make_collator(tokenizer, unpacked_cfg)(
                 [{k: rows_u[k][i] for k in rows_u} for i in range(len(rows_u["input_ids"]))])
-            unpacked = sft.loss_sum(m(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits,
-                                    padded["labels"]).item()
+            unpacked = sft.forward(m, {k: padded[k] for k in ("input_ids", "attention_mask", "labels")}).loss_sum.item()
         assert total == pytest.approx(alone, rel=1e-5), (model, attn, total, alone)
         assert unpacked == pytest.approx(alone, rel=1e-5), (model, attn, unpacked, alone)
         assert worst < 1e-4, (model, attn, worst)
