@@ -210,6 +210,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"{t.gradient_accumulation_steps} x world size {dist_utils.world_size()}; {steps_per_epoch} "
                     f"steps/epoch; {total_steps} steps")
 
+        health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine
         _check_free_space(run_dir, engine)
@@ -223,6 +224,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         stop.defer_to_loop()
         state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
                     resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
+        health.memory_mark("trained")
         if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
             logger.warning(f"stopped at step {state.step} of {total_steps}; resume with --resume (a requeued "
                            f"Slurm job resumes by itself)")
@@ -310,11 +312,21 @@ def export_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _lazy(module: str):
+    """``main`` of ``finetune.<module>`` (a command in its own module), imported only when it runs."""
+    def run(argv):
+        import importlib
+
+        return importlib.import_module(f"finetune.{module}").main(argv)
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``finetune <train|export> ...``."""
+    """``finetune <train|export|plan|doctor|report> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "export": export_main}
+    commands = {"train": train_main, "export": export_main, "plan": _lazy("plan"), "doctor": _lazy("doctor"),
+                "report": _lazy("report")}
     if not argv or argv[0] not in commands:
-        print("usage: finetune {train,export} ...  (finetune train --help)", file=sys.stderr)
+        print(f"usage: finetune {{{','.join(commands)}}} ...  (finetune train --help)", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])
