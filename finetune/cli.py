@@ -167,7 +167,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune.ds_config import describe_precision
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint, verify_export
-    from finetune.logs import logger, setup_logging, tensorboard_section
+    from finetune.logs import logger, monitor_sections, setup_logging
     from finetune.preemption import StopRequested
     from finetune.recipes import get_recipe
     from finetune.run_folder import open_run
@@ -184,8 +184,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         for note in resolved.resume_notes:
             logger.warning(note)
         recipe = get_recipe(cfg.recipe)
-        ds = dict(resolved.ds)
-        ds.setdefault("tensorboard", tensorboard_section(run_dir))
+        ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
         tokenizer = load_tokenizer(cfg, recipe)
         precision = describe_precision(cfg, _on_cpu())
         if rank == 0:
@@ -240,6 +239,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 sample = recipe.greedy_sample(run_dir / "export", cfg.train.sample_prompt)
                 (run_dir / "sample.txt").write_text(sample + "\n")
                 logger.info(f"greedy sample (sample.txt): {sample!r}")
+        if rank == 0:
+            _write_report(run_dir)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):
@@ -259,6 +260,17 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+
+
+def _write_report(run_dir: Path) -> None:
+    """``run_dir/report.png`` (finetune/report.py); a report that cannot be drawn is a warning, not a failed run."""
+    from finetune.logs import logger
+    from finetune.report import write_report
+
+    try:
+        logger.info(f"report {write_report([run_dir], run_dir / 'report.png')}")
+    except Exception as e:  # noqa: BLE001  (matplotlib or a damaged metrics.jsonl must not fail a finished run)
+        logger.warning(f"report.png not written: {type(e).__name__}: {e}")
 
 
 def _check_free_space(run_dir: Path, engine) -> None:
