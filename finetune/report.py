@@ -33,7 +33,8 @@ _LOG = {"loss", "perplexity", "grad norm"}
 
 
 def read_run(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(step, value), ...]}`` from ``run_dir/metrics.jsonl``, steps ascending, later launches winning.
+    """``{metric: [(step, value), ...]}`` from ``run_dir/metrics.jsonl``, steps ascending, later launches winning
+    (a step whose winning value is null, i.e. non-finite, has no point).
 
     Raises:
         ConfigError: no ``metrics.jsonl`` in ``run_dir``.
@@ -48,12 +49,12 @@ def read_run(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
         row = json.loads(line)
         step, launch = row.get("step"), row.get("launch", 1)
         for k, v in row.items():
-            if k in ("step", "launch") or v is None:
+            if k in ("step", "launch"):
                 continue
             old = latest.setdefault(k, {}).get(step)
-            if old is None or launch >= old[0]:
-                latest[k][step] = (launch, float(v))
-    return {k: sorted((s, v) for s, (_, v) in d.items()) for k, d in latest.items()}
+            if old is None or launch >= old[0]:  # null (non-finite) included: the later launch's null wins
+                latest[k][step] = (launch, None if v is None else float(v))
+    return {k: sorted((s, v) for s, (_, v) in d.items() if v is not None) for k, d in latest.items()}
 
 
 def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
