@@ -61,7 +61,7 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
         if key == "model.tokenizer_path" or not cfg.model.tokenizer_path:
             what.append("tokenizer" + ("" if has_tok else " MISSING"))
         bad = any("MISSING" in w for w in what)
-        rows.append(("model", "FAIL" if bad else "ok", f"{key} '{p}': {'; '.join(what)}: {listing}"))
+        rows.append(("model", "FAIL" if bad else "ok", f"{key} '{p}': {'; '.join(what)}; files: {listing}"))
     return rows
 
 
@@ -153,8 +153,11 @@ def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]
              f"{name}: {count} device(s){f' ({names})' if names else ''}" if not on_cpu else
              "no GPU visible (DeepSpeed's CPU accelerator; fine on a login node, the launch runs elsewhere)")]
     try:
+        from finetune.plan import run_precision
+
         prec = describe_precision(cfg, on_cpu)
-        rows.append(("accelerator", "ok", f"precision here: {prec['precision']} ({prec['why']})"))
+        gpu = f"; on GPUs with bf16: {run_precision(cfg)}" if on_cpu else ""
+        rows.append(("accelerator", "ok", f"precision here: {prec['precision']} ({prec['why']}){gpu}"))
     except ConfigError as e:
         rows.append(("accelerator", "FAIL", "; ".join(e.problems)))
     return rows, on_cpu
@@ -199,6 +202,9 @@ def _disk_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
         folder = folder.parent
     if not folder.is_dir():
         return []
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return [("disk", "warn", f"'{folder}': {_size(shutil.disk_usage(folder).free)} free; checkpoint size "
+                 f"unknown (no model config.json)")]
     try:
         n = model_shape(cfg).params
         w = 4 if run_precision(cfg) == "fp32" else 2

@@ -327,6 +327,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              ""]
     head = ("option", "params", "grads", "optim", "activ.", "buffers", "GPU/rank", "CPU/node", "NVMe/node*",
             "fits", "max micro")
+    now = None
     rows = []
     for e in options:
         g = e.gpu
@@ -334,6 +335,8 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
         fits = e.gpu_total <= gpu_bytes * (1 - GPU_HEADROOM) and (cpu_bytes is None or e.cpu_total <= cpu_bytes)
         mb = largest_micro_batch(e, shape, ds, cfg.data.max_seq_len, gpus_per_node, nodes, precision, gpu_bytes,
                                  cpu_bytes)
+        if fits and now is None:
+            now = e
         rows.append((e.name, _fmt(g["parameters"]), _fmt(g["gradients"]), _fmt(optim),
                      _fmt(g["activations"] + g["logits"]), _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
                      _fmt(e.cpu_total), _fmt(e.nvme_total) if e.offload else "-", "yes" if fits else "no",
@@ -341,7 +344,9 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
-    lines += ["", "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
+    lines += ["", f"Columns: per-rank GPU memory by part, at micro batch {t.micro_batch_size}; 'fits': at that micro "
+              f"batch; 'max micro': the largest micro batch that fits.",
+              "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
               "Formulas: DeepSpeed's ZeRO estimators (model states), Korthikanti et al. 2022 (activations); "
               "see finetune/plan.py."]
     if best is None:
@@ -349,10 +354,15 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                      "data.max_seq_len, or use GPUs with more memory")
     else:
         e, mb = best
-        lines.append(f"recommendation: {e.name} (the fastest option that fits), with train.micro_batch_size up to "
-                     f"{mb} (now {t.micro_batch_size}); DeepSpeed JSON: zero_optimization.stage={e.stage}"
+        lines.append(f"recommendation: {e.name} (the fastest option that fits), train.micro_batch_size up to {mb} "
+                     f"(now {t.micro_batch_size}); DeepSpeed JSON: zero_optimization.stage={e.stage}"
                      f"{', offload_optimizer.device=cpu' if e.offload else ''}"
-                     f"{', offload_param.device=cpu' if e.offload and e.stage == 3 else ''}")
+                     f"{', offload_param.device=cpu' if e.offload and e.stage == 3 else ''}"
+                     f"{'; gradient checkpointing on' if e.checkpointing else ''}")
+        if mb < t.micro_batch_size:
+            lines.append(f"  (a smaller micro batch changes the global batch unless train.gradient_accumulation_steps "
+                         f"grows to match; at micro batch {t.micro_batch_size} the fastest that fits is "
+                         f"{now.name if now else 'none'})")
     return "\n".join(lines)
 
 
