@@ -53,7 +53,6 @@ Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_m
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from dataclasses import dataclass, field

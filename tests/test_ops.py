@@ -111,13 +111,17 @@ def test_doctor_names_every_blocker(capsys, tmp_path):
     shutil.copytree(REPO / "data/models/tiny-gpt2", model)
     (model / "model.safetensors").unlink()
     code = doctor.main([str(CONFIGS / "tiny_gpt.yaml"), f"model.path={model}", "data.text_column=body",
-                        "output_dir=/proc/finetune-doctor-test"])
+                        "output_dir=/proc/finetune-doctor-test", "ds.wandb.enabled=true"])
     out = capsys.readouterr().out
     assert code == 2, out
     fails = [line for line in out.splitlines() if "  FAIL  " in line]
     assert any("weights MISSING" in line for line in fails), out
     assert any("no column 'body'" in line for line in fails), out
     assert any("output_dir '/proc/finetune-doctor-test': not writable" in line for line in fails), out
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:  # a tracker without its package: refused before any model
+        assert any("wandb.enabled is true but the 'wandb' package is not installed" in line for line in fails), out
     assert out.rstrip().endswith("blocker(s)")
 
 
