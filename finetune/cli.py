@@ -1,4 +1,5 @@
-"""Command line: ``finetune train`` (what ``finetune/run.py`` runs) and ``finetune export``.
+"""Command line: ``finetune train`` (what ``finetune/run.py`` runs) and ``finetune export``; ``finetune plan``,
+``finetune doctor`` and ``finetune report`` live in their own modules (``finetune/plan.py``, ...), dispatched here.
 
 ``train`` order of work: parse and merge the config, discover rank/world, validate everything (no
 model yet; errors exit with status 2 and one line per problem), start the process group, write the
