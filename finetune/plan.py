@@ -18,8 +18,10 @@ no GPU). For each option it adds up, per rank:
   3            N / W + largest layer   N / W               (4N + 4N (mixed) + 8N) / W
   ===========  ======================  ==================  ======================================================
 
-  ZeRO 1-3 keep an fp32 copy of their parameter partition even in fp32 (``.clone().float()`` in DeepSpeed's
-  ZeRO optimizers), so the 4N/W master copy is counted in fp32 too. With **CPU offload**
+  Exception: bf16 ZeRO 1 runs DeepSpeed's ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``), whose
+  fp32 gradient buffer is the whole model's (4N, not 4N/W). ZeRO 1-3 keep an fp32 copy of their parameter
+  partition even in fp32 (``.clone().float()`` in DeepSpeed's ZeRO optimizers), so the 4N/W master copy is
+  counted in fp32 too. With **CPU offload**
   (``offload_optimizer``; ZeRO 3 also ``offload_param``) the optimizer states, the fp32 gradients and master
   weights (and under ZeRO 3 the 16-bit parameters) move to CPU RAM: per node, ``gpus_per_node`` times the
   rank's share. The same bytes go to NVMe instead with ``device: nvme``.
@@ -227,7 +229,9 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
     params = n * w / (world if stage == 3 else 1) + (shape.largest_layer * w if stage == 3 else 0)
     grads = n * w / (world if stage >= 2 else 1)
     states = {"fp32 master weights": 4 * n / shard if (mixed or stage > 0) else 0,
-              "fp32 gradients": 4 * n / shard if mixed else 0,
+              # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
+              "fp32 gradients": (4 * n if precision == "bf16" and stage == 1 and not offload else 4 * n / shard)
+              if mixed else 0,
               "Adam moments (fp32)": 8 * n / shard}
     if offload and stage == 3:
         e.gpu["parameters"] = shape.largest_layer * w * 2  # the gathered layer (and the next, prefetched)
