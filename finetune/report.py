@@ -28,7 +28,7 @@ _SERIES = {  # panel -> (metrics.jsonl key, legend suffix) drawn in it
     "throughput": (("train/tokens_per_s", ""),),
 }
 _YLABEL = {"loss": "cross entropy (nats/token)", "perplexity": "exp(eval loss)", "accuracy": "fraction correct",
-           "learning rate": "lr", "grad norm": "L2 norm before clipping", "throughput": "tokens/s (global batch)"}
+           "learning rate": "lr", "grad norm": "L2 norm before clipping", "throughput": "tokens/s (all ranks)"}
 _LOG = {"loss", "perplexity", "grad norm"}
 
 
