@@ -19,9 +19,10 @@ JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a 
   at about T without an exit status`` (same host: its pid is gone, so it was killed by a signal such as
   SIGKILL or the out-of-memory killer) or ``... stopped heartbeating at T`` (another host: its record has
   not changed for :data:`STALE_S` seconds). It waits at most :data:`DIAGNOSE_S` seconds for the evidence.
-* Host memory of the rank (Linux ``/proc/self/status``, MiB): ``rss_mib`` (now) and ``peak_rss_mib`` (``VmHWM``)
-  in every write; :func:`memory_mark` adds ``rss_before_model_mib`` (just before the model is built; the peak is
-  reset there) and ``peak_rss_train_mib`` (the peak from then to the end of training, before the export), which
+* Host memory of the rank (Linux ``/proc/self/status``, MiB): ``rss_mib`` (now) and ``peak_rss_mib`` (``VmHWM``:
+  the peak since the process started, or since the model was about to be built) in every write;
+  :func:`memory_mark` adds ``rss_before_model_mib`` (just before the model is built; the peak is reset there)
+  and ``peak_rss_train_mib`` (the peak from then to the end of training, before the export), which
   ``finetune plan``'s figures are checked against (tests/test_train.py).
 
 ``faulthandler`` writes to the rank's own log file: a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
