@@ -90,7 +90,12 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
         if drawn:
             ys = [v for line in ax.get_lines() for v in line.get_ydata()]
             if panel in _LOG and min(ys) > 0 and max(ys) / min(ys) > 20:  # log only where it spans decades
+                from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
                 ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ... labelled
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, f"no {panel} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes,
