@@ -347,9 +347,14 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                      _fmt(g["activations"] + g["logits"]), _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
                      _fmt(e.cpu_total), _fmt(e.nvme_total) if e.offload else "-", "yes" if fits else "no",
                      str(mb) if mb else "-"))
+    from finetune.ds_config import optimizer_offloaded, zero_stage
+
+    current = (zero_stage(ds), optimizer_offloaded(ds), False)
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows]
+    lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) + ("  <- this config" if (e.stage, e.offload, e.checkpointing) == current else "")
+              for e, r in zip(options, rows)]
     lines += ["", f"Columns: per-rank GPU memory by part, at micro batch {t.micro_batch_size}; 'fits': at that micro "
               f"batch; 'max micro': the largest micro batch that fits.",
               "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
