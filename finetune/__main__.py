@@ -1,4 +1,4 @@
-"""``python -m finetune train|export ...``."""
+"""``python -m finetune train|export|plan|doctor|report ...``."""
 
 import sys
 

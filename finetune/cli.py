@@ -1,4 +1,5 @@
-"""Command line: ``finetune train`` (what ``finetune/run.py`` runs) and ``finetune export``.
+"""Command line: ``finetune train`` (what ``finetune/run.py`` runs) and ``finetune export``; ``finetune plan``,
+``finetune doctor`` and ``finetune report`` live in their own modules (``finetune/plan.py``, ...), dispatched here.
 
 ``train`` order of work: parse and merge the config, discover rank/world, validate everything (no
 model yet; errors exit with status 2 and one line per problem), start the process group, write the
@@ -167,7 +168,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
     from finetune.ds_config import describe_precision
     from finetune.engine import build_engine, load_model_config, load_tokenizer
     from finetune.export import export_checkpoint, verify_export
-    from finetune.logs import logger, setup_logging, tensorboard_section
+    from finetune.logs import logger, monitor_sections, setup_logging
     from finetune.preemption import StopRequested
     from finetune.recipes import get_recipe
     from finetune.run_folder import open_run
@@ -184,8 +185,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         for note in resolved.resume_notes:
             logger.warning(note)
         recipe = get_recipe(cfg.recipe)
-        ds = dict(resolved.ds)
-        ds.setdefault("tensorboard", tensorboard_section(run_dir))
+        ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
         tokenizer = load_tokenizer(cfg, recipe)
         precision = describe_precision(cfg, _on_cpu())
         if rank == 0:
@@ -210,6 +210,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"{t.gradient_accumulation_steps} x world size {dist_utils.world_size()}; {steps_per_epoch} "
                     f"steps/epoch; {total_steps} steps")
 
+        health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine
         _check_free_space(run_dir, engine)
@@ -223,6 +224,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         stop.defer_to_loop()
         state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
                     resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
+        health.memory_mark("trained")
         if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
             logger.warning(f"stopped at step {state.step} of {total_steps}; resume with --resume (a requeued "
                            f"Slurm job resumes by itself)")
@@ -238,6 +240,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 sample = recipe.greedy_sample(run_dir / "export", cfg.train.sample_prompt)
                 (run_dir / "sample.txt").write_text(sample + "\n")
                 logger.info(f"greedy sample (sample.txt): {sample!r}")
+        if rank == 0:
+            _write_report(run_dir)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):
@@ -257,6 +261,17 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+
+
+def _write_report(run_dir: Path) -> None:
+    """``run_dir/report.png`` (finetune/report.py); a report that cannot be drawn is a warning, not a failed run."""
+    from finetune.logs import logger
+    from finetune.report import write_report
+
+    try:
+        logger.info(f"report {write_report([run_dir], run_dir / 'report.png')}")
+    except Exception as e:  # noqa: BLE001  (matplotlib or a damaged metrics.jsonl must not fail a finished run)
+        logger.warning(f"report.png not written: {type(e).__name__}: {e}")
 
 
 def _check_free_space(run_dir: Path, engine) -> None:
@@ -310,11 +325,21 @@ def export_main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _lazy(module: str):
+    """``main`` of ``finetune.<module>`` (a command in its own module), imported only when it runs."""
+    def run(argv):
+        import importlib
+
+        return importlib.import_module(f"finetune.{module}").main(argv)
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``finetune <train|export> ...``."""
+    """``finetune <train|export|plan|doctor|report> ...``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"train": train_main, "export": export_main}
+    commands = {"train": train_main, "export": export_main, "plan": _lazy("plan"), "doctor": _lazy("doctor"),
+                "report": _lazy("report")}
     if not argv or argv[0] not in commands:
-        print("usage: finetune {train,export} ...  (finetune train --help)", file=sys.stderr)
+        print(f"usage: finetune {{{','.join(commands)}}} ...  (finetune train --help)", file=sys.stderr)
         return 2
     return commands[argv[0]](argv[1:])

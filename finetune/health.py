@@ -19,6 +19,11 @@ JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a 
   at about T without an exit status`` (same host: its pid is gone, so it was killed by a signal such as
   SIGKILL or the out-of-memory killer) or ``... stopped heartbeating at T`` (another host: its record has
   not changed for :data:`STALE_S` seconds). It waits at most :data:`DIAGNOSE_S` seconds for the evidence.
+* Host memory of the rank (Linux ``/proc/self/status``, MiB): ``rss_mib`` (now) and ``peak_rss_mib`` (``VmHWM``:
+  the peak since the process started, or since the model was about to be built) in every write;
+  :func:`memory_mark` adds ``rss_before_model_mib`` (just before the model is built; the peak is reset there)
+  and ``peak_rss_train_mib`` (the peak from then to the end of training, before the export), which
+  ``finetune plan``'s figures are checked against (tests/test_train.py).
 
 ``faulthandler`` writes to the rank's own log file: a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
 SIGILL) leaves the Python stack of every thread there, and ``kill -USR2 <pid>`` dumps them on demand
@@ -106,6 +111,7 @@ class RankHealth:
         return self.folder / f"rank{rank}.json"
 
     def _write(self) -> None:
+        self.record.update(_memory())
         tmp = self.folder / f".rank{self.rank}.json.tmp"
         tmp.write_text(json.dumps(self.record))
         os.replace(tmp, self.path(self.rank))
@@ -214,6 +220,40 @@ class RankHealth:
         if missing:
             parts.append(f"no record of rank(s) {', '.join(map(str, missing))} in {self.folder}")
         return "no other rank failed or exited: " + "; ".join(parts) if parts else "no other rank failed or exited"
+
+
+def _memory() -> dict:
+    """``{"rss_mib": ..., "peak_rss_mib": ...}`` of this process from ``/proc/self/status`` (VmRSS, VmHWM);
+    empty where that file does not exist (not Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        return {"rss_mib": round(int(fields["VmRSS"].split()[0]) / 1024, 1),
+                "peak_rss_mib": round(int(fields["VmHWM"].split()[0]) / 1024, 1)}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+def memory_mark(when: str) -> None:
+    """Record host memory at a point of the run in this rank's record (no-op before :func:`start`).
+
+    ``when="before_model"``: ``rss_before_model_mib`` = RSS now, and the kernel's peak-RSS mark is reset
+    (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0); ``when="trained"``: ``peak_rss_train_mib`` = the peak
+    RSS since that reset (``VmHWM``), i.e. what building the engine and training added at their highest.
+    """
+    if _current is None:
+        return
+    with _current._lock:
+        mem = _memory()
+        if not mem:
+            return
+        if when == "before_model":
+            _current.record["rss_before_model_mib"] = mem["rss_mib"]
+            with contextlib.suppress(OSError):
+                Path("/proc/self/clear_refs").write_text("5")
+        elif when == "trained":
+            _current.record["peak_rss_train_mib"] = mem["peak_rss_mib"]
+        with contextlib.suppress(OSError):
+            _current._write()
 
 
 def _create_time(pid: int) -> float | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from loguru import logger
 
-__all__ = ["logger", "setup_logging", "tensorboard_section", "MetricsSink"]
+__all__ = ["logger", "setup_logging", "tensorboard_section", "monitor_sections", "MetricsSink"]
 
 _FORMAT = "{time:YYYY-MM-DD HH:mm:ss} | {level:<7} | rank {extra[rank]} | {message}"
 
@@ -38,6 +38,31 @@ def setup_logging(run_dir: Path | None, rank: int) -> None:
 def tensorboard_section(run_dir: Path) -> dict:
     """DeepSpeed ``tensorboard`` monitor section writing under ``run_dir/tensorboard``."""
     return {"enabled": True, "output_path": str(run_dir), "job_name": "tensorboard"}
+
+
+def monitor_sections(ds: dict, run_dir: Path) -> dict:
+    """``ds`` with DeepSpeed's monitor sections pointed into the run folder (DeepSpeed writes every scalar of
+    :class:`MetricsSink` to each enabled monitor through ``engine.monitor``; no other code path).
+
+    * ``tensorboard``: added when absent (:func:`tensorboard_section`): ``run_dir/tensorboard``.
+    * ``csv_monitor`` (``ds.csv_monitor.enabled=true``): ``output_path`` defaults to the run folder and
+      ``job_name`` to ``csv``: one ``run_dir/csv/<tag>.csv`` per scalar (``step,value`` rows).
+    * ``wandb`` (``ds.wandb.enabled=true``, needs the ``wandb`` package): offline by default
+      (``WANDB_MODE=offline`` unless set; air-gapped clusters), files under the run folder (``WANDB_DIR``
+      unless set); ``wandb sync run_dir/wandb/offline-run-*`` uploads them later from a machine with internet.
+    """
+    import os
+
+    ds = dict(ds)
+    ds.setdefault("tensorboard", tensorboard_section(run_dir))
+    csv = ds.get("csv_monitor")
+    if isinstance(csv, dict) and csv.get("enabled"):
+        ds["csv_monitor"] = {"output_path": str(run_dir), "job_name": "csv", **csv}
+    wandb = ds.get("wandb")
+    if isinstance(wandb, dict) and wandb.get("enabled"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+        os.environ.setdefault("WANDB_DIR", str(run_dir))
+    return ds
 
 
 class MetricsSink:

@@ -232,6 +232,19 @@ def _check_recipe_data(cfg: RunConfig, train_files: list[str], validation_files:
             recipe.check_labels(cfg, train_files, validation_files, problems)
 
 
+def _check_trackers(ds: dict) -> list[str]:
+    """A DeepSpeed monitor that is enabled needs its package (DeepSpeed would fail after the model is built)."""
+    import importlib.util
+
+    for section, package in (("wandb", "wandb"), ("comet", "comet_ml")):
+        enabled = isinstance(ds.get(section), dict) and ds[section].get("enabled")
+        if enabled and importlib.util.find_spec(package) is None:
+            offline = " (it runs offline: finetune sets WANDB_MODE=offline unless set)" if section == "wandb" else ""
+            return [f"deepspeed: {section}.enabled is true but the '{package}' package is not installed; "
+                    f"pip install {package}{offline} or use ds.csv_monitor.enabled=true"]
+    return []
+
+
 def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
                  allow_changes: bool = False) -> Resolved:
     """Check everything that can be checked before a model is built; raise all problems together.
@@ -281,6 +294,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         # DeepSpeed's own parser sees only numbers we accept, so it never repeats one of our problems in its words
         ds, ds_problems = resolve_ds_config(cfg, world_size, on_cpu, deepspeed_checks=not number_problems)
         problems += ds_problems
+        problems += _check_trackers(ds)
     except ConfigError as e:
         problems += e.problems
     resume_ckpt, notes = None, []

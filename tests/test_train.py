@@ -80,6 +80,29 @@ def test_training_run(runs, recipe, stage):
                  "export/config.json", "export/model.safetensors", "export/tokenizer_config.json"):
         assert (run / name).is_file(), name
     assert "| rank 1 |" in (run / "logs" / "rank1.log").read_text()
+    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # finetune/report.py, rank 0 at the end
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("recipe", ["gpt", "bert"])
+def test_plan_matches_measured_rss(runs, recipe, stage):
+    """``finetune plan``'s per-rank figure for the run's own option vs the peak host memory each CPU rank added
+    from just before the model was built to the end of training (``launches/1/ranks/rank<r>.json``, written by
+    finetune/health.py): within 25%. On CPU ranks the plan's model states, activations (here mostly the logits)
+    and DeepSpeed buffers all live in host memory, plus ``plan.CPU_RUNTIME_BYTES``."""
+    from finetune import plan
+    from finetune.config import load_run_config
+
+    run = runs(recipe, stage)
+    cfg = load_run_config(RECIPES[recipe], [f"deepspeed=ds_configs/{stage}.json"])
+    shape = plan.model_shape(cfg)
+    e = plan.estimate(shape, plan.cfg_ds(cfg, 2, "fp32"), int(stage[-1]), False, False, cfg.train.micro_batch_size,
+                      cfg.data.max_seq_len, gpus_per_node=2, nodes=1, precision="fp32")
+    predicted = plan.cpu_rank_bytes(e, 2) / 2**20
+    for r in (0, 1):
+        rec = json.loads((run / "launches" / "1" / "ranks" / f"rank{r}.json").read_text())
+        measured = rec["peak_rss_train_mib"] - rec["rss_before_model_mib"]
+        assert predicted == pytest.approx(measured, rel=0.25), (recipe, stage, r, predicted, measured, e.gpu)
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])

@@ -1,0 +1,277 @@
+"""``finetune doctor <run config>``: a pre-flight for the login node, one table, non-zero exit on a blocker.
+
+Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exit status is 2):
+
+* ``model``: the model folder's files (config, weights, tokenizer) and their sizes.
+* ``data``: every data file's rows and columns (parquet footers only).
+* ``config``: every problem the launch's own validation finds (:func:`finetune.validate.validate_run`: missing
+  files, missing or non-text columns, model/tokenizer/data compatibility, DeepSpeed JSON, output folder).
+* ``ops``: DeepSpeed op compatibility for what the DeepSpeed config uses, as DeepSpeed's op builders report
+  it (``is_compatible()``): ``cpu_adam`` for optimizer offload, ``async_io`` (libaio) for NVMe offload.
+* ``accelerator``: the visible accelerators (DeepSpeed's ``get_accelerator()``) and the precision the run
+  would train in there (:func:`finetune.ds_config.describe_precision`).
+* ``disk``: free space in the output folder vs one checkpoint plus the export (parameters from the model
+  built on the meta device, :func:`finetune.plan.model_shape`).
+* ``folders``: output and tokenization cache folders can be written (a file is created and removed).
+* ``launcher``: what the launch would see: Slurm variables, a DeepSpeed hostfile, MASTER_ADDR/PORT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from finetune.config import ConfigError, RunConfig
+
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
+_HOSTFILES = ("/job/hostfile",)  # DeepSpeed's default hostfile (deepspeed.launcher.runner DLTS_HOSTFILE)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    from finetune.validate import _TOKENIZER_FILES, _WEIGHTS
+
+    rows = []
+    for key, folder in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)):
+        if not folder:
+            continue
+        p = Path(folder)
+        if not p.is_dir():
+            rows.append(("model", "FAIL", f"{key}: folder '{p}' does not exist"))
+            continue
+        files = sorted(f for f in p.iterdir() if f.is_file())
+        listing = ", ".join(f"{f.name} ({_size(f.stat().st_size)})" for f in files) or "no files"
+        has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
+        has_w = any((p / f).is_file() for f in _WEIGHTS)
+        what = []
+        if key == "model.path":
+            what.append("config.json" + ("" if (p / "config.json").is_file() else " MISSING"))
+            what.append("weights" + ("" if has_w else (" MISSING" if cfg.model.init == "pretrained"
+                                                        else " none (init: scratch)")))
+        if key == "model.tokenizer_path" or not cfg.model.tokenizer_path:
+            what.append("tokenizer" + ("" if has_tok else " MISSING"))
+        bad = any("MISSING" in w for w in what)
+        rows.append(("model", "FAIL" if bad else "ok", f"{key} '{p}': {'; '.join(what)}; files: {listing}"))
+    return rows
+
+
+def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    import pyarrow.parquet as pq
+
+    from finetune.data import expand_files
+
+    rows = []
+    for key, patterns in (("data.train_files", cfg.data.train_files),
+                          ("data.validation_files", cfg.data.validation_files)):
+        for f in expand_files(patterns, key, []):
+            try:
+                pf = pq.ParquetFile(f)
+                cols = pf.schema_arrow.names
+                rows.append(("data", "ok" if cfg.data.text_column in cols else "FAIL",
+                             f"{key} '{f}': {pf.metadata.num_rows:,} rows, {_size(os.path.getsize(f))}, columns "
+                             f"{', '.join(cols)}" + ("" if cfg.data.text_column in cols else
+                                                     f" (no data.text_column '{cfg.data.text_column}')")))
+            except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a bad file)
+                rows.append(("data", "FAIL", f"{key} '{f}': unreadable: {type(e).__name__}: {e}"[:300]))
+    return rows
+
+
+def _config_rows(cfg: RunConfig, world: int, on_cpu: bool) -> tuple[list[tuple[str, str, str]], dict]:
+    from finetune.validate import validate_run
+
+    try:
+        resolved = validate_run(cfg, None, world, on_cpu)
+    except ConfigError as e:
+        return [("config", "FAIL", p) for p in e.problems], {}
+    return [("config", "ok", f"every check of a launch passes (world size {world})")], resolved.ds
+
+
+def _ops_rows(cfg: RunConfig, ds: dict) -> list[tuple[str, str, str]]:
+    import copy
+
+    from deepspeed.accelerator import get_accelerator
+
+    from finetune.config import deep_merge
+    from finetune.ds_config import load_ds_json
+
+    if not ds:
+        try:
+            ds = deep_merge(load_ds_json(cfg.deepspeed), copy.deepcopy(cfg.ds))
+        except ConfigError:
+            return []
+    zero = ds.get("zero_optimization", {})
+    devices = {zero.get("offload_optimizer", {}).get("device", "none"), zero.get("offload_param", {}).get("device",
+                                                                                                         "none")}
+    needed = []
+    if devices & {"cpu", "nvme"}:
+        needed.append(("CPUAdamBuilder", "cpu_adam", "optimizer offload"))
+    if "nvme" in devices:
+        needed.append(("AsyncIOBuilder", "async_io", "NVMe offload (needs libaio: apt install libaio-dev)"))
+    if not needed:
+        return [("ops", "ok", f"no offload in {cfg.deepspeed}: no extra DeepSpeed op needed")]
+    rows = []
+    for builder_name, op, why in needed:
+        try:
+            builder = get_accelerator().create_op_builder(builder_name)
+            compatible = builder is not None and builder.is_compatible(verbose=False)
+        except Exception as e:  # noqa: BLE001  (builders import toolchains lazily)
+            compatible, builder = False, f"{type(e).__name__}: {e}"
+        rows.append(("ops", "ok" if compatible else "FAIL",
+                     f"{op} for {why}: {'compatible' if compatible else 'NOT compatible here'} "
+                     f"(DeepSpeed {builder_name}.is_compatible())"))
+    return rows
+
+
+def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]:
+    from deepspeed.accelerator import get_accelerator
+
+    from finetune.ds_config import describe_precision
+
+    acc = get_accelerator()
+    name = acc.device_name()
+    on_cpu = name == "cpu"
+    count = acc.device_count() if not on_cpu else 0
+    names = ""
+    if not on_cpu:
+        try:
+            import torch
+
+            names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
+        except Exception:  # noqa: BLE001
+            names = ""
+    rows = [("accelerator", "ok" if not on_cpu else "warn",
+             f"{name}: {count} device(s){f' ({names})' if names else ''}" if not on_cpu else
+             "no GPU visible (DeepSpeed's CPU accelerator; fine on a login node, the launch runs elsewhere)")]
+    try:
+        from finetune.plan import run_precision
+
+        prec = describe_precision(cfg, on_cpu)
+        gpu = f"; on GPUs with bf16: {run_precision(cfg)}" if on_cpu else ""
+        rows.append(("accelerator", "ok", f"precision here: {prec['precision']} ({prec['why']}){gpu}"))
+    except ConfigError as e:
+        rows.append(("accelerator", "FAIL", "; ".join(e.problems)))
+    return rows, on_cpu
+
+
+def _probe_writable(path: Path) -> str | None:
+    """None when a file can be created in ``path`` (or its nearest existing ancestor), else why not."""
+    probe = path.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"'{probe}' is a file, not a folder"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".finetune-doctor-"):
+            pass
+    except OSError as e:
+        return f"cannot create a file in '{probe}': {e.strerror or e}"
+    return None
+
+
+def _folder_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    from finetune.data import default_cache_dir
+
+    rows = []
+    for key, path in (("output_dir", cfg.output_dir), ("output_root", cfg.output_root),
+                      ("data.cache_dir", str(default_cache_dir(cfg.data)))):
+        if not path:
+            continue
+        why = _probe_writable(Path(path))
+        rows.append(("folders", "FAIL" if why else "ok",
+                     f"{key} '{path}': " + (f"not writable: {why}" if why else "writable")))
+    return rows
+
+
+def _disk_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    import shutil
+
+    from finetune.plan import model_shape, run_precision
+
+    folder = Path(cfg.output_dir or cfg.output_root or ".").absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return []
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return [("disk", "warn", f"'{folder}': {_size(shutil.disk_usage(folder).free)} free; checkpoint size "
+                 f"unknown (no model config.json)")]
+    try:
+        n = model_shape(cfg).params
+        w = 4 if run_precision(cfg) == "fp32" else 2
+    except ConfigError as e:
+        return [("disk", "warn", f"checkpoint size unknown: {e.problems[0]}")]
+    need = n * (w + (4 if w == 2 else 0) + 8) + n * 4  # checkpoint (weights, fp32 master, Adam m+v) + fp32 export
+    free = shutil.disk_usage(folder).free
+    return [("disk", "ok" if free >= need else "FAIL",
+             f"'{folder}': {_size(free)} free; one checkpoint + export needs about {_size(need)} "
+             f"({n:,} parameters)" + ("" if free >= need else "; free space or move output_dir"))]
+
+
+def _launcher_rows() -> list[tuple[str, str, str]]:
+    slurm = {k: os.environ[k] for k in _SLURM_VARS if k in os.environ}
+    rows = [("launcher", "ok", "Slurm: " + (", ".join(f"{k}={v}" for k, v in slurm.items()) if slurm
+                                            else "not in a Slurm job (no SLURM_JOB_ID)"))]
+    hostfiles = [h for h in _HOSTFILES if Path(h).is_file()]
+    rows.append(("launcher", "ok", "DeepSpeed hostfile: " + (", ".join(hostfiles) if hostfiles else
+                                                             "none at /job/hostfile (single node, or pass "
+                                                             "--hostfile to deepspeed)")))
+    dist = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if k in os.environ}
+    if dist:
+        rows.append(("launcher", "ok", ", ".join(f"{k}={v}" for k, v in dist.items())))
+    return rows
+
+
+def diagnose(cfg: RunConfig, world: int = 1) -> list[tuple[str, str, str]]:
+    """Every doctor row ``(area, status, detail)`` for ``cfg`` (status ``ok``, ``warn`` or ``FAIL``)."""
+    rows = _model_rows(cfg) + _data_rows(cfg)
+    acc_rows, on_cpu = _accelerator_rows(cfg)
+    config_rows, ds = _config_rows(cfg, world, on_cpu)
+    rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()
+    return rows
+
+
+def render(rows: list[tuple[str, str, str]]) -> str:
+    """The rows as one aligned text table."""
+    w0 = max(len(r[0]) for r in rows + [("area", "", "")])
+    lines = [f"{'area':<{w0}}  status  detail", f"{'-' * w0}  ------  ------"]
+    lines += [f"{a:<{w0}}  {s:<6}  {d}" for a, s, d in rows]
+    blockers = sum(s == "FAIL" for _, s, _ in rows)
+    lines.append(f"{blockers} blocker(s)" if blockers else "no blockers")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``finetune doctor <run config> [key=value ...] [--world-size N]``: print the table; exit 2 on a blocker."""
+    p = argparse.ArgumentParser(prog="finetune doctor", description="Pre-flight checks of a run config on the "
+                                "login node: model and data files, DeepSpeed ops, accelerators, disk, folders, "
+                                "launcher. Exit status 2 when something blocks the launch.")
+    p.add_argument("config", help="run config (YAML or JSON)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the planned launch, for the batch-size checks (default: WORLD_SIZE or 1)")
+    args = p.parse_args(argv)
+    from finetune.cli import _error
+    from finetune.config import load_run_config
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as e:
+        return _error(e)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    rows = diagnose(cfg, world)
+    print(render(rows))
+    return 2 if any(s == "FAIL" for _, s, _ in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

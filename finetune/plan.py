@@ -1,0 +1,474 @@
+"""``finetune plan``: memory per GPU and per node for every ZeRO stage x offload x gradient checkpointing, offline.
+
+Needs only the run config and the model's ``config.json`` (the model is built on the meta device: no weights,
+no GPU). For each option it adds up, per rank:
+
+* **Model states** (bytes per parameter ``N``, world size ``W``; the byte counts are DeepSpeed's own, see
+  ``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs`` and
+  ``deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs``: "2 = params_16bit, 18 = 2_grads_16bit
+  + 4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit"), generalised to the run's precision ``w``
+  (2 bytes for bf16/fp16, 4 for fp32):
+
+  ===========  ======================  ==================  ======================================================
+  ZeRO stage   parameters (w bytes)    gradients (w)       fp32 master + fp32 gradients (mixed only) + Adam m, v
+  ===========  ======================  ==================  ======================================================
+  0            N                       N                   4N + 4N (mixed) + 8N
+  1            N                       N                   (4N + 4N (mixed) + 8N) / W
+  2            N                       N / W               (4N + 4N (mixed) + 8N) / W
+  3            N / W + largest layer   N / W               (4N + 4N (mixed) + 8N) / W
+  ===========  ======================  ==================  ======================================================
+
+  Exception: bf16 ZeRO 1 runs DeepSpeed's ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``), whose
+  fp32 gradient buffer is the whole model's (4N, not 4N/W). ZeRO 1-3 keep an fp32 copy of their parameter
+  partition even in fp32 (``.clone().float()`` in DeepSpeed's ZeRO optimizers), so the 4N/W master copy is
+  counted in fp32 too. With **CPU offload**
+  (``offload_optimizer``; ZeRO 3 also ``offload_param``) the optimizer states, the fp32 gradients and master
+  weights (and under ZeRO 3 the 16-bit parameters) move to CPU RAM: per node, ``gpus_per_node`` times the
+  rank's share. The same bytes go to NVMe instead with ``device: nvme``.
+* **Activations** for the config's micro batch ``b`` and sequence length ``s`` per transformer layer, from
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198),
+  section 4.1: ``sbh(34 + 5as/h)`` bytes in 16-bit, i.e. in elements ``sbh(1 + 2 + 1 + 1)`` (attention inputs:
+  QKV input, Q and K, V, output projection input) + ``2sbh`` (two LayerNorm inputs) + ``sbh + 2sbI`` (MLP input,
+  its up-projection and activation outputs, ``I`` the intermediate size; gated MLPs (Llama family) keep 4 tensors
+  of ``sbI``) + ``2as^2b`` (attention scores and their softmax, only with eager attention: SDPA/flash attention
+  keep none) and one byte per dropout mask (``2sbh + as^2b``, only when dropout is on). Gradient checkpointing
+  (full recomputation, section 4.1 "2sbh") keeps each layer's input and one layer's activations at a time.
+  The head adds the logits: ``sbV`` in the activation dtype, their fp32 copy for the loss (mixed precision),
+  the fp32 log-softmax that cross entropy saves and its fp32 gradient (``V`` the vocabulary, or the number of
+  labels for ``seq_cls``).
+* **DeepSpeed buffers** from the DeepSpeed config: ZeRO 1/2 ``reduce_bucket_size`` (x2 with ``overlap_comm``)
+  and ``allgather_bucket_size``; ZeRO 3 ``reduce_bucket_size`` and ``stage3_prefetch_bucket_size``; ZeRO 0 one
+  flat gradient bucket for the all-reduce; each in the gradient dtype and never more than the model itself.
+* **CPU RAM per node** also holds each rank's copy of the model while it is loaded (fp32, ``4N``; under ZeRO 3
+  ``zero.Init`` builds it partitioned: one layer), as in DeepSpeed's estimators.
+
+The recommendation is the fastest option that fits (rough relative step costs: ZeRO 0/1/2 cheapest, ZeRO 3
++15% for the parameter all-gathers, gradient checkpointing +33% for the recomputed forward, offload +100% for
+CPU Adam and PCIe traffic) and the largest micro batch that still fits it (activations grow linearly with the
+micro batch). "Fits" leaves 10% of the GPU memory for the CUDA context and allocator fragmentation.
+
+Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_measured_rss`` (CPU ranks,
+``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 25%; on CPU ranks a fixed
+:data:`CPU_RUNTIME_BYTES` is added for the runtime's lazily allocated workspace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.config import ConfigError, RunConfig
+
+GIB = 2**30
+CPU_RUNTIME_BYTES = 200 * 2**20
+"""Host memory a CPU rank adds while it builds the engine and trains beyond model states, activations and
+buffers: DeepSpeed's shared-memory all-reduce buffer of the CPU accelerator (``/dev/shm/deepspeed_allreduce_
+buffer_*``, 66 MiB per rank), autograd and oneDNN workspaces, glibc heap fragmentation (logits just under its
+32 MiB mmap threshold stay on the heap), evaluation and checkpoint saving. Measured: 110-170 MiB just for
+building the engine of a 102k-2M-parameter model, 145-280 MiB in all on the tiny test runs, where it is more
+than half of the total. A constant: it matters less the bigger the model, and GPUs have no such share in
+``torch.cuda.max_memory_allocated`` (their CUDA context is outside it)."""
+GPU_HEADROOM = 0.10
+"""Fraction of the GPU memory a plan leaves free (CUDA context, fragmentation of the caching allocator)."""
+STEP_COST = {"stage": {0: 0.0, 1: 0.01, 2: 0.02, 3: 0.15}, "checkpointing": 0.33, "offload": 1.0}
+"""Rough relative step-time costs used to order the options (see the module docstring)."""
+_GATED = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "olmo", "olmo2",
+          "granite", "cohere", "starcoder2")
+
+
+@dataclass
+class ModelShape:
+    """What the memory formulas need from a model, read from a model built on the meta device."""
+
+    model_type: str
+    params: int
+    """Parameters (shared ones once)."""
+    largest_layer: int
+    """Parameters of the largest module (its own, not its children's): what ZeRO 3 gathers at once."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    head_outputs: int
+    """Logits per position: the vocabulary (LM heads) or the number of labels (sequence classification)."""
+    head_positions_per_row: bool
+    """True when the head produces logits at every position (LM heads), False for one per row (seq_cls)."""
+    gated_mlp: bool
+    eager_attention: bool
+    dropout: bool
+
+
+@dataclass
+class Estimate:
+    """One option's memory, in bytes: ``gpu`` per GPU (rank), ``cpu`` and ``nvme`` per node, by component."""
+
+    stage: int
+    offload: bool
+    checkpointing: bool
+    micro_batch: int
+    gpu: dict = field(default_factory=dict)
+    cpu: dict = field(default_factory=dict)
+    nvme: dict = field(default_factory=dict)
+
+    @property
+    def gpu_total(self) -> int:
+        return int(sum(self.gpu.values()))
+
+    @property
+    def cpu_total(self) -> int:
+        return int(sum(self.cpu.values()))
+
+    @property
+    def nvme_total(self) -> int:
+        return int(sum(self.nvme.values()))
+
+    @property
+    def cost(self) -> float:
+        return STEP_COST["stage"][self.stage] + STEP_COST["checkpointing"] * self.checkpointing \
+            + STEP_COST["offload"] * self.offload
+
+    @property
+    def name(self) -> str:
+        return (f"ZeRO {self.stage}{' + offload' if self.offload else ''}"
+                f"{' + grad ckpt' if self.checkpointing else ''}")
+
+
+def model_shape(cfg: RunConfig) -> ModelShape:
+    """Build the run's model on the meta device (no memory, no weights) and read its shape.
+
+    Raises:
+        ConfigError: the model config cannot be read or the recipe's model class cannot build it.
+    """
+    import torch
+
+    from finetune.engine import load_model_config
+    from finetune.recipes import get_recipe
+
+    recipe = get_recipe(cfg.recipe)
+    try:
+        config = load_model_config(cfg)
+        with torch.device("meta"):
+            model = recipe.MODEL_CLASS.from_config(config)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001  (transformers raises many types for a config it cannot build)
+        raise ConfigError(f"model.path: cannot build the model of '{cfg.model.path}/config.json' on the meta "
+                          f"device: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
+    params = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    hidden = config.hidden_size
+    gated = config.model_type in _GATED
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    dropout = any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
+                  if "dropout" in k or k.endswith("_pdrop"))
+    per_row = cfg.recipe == "seq_cls"
+    return ModelShape(model_type=config.model_type, params=params, largest_layer=largest,
+                      layers=config.num_hidden_layers, hidden=hidden, intermediate=intermediate,
+                      heads=config.num_attention_heads,
+                      head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
+                      head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
+                      dropout=dropout)
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
+                     checkpointing: bool) -> dict:
+    """Activation memory of one rank (bytes) for one micro batch: ``{"activations": ..., "logits": ...}``.
+
+    Args:
+        shape: the model.
+        micro_batch: rows per micro batch ``b``.
+        seq_len: tokens per row ``s``.
+        act_bytes: 2 (bf16/fp16) or 4 (fp32).
+        checkpointing: gradient checkpointing (each layer's input kept, one layer recomputed at a time).
+    """
+    s, b, h, a, inter = seq_len, micro_batch, shape.hidden, shape.heads, shape.intermediate
+    sbh = s * b * h
+    mlp = sbh + (4 if shape.gated_mlp else 2) * s * b * inter
+    elements = 5 * sbh + 2 * sbh + mlp + (2 * a * s * s * b if shape.eager_attention else 0)
+    masks = (2 * sbh + (a * s * s * b if shape.eager_attention else 0)) if shape.dropout else 0
+    layer = elements * act_bytes + masks
+    if checkpointing:
+        layers = shape.layers * sbh * act_bytes + layer
+    else:
+        layers = shape.layers * layer
+    layers += 3 * sbh * act_bytes  # embedding output, final LayerNorm input, head input
+    positions = s * b if shape.head_positions_per_row else b
+    logits = positions * shape.head_outputs * (act_bytes + (4 if act_bytes == 2 else 0) + 4 + 4)
+    return {"activations": layers, "logits": logits}
+
+
+def _bucket(ds: dict, key: str, default: float) -> int:
+    return int(float(ds.get("zero_optimization", {}).get(key, default)))
+
+
+def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointing: bool, micro_batch: int,
+             seq_len: int, gpus_per_node: int, nodes: int, precision: str) -> Estimate:
+    """Memory of one option (see the module docstring for every formula and its source).
+
+    Args:
+        shape: the model (:func:`model_shape`).
+        ds: the resolved DeepSpeed dict (bucket sizes).
+        stage: ZeRO stage 0-3.
+        offload: optimizer (and, for ZeRO 3, parameter) offload to the CPU.
+        checkpointing: gradient checkpointing.
+        micro_batch: rows per micro batch.
+        seq_len: tokens per row.
+        gpus_per_node: ranks per node.
+        nodes: nodes.
+        precision: ``fp32``, ``bf16`` or ``fp16``.
+
+    Returns:
+        :class:`Estimate` (bytes; ``gpu`` per rank, ``cpu``/``nvme`` per node).
+    """
+    n, world = shape.params, gpus_per_node * nodes
+    w = 4 if precision == "fp32" else 2
+    mixed = w == 2
+    shard = 1 if stage == 0 else world
+    e = Estimate(stage, offload, checkpointing, micro_batch)
+    params = n * w / (world if stage == 3 else 1) + (shape.largest_layer * w if stage == 3 else 0)
+    grads = n * w / (world if stage >= 2 else 1)
+    states = {"fp32 master weights": 4 * n / shard if (mixed or stage > 0) else 0,
+              # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
+              "fp32 gradients": (4 * n if precision == "bf16" and stage == 1 and not offload else 4 * n / shard)
+              if mixed else 0,
+              "Adam moments (fp32)": 8 * n / shard}
+    if offload and stage == 3:
+        e.gpu["parameters"] = shape.largest_layer * w * 2  # the gathered layer (and the next, prefetched)
+        e.cpu["parameters (offloaded)"] = n * w / world * gpus_per_node
+    else:
+        e.gpu["parameters"] = params
+    e.gpu["gradients"] = grads
+    for k, v in states.items():
+        if offload:
+            e.cpu[k + " (offloaded)"] = v * gpus_per_node
+        else:
+            e.gpu[k] = v
+    if offload:
+        e.nvme = {k.replace("(offloaded)", "(nvme offload)"): v for k, v in e.cpu.items()}
+    e.gpu.update(activation_bytes(shape, micro_batch, seq_len, w, checkpointing))
+    zero = ds.get("zero_optimization", {})
+    if stage == 0:
+        buffers = n * w
+    elif stage in (1, 2):
+        reduce = _bucket(ds, "reduce_bucket_size", 5e8) * (2 if zero.get("overlap_comm", False) else 1)
+        buffers = min(reduce, n) * w + min(_bucket(ds, "allgather_bucket_size", 5e8), n) * w
+    else:
+        buffers = (min(_bucket(ds, "reduce_bucket_size", 5e8), n)
+                   + min(_bucket(ds, "stage3_prefetch_bucket_size", 5e7), n)) * w
+    e.gpu["DeepSpeed buffers"] = buffers
+    e.cpu["model while loading (fp32)"] = (shape.largest_layer if stage == 3 else n) * 4 * gpus_per_node
+    return e
+
+
+def cpu_rank_bytes(e: Estimate, gpus_per_node: int) -> int:
+    """What option ``e`` should add to the host memory (RSS) of one rank on the CPU accelerator, from just
+    before the model is built to the end of training: the "GPU" part (it lives in host memory there), the
+    offloaded part of this rank, and :data:`CPU_RUNTIME_BYTES`. (The model being loaded is the "GPU" copy.)"""
+    offloaded = sum(v for k, v in e.cpu.items() if "offloaded" in k) / gpus_per_node
+    return int(e.gpu_total + offloaded + CPU_RUNTIME_BYTES)
+
+
+def plan_options(shape: ModelShape, ds: dict, micro_batch: int, seq_len: int, gpus_per_node: int, nodes: int,
+                 precision: str) -> list[Estimate]:
+    """Every ZeRO stage 0-3 x offload (stages 1-3) x gradient checkpointing, fastest first."""
+    out = [estimate(shape, ds, z, off, gc, micro_batch, seq_len, gpus_per_node, nodes, precision)
+           for z in range(4) for off in ((False,) if z == 0 else (False, True)) for gc in (False, True)]
+    return sorted(out, key=lambda e: (e.cost, e.stage))
+
+
+def largest_micro_batch(e: Estimate, shape: ModelShape, ds: dict, seq_len: int, gpus_per_node: int, nodes: int,
+                        precision: str, gpu_bytes: float, cpu_bytes: float | None) -> int:
+    """The largest micro batch with which option ``e`` fits (0: not even 1 row), by doubling then bisection."""
+    def fits(b: int) -> bool:
+        x = estimate(shape, ds, e.stage, e.offload, e.checkpointing, b, seq_len, gpus_per_node, nodes, precision)
+        return x.gpu_total <= gpu_bytes * (1 - GPU_HEADROOM) and (cpu_bytes is None or x.cpu_total <= cpu_bytes)
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 65536:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def parse_size(text: str) -> float:
+    """``80GiB``, ``512GB``, ``1.5TiB``, ``64G`` (binary units for G/T/M without B) -> bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.I)
+    if not m:
+        raise ValueError(f"'{text}' is not a memory size such as 80GiB or 512GB")
+    number, unit, binary, b = m.groups()
+    power = "KMGT".index(unit.upper()) + 1 if unit else 0
+    base = 1000 if (b and not binary) else 1024
+    return float(number) * base**power
+
+
+def _fmt(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate], precision: str, gpus_per_node: int,
+           nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None) -> str:
+    """The plan as text: a header, one table row per option, the recommendation."""
+    t = cfg.train
+    lines = [f"model: {shape.model_type} from {cfg.model.path}, {shape.params:,} parameters "
+             f"({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads; largest layer "
+             f"{shape.largest_layer:,} parameters)",
+             f"run: micro batch {t.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
+             f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
+             f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
+             + (f", CPU RAM {_fmt(cpu_bytes)} per node" if cpu_bytes is not None else ""),
+             ""]
+    head = ("option", "params", "grads", "optim", "activ.", "buffers", "GPU/rank", "CPU/node", "NVMe/node*",
+            "fits", "max micro")
+    now = None
+    rows = []
+    for e in options:
+        g = e.gpu
+        optim = sum(v for k, v in g.items() if k.startswith(("fp32", "Adam")))
+        fits = e.gpu_total <= gpu_bytes * (1 - GPU_HEADROOM) and (cpu_bytes is None or e.cpu_total <= cpu_bytes)
+        mb = largest_micro_batch(e, shape, ds, cfg.data.max_seq_len, gpus_per_node, nodes, precision, gpu_bytes,
+                                 cpu_bytes)
+        if fits and now is None:
+            now = e
+        rows.append((e.name, _fmt(g["parameters"]), _fmt(g["gradients"]), _fmt(optim),
+                     _fmt(g["activations"] + g["logits"]), _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
+                     _fmt(e.cpu_total), _fmt(e.nvme_total) if e.offload else "-", "yes" if fits else "no",
+                     str(mb) if mb else "-"))
+    from finetune.ds_config import optimizer_offloaded, zero_stage
+
+    current = (zero_stage(ds), optimizer_offloaded(ds), False)
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) + ("  <- this config" if (e.stage, e.offload, e.checkpointing) == current else "")
+              for e, r in zip(options, rows)]
+    lines += ["", f"Columns: per-rank GPU memory by part, at micro batch {t.micro_batch_size}; 'fits': at that micro "
+              f"batch; 'max micro': the largest micro batch that fits.",
+              "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
+              "Formulas: DeepSpeed's ZeRO estimators (model states), Korthikanti et al. 2022 (activations); "
+              "see finetune/plan.py."]
+    if best is None:
+        lines.append("recommendation: nothing fits even with micro batch 1; add GPUs or nodes (--nodes), shorten "
+                     "data.max_seq_len, or use GPUs with more memory")
+    else:
+        e, mb = best
+        lines.append(f"recommendation: {e.name} (the fastest option that fits), train.micro_batch_size up to {mb} "
+                     f"(now {t.micro_batch_size}); DeepSpeed JSON: zero_optimization.stage={e.stage}"
+                     f"{', offload_optimizer.device=cpu' if e.offload else ''}"
+                     f"{', offload_param.device=cpu' if e.offload and e.stage == 3 else ''}"
+                     f"{'; gradient checkpointing on' if e.checkpointing else ''}")
+        if mb < t.micro_batch_size:
+            lines.append(f"  (a smaller micro batch changes the global batch unless train.gradient_accumulation_steps "
+                         f"grows to match; at micro batch {t.micro_batch_size} the fastest that fits is "
+                         f"{now.name if now else 'none'})")
+    return "\n".join(lines)
+
+
+def cfg_ds(cfg: RunConfig, world: int, precision: str) -> dict:
+    """The run's DeepSpeed dict for ``world`` ranks (bucket sizes), without DeepSpeed's own checks."""
+    from finetune.ds_config import resolve_ds_config
+
+    ds, _ = resolve_ds_config(cfg, world, on_cpu=precision == "fp32", accelerator=_Bf16Gpu(),
+                              deepspeed_checks=False)
+    return ds
+
+
+class _Bf16Gpu:
+    """Stand-in accelerator for ``train.precision: auto`` on a login node: a GPU with bf16 (Ampere or newer)."""
+
+    def device_name(self):
+        return "cuda"
+
+    def is_bf16_supported(self):
+        return True
+
+    def is_fp16_supported(self):
+        return True
+
+
+def run_precision(cfg: RunConfig) -> str:
+    """The precision the run trains in on GPUs: the explicit one (run config or DeepSpeed JSON); ``auto`` with
+    neither is taken as bf16 (GPUs of the Ampere generation or newer; set train.precision=fp16 for V100/T4)."""
+    import copy
+
+    from finetune.config import deep_merge
+    from finetune.ds_config import choose_precision, load_ds_json
+
+    ds = deep_merge(load_ds_json(cfg.deepspeed), copy.deepcopy(cfg.ds))
+    precision, _, problems = choose_precision(cfg.train.precision, ds, cfg.deepspeed, False, _Bf16Gpu())
+    if problems:
+        raise ConfigError(problems)
+    return precision
+
+
+def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, cpu_bytes: float | None
+              ) -> tuple[str, list[Estimate], tuple[Estimate, int] | None]:
+    """The plan of a run config: ``(text, options fastest first, (recommended option, its max micro batch))``."""
+    shape = model_shape(cfg)
+    precision = run_precision(cfg)
+    world = gpus_per_node * nodes
+    ds = cfg_ds(cfg, world, precision)
+    options = plan_options(shape, ds, cfg.train.micro_batch_size, cfg.data.max_seq_len, gpus_per_node, nodes,
+                           precision)
+    best = None
+    for e in options:
+        mb = largest_micro_batch(e, shape, ds, cfg.data.max_seq_len, gpus_per_node, nodes, precision, gpu_bytes,
+                                 cpu_bytes)
+        if mb:
+            best = (e, mb)
+            break
+    return render(cfg, shape, ds, options, precision, gpus_per_node, nodes, gpu_bytes, cpu_bytes, best), options, best
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``finetune plan <run config> [key=value ...] [--gpus-per-node N] [--nodes M] [--gpu-memory 80GiB]
+    [--cpu-memory 512GiB]``: print the memory plan; exit 2 with one line per problem on a bad config."""
+    p = argparse.ArgumentParser(prog="finetune plan", description="Memory per GPU and node for each ZeRO stage, "
+                                "offload and gradient checkpointing choice, offline from config.json.")
+    p.add_argument("config", help="run config (YAML or JSON)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
+    p.add_argument("--cpu-memory", default=None, help="CPU RAM of one node (default: not checked)")
+    args = p.parse_args(argv)
+    from finetune.cli import _error
+    from finetune.config import load_run_config
+
+    try:
+        problems = []
+        if args.gpus_per_node < 1 or args.nodes < 1:
+            problems.append("--gpus-per-node and --nodes: must be >= 1")
+        try:
+            gpu = parse_size(args.gpu_memory)
+            cpu = parse_size(args.cpu_memory) if args.cpu_memory else None
+        except ValueError as e:
+            problems.append(f"--gpu-memory/--cpu-memory: {e}")
+        if problems:
+            raise ConfigError(problems)
+        cfg = load_run_config(args.config, args.overrides)
+        if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+            raise ConfigError(f"model.path: '{cfg.model.path}/config.json' does not exist (the plan needs the model's "
+                              f"config.json, not its weights)")
+        text, _, _ = make_plan(cfg, args.gpus_per_node, args.nodes, gpu, cpu)
+    except ConfigError as e:
+        return _error(e)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""``finetune report <run dir> [<run dir> ...]``: one PNG of a run's curves, several runs overlaid.
+
+Reads each run folder's ``metrics.jsonl`` (:class:`finetune.logs.MetricsSink`; for a step written by two
+launches, the later launch's row counts) and draws six panels against the optimizer step: train and eval
+loss, eval perplexity, eval accuracy (``eval/accuracy`` or ``eval/masked_accuracy``), learning rate, gradient
+norm and training tokens/s (loss, perplexity and gradient norm on a log scale). Rendered off-screen with
+matplotlib's Agg backend, so it works on a login node without a display. ``finetune train`` writes
+``report.png`` into the run folder at the end of every run (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from finetune.config import ConfigError
+
+PANELS = ("loss", "perplexity", "accuracy", "learning rate", "grad norm", "throughput")
+"""Panel titles, in drawing order (row-major, 2 rows x 3 columns)."""
+_SERIES = {  # panel -> (metrics.jsonl key, legend suffix) drawn in it
+    "loss": (("train/loss", "train"), ("eval/loss", "eval")),
+    "perplexity": (("eval/perplexity", "eval"),),
+    "accuracy": (("eval/accuracy", "eval"), ("eval/masked_accuracy", "eval, masked tokens")),
+    "learning rate": (("train/lr", ""),),
+    "grad norm": (("train/grad_norm", ""),),
+    "throughput": (("train/tokens_per_s", ""),),
+}
+_YLABEL = {"loss": "cross entropy (nats/token)", "perplexity": "exp(eval loss)", "accuracy": "fraction correct",
+           "learning rate": "lr", "grad norm": "L2 norm before clipping", "throughput": "tokens/s (all ranks)"}
+_LOG = {"loss", "perplexity", "grad norm"}
+
+
+def read_run(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{metric: [(step, value), ...]}`` from ``run_dir/metrics.jsonl``, steps ascending, later launches winning
+    (a step whose winning value is null, i.e. non-finite, has no point).
+
+    Raises:
+        ConfigError: no ``metrics.jsonl`` in ``run_dir``.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"report: '{run_dir}' has no metrics.jsonl (is it a run folder of finetune train?)")
+    latest: dict[str, dict[int, tuple[int, float]]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        step, launch = row.get("step"), row.get("launch", 1)
+        for k, v in row.items():
+            if k in ("step", "launch"):
+                continue
+            old = latest.setdefault(k, {}).get(step)
+            if old is None or launch >= old[0]:  # null (non-finite) included: the later launch's null wins
+                latest[k][step] = (launch, None if v is None else float(v))
+    return {k: sorted((s, v) for s, (_, v) in d.items() if v is not None) for k, d in latest.items()}
+
+
+def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
+    """The report figure (``matplotlib.figure.Figure``, Agg canvas) of ``runs`` (label -> :func:`read_run`).
+
+    One axis per :data:`PANELS` entry (``ax.get_title()`` is the panel name); each drawn line's label is
+    ``"<run label>"`` or ``"<run label> (<train|eval...>)"``; a panel without data says so in its middle.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(15, 8.5), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, panel in zip(axes.flat, PANELS):
+        ax.set_title(panel)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(_YLABEL[panel])
+        ax.grid(True, alpha=0.3)
+        drawn = False
+        for color, (label, series) in zip(colors, runs.items()):
+            for i, (key, part) in enumerate(_SERIES[panel]):
+                points = series.get(key)
+                if not points:
+                    continue
+                steps, values = zip(*points)
+                eval_like = key.startswith("eval/")
+                ax.plot(steps, values, color=color, linestyle="--" if (eval_like and panel == "loss") else "-",
+                        marker="o" if eval_like else None, markersize=3,
+                        label=f"{label} ({part})" if part else label)
+                drawn = True
+        if drawn:
+            ys = [v for line in ax.get_lines() for v in line.get_ydata()]
+            if panel in _LOG and min(ys) > 0 and max(ys) / min(ys) > 20:  # log only where it spans decades
+                from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ... labelled
+                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, f"no {panel} in metrics.jsonl", ha="center", va="center", transform=ax.transAxes,
+                    color="gray")
+    fig.suptitle("finetune report: " + ", ".join(runs))
+    fig.tight_layout()
+    return fig
+
+
+def write_report(run_dirs: list[Path], out: Path) -> Path:
+    """Draw the runs in ``run_dirs`` (labelled by folder name) into the PNG ``out``; returns ``out``."""
+    runs = {}
+    for d in run_dirs:
+        label = Path(d).resolve().name
+        while label in runs:
+            label += "'"
+        runs[label] = read_run(Path(d))
+    fig = build_figure(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``finetune report <run dir> [<run dir> ...] [--out report.png]``."""
+    p = argparse.ArgumentParser(prog="finetune report", description="PNG of the training curves of one or more "
+                                "run folders (several runs overlaid).")
+    p.add_argument("run_dirs", nargs="+", help="run folders (with metrics.jsonl)")
+    p.add_argument("--out", default=None, help="PNG to write (default: <run dir>/report.png for one run, "
+                   "./report.png for several)")
+    args = p.parse_args(argv)
+    from finetune.cli import _error
+
+    out = Path(args.out) if args.out else (Path(args.run_dirs[0]) / "report.png" if len(args.run_dirs) == 1
+                                           else Path("report.png"))
+    try:
+        write_report([Path(d) for d in args.run_dirs], out)
+    except ConfigError as e:
+        return _error(e)
+    print(f"finetune: report {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
