@@ -161,7 +161,7 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
         problems.append(f"model.lora.target_modules: {lora.target_modules} match no module of "
                         f"{type(model).__name__} ({where}); its modules are named e.g. {names}; use some of "
                         f"these names or {ALL_LINEAR}")
-    except Exception as e:  # noqa: BLE001  (peft raises ValueError/TypeError/NotImplementedError for what it cannot wrap)
+    except Exception as e:  # noqa: BLE001  (peft raises ValueError/TypeError/... for what it cannot wrap)
         problems.append(f"model.lora: peft cannot add LoRA adapters to {type(model).__name__} ({where}) with "
                         f"target_modules {lora.target_modules}: {' '.join(str(e).split())[:300]} (its modules are "
                         f"named e.g. {names})")

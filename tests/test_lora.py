@@ -11,6 +11,7 @@ layers):
   steps 3-4 equal the uninterrupted run's (1e-6 relative; measured: bit-identical), which is both the resume
   exactness and the gradient-checkpointing loss equality (under ZeRO-3 with LoRA, the case that needs
   ``enable_input_require_grads``).
+* seq_cls (BERT) at ZeRO 3: the classifier head trains with the adapters and is saved in the adapter folder.
 * Bad ``model.lora`` input: one line each from :func:`finetune.validate.validate_run`, in process.
 """
 
@@ -68,7 +69,8 @@ def test_lora_gpt_zero0_equals_zero3_and_exports(tmp_path):
     module = states["module"]
     for name, tensor in base.items():
         key = f"base_model.model.{name}"
-        key = key if key in module else key.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        if key not in module:  # an adapted layer keeps its original weights as base_layer
+            key = key.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
         assert torch.equal(module[key], tensor), f"frozen base weight '{name}' changed"
 
     for run in runs.values():
@@ -114,6 +116,30 @@ def test_lora_bert_zero3_resume_with_gradient_checkpointing(tmp_path):
             logits = merged(**{k: torch.tensor(v) for k, v in check["inputs"].items()}).logits
         assert logits.reshape(-1)[:8].tolist() == pytest.approx(check["engine_logits_head"], abs=1e-5)
         assert (run / "export" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_lora_seq_cls_zero3_trains_the_classifier_head(tmp_path):
+    """seq_cls: peft's SEQ_CLS task type keeps the classifier head trainable (a copy, saved with the adapter)."""
+    import transformers
+    from safetensors.torch import load_file
+
+    run = tmp_path / "cls"
+    ok(launch(CONFIGS / "parity_cls.yaml", ["ds.zero_optimization.stage=3", *LORA, f"output_dir={run}"]))
+    # 13 adapted 64 -> 64/128 layers as in bert_mlm (the pooler in place of the MLM transform): 7,680, plus the
+    # classifier head copy (64 x 2 + 2)
+    assert "trainable parameters 7,810 of 2,065,476" in _log(run)
+    assert len(set(train_losses(run).values())) == 4
+    check = _export_check(run)
+    adapter = load_file(run / "export" / "adapter" / "adapter_model.safetensors")
+    head = {k: v for k, v in adapter.items() if "classifier" in k}
+    assert sorted(v.numel() for v in head.values()) == [2, 128], sorted(adapter)
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(run / "export", local_files_only=True)
+    assert merged.config.id2label == {0: "negative", 1: "positive"}
+    assert torch.equal(merged.classifier.weight, next(v for k, v in head.items() if k.endswith("weight")))
+    with torch.no_grad():
+        logits = merged.eval()(**{k: torch.tensor(v) for k, v in check["inputs"].items()}).logits
+    assert logits.reshape(-1)[:8].tolist() == pytest.approx(check["engine_logits_head"], abs=1e-5)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
