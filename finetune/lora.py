@@ -42,7 +42,8 @@ def peft_config(lora: LoraConfig, model_class):
 
 
 def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
-    """``peft.get_peft_model(model, ...)`` with adapters drawn from ``torch.manual_seed(seed)``.
+    """``peft.get_peft_model(model, ...)`` with adapters drawn from ``torch.manual_seed(seed)`` in a forked RNG
+    (the caller's RNG state is left as it was).
 
     Returns:
         The ``PeftModel`` (base frozen, adapters trainable, fp32 adapters).
@@ -51,8 +52,11 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
 
     import peft
 
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():  # peft's notices about GPT-2's Conv1D layout and a transformers deprecation
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # the global RNG streams (dropout, ...) continue as if no adapters had been drawn
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft's notices about GPT-2's Conv1D layout and a transformers deprecation
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
         return peft.get_peft_model(model, peft_config(lora, model_class))
