@@ -34,6 +34,20 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (``peft``): the base model is frozen, only the low-rank adapters train (see README, LoRA)."""
+
+    r: int = 8
+    """Rank of each adapter (``A``: r x in, ``B``: out x r); must be > 0."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's output is multiplied by ``alpha / r``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1)."""
+    target_modules: list = field(default_factory=lambda: ["all-linear"])
+    """Modules to adapt, by name (``c_attn`` matches every module whose name is ``c_attn`` or ends with ``.c_attn``), or ``all-linear``: every linear layer except the output layer."""
+
+
+@dataclass
 class ModelConfig:
     """Where the model and tokenizer come from (local folders only; the Hub is never contacted)."""
 
@@ -47,6 +61,10 @@ class ModelConfig:
     """Keys set on the model config before building, e.g. ``{num_hidden_layers: 2}`` for a small scratch model."""
     attn_implementation: str = "sdpa"
     """Attention kernel passed to transformers: ``sdpa`` (PyTorch scaled-dot-product), ``eager`` or ``flash_attention_2`` (needs ``flash-attn``, GPUs)."""
+    lora: LoraConfig | None = None
+    """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (transformers' non-reentrant gradient checkpointing): less memory, about a third more compute."""
 
 
 @dataclass
@@ -193,6 +211,17 @@ _ALIASES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_tra
             "eval_steps": "eval_every", "model_name_or_path": "path", "tokenizer_name": "tokenizer_path"}
 
 
+def _section(typ: Any) -> tuple[type | None, bool]:
+    """``(dataclass, optional)`` when ``typ`` is a config section (``LoraConfig`` or ``LoraConfig | None``), else
+    ``(None, False)``. An optional section is null (off) until a key of it is set."""
+    if dataclasses.is_dataclass(typ):
+        return typ, False
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if len(args) == 1 and len(typing.get_args(typ)) == 2 and dataclasses.is_dataclass(args[0]):
+        return args[0], True
+    return None, False
+
+
 def _suggest(key: str, options: list[str]) -> str:
     if _ALIASES.get(key) in options:
         return f" (did you mean '{_ALIASES[key]}'?)"
@@ -255,10 +284,17 @@ def _apply_mapping(obj: Any, mapping: dict, prefix: str, problems: list[str]) ->
             problems.append(f"unknown key '{where}'{_suggest(str(key), list(types))}")
             continue
         typ = types[key]
-        if dataclasses.is_dataclass(typ):
-            if not isinstance(value, dict):
-                problems.append(f"{where}: expected a mapping of {typ.__name__} keys, got {value!r}")
+        section, optional = _section(typ)
+        if section is not None:
+            if value is None and optional:
+                setattr(obj, key, None)
                 continue
+            if not isinstance(value, dict):
+                problems.append(f"{where}: expected a mapping of {section.__name__} keys"
+                                f"{' or null' if optional else ''}, got {value!r}")
+                continue
+            if getattr(obj, key) is None:
+                setattr(obj, key, section())
             _apply_mapping(getattr(obj, key), value, where + ".", problems)
         elif typ is dict and key == "ds" and isinstance(value, dict):
             setattr(obj, key, deep_merge(getattr(obj, key), value))
@@ -291,14 +327,21 @@ def _apply_override(cfg: RunConfig, dotted: str, raw: str, problems: list[str]) 
         if p not in types:
             problems.append(f"unknown key '{where}' in override '{dotted}={raw}'{_suggest(p, list(types))}")
             return
+        section, optional = _section(types[p])
         if i < len(parts) - 1:
-            if not dataclasses.is_dataclass(types[p]):
+            if section is None:
                 problems.append(f"override '{dotted}': '{where}' is a {types[p].__name__}, not a section")
                 return
+            if getattr(obj, p) is None:  # an optional section (model.lora) is switched on by setting one of its keys
+                setattr(obj, p, section())
             obj = getattr(obj, p)
         else:
-            if dataclasses.is_dataclass(types[p]):
-                problems.append(f"override '{dotted}={raw}': '{where}' is a section; set one of its keys")
+            if optional and raw.lower() in ("null", "none", "~"):  # model.lora=null: off
+                setattr(obj, p, None)
+                return
+            if section is not None:
+                problems.append(f"override '{dotted}={raw}': '{where}' is a section; set one of its keys"
+                                f"{' (or =null)' if optional else ''}")
                 return
             coerced = _coerce(raw, types[p], where, problems)
             if coerced is not None:
@@ -416,11 +459,15 @@ def config_reference_markdown() -> str:
     def walk(obj: Any, prefix: str) -> None:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
+            typ = _field_types(type(obj))[f.name]
+            doc = docs.get((type(obj).__name__, f.name), "").replace("|", "\\|")
+            section, optional = _section(typ)
+            if optional and value is None:
+                rows.append(f"| `{prefix}{f.name}` | section or null | `null` | {doc} |")
+                value = section()
             if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
                 continue
-            typ = _field_types(type(obj))[f.name]
-            doc = docs.get((type(obj).__name__, f.name), "").replace("|", "\\|")
             rows.append(f"| `{prefix}{f.name}` | {typ.__name__} | `{json.dumps(value)}` | {doc} |")
 
     walk(RunConfig(), "")

@@ -1,5 +1,9 @@
 """Hugging Face export from a DeepSpeed checkpoint: ``config.json``, tokenizer files, ``model.safetensors``.
 
+With LoRA (``model.lora``) the checkpoint holds the ``PeftModel``'s state (frozen base and adapters): the
+export rebuilds that ``PeftModel``, writes the adapter folder ``adapter/`` (``PeftModel.save_pretrained``) and
+then the merged model (``merge_and_unload``) as the plain Hugging Face folder.
+
 Weights are consolidated by DeepSpeed's own ``zero_to_fp32`` (``get_fp32_state_dict_from_zero_checkpoint``:
 the fp32 master weights of ZeRO stage 1-3, merged across ranks); a stage-0 checkpoint already holds the
 full module state. The result is checked before anything is written: every parameter of the model must be
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import lora
 from finetune.config import ConfigError
 from finetune.logs import logger
 
@@ -132,16 +137,24 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"export: cannot create '{out_dir}' ('{parent}' is not a writable folder); choose "
                           f"another folder")
-    recipe = get_recipe(load_run_config(run_config).recipe)
+    run_cfg = load_run_config(run_config)
+    recipe = get_recipe(run_cfg.recipe)
 
     state = consolidated_state_dict(ckpt)
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     with plain_model_construction():
         model = recipe.MODEL_CLASS.from_config(config, dtype=torch.float32)
+        if run_cfg.model.lora is not None:  # the checkpoint holds the PeftModel's state (base + adapters)
+            model = lora.wrap(model, run_cfg.model.lora, recipe.MODEL_CLASS, 0)
+            model.peft_config["default"].base_model_name_or_path = (
+                str(Path(run_cfg.model.path).resolve()) if run_cfg.model.init == "pretrained" else None)
     _check_and_load(model, state, ckpt)
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
+    if run_cfg.model.lora is not None:
+        model.save_pretrained(tmp / lora.ADAPTER_DIR)  # adapter_config.json + adapter_model.safetensors
+        model = model.merge_and_unload()  # W + (alpha / r) B A, a plain transformers model again
     model.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
     (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
@@ -156,8 +169,44 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         out_dir.rmdir()
     tmp.rename(out_dir)
     n = sum(t.numel() for t in model.parameters())
-    logger.info(f"exported {ckpt} -> {out_dir} ({n:,} parameters, model.safetensors)")
+    logger.info(f"exported {ckpt} -> {out_dir} ({n:,} parameters, model.safetensors"
+                f"{'; LoRA merged, adapter in ' + lora.ADAPTER_DIR + '/' if run_cfg.model.lora is not None else ''})")
     return out_dir
+
+
+def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> float | None:
+    """Max |logits| difference between ``export/adapter`` on its base model (``peft.PeftModel.from_pretrained``)
+    and the engine's ``ref``; None when the run has no LoRA.
+
+    The base is what a user would load: ``model.path`` (with the run's model config) for ``init: pretrained``;
+    for ``init: scratch`` the random base exists only in the checkpoint, so it is rebuilt from there (the
+    ``PeftModel`` state loaded, then ``unload()``: adapters removed, not merged).
+    """
+    from peft import PeftModel
+    from transformers import AutoConfig
+
+    from finetune.config import load_run_config
+    from finetune.engine import load_pretrained
+
+    export = run_dir / "export"
+    ckpt = Path(json.loads((export / PROVENANCE).read_text())["checkpoint"])
+    run_config = ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
+    run_cfg = load_run_config(run_config)
+    if run_cfg.model.lora is None:
+        return None
+    config = AutoConfig.from_pretrained(run_dir / MODEL_META, local_files_only=True)
+    with plain_model_construction():
+        if run_cfg.model.init == "pretrained":
+            base = load_pretrained(recipe.MODEL_CLASS, run_cfg.model.path, config)
+        else:
+            peft_model = lora.wrap(recipe.MODEL_CLASS.from_config(config, dtype=torch.float32), run_cfg.model.lora,
+                                   recipe.MODEL_CLASS, 0)
+            _check_and_load(peft_model, consolidated_state_dict(ckpt), ckpt)
+            base = peft_model.unload()
+        adapted = PeftModel.from_pretrained(base, export / lora.ADAPTER_DIR).eval()
+    with torch.no_grad():
+        got = adapted(**inputs).logits.float()
+    return (got - ref).abs().max().item()
 
 
 def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe) -> None:
@@ -167,7 +216,8 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
     ``run_dir/export`` with plain ``from_pretrained`` and writes ``export_check.json``: the maximum absolute
     logit difference, the input batch (token ids and attention mask, or position ids of packed rows) and a small summary of the engine's
     logits (shape, mean, std, the first 8 logits of the first position), never the full tensors. A non-finite difference (NaN/inf logits) never
-    passes, and the JSON stays valid (``null`` for a non-finite number).
+    passes, and the JSON stays valid (``null`` for a non-finite number). With LoRA the adapter folder is checked
+    too (:func:`_adapter_diff`, ``max_abs_logit_diff_adapter``), under the same limits.
 
     Raises:
         RuntimeError: the difference is not finite, or above 1e-4 in an fp32 run.
@@ -192,6 +242,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
         with torch.no_grad():
             got = exported(**inputs).logits.float()
         diff = (got - ref).abs().max().item()
+        adapter_diff = _adapter_diff(run_dir, recipe, inputs, ref)
 
         def finite(x: float) -> float | None:
             return x if math.isfinite(x) else None
@@ -200,9 +251,13 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
                    "inputs": {k: v.tolist() for k, v in inputs.items()}, "logits_shape": list(ref.shape),
                    "engine_logits_mean": finite(ref.mean().item()), "engine_logits_std": finite(ref.std().item()),
                    "engine_logits_head": [finite(v) for v in ref.reshape(-1)[:8].tolist()]}
+        if adapter_diff is not None:
+            summary["max_abs_logit_diff_adapter"] = finite(adapter_diff)
+            diff = max(diff, adapter_diff) if math.isfinite(adapter_diff) else adapter_diff
         (run_dir / "export_check.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
         low_precision = ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")
-        logger.info(f"export check: max |logits(export) - logits(engine)| = {diff:.3g} on a fixed batch")
+        logger.info(f"export check: max |logits(export) - logits(engine)| = {diff:.3g} on a fixed batch"
+                    + (f" (adapter on its base: {adapter_diff:.3g})" if adapter_diff is not None else ""))
         if not math.isfinite(diff):
             raise RuntimeError(f"export check failed: the logits are not finite (max difference {diff}); the model "
                                f"diverged")

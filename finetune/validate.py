@@ -100,7 +100,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     ``AutoTokenizer`` (prepared by the recipe) are all it loads. Appends a problem for: an unreadable
     config.json, an override key the model config does not have, a shape override with pretrained
     weights, a model type the recipe's model class cannot build, a hidden size not divisible by the
-    number of attention heads, ``data.max_seq_len`` above the model's position embeddings, an unreadable
+    number of attention heads, ``data.max_seq_len`` above the model's position embeddings, ``model.lora`` /
+    ``model.gradient_checkpointing`` the model cannot take (:func:`finetune.lora.check`), an unreadable
     tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``), a
     ``model.attn_implementation`` the model class does not support,
     and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
@@ -145,6 +146,10 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     elif mapping is not None and not getattr(mapping[type(config)], _ATTN_SUPPORT.get(m.attn_implementation, ""), True):
         problems.append(f"model.attn_implementation: {mapping[type(config)].__name__} ({where}) does not support "
                         f"'{m.attn_implementation}'; use eager")
+    else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
+        from finetune import lora
+
+        lora.check(cfg, recipe.MODEL_CLASS, config, where, problems)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
@@ -265,7 +270,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             unreadable/empty parquet, missing or non-string text column, a text column without text,
             model/tokenizer/data incompatibilities (:func:`_check_compatibility`: override keys, shape
             overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
-            tokens), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
+            tokens; LoRA and gradient checkpointing, :func:`finetune.lora.check`), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
             DeepSpeed's own parser only when our numbers are fine), nothing to resume, a checkpoint of
             another world size or ZeRO stage, refused config changes on resume, an output folder that
             already holds checkpoints, is locked by a live launch, or cannot be written.

@@ -1,0 +1,171 @@
+"""Model surgery for memory: LoRA adapters (``peft``) and gradient checkpointing (``model.lora``,
+``model.gradient_checkpointing``).
+
+Applied by :func:`apply` in :func:`finetune.engine.build_engine`, after the model is built and before
+``deepspeed.initialize``, so the DeepSpeed optimizer only ever sees the adapters (and, for ``seq_cls``, the
+classifier head: peft's ``SEQ_CLS`` task type keeps it trainable as a ``modules_to_save`` copy).
+
+* The base model is frozen by ``peft.get_peft_model``; :func:`finetune.engine.param_groups` skips frozen
+  parameters, so they get no AdamW state and no gradient.
+* ZeRO-3: the model is built inside ``deepspeed.zero.Init`` (partitioned), peft reads the partitioned layers'
+  shapes from ``ds_shape`` and adds ordinary adapter tensors; ``deepspeed.initialize`` converts those to ZeRO-3
+  parameters (``_convert_to_zero_parameters``). The adapters are initialised from a freshly seeded torch RNG
+  (``train.seed``), so they are the same at every ZeRO stage whatever building the model drew.
+* Checkpoints stay DeepSpeed's (the whole ``PeftModel`` state, frozen weights included); the export
+  (:mod:`finetune.export`) rebuilds the ``PeftModel``, writes the adapter folder and the merged model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.config import LoraConfig, RunConfig
+from finetune.logs import logger
+
+ALL_LINEAR = "all-linear"
+ADAPTER_DIR = "adapter"
+"""Subfolder of the export with the adapter (``adapter_config.json``, ``adapter_model.safetensors``)."""
+
+# peft task type by the recipe's transformers auto class; None (plain PeftModel) for the others, e.g. masked LM.
+_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassification": "SEQ_CLS",
+               "AutoModelForTokenClassification": "TOKEN_CLS", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM"}
+
+
+def peft_config(lora: LoraConfig, model_class):
+    """``peft.LoraConfig`` for ``model.lora`` and the recipe's ``MODEL_CLASS`` (which sets the task type)."""
+    import peft
+
+    targets = [str(t) for t in lora.target_modules]
+    return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
+                           task_type=_TASK_TYPES.get(model_class.__name__))
+
+
+def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
+    """``peft.get_peft_model(model, ...)`` with adapters drawn from ``torch.manual_seed(seed)`` in a forked RNG
+    (the caller's RNG state is left as it was).
+
+    Returns:
+        The ``PeftModel`` (base frozen, adapters trainable, fp32 adapters).
+    """
+    import warnings
+
+    import peft
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # the global RNG streams (dropout, ...) continue as if no adapters had been drawn
+    with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        torch.manual_seed(seed)
+        # peft's notices about GPT-2's Conv1D layout and a transformers deprecation
+        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return peft.get_peft_model(model, peft_config(lora, model_class))
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts; ZeRO-3 partitioned parameters count with their full size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", p.numel())
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def apply(model: torch.nn.Module, cfg: RunConfig, recipe) -> torch.nn.Module:
+    """Gradient checkpointing and LoRA as the run config asks; logs trainable vs total parameters.
+
+    Gradient checkpointing is transformers' ``gradient_checkpointing_enable`` with ``use_reentrant=False``
+    (bit-identical gradients in fp32). With LoRA the embedding output is made to require grad
+    (``enable_input_require_grads``), so a checkpointed block whose own weights are all frozen still passes
+    gradients to the adapters of the blocks before it.
+
+    Returns:
+        The model to hand to ``deepspeed.initialize`` (a ``PeftModel`` with LoRA).
+    """
+    m = cfg.model
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if m.lora is not None:
+        if m.gradient_checkpointing:
+            model.enable_input_require_grads()
+        model = wrap(model, m.lora, recipe.MODEL_CLASS, cfg.train.seed)
+        trainable, total = count_parameters(model)
+        targets = sorted({n.rsplit(".", 1)[-1] for n in model.targeted_module_names})
+        logger.info(f"LoRA r={m.lora.r} alpha={m.lora.alpha:g} dropout={m.lora.dropout:g} on "
+                    f"{len(model.targeted_module_names)} modules ({', '.join(targets)}): trainable parameters "
+                    f"{trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
+    if m.gradient_checkpointing:
+        logger.info("gradient checkpointing on (non-reentrant)")
+    return model
+
+
+def _module_names(model: torch.nn.Module, limit: int = 8) -> str:
+    """A few distinct names of the model's weight-carrying modules, with their types: what target_modules can name."""
+    seen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if name and not list(module.children()) and getattr(module, "weight", None) is not None:
+            seen.setdefault(name.rsplit(".", 1)[-1], type(module).__name__)
+    shown = [f"{n} ({t})" for n, t in list(seen.items())[:limit]]
+    return ", ".join(shown) + (", ..." if len(seen) > limit else "")
+
+
+def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[str]) -> None:
+    """Check ``model.lora`` and ``model.gradient_checkpointing`` against the model, before any model is built.
+
+    The model is built on the meta device from its config (no memory, no weights read) and wrapped by peft
+    there, so every problem peft would raise at start-up is found now.
+
+    Args:
+        cfg: run config.
+        model_class: the recipe's ``MODEL_CLASS``.
+        model_config: the transformers config (``model.config_overrides`` applied).
+        where: how to name the model in messages (its ``config.json`` and model type).
+        problems: one line per problem is appended: ``r``/``alpha``/``dropout`` out of range, empty
+            ``target_modules``, target modules that match no module (a few module names are listed),
+            target modules of a type peft cannot adapt, a model without gradient checkpointing support.
+    """
+    m = cfg.model
+    lora = m.lora
+    if lora is not None:
+        before = len(problems)
+        if lora.r <= 0:
+            problems.append(f"model.lora.r: must be > 0, got {lora.r}")
+        if lora.alpha <= 0:
+            problems.append(f"model.lora.alpha: must be > 0, got {lora.alpha}")
+        if not 0.0 <= lora.dropout < 1.0:
+            problems.append(f"model.lora.dropout: must be in [0, 1), got {lora.dropout}")
+        if not lora.target_modules:
+            problems.append(f"model.lora.target_modules: empty; name modules to adapt or use {ALL_LINEAR}")
+        if len(problems) > before:
+            return
+    if lora is None and not m.gradient_checkpointing:
+        return
+    import warnings
+
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = model_class.from_config(model_config)
+    except Exception:  # noqa: BLE001  (the model type's own problems are reported by validate)
+        return
+    if m.gradient_checkpointing and not model.supports_gradient_checkpointing:
+        problems.append(f"model.gradient_checkpointing: {type(model).__name__} ({where}) does not support gradient "
+                        f"checkpointing in transformers; set model.gradient_checkpointing=false")
+    if lora is None:
+        return
+    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+
+    names = _module_names(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrap(model, lora, model_class, 0)
+    except NoMatchingPeftModuleError:
+        problems.append(f"model.lora.target_modules: {lora.target_modules} match no module of "
+                        f"{type(model).__name__} ({where}); its modules are named e.g. {names}; use some of "
+                        f"these names or {ALL_LINEAR}")
+    except Exception as e:  # noqa: BLE001  (peft raises ValueError/TypeError/... for what it cannot wrap)
+        problems.append(f"model.lora: peft cannot add LoRA adapters to {type(model).__name__} ({where}) with "
+                        f"target_modules {lora.target_modules}: {' '.join(str(e).split())[:300]} (its modules are "
+                        f"named e.g. {names})")
