@@ -58,25 +58,31 @@ def _refused(key: str) -> bool:
     return key in _REFUSED_EXACT or (key.startswith(_REFUSED_PREFIXES) and key not in _FREE_DATA)
 
 
-def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int) -> str | None:
+def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int, first: dict | None = None) -> str | None:
     """On another world size, set ``train.gradient_accumulation_steps`` so the global batch stays the checkpoint's.
 
-    Only when this launch keeps the checkpoint's micro batch and accumulation (a requeued job with the
-    same config on fewer or more nodes) and ``old global batch / (micro batch x world size)`` is a whole
-    number; an accumulation the launch sets itself is left alone (:func:`review` then judges the global batch).
+    Only when this launch runs the micro batch and accumulation of the checkpoint's config or of the run's
+    first launch (``first``: a requeued job runs its original config, whatever an earlier requeue adjusted)
+    and ``global batch / (micro batch x world size)`` is a whole number. An accumulation or micro batch the
+    launch sets otherwise is left alone (:func:`review` then judges the global batch).
 
     Returns:
         A note for the log when it changed ``cfg``, else None.
     """
     t, ot = cfg.train, old.get("train", {})
     old_micro, old_gas = ot.get("micro_batch_size"), ot.get("gradient_accumulation_steps")
-    if world == old_world or (old_micro, old_gas) != (t.micro_batch_size, t.gradient_accumulation_steps):
+    ft = (first or {}).get("train", {})
+    split = (t.micro_batch_size, t.gradient_accumulation_steps)
+    if world == old_world or split not in ((old_micro, old_gas),
+                                           (ft.get("micro_batch_size"), ft.get("gradient_accumulation_steps"))):
         return None
     global_batch = old_micro * old_gas * old_world
-    if global_batch % (old_micro * world):
+    if t.micro_batch_size != old_micro or global_batch % (old_micro * world):
         return None
-    t.gradient_accumulation_steps = global_batch // (old_micro * world)
-    return (f"--resume: world size {old_world} -> {world}: train.gradient_accumulation_steps {old_gas} -> "
+    was, t.gradient_accumulation_steps = t.gradient_accumulation_steps, global_batch // (old_micro * world)
+    if was == t.gradient_accumulation_steps:
+        return None
+    return (f"--resume: world size {old_world} -> {world}: train.gradient_accumulation_steps {was} -> "
             f"{t.gradient_accumulation_steps} keeps the global batch of {global_batch} rows (micro batch {old_micro})")
 
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from finetune import checkpoint as ckpt_utils
 from finetune import resume as resume_policy
 from finetune import run_folder
@@ -259,8 +261,10 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
         old = ckpt_utils.saved_config(resume_ckpt) if resume_ckpt else None
         if old is not None and not number_problems:  # before the DeepSpeed config: it has the accumulation
+            first_file = resume_ckpt.parent.parent / ckpt_utils.CONFIG_FILE  # the run's first launch's config
+            first = yaml.safe_load(first_file.read_text()) if first_file.is_file() else None
             note = resume_policy.keep_global_batch(old, ckpt_utils.marker(resume_ckpt).get("world_size", world_size),
-                                                   cfg, world_size)
+                                                   cfg, world_size, first)
             notes += [note] if note else []
     ds: dict = {}
     try:
@@ -276,12 +280,12 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             if resume_problem:
                 problems.append(resume_problem)
             elif ds:
-                layout_problems, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds)
+                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds,
+                                                                                    allow_changes)
                 problems += layout_problems
+                notes += layout_notes
                 if universal:
                     ds.setdefault("checkpoint", {})["load_universal"] = True
-                    notes.append(f"--resume: another world size or ZeRO stage: loading the universal copy of "
-                                 f"{resume_ckpt} ({ckpt_utils.universal_folder(resume_ckpt).name}, converted once)")
                 old = ckpt_utils.saved_config(resume_ckpt)
                 if old is not None:
                     refused, changed = resume_policy.review(old, ckpt_utils.marker(resume_ckpt).get("world_size", 1),
