@@ -234,8 +234,10 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
             tokens), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
             DeepSpeed's own parser only when our numbers are fine), nothing to resume, a checkpoint whose
-            layout cannot be loaded here (:func:`finetune.checkpoint.resume_layout`), refused config changes on resume, an output folder that
-            already holds checkpoints, is locked by a live launch, or cannot be written.
+            layout cannot be loaded here (:func:`finetune.checkpoint.resume_layout`), refused config
+            changes on resume, an output folder that already holds checkpoints, is locked by a live
+            launch, or cannot be written. On another world size the accumulation may be changed in ``cfg``
+            to keep the checkpoint's global batch (:func:`finetune.resume.keep_global_batch`).
     """
     problems: list[str] = []
     if cfg.recipe not in RECIPES:

@@ -73,7 +73,8 @@ def test_two_ranks_to_one_and_back_reproduce_the_uninterrupted_run(reference, tm
     # Leg 3: back to two ranks from the 1-rank checkpoint of step 6, the run's own config (accumulation 1) again.
     proc = ok(launch(CONFIG, [f"output_dir={run}", *COMMON, "train.keep_last_checkpoints=1"], nproc=2,
                      resume=str(run / "checkpoints" / "step6")))
-    assert "same global batch of 8 rows, new split (micro batch 4 x accumulation 2 x world 1 -> 4 x 1 x 2)" in proc.stdout
+    assert "same global batch of 8 rows, new split (micro batch 4 x accumulation 2 x world 1 -> 4 x 1 x 2)" in \
+        proc.stdout
     resumed = launch_losses(run, 3)
     assert sorted(resumed) == [7, 8]
     for step, loss in resumed.items():
