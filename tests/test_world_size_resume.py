@@ -134,3 +134,25 @@ def test_layout_and_global_batch_decisions_before_anything_is_built(reference, t
                                                   f"ds.zero_optimization.stage={stage}"]), "latest", 1, True)
         assert len(refused.value.problems) == 1 and why in refused.value.problems[0]
         assert "ds.zero_optimization.stage=2" in refused.value.problems[0]
+
+
+def test_keep_last_spares_the_exported_and_unfinished_checkpoints(tmp_path):
+    """``prune`` on a run folder's layout: the newest N stay, so do the checkpoint the export came from
+    (``export/finetune_export.json``) and a folder without ``COMPLETE`` (a save in progress); a removed
+    checkpoint's universal copy goes with it."""
+    import json
+
+    from finetune import checkpoint as ckpt_utils
+
+    ckdir = tmp_path / "run" / "checkpoints"
+    for step in (2, 4, 6, 8, 10):
+        (ckdir / f"step{step}").mkdir(parents=True)
+        if step != 10:  # step10 is being written
+            (ckdir / f"step{step}" / ckpt_utils.MARKER).write_text(json.dumps({"step": step}))
+    (ckdir / "step4.universal").mkdir()
+    (tmp_path / "run" / "export").mkdir()
+    (tmp_path / "run" / "export" / "finetune_export.json").write_text(
+        json.dumps({"checkpoint": str(ckdir / "step2"), "step": 2}))
+    removed = ckpt_utils.prune(ckdir, keep_last=1, protect=ckdir / "step6")
+    assert sorted(p.name for p in removed) == ["step4"]
+    assert checkpoints(tmp_path / "run") == ["step10", "step2", "step6", "step8"]
