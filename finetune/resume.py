@@ -16,10 +16,11 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
 * A different micro batch / accumulation split of the same global batch is allowed: the loop position is
   kept in rows of the epoch's global order (``TrainState.samples_in_epoch``), so no row is repeated or
   skipped.
-* A different world size (a requeued Slurm job on fewer nodes) is allowed: when the launch keeps the
-  checkpoint's micro batch and accumulation, :func:`keep_global_batch` sets the accumulation that keeps
-  the global batch (refused when none does: the global batch would change); the checkpoint is loaded
-  through its universal copy (:func:`finetune.checkpoint.resume_layout` says which ZeRO stages can).
+* A different world size (a requeued Slurm job on fewer nodes) is allowed: when the launch runs the micro
+  batch and accumulation of the checkpoint or of the run's first launch, :func:`keep_global_batch` sets
+  the accumulation that keeps the global batch (refused when none does: the global batch would change);
+  the checkpoint is loaded through its universal copy (:func:`finetune.checkpoint.resume_layout` says
+  which ZeRO stages can).
 """
 
 from __future__ import annotations
