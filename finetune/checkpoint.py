@@ -180,6 +180,7 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
                           f"(the partial checkpoint has no {MARKER} marker and is never loaded)") from e
     dist_utils.barrier()
     if dist_utils.is_main():
+        shutil.rmtree(universal_folder(ckdir / tag), ignore_errors=True)  # a copy of an older save of this step
         tmp = ckdir / tag / f".{MARKER}.tmp"
         tmp.write_text(json.dumps({"step": state.step, "world_size": dist_utils.world_size(),
                                    "zero_stage": engine.zero_optimization_stage(), "time": time.time()}))
@@ -397,7 +398,7 @@ def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
         ConfigError: DeepSpeed could not load it.
     """
     src = universal or ckpt
-    decay = [g.get("weight_decay") for g in engine.optimizer.param_groups]
+    decay = [g.get("weight_decay") for g in engine.optimizer.param_groups] if universal is not None else []
     path, client = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if universal is not None:
