@@ -229,8 +229,9 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict, allow: bool = False) ->
       (:func:`to_universal`); exact (the continuation's losses equal the uninterrupted run's).
     * ZeRO-3 on ZeRO-3 with another world size: through the universal copy, but only with
       ``allow`` (``--resume-allow-changes``), as a different run: with DeepSpeed 0.19.8 the first update
-      after such a resume differs slightly from the uninterrupted run's (measured: 1.7e-4 relative loss
-      difference one step later on the tiny test GPT-2, with the optimizer states' sums intact).
+      after a ZeRO-3 universal load differs slightly from the uninterrupted run's, on the same world size
+      too (measured: 1.7e-4 relative loss difference one step later on the tiny test GPT-2, while the
+      converted per-parameter optimizer states equal the shards').
     * Refused: between ZeRO-3 and ZeRO 0-2 (the universal copy keeps the model-state files of its
       source stage, which the other stages do not read), from ZeRO 0 to ZeRO 1-3 (nothing to convert:
       ``ds_to_universal`` reads ZeRO shards), from shards to ZeRO 0 (DeepSpeed loads universal
