@@ -282,8 +282,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             if resume_problem:
                 problems.append(resume_problem)
             elif ds:
-                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds,
-                                                                                    allow_changes)
+                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds)
                 problems += layout_problems
                 notes += layout_notes
                 if universal:
