@@ -4,7 +4,16 @@ Layout: ``<output_dir>/checkpoints/step<N>/`` holds DeepSpeed's files (model sta
 shards, ``zero_to_fp32.py``), ``rng_state_rank<r>.pt`` per rank (Python, NumPy, torch CPU and
 accelerator generators, as in HF Trainer) and, last, ``COMPLETE``: a JSON marker rank 0 writes after a
 barrier that follows every rank's writes. Only folders with the marker count as checkpoints, so a
-run killed mid-save leaves nothing a resume would load. Nothing here ever deletes a checkpoint.
+run killed mid-save leaves nothing a resume would load.
+
+Another world size or ZeRO stage: ZeRO shards are per rank, so a resume on another layout loads a
+*universal* copy of the checkpoint (DeepSpeed's ``ds_to_universal``: one file per parameter and optimizer
+state, any layout can load it) from the sibling folder ``step<N>.universal/``. Rank 0 converts once
+(into a temporary folder renamed into place, with its own ``COMPLETE`` marker) and later resumes reuse
+it; DeepSpeed loads it with ``checkpoint.load_universal``. See :func:`resume_layout` for what is allowed.
+
+Deleting: only :func:`prune` (``train.keep_last_checkpoints``) removes checkpoints, on rank 0, after a
+newer one is complete.
 
 The loop's position travels as DeepSpeed ``client_state`` (optimizer step, epoch, micro-batches
 consumed in the epoch, tokens seen).
@@ -17,6 +26,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -117,10 +128,19 @@ def _rng_state() -> dict:
 
 
 def restore_rng_state(ckpt: Path) -> None:
-    """Restore this rank's generators from ``ckpt/rng_state_rank<r>.pt``."""
+    """Restore this rank's generators from ``ckpt/rng_state_rank<r>.pt``.
+
+    A rank the checkpoint did not have (resume on more ranks) keeps its freshly seeded generators
+    (a warning says so: dropout then draws other masks than an uninterrupted run would).
+    """
     from deepspeed.accelerator import get_accelerator
 
-    state = torch.load(ckpt / f"rng_state_rank{dist_utils.rank()}.pt", weights_only=False)
+    path = ckpt / f"rng_state_rank{dist_utils.rank()}.pt"
+    if not path.is_file():
+        logger.warning(f"{ckpt} has no random-generator state for rank {dist_utils.rank()} (saved on fewer ranks): "
+                       f"this rank keeps its seeded generators")
+        return
+    state = torch.load(path, weights_only=False)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -128,11 +148,14 @@ def restore_rng_state(ckpt: Path) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
-def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None) -> Path:
+def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None, keep_last: int = 0,
+         protect: Path | None = None) -> Path:
     """Save a checkpoint on all ranks; mark it complete after every rank has written.
 
     Must be called by every rank. ``config`` (the resolved run config as a dict) is written to
-    ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Returns the checkpoint folder.
+    ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Once the new checkpoint is complete,
+    rank 0 removes older ones beyond the newest ``keep_last`` (:func:`prune`; 0 keeps all), never
+    ``protect`` (the checkpoint this launch resumed from). Returns the checkpoint folder.
 
     Raises:
         ConfigError: the disk filled up or the folder cannot be written (the message names the folder and
@@ -157,10 +180,16 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
                           f"(the partial checkpoint has no {MARKER} marker and is never loaded)") from e
     dist_utils.barrier()
     if dist_utils.is_main():
+        shutil.rmtree(universal_folder(ckdir / tag), ignore_errors=True)  # a copy of an older save of this step
         tmp = ckdir / tag / f".{MARKER}.tmp"
         tmp.write_text(json.dumps({"step": state.step, "world_size": dist_utils.world_size(),
                                    "zero_stage": engine.zero_optimization_stage(), "time": time.time()}))
         os.replace(tmp, ckdir / tag / MARKER)
+        if keep_last > 0:
+            try:
+                prune(ckdir, keep_last, protect)
+            except OSError as e:  # a checkpoint that cannot be removed is no reason to stop training
+                logger.warning(f"train.keep_last_checkpoints: could not remove an old checkpoint ({e})")
     dist_utils.barrier()
     logger.info(f"checkpoint saved: {ckdir / tag} ({time.perf_counter() - t0:.1f}s)")
     return ckdir / tag
@@ -171,23 +200,171 @@ def marker(ckpt: Path) -> dict:
     return json.loads((ckpt / MARKER).read_text())
 
 
-def check_compatible(ckpt: Path, world_size: int, zero_stage: int) -> list[str]:
-    """Problems resuming ``ckpt`` on this layout: another world size or ZeRO stage (shards are per layout).
+UNIVERSAL = ".universal"
+"""Suffix of the universal copy of a checkpoint: ``step<N>.universal/`` beside ``step<N>/``."""
 
-    Read from the ``COMPLETE`` marker, before any model is built.
+
+def universal_folder(ckpt: Path) -> Path:
+    """``<ckpt>.universal``: where the universal copy of ``ckpt`` lives (whether or not it exists yet)."""
+    return ckpt.with_name(ckpt.name + UNIVERSAL)
+
+
+def is_sharded(ckpt: Path) -> bool:
+    """True when ``ckpt`` holds per-rank optimizer shards (ZeRO 1-3, DeepSpeed's bf16 optimizer).
+
+    A ZeRO-0 fp32 checkpoint keeps the whole model and optimizer in ``mp_rank_00_model_states.pt``,
+    which any world size loads as it is.
     """
+    return any(ckpt.glob("*optim_states.pt"))
+
+
+def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], list[str], bool]:
+    """Can ``ckpt`` be resumed on this launch's layout (world size, ZeRO stage, offload), and how.
+
+    Read from the ``COMPLETE`` marker and the file names, before any model is built.
+
+    * Same world size and ZeRO stage: loaded as it is.
+    * ZeRO-0 fp32 checkpoint (no shards) on ZeRO 0 with any world size: loaded as it is.
+    * ZeRO 1/2 checkpoint on ZeRO 1/2, or ZeRO-3 on ZeRO-3, with another world size or stage: through the
+      universal copy (:func:`to_universal`); exact (the continuation's losses equal the uninterrupted run's;
+      :func:`load` repairs two things DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong).
+    * Refused: between ZeRO-3 and ZeRO 0-2 (the universal copy keeps the model-state files of its
+      source stage, which the other stages do not read), from ZeRO 0 to ZeRO 1-3 (nothing to convert:
+      ``ds_to_universal`` reads ZeRO shards), from shards to ZeRO 0 (DeepSpeed loads universal
+      checkpoints into its ZeRO optimizers only), and onto NVMe offload (DeepSpeed copies each rank's
+      swapped tensors back as they were saved).
+
+    Returns:
+        ``(problems, notes, universal)``: one-line refusals, lines for the log, and True when the launch
+        must load the universal copy.
+    """
+    from finetune.ds_config import zero_stage
+
     meta = marker(ckpt)
-    problems = []
-    if meta.get("world_size") not in (None, world_size):
-        problems.append(f"--resume: '{ckpt}' was saved with world size {meta['world_size']}, this launch has "
-                        f"{world_size} (ZeRO shards are per rank); resume with {meta['world_size']} ranks, or "
-                        f"export it (finetune export {ckpt} <dir>) and start a new run from the export")
-    if meta.get("zero_stage") not in (None, zero_stage):
-        problems.append(f"--resume: '{ckpt}' was saved with ZeRO stage {meta['zero_stage']}, this launch uses "
-                        f"stage {zero_stage}; resume with ds.zero_optimization.stage={meta['zero_stage']} (or its "
-                        f"DeepSpeed JSON), or export it (finetune export {ckpt} <dir>) and start a new run "
-                        f"from the export with the new stage")
-    return problems
+    stage = zero_stage(ds)
+    old_world, old_stage = meta.get("world_size", world_size), meta.get("zero_stage", stage)
+    if (old_world, old_stage) == (world_size, stage):
+        return [], [], False
+    change = (f"'{ckpt}' was saved with world size {old_world} and ZeRO stage {old_stage}, this launch has world "
+              f"size {world_size} and ZeRO stage {stage}")
+    same = f"resume with ds.zero_optimization.stage={old_stage}"
+    export = f"or export it (finetune export {ckpt} <dir>) and start a new run from the export"
+    zo = ds.get("zero_optimization", {})
+    nvme = "nvme" in (zo.get("offload_optimizer", {}).get("device"), zo.get("offload_param", {}).get("device"))
+    converting = (f"--resume: {change}: loading its universal copy ({universal_folder(ckpt).name}, converted "
+                  f"once)")
+    if not is_sharded(ckpt):
+        if stage == 0:
+            return [], [], False
+        why = "a ZeRO-0 checkpoint has no ZeRO shards to convert"
+    elif stage == 0:
+        why = "DeepSpeed loads a universal checkpoint only into its ZeRO 1-3 optimizers"
+    elif (old_stage == 3) != (stage == 3):
+        why = "universal checkpoints do not carry over between ZeRO-3 and ZeRO 1/2"
+    elif nvme:
+        why = "NVMe offload restores each rank's swapped optimizer tensors as they were saved"
+        same = f"resume with {old_world} ranks and the same ZeRO stage, or without NVMe offload"
+    else:
+        return [], [converting], True
+    return [f"--resume: {change}: {why}; {same}, {export}"], [], False
+
+
+def to_universal(ckpt: Path) -> Path:
+    """The universal copy of ``ckpt`` (``step<N>.universal/``), converting it once. All ranks call it.
+
+    Rank 0 runs DeepSpeed's converter (``python -m deepspeed.checkpoint.ds_to_universal
+    --inject_missing_state``: Hugging Face models carry no universal-checkpoint metadata of their own)
+    into a temporary folder beside ``ckpt``, writes its ``COMPLETE`` marker and renames it into place, so
+    an interrupted conversion leaves nothing that counts; a copy that is already complete is reused.
+    The other ranks wait for rank 0's answer.
+
+    Raises:
+        ConfigError: the conversion failed (the converter's last output lines are in the message).
+    """
+    target = universal_folder(ckpt)
+    result: list = [None]
+    if dist_utils.is_main():
+        if is_complete(target):
+            logger.info(f"reusing the universal copy {target} (converted by an earlier resume)")
+        else:
+            try:
+                _convert(ckpt, target)
+            except ConfigError as e:
+                result = [str(e)]
+            except OSError as e:  # answer the other ranks (waiting below) instead of leaving them to time out
+                result = [f"--resume: writing the universal copy '{target}' failed ({type(e).__name__}: {e}); "
+                          f"free space in or make '{ckpt.parent}' writable"]
+    if dist_utils.world_size() > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(result, src=0)
+    if result[0]:
+        raise ConfigError(result[0])
+    return target
+
+
+def _convert(ckpt: Path, target: Path) -> None:
+    for old in ckpt.parent.glob(f".{target.name}.tmp*"):  # left by an interrupted conversion (we hold the run lock)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = ckpt.parent / f".{target.name}.tmp{os.getpid()}"
+    out = tmp / target.name  # the converter writes 'latest_universal' beside its output: keep it inside tmp
+    workers = max(1, min(4, (os.cpu_count() or 2) // 2))
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
+           "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", str(workers),
+           "--num_merge_workers", str(max(1, workers // 2))]
+    t0 = time.perf_counter()
+    logger.info(f"converting {ckpt} to a universal checkpoint: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
+        raise ConfigError(f"--resume: converting '{ckpt}' to a universal checkpoint for the new layout failed "
+                          f"(ds_to_universal exit {proc.returncode}: {tail}); resume with the checkpoint's world "
+                          f"size and ZeRO stage ({marker(ckpt)})")
+    meta = marker(ckpt)
+    (out / MARKER).write_text(json.dumps({"source": ckpt.name, "step": meta.get("step"),
+                                          "world_size": meta.get("world_size"), "zero_stage": meta.get("zero_stage"),
+                                          "time": time.time()}))
+    if target.exists():  # without a marker: not a copy anyone loads
+        shutil.rmtree(target)
+    os.replace(out, target)
+    shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(f"universal checkpoint {target} written ({time.perf_counter() - t0:.1f}s)")
+
+
+def prune(ckdir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+    """Remove complete checkpoints older than the newest ``keep_last`` (``train.keep_last_checkpoints``).
+
+    Rank 0 only, right after a new checkpoint got its marker. Never removed: the newest ``keep_last``,
+    ``protect`` (the checkpoint this launch resumed from), the checkpoint the run's export came from
+    (``<run>/export/finetune_export.json``) and any folder without a ``COMPLETE`` marker (one being
+    written, or a leftover no resume loads). A removed checkpoint's universal copy goes with it; the
+    marker is removed first, so an interrupted removal leaves a folder that no longer counts.
+
+    Returns:
+        The removed checkpoint folders.
+    """
+    found = complete_checkpoints(ckdir)
+    keep = {p.resolve() for p in found[-keep_last:]}
+    if protect is not None:
+        keep.add(Path(protect).resolve())
+    provenance = ckdir.parent / "export" / "finetune_export.json"
+    if provenance.is_file():
+        try:
+            keep.add(Path(json.loads(provenance.read_text())["checkpoint"]).resolve())
+        except (ValueError, KeyError, OSError):
+            pass
+    removed = []
+    for ckpt in found:
+        if ckpt.resolve() in keep:
+            continue
+        (ckpt / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(universal_folder(ckpt), ignore_errors=True)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        removed.append(ckpt)
+    if removed:
+        logger.info(f"train.keep_last_checkpoints={keep_last}: removed {', '.join(p.name for p in removed)}")
+    return removed
 
 
 def saved_config(ckpt: Path) -> dict | None:
@@ -200,14 +377,31 @@ def saved_config(ckpt: Path) -> dict | None:
     return None
 
 
-def load(engine, ckpt: Path) -> TrainState:
+def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
     """Load model, optimizer, LR-schedule and loop state from ``ckpt`` (all ranks).
+
+    ``universal``: load DeepSpeed's files from this universal copy of ``ckpt`` instead (another layout;
+    the engine was built with ``checkpoint.load_universal``). The loop position is global (optimizer
+    step, rows of the epoch consumed by all ranks), so it holds on any world size.
 
     Raises:
         ConfigError: DeepSpeed could not load it.
     """
-    path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+    src = universal or ckpt
+    decay = [g.get("weight_decay") for g in engine.optimizer.param_groups] if universal is not None else []
+    path, client = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
+    if universal is not None:
+        # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the hyper-parameters of group 0,
+        # which would put weight decay on the no-decay group (biases, norms; finetune.engine.param_groups)
+        for g, wd in zip(engine.optimizer.param_groups, decay):
+            g["weight_decay"] = wd
+        # ... and one step-count tensor to every parameter group's state; torch's Adam increments it in place
+        # once per group and step, which would run the bias correction ahead in all groups after the first
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        for st in getattr(inner, "state", {}).values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
     if path is None or "train_state" not in (client or {}):
         raise ConfigError(f"--resume: DeepSpeed could not load '{ckpt}'")
     saved = dict(client["train_state"])

@@ -216,7 +216,9 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         _check_free_space(run_dir, engine)
         state = ckpt_utils.TrainState()
         if resolved.resume_ckpt is not None:
-            state = ckpt_utils.load(engine, resolved.resume_ckpt)
+            # another world size or ZeRO stage: rank 0 converts once (a universal copy beside the checkpoint)
+            universal = ckpt_utils.to_universal(resolved.resume_ckpt) if resolved.universal else None
+            state = ckpt_utils.load(engine, resolved.resume_ckpt, universal)
             old = ckpt_utils.saved_config(resolved.resume_ckpt)
             if old is not None:
                 resume_policy.apply(engine, old, cfg, total_steps)

@@ -151,6 +151,8 @@ class TrainConfig:
     """Cap on eval micro-batches per rank (0: the whole validation split)."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
+    keep_last_checkpoints: int = 0
+    """Keep the newest N complete checkpoints, removing older ones once a newer one is complete (never the one resumed from or exported); 0 keeps all."""
     log_every: int = 10
     """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
     sample_prompt: str = ""
@@ -208,6 +210,7 @@ _ALIASES = {"learning_rate": "lr", "num_train_epochs": "epochs", "per_device_tra
             "max_length": "max_seq_len", "block_size": "max_seq_len", "seq_len": "max_seq_len",
             "lr_scheduler_type": "lr_scheduler", "max_grad_norm_clip": "max_grad_norm",
             "gradient_clipping": "max_grad_norm", "logging_steps": "log_every", "save_steps": "save_every",
+            "save_total_limit": "keep_last_checkpoints",
             "eval_steps": "eval_every", "model_name_or_path": "path", "tokenizer_name": "tokenizer_path"}
 
 

@@ -16,9 +16,11 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
 * A different micro batch / accumulation split of the same global batch is allowed: the loop position is
   kept in rows of the epoch's global order (``TrainState.samples_in_epoch``), so no row is repeated or
   skipped.
-
-A different world size or ZeRO stage is refused before anything is built
-(:func:`finetune.checkpoint.check_compatible`).
+* A different world size (a requeued Slurm job on fewer nodes) is allowed: when the launch runs the micro
+  batch and accumulation of the checkpoint or of the run's first launch, :func:`keep_global_batch` sets
+  the accumulation that keeps the global batch (refused when none does: the global batch would change);
+  the checkpoint is loaded through its universal copy (:func:`finetune.checkpoint.resume_layout` says
+  which ZeRO stages can).
 """
 
 from __future__ import annotations
@@ -59,6 +61,34 @@ def _refused(key: str) -> bool:
     return key in _REFUSED_EXACT or (key.startswith(_REFUSED_PREFIXES) and key not in _FREE_DATA)
 
 
+def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int, first: dict | None = None) -> str | None:
+    """On another world size, set ``train.gradient_accumulation_steps`` so the global batch stays the checkpoint's.
+
+    Only when this launch runs the micro batch and accumulation of the checkpoint's config or of the run's
+    first launch (``first``: a requeued job runs its original config, whatever an earlier requeue adjusted)
+    and ``global batch / (micro batch x world size)`` is a whole number. An accumulation or micro batch the
+    launch sets otherwise is left alone (:func:`review` then judges the global batch).
+
+    Returns:
+        A note for the log when it changed ``cfg``, else None.
+    """
+    t, ot = cfg.train, old.get("train", {})
+    old_micro, old_gas = ot.get("micro_batch_size"), ot.get("gradient_accumulation_steps")
+    ft = (first or {}).get("train", {})
+    split = (t.micro_batch_size, t.gradient_accumulation_steps)
+    if world == old_world or split not in ((old_micro, old_gas),
+                                           (ft.get("micro_batch_size"), ft.get("gradient_accumulation_steps"))):
+        return None
+    global_batch = old_micro * old_gas * old_world
+    if t.micro_batch_size != old_micro or global_batch % (old_micro * world):
+        return None
+    was, t.gradient_accumulation_steps = t.gradient_accumulation_steps, global_batch // (old_micro * world)
+    if was == t.gradient_accumulation_steps:
+        return None
+    return (f"--resume: world size {old_world} -> {world}: train.gradient_accumulation_steps {was} -> "
+            f"{t.gradient_accumulation_steps} keeps the global batch of {global_batch} rows (micro batch {old_micro})")
+
+
 def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -> tuple[list[str], list[str]]:
     """Compare the checkpoint's config with this launch's.
 
@@ -97,7 +127,7 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
         (notes if allow else problems).append(
             line + ("; continuing as --resume-allow-changes asks" if allow else
                     f": a different run; keep micro batch x accumulation x world size = {old_global}, or {fix}"))
-    elif (old_micro, old_gas) != (t.micro_batch_size, t.gradient_accumulation_steps):
+    elif (old_micro, old_gas, old_world) != (t.micro_batch_size, t.gradient_accumulation_steps, world):
         notes.append(f"--resume: same global batch of {new_global} rows, new split ({split}); the position is kept "
                      f"in rows, so no row is repeated or skipped")
     return problems, notes

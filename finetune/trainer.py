@@ -34,7 +34,8 @@ Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a ro
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
 Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
-checkpoints every ``train.save_every`` steps and at the end.
+checkpoints every ``train.save_every`` steps and at the end, keeping the newest
+``train.keep_last_checkpoints`` (and the one resumed from).
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
     stage0 = engine.zero_optimization_stage() == 0
     last_saved = state.step if resume_from else -1
+    save_kw = {"keep_last": t.keep_last_checkpoints, "protect": resume_from}  # never prune the resumed-from one
     bad_in_a_row = 0
     # Running sums since the last log line: [loss of each good step, good steps, non-pad tokens]
     acc = torch.zeros(3, dtype=torch.float64, device=device)
@@ -286,7 +288,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             # (not at the last step: that one ends the run normally, with its final eval and checkpoint;
             # not right after a skipped step: the save waits for the end or a stop)
             if stop or (t.save_every and state.step % t.save_every == 0 and bad_in_a_row == 0):
-                ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg))
+                ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
                 last_saved = state.step
                 t_log = time.perf_counter()
             if stop:
@@ -300,5 +302,5 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
 
     _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
     if last_saved != state.step:
-        ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg))
+        ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
     return state

@@ -6,12 +6,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from finetune import checkpoint as ckpt_utils
 from finetune import resume as resume_policy
 from finetune import run_folder
 from finetune.config import ConfigError, RunConfig
 from finetune.data import check_parquet_files, expand_files
-from finetune.ds_config import resolve_ds_config, zero_stage
+from finetune.ds_config import resolve_ds_config
 from finetune.recipes import RECIPES
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -28,6 +30,9 @@ class Resolved:
     ds: dict
     resume_ckpt: Path | None
     resume_notes: list[str] = field(default_factory=list)
+    universal: bool = False
+    """Resume through the checkpoint's universal copy (another world size or ZeRO stage; ``ds`` then has
+    ``checkpoint.load_universal``)."""
 
 
 def _check_writable(key: str, path: str, problems: list[str]) -> None:
@@ -202,7 +207,8 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                     t.eval_every, "train.save_every": t.save_every, "train.weight_decay": t.weight_decay,
                     "train.max_grad_norm": t.max_grad_norm, "data.num_workers": d.num_workers,
                     "train.eval_max_batches": t.eval_max_batches, "data.max_train_rows": d.max_train_rows,
-                    "data.pad_to_multiple_of": d.pad_to_multiple_of}
+                    "data.pad_to_multiple_of": d.pad_to_multiple_of,
+                    "train.keep_last_checkpoints": t.keep_last_checkpoints}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     if t.max_steps == 0 and t.epochs <= 0:
         problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {t.epochs}")
@@ -270,10 +276,13 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             unreadable/empty parquet, missing or non-string text column, a text column without text,
             model/tokenizer/data incompatibilities (:func:`_check_compatibility`: override keys, shape
             overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
-            tokens; LoRA and gradient checkpointing, :func:`finetune.lora.check`), bad numbers, DeepSpeed JSON problems (unknown keys, batch-size contradiction;
-            DeepSpeed's own parser only when our numbers are fine), nothing to resume, a checkpoint of
-            another world size or ZeRO stage, refused config changes on resume, an output folder that
-            already holds checkpoints, is locked by a live launch, or cannot be written.
+            tokens; LoRA and gradient checkpointing, :func:`finetune.lora.check`), bad numbers, DeepSpeed JSON
+            problems (unknown keys, batch-size contradiction; DeepSpeed's own parser only when our numbers are
+            fine), nothing to resume, a checkpoint whose layout cannot be loaded here
+            (:func:`finetune.checkpoint.resume_layout`), refused config changes on resume, an output folder
+            that already holds checkpoints, is locked by a live launch, or cannot be written. On another world
+            size the accumulation may be changed in ``cfg`` to keep the checkpoint's global batch
+            (:func:`finetune.resume.keep_global_batch`).
     """
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
@@ -294,6 +303,16 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     number_problems: list[str] = []
     _check_numbers(cfg, number_problems)
     problems += number_problems
+    resume_ckpt, resume_problem, notes = None, None, []
+    if cfg.output_dir and resume is not None:
+        resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
+        old = ckpt_utils.saved_config(resume_ckpt) if resume_ckpt else None
+        if old is not None and not number_problems:  # before the DeepSpeed config: it has the accumulation
+            first_file = resume_ckpt.parent.parent / ckpt_utils.CONFIG_FILE  # the run's first launch's config
+            first = yaml.safe_load(first_file.read_text()) if first_file.is_file() else None
+            note = resume_policy.keep_global_batch(old, ckpt_utils.marker(resume_ckpt).get("world_size", world_size),
+                                                   cfg, world_size, first)
+            notes += [note] if note else []
     ds: dict = {}
     try:
         # DeepSpeed's own parser sees only numbers we accept, so it never repeats one of our problems in its words
@@ -302,20 +321,24 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems += _check_trackers(ds)
     except ConfigError as e:
         problems += e.problems
-    resume_ckpt, notes = None, []
+    universal = False
     if cfg.output_dir:
         _check_writable("output_dir", cfg.output_dir, problems)
         if resume is not None:
-            resume_ckpt, problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
-            if problem:
-                problems.append(problem)
+            if resume_problem:
+                problems.append(resume_problem)
             elif ds:
-                problems += ckpt_utils.check_compatible(resume_ckpt, world_size, zero_stage(ds))
+                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds)
+                problems += layout_problems
+                notes += layout_notes
+                if universal:
+                    ds.setdefault("checkpoint", {})["load_universal"] = True
                 old = ckpt_utils.saved_config(resume_ckpt)
                 if old is not None:
-                    refused, notes = resume_policy.review(old, ckpt_utils.marker(resume_ckpt).get("world_size", 1),
-                                                          cfg, world_size, allow_changes)
+                    refused, changed = resume_policy.review(old, ckpt_utils.marker(resume_ckpt).get("world_size", 1),
+                                                            cfg, world_size, allow_changes)
                     problems += refused
+                    notes += changed
         elif ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(cfg.output_dir)):
             problems.append(f"output_dir: '{cfg.output_dir}' already holds checkpoints; pass --resume to continue "
                             f"that run or choose a new output_dir (nothing is overwritten)")
@@ -330,4 +353,4 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
                             f"to start a new run")
     if problems:
         raise ConfigError(problems)
-    return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes)
+    return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal)

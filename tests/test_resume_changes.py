@@ -76,12 +76,15 @@ def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path):
     assert snapshot(run) == before, "a refused launch wrote into the run folder"
 
 
-def test_world_size_change_refused_before_anything_is_built(base, tmp_path):
+def test_world_size_change_with_another_global_batch_refused_before_anything_is_built(base, tmp_path):
+    """One rank with micro batch 3 makes a global batch of 3 rows instead of 8: refused before anything is built.
+    (Another world size that keeps the global batch resumes: tests/test_world_size_resume.py.)"""
     run = copy_of(base, tmp_path)
     before = snapshot(run)
-    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE, "--resume"])
+    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE,
+                       "train.micro_batch_size=3", "--resume"])
     assert proc.returncode == 2
-    assert errors(proc) and "world size 2, this launch has 1" in errors(proc)[0]
+    assert len(errors(proc)) == 1 and "global batch changed from 8 to 3 rows" in errors(proc)[0], proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout and "model:" not in proc.stdout
     assert snapshot(run) == before, "a refused launch rewrote meta.json or something else"
 
