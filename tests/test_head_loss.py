@@ -13,7 +13,6 @@ parity battery (``tests/test_parity.py``).
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
