@@ -13,10 +13,10 @@ trains the same model the textbook way:
   model's own ``_init_weights``), ``model.config_overrides`` applied; train mode.
 * Optimizer: ``torch.optim.AdamW`` over ``finetune.engine.param_groups``; transformers ``get_scheduler``;
   gradients clipped to ``train.max_grad_norm`` (global norm accumulated in fp64).
-* Loss of a step (:func:`full_logits_loss_sum`, from the full logits): ``sum over every target token of the global batch / number of targets`` (token
-  weighting) or, with ``train.loss_weighting: micro_batch``, the mean over all micro-batches of each
-  micro-batch's own mean. The micro-batches are run one after the other and their gradients
-  accumulated, which is the same gradient as one forward over the whole global batch.
+* Loss of a step (:func:`full_logits_loss_sum`, from the full logits): ``sum over every target token of the
+  global batch / number of targets`` (token weighting) or, with ``train.loss_weighting: micro_batch``, the
+  mean over all micro-batches of each micro-batch's own mean. The micro-batches are run one after the other
+  and their gradients accumulated, which is the same gradient as one forward over the whole global batch.
 
 Imports nothing from DeepSpeed; the tests compare the real toolkit's ``metrics.jsonl`` and export with it.
 """

@@ -13,7 +13,6 @@ parity battery (``tests/test_parity.py``).
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -123,10 +122,18 @@ def test_target_positions_only_equal_full_head(monkeypatch):
 def test_peft_packed_rows_and_unsupported_models():
     """A peft LoRA model (LoRA on attention and on the tied lm_head itself) with packed ``position_ids``: the same
     loss and gradients as its full head. A model that soft-caps its logits after the head is refused."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.recipes import gpt_clm
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0)
+    gemma = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(RuntimeError, match="changes the output of its head"):
+        gpt_clm.forward(gemma, _batch(False, 300))
+
+    peft = pytest.importorskip("peft", reason="peft is the LoRA branch's dependency")  # pinned with LoRA (issue 10)
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     batch = _batch(False, 50257)
     batch["position_ids"] = torch.cat([torch.arange(9), torch.arange(7)]).repeat(3, 1)  # two packed documents
@@ -137,12 +144,6 @@ def test_peft_packed_rows_and_unsupported_models():
         got = _loss_and_grads(lambda: gpt_clm.forward(model, batch).loss_sum, model)
         _assert_same(got, want, f"peft LoRA on {targets}")
         assert any("lora" in k for k in got[1])
-
-    cfg = AutoConfig.for_model("gemma2", vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0)
-    gemma = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(RuntimeError, match="changes the output of its head"):
-        gpt_clm.forward(gemma, _batch(False, 300))
 
 
 def test_zero0_and_zero3_equal_full_head(tmp_path):
