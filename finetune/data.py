@@ -307,6 +307,9 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
             out = datasets.Dataset.from_file(str(path))
             logger.info(f"{name}: {len(out):,} rows (cache hit: {path})")
             dropped = None
+            summary = path.with_name(path.name + ".summary")  # what the recipe counted when it tokenized (sft)
+            if counts_rows and summary.is_file():
+                logger.info(f"{name}: {summary.read_text()} (when tokenized)")
         else:
             start = time.monotonic()
             if counts_rows:
@@ -319,6 +322,7 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
                         f"{f'; dropped {dropped:,} empty or null texts' if dropped else ''}: {path})")
             if counts_rows:
                 logger.info(f"{name}: {fn.summary()}")
+                path.with_name(path.name + ".summary").write_text(fn.summary())  # logged again on a cache hit
         if len(out) == 0:
             why = (f"every one of its {len(ds):,} texts in column '{col}' is empty or null" if dropped == len(ds)
                    else f"{len(ds):,} rows gave no example ({fn.summary()})" if counts_rows and dropped is None

@@ -237,16 +237,16 @@ _CLM = ["recipe=gpt_clm", "data.train_files=[data/wikitext2/test.parquet]",
         "data.max_seq_len=64", "data.max_train_rows=400"]
 # (model, recipe, stage): qwen3-sft-z2 is in the default suite (test_sft_chat_two_ranks_qwen3), llama-sft-z3-offload
 # in the parity battery; the rest of the matrix is extended to keep the suite within its budget
-# (python -m pytest -m extended tests/test_sft.py; 15 launches, about 10 minutes on 2 busy cores).
+# (python -m pytest -m extended tests/test_sft.py; 15 launches, all passed: 31 minutes on 2 busy cores).
 _MATRIX = [(m, r, s) for m in ("tiny-llama", "tiny-qwen3") for r in ("sft", "gpt_clm") for s in _STAGES
            if (m, r, s) != ("tiny-qwen3", "sft", "z2")]  # test_sft_chat_two_ranks_qwen3
 _DEFAULT: set = set()  # add a case here to run it in the default suite (about 30 s per launch)
 
 
-def _run_and_check_export(tmp_path: Path, model: str, recipe: str, stage: str) -> Path:
+def _run_and_check_export(tmp_path: Path, model: str, recipe: str, stage: str, *extra: str) -> Path:
     out = tmp_path / f"{model}-{recipe}-{stage}"
     overrides = [f"output_dir={out}", f"model.path=data/models/{model}", *_STAGES[stage],
-                 *(_CLM if recipe == "gpt_clm" else [])]
+                 *(_CLM if recipe == "gpt_clm" else []), *extra]
     ok(launch(SFT, overrides))
     check = json.loads((out / "export_check.json").read_text())
     assert check["finite"] and check["max_abs_logit_diff"] <= 1e-4
@@ -266,7 +266,7 @@ def test_model_families_train_and_export(tmp_path, model, recipe, stage):
 def test_sft_chat_two_ranks_qwen3(tmp_path):
     """The chat form on 2 ranks (Qwen3 architecture, ZeRO-2, packing): trains, logs the row/truncation/fill-ratio
     summary once per split, evaluates answer-token loss and perplexity, exports packed-row logits that match."""
-    out = _run_and_check_export(tmp_path, "tiny-qwen3", "sft", "z2")
+    out = _run_and_check_export(tmp_path, "tiny-qwen3", "sft", "z2", f"data.cache_dir={tmp_path / 'cache'}")
     log = (out / "logs" / "rank0.log").read_text()
     summaries = [line for line in log.splitlines() if "sft: " in line and "fill ratio" in line]
     assert len(summaries) == 2, summaries  # train and validation, once each
