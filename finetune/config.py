@@ -67,6 +67,9 @@ class DataConfig:
     """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
     packing: bool = True
     """CLM only: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens."""
+    group_by_length: bool = True
+    """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
+    transformers' ``LengthGroupedSampler``): less padding, no rank waiting for a wider one. No effect on packed rows."""
     mlm_probability: float = 0.15
     """MLM only: fraction of tokens selected for masking (BERT: 80% [MASK], 10% random, 10% kept)."""
     pad_to_multiple_of: int = 0
