@@ -125,7 +125,7 @@ class TrainConfig:
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     log_every: int = 10
-    """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
+    """Log train loss, lr, grad norm, tokens/s, padding ratio, the step-time split (timed on that step only) and MFU every N optimizer steps."""
     sample_prompt: str = ""
     """gpt_clm only: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
     precision: str = "auto"
