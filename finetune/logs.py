@@ -194,7 +194,7 @@ class StepMeter:
         import torch
 
         self.window = torch.zeros(3, dtype=torch.float64, device=device)
-        """This rank's [non-pad tokens, positions, rows] since the last log line (the loop all-reduces and zeroes it)."""
+        """This rank's [non-pad tokens, positions, rows] since the last log line (the loop all-reduces, zeroes it)."""
         self.epoch = torch.zeros(2, dtype=torch.float64, device=device)
         """This rank's [non-pad tokens, positions] of the current epoch."""
 
@@ -249,7 +249,8 @@ class StepMeter:
                "train/padding_ratio": tokens / positions if positions else float("nan")}
         out.update({f"time/{k}_s": v for k, v in self.split.items()})
         if self.peak and rows:
-            out["train/mfu"] = per_device * model_flops_per_token(self.model, positions / rows, self.n_params) / self.peak
+            flops = model_flops_per_token(self.model, positions / rows, self.n_params)
+            out["train/mfu"] = per_device * flops / self.peak
         return out
 
     def describe_mfu(self, scalars: dict[str, float]) -> str:

@@ -32,9 +32,10 @@ Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a ro
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time) and
-per device, non-pad tokens trained so far, the padding ratio (real tokens / positions), the step-time split of the logged step (data wait,
-forward, backward, optimizer; timed on that step only, so the others run without extra synchronisation) and
-MFU on known GPUs (:class:`finetune.logs.StepMeter`). Each epoch's padding ratio goes to the log at its end.
+per device, non-pad tokens trained so far, the padding ratio (real tokens / positions), the step-time split of
+the logged step (data wait, forward, backward, optimizer; timed on that step only, so the others run without
+extra synchronisation) and MFU on known GPUs (:class:`finetune.logs.StepMeter`). The progress bar shows loss,
+tokens/s per device, padding ratio and MFU. Each epoch's padding ratio goes to the log at its end.
 Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
 checkpoints every ``train.save_every`` steps and at the end.
 """
@@ -294,7 +295,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                            "train/epoch": state.epoch + state.samples_in_epoch / (epoch_rows * world),
                            "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps}
                 sink.write(state.step, scalars)
-                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}", tok_s=f"{scalars['train/tokens_per_s']:.0f}",
+                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
+                                 tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
                                  pad=f"{scalars['train/padding_ratio']:.2f}", mfu=meter.describe_mfu(scalars))
                 logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
                 acc.zero_()
