@@ -198,7 +198,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
         collator = recipe.make_collator(tokenizer, cfg.data)
         t = cfg.train
-        train_dl = data_utils.train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed)
+        train_dl = data_utils.train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed,
+                                           t.gradient_accumulation_steps)
         eval_dl = data_utils.eval_loader(splits.validation, collator, cfg.data, t.micro_batch_size)
         steps_per_epoch = (train_dl.sampler.num_samples // t.micro_batch_size) // t.gradient_accumulation_steps
         if steps_per_epoch == 0:

@@ -97,6 +97,9 @@ class DataConfig:
     """sft only: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: str = "truncate"
     """sft only: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
+    group_by_length: bool = True
+    """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
+    transformers' ``LengthGroupedSampler``): less padding, no rank waiting for a wider one. No effect on packed rows."""
     mlm_probability: float = 0.15
     """MLM only: fraction of tokens selected for masking (BERT: 80% [MASK], 10% random, 10% kept)."""
     pad_to_multiple_of: int = 0
@@ -154,7 +157,7 @@ class TrainConfig:
     keep_last_checkpoints: int = 0
     """Keep the newest N complete checkpoints, removing older ones once a newer one is complete (never the one resumed from or exported); 0 keeps all."""
     log_every: int = 10
-    """Log train loss, lr, grad norm and tokens/s every N optimizer steps."""
+    """Log train loss, lr, grad norm, tokens/s, padding ratio, the step-time split (timed on that step only) and MFU every N optimizer steps."""
     sample_prompt: str = ""
     """gpt_clm and sft: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
     precision: str = "auto"

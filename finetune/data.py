@@ -14,7 +14,13 @@
   (:func:`finetune.distributed.main_process_first`), then read the same cache file.
 * Training uses :class:`ResumableDistributedSampler` (``DistributedSampler`` + skip of the batches
   already consumed when resuming mid-epoch) with ``set_epoch`` every epoch; batches are padded per
-  batch by the recipe's collator, never to a global maximum.
+  batch by the recipe's collator, never to a global maximum. With ``data.group_by_length`` (default, for
+  rows of different lengths) the epoch's order is length-grouped per GLOBAL batch (:func:`grouped_order`):
+  every rank's micro-batches of one optimizer step come from one length bucket, so little is padding and
+  no rank waits in the gradient all-reduce for a wider batch.
+* Rank ``r`` takes rows ``r, r + W, r + 2W, ...`` of the epoch's global order (``W`` ranks), so optimizer
+  step ``s`` trains on rows ``[s * G, (s + 1) * G)`` of that order (``G`` = global batch) whatever the
+  world size or the micro-batch/accumulation split (the parity battery relies on it).
 * Rows reach the collator with their row index (:class:`IndexedRows`, :class:`_EvalShard`), and
   :class:`RowSeededCollate` turns it into a per-row seed ``row_seed(train.seed, epoch, index)`` for
   collators that draw random numbers (MLM masks). A row is therefore masked the same way whichever
@@ -416,24 +422,94 @@ class RowSeededCollate:
         return self.collator(rows)
 
 
+def row_lengths(dataset) -> np.ndarray:
+    """Tokens per row of a tokenized ``datasets.Dataset`` (int64 array ``[rows]``), read from the Arrow
+    list offsets of ``input_ids`` (no row is decoded)."""
+    import pyarrow.compute as pc
+
+    column = dataset.data.column("input_ids")
+    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def grouped_order(lengths: np.ndarray, global_batch: int, seed: int, epoch: int) -> list[int]:
+    """One epoch's global row order, grouped by length per global batch (a permutation of ``range(len(lengths))``).
+
+    transformers' ``get_length_grouped_indices`` (the order of its ``LengthGroupedSampler``, used here as it
+    is) draws a random permutation, cuts it into mega-batches of ``min(50, rows // (4 * global_batch))``
+    global batches, sorts each by length (longest first) and moves the longest row to the front. The full
+    global batches of that order are then shuffled as whole batches, except the one holding the longest row,
+    which stays first (an out-of-memory shows at the first step of an epoch, not hours in). The
+    ``rows % global_batch`` rows left over come last (the loop drops them, as it drops any incomplete
+    global batch). Everything is drawn from a ``torch.Generator`` seeded with ``seed + epoch`` (as
+    ``DistributedSampler``), so the order depends only on ``(seed, epoch)``, the lengths and ``global_batch``.
+
+    Args:
+        lengths: tokens per row (ints ``[rows]``, e.g. :func:`row_lengths`).
+        global_batch: rows per optimizer step of all ranks (micro batch x accumulation x world size).
+        seed: ``train.seed``.
+        epoch: 0-based epoch.
+
+    Returns:
+        Row indices (list of int): global batch ``s`` is ``order[s * global_batch:(s + 1) * global_batch]``.
+    """
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    g = torch.Generator()
+    g.manual_seed(seed + epoch)
+    order = get_length_grouped_indices(lengths.tolist(), global_batch, generator=g)
+    full = len(order) // global_batch
+    batches = [order[i * global_batch:(i + 1) * global_batch] for i in range(full)]
+    rest = order[full * global_batch:]
+    if full > 1:
+        batches = batches[:1] + [batches[1 + i] for i in torch.randperm(full - 1, generator=g).tolist()]
+    return [i for batch in batches for i in batch] + rest
+
+
 class ResumableDistributedSampler(DistributedSampler):
-    """``torch.utils.data.DistributedSampler`` that can skip the first ``skip`` samples of one epoch.
+    """``torch.utils.data.DistributedSampler`` that can skip the first ``skip`` samples of one epoch, and can
+    group rows by length per global batch.
 
     The order within an epoch depends only on ``(seed, epoch)``, so skipping the samples a checkpoint
     already consumed resumes exactly at the next micro-batch without collating the skipped ones.
+
+    Args:
+        dataset: rows (only its length is used).
+        num_replicas: world size.
+        rank: this rank.
+        seed: ``train.seed``.
+        lengths: tokens per row (``[rows]``); with ``global_batch`` > 0 the epoch's order is
+            :func:`grouped_order`, otherwise ``DistributedSampler``'s plain shuffle.
+        global_batch: rows per optimizer step of all ranks (micro batch x accumulation x world size).
+
+    In both cases rank ``r`` takes every ``num_replicas``-th row of the global order from ``r`` on, over the
+    first ``len(dataset) // num_replicas * num_replicas`` rows (``drop_last``).
     """
 
-    def __init__(self, dataset, num_replicas: int, rank: int, seed: int):
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, lengths: np.ndarray | None = None,
+                 global_batch: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.skip = 0
+        self.lengths = lengths if global_batch > 0 else None
+        self.global_batch = global_batch
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's permutation and skip its first ``skip`` samples (on this rank)."""
         super().set_epoch(epoch)
         self.skip = skip
 
+    def global_order(self) -> list[int]:
+        """The epoch's order of all rows (before the split over ranks)."""
+        if self.lengths is None:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            return torch.randperm(len(self.dataset), generator=g).tolist()  # DistributedSampler's own shuffle
+        return grouped_order(self.lengths, self.global_batch, self.seed, self.epoch)
+
     def __iter__(self):
-        return iter(list(super().__iter__())[self.skip:])
+        if self.lengths is None:
+            return iter(list(super().__iter__())[self.skip:])
+        mine = self.global_order()[self.rank:self.total_size:self.num_replicas]
+        return iter(mine[self.skip:])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -474,14 +550,37 @@ def _eval_collate(collator, seed: int):
     return collate
 
 
-def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int) -> DataLoader:
-    """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`.
+def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, rank: int,
+                  seed: int) -> ResumableDistributedSampler:
+    """The training sampler of ``rank``: rows grouped by length per global batch when ``data.group_by_length``
+    is on and the rows do not all have one length (packed CLM blocks keep the plain shuffle).
+
+    Args:
+        dataset: the tokenized training split (rows with ``input_ids``), or :class:`IndexedRows` of it.
+        data_cfg: the ``data`` section.
+        global_batch: micro batch x accumulation x world size (rows per optimizer step).
+        world: world size.
+        rank: this rank.
+        seed: ``train.seed``.
+    """
+    base = dataset.dataset if isinstance(dataset, IndexedRows) else dataset
+    lengths = row_lengths(base) if data_cfg.group_by_length else None
+    grouped = lengths is not None and len(lengths) > 0 and lengths.min() != lengths.max()
+    return ResumableDistributedSampler(dataset, world, rank, seed, lengths, global_batch if grouped else 0)
+
+
+def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int,
+                 gradient_accumulation_steps: int = 1) -> DataLoader:
+    """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`
+    (from :func:`train_sampler`).
 
     Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
     ``seed`` (call its ``set_epoch`` with the sampler's).
     """
     rows = IndexedRows(dataset)
-    sampler = ResumableDistributedSampler(rows, dist_utils.world_size(), dist_utils.rank(), seed)
+    world = dist_utils.world_size()
+    sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * world, world,
+                            dist_utils.rank(), seed)
     return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=RowSeededCollate(collator, seed),
                       drop_last=True, num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 

@@ -32,7 +32,11 @@ Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a ro
 (``TrainState.samples_in_epoch``), so a resume with another micro-batch split continues at the next row.
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
-learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time).
+learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time) and
+per device, non-pad tokens trained so far, the padding ratio (real tokens / positions), the step-time split of
+the logged step (data wait, forward, backward, optimizer; timed on that step only, so the others run without
+extra synchronisation) and MFU on known GPUs (:class:`finetune.logs.StepMeter`). The progress bar shows loss,
+tokens/s per device, padding ratio and MFU. Each epoch's padding ratio goes to the log at its end.
 Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
 checkpoints every ``train.save_every`` steps and at the end, keeping the newest
 ``train.keep_last_checkpoints`` (and the one resumed from).
@@ -52,7 +56,7 @@ from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
-from finetune.logs import MetricsSink, logger
+from finetune.logs import MetricsSink, StepMeter, logger
 
 
 def to_device(batch: dict, device) -> dict:
@@ -155,6 +159,15 @@ def _end_skip_stage0(engine) -> None:
             delattr(engine.optimizer, name)
 
 
+def _log_epoch_padding(meter: StepMeter, epoch: int, note: str) -> None:
+    """Log the padding ratio of the epoch's steps trained in this launch (all ranks: one all-reduce)."""
+    tokens, positions = dist_utils.all_reduce_sum(meter.epoch.clone()).tolist()
+    meter.epoch.zero_()
+    if positions:
+        logger.info(f"epoch {epoch}{note}: padding ratio {tokens / positions:.3f} (real tokens / positions: "
+                    f"{tokens:,.0f} / {positions:,.0f})")
+
+
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
         run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1) -> TrainState:
     """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
@@ -192,8 +205,9 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     last_saved = state.step if resume_from else -1
     save_kw = {"keep_last": t.keep_last_checkpoints, "protect": resume_from}  # never prune the resumed-from one
     bad_in_a_row = 0
-    # Running sums since the last log line: [loss of each good step, good steps, non-pad tokens]
-    acc = torch.zeros(3, dtype=torch.float64, device=device)
+    # Running sums since the last log line: [loss of each good step, good steps]; tokens and positions: meter
+    acc = torch.zeros(2, dtype=torch.float64, device=device)
+    meter = StepMeter(engine.module, device, world, half_precision=engine.bfloat16_enabled() or engine.fp16_enabled())
     t_log = time.perf_counter()
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
                 dynamic_ncols=True)
@@ -211,27 +225,32 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             ckpt_utils.restore_rng_state(resume_from)
             resume_from = None
         while done + step_rows <= epoch_rows and state.step < total_steps:
+            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
+            meter.begin(sample=log_now)
             micro = [next(batches) for _ in range(gas)]
+            meter.lap("data_wait")
             if token_weighted:
                 n = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum().to(device, torch.float32)
                 denom = dist_utils.all_reduce_sum(n).clamp(min=1.0) / (world * gas)
             grad_norm = None
-            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, batch in enumerate(micro):
                 batch = to_device(batch, device)
                 out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
                 norm = denom if token_weighted else out.targets.clamp(min=1)
                 loss = out.loss_sum / norm
+                meter.lap("forward")
                 engine.backward(loss)
+                meter.lap("backward")
                 if stage0 and i == gas - 1:  # grads are all-reduced: the same norm on every rank
                     grad_norm = _grad_norm_stage0(engine)  # DeepSpeed keeps no norm at stage 0
                     if not math.isfinite(grad_norm):
                         _skip_update_stage0(engine)
                 engine.step()
+                meter.lap("optimizer")
                 step_loss += loss.detach().double() / gas
                 # non-pad tokens; packed sft rows have no attention_mask: their positions (pad tails included)
-                acc[2] += batch["attention_mask"].sum() if "attention_mask" in batch else batch["input_ids"].numel()
+                meter.count(batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"]))
             if stage0:
                 _end_skip_stage0(engine)
             state.step += 1
@@ -264,22 +283,26 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 acc[1] += 1
 
             if log_now:
-                totals = dist_utils.all_reduce_sum(acc.clone())
+                totals = dist_utils.all_reduce_sum(torch.cat([acc, meter.window]))
                 elapsed = time.perf_counter() - t_log
                 steps = totals[1].item() / world
                 if grad_norm is None:
                     gn = engine.get_global_grad_norm()
                     grad_norm = float(gn) if gn is not None else float("nan")
-                state.tokens_seen += int(totals[2].item())
+                tokens, positions, rows = totals[2:].tolist()
+                state.tokens_seen += int(tokens)
                 scalars = {"train/loss": totals[0].item() / world / steps if steps else float("nan"),
                            "train/lr": engine.get_lr()[0], "train/grad_norm": grad_norm,
-                           "train/tokens_per_s": totals[2].item() / elapsed,
+                           **meter.scalars(tokens, positions, rows, elapsed),
                            "train/epoch": state.epoch + state.samples_in_epoch / (epoch_rows * world),
-                           "train/bad_steps": state.bad_steps}
+                           "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps}
                 sink.write(state.step, scalars)
-                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}", tok_s=f"{scalars['train/tokens_per_s']:.0f}")
+                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
+                                 tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
+                                 pad=f"{scalars['train/padding_ratio']:.2f}", mfu=meter.describe_mfu(scalars))
                 logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
                 acc.zero_()
+                meter.window.zero_()
                 t_log = time.perf_counter()
 
             if t.eval_every and state.step % t.eval_every == 0 and state.step < total_steps:
@@ -296,9 +319,11 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 pbar.close()
                 return state
         if done + step_rows > epoch_rows:
+            _log_epoch_padding(meter, state.epoch, "")
             state.epoch += 1
             state.samples_in_epoch = 0
     pbar.close()
+    _log_epoch_padding(meter, state.epoch, " (up to the last step)")
 
     _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
     if last_saved != state.step:

@@ -4,7 +4,8 @@
 trains the same model the textbook way:
 
 * Data: the package's own tokenized splits (``finetune.data.load_splits``, same cache), one
-  ``ResumableDistributedSampler`` per simulated rank with ``num_replicas``/``rank`` given explicitly,
+  training sampler per simulated rank (``finetune.data.train_sampler``, length grouping included) with the
+  world size and rank given explicitly,
   each feeding a DataLoader with the recipe's collator behind ``RowSeededCollate`` (so the per-rank
   micro-batches, their padding and their MLM masks are the very tensors rank ``r`` collates), the
   same epoch bookkeeping as ``finetune.trainer.fit`` (``micro_per_epoch``, ``set_epoch``).
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from finetune.config import RunConfig
-from finetune.data import IndexedRows, ResumableDistributedSampler, RowSeededCollate, load_splits
+from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
 from finetune.engine import load_model_config, load_tokenizer, param_groups
 from finetune.recipes import get_recipe
 
@@ -101,7 +102,7 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
     splits = _SPLITS[key]
     collator = recipe.make_collator(tokenizer, cfg.data)
     rows = IndexedRows(splits.train)
-    samplers = [ResumableDistributedSampler(rows, num_replicas=world, rank=r, seed=t.seed) for r in range(world)]
+    samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
     collates = [RowSeededCollate(collator, t.seed) for _ in range(world)]
     loaders = [DataLoader(rows, batch_size=mb, sampler=s, collate_fn=c, drop_last=True)
                for s, c in zip(samplers, collates)]

@@ -91,15 +91,16 @@ def _stage(n: int) -> str:
     return f"ds.zero_optimization.stage={n}"
 
 
-# name -> (config, ranks, overrides). Global batch is 8 rows and 20 steps everywhere.
+# name -> (config, ranks, overrides). Global batch is 8 rows and 20 steps everywhere. The GPT accumulation layouts
+# (gpt-z2, gpt-1rank-*) group rows by length: the grouped order does not depend on world size or split either.
 RUNS: dict[str, tuple[Path, int, list[str]]] = {
     "gpt-z0": (GPT, 2, [_stage(0), "export=true"]),
-    "gpt-z2": (GPT, 2, [_stage(2), *_layout(2, 2), "export=true"]),
+    "gpt-z2": (GPT, 2, [_stage(2), *_layout(2, 2), "export=true", "data.group_by_length=true"]),
     "gpt-z3": (GPT, 2, [_stage(3), "export=true"]),
     "bert-z0": (BERT, 2, [_stage(0), *_layout(2, 2)]),
     "bert-z3": (BERT, 2, [_stage(3), "export=true"]),
-    "gpt-1rank-8x1": (GPT, 1, _layout(8, 1)),
-    "gpt-1rank-2x4": (GPT, 1, _layout(2, 4)),
+    "gpt-1rank-8x1": (GPT, 1, [*_layout(8, 1), "data.group_by_length=true"]),
+    "gpt-1rank-2x4": (GPT, 1, [*_layout(2, 4), "data.group_by_length=true"]),
     "bert-1rank-2x4": (BERT, 1, [*_layout(2, 4), "data.num_workers=2"]),  # masks made in DataLoader workers
     "gpt-offload-z3": (GPT, 2, ["deepspeed=ds_configs/zero3_offload.json", "export=true"]),
     "gpt-bf16": (GPT, 2, [_stage(2), "ds.bf16.enabled=true"]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
 # ZeRO-0 product runs are covered by tests/test_resume_changes.py (skipped steps) and test_parity.py, ZeRO-3 + CPU
 # offload (training, export) by test_parity.py's gpt-offload-z3; they left this matrix for the 25-minute budget.
 STAGES = ["zero2", "zero3"]
-TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s"}
+TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_per_s_per_device",
+                 "train/padding_ratio", "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s"}
 EVAL_SCALARS = {"eval/loss", "eval/perplexity"}
 MODEL_CLASS = {"gpt": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
 
@@ -72,6 +74,19 @@ def test_training_run(runs, recipe, stage):
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17)), "indexed by optimizer step"
     assert [v for _, v in scalars["train/loss"]] == pytest.approx(values, rel=1e-6)  # TensorBoard keeps float32
     assert all(v > 0 for _, v in scalars["train/grad_norm"]) and all(v > 0 for _, v in scalars["train/tokens_per_s"])
+    rows = [r for r in read_metrics(run) if "train/loss" in r]
+    for r in rows:  # throughput per device, padding, and the step-time split of each logged step (seconds)
+        assert r["train/tokens_per_s_per_device"] == pytest.approx(r["train/tokens_per_s"] / 2, rel=1e-9)
+        assert r["time/forward_s"] > 0 and r["time/backward_s"] > 0 and r["time/optimizer_s"] > 0
+        assert 0 <= r["time/data_wait_s"] < 60
+        assert "train/mfu" not in r, "MFU only on GPUs of the peak table"
+    padding = [r["train/padding_ratio"] for r in rows]
+    if recipe == "gpt":  # packed blocks: no padding at all
+        assert padding == [1.0] * 16
+    else:  # rows of up to 64 tokens, grouped by length per global batch: little padding, never none
+        assert all(0.5 < p <= 1.0 for p in padding) and min(padding) < 1.0, padding
+    log = (run / "logs" / "rank0.log").read_text()
+    assert re.search(r"epoch 0 \(up to the last step\): padding ratio (0|1)\.\d{3} \(real tokens / positions", log)
 
     for step in (8, 16):
         assert (run / "checkpoints" / f"step{step}" / "COMPLETE").is_file()

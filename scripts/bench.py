@@ -1,0 +1,303 @@
+"""Side-by-side benchmark: ``finetune`` vs Hugging Face Trainer + DeepSpeed on the same model, data and batch layout.
+
+Each contender is launched with the ``deepspeed`` launcher on the same ranks, model (config + overrides, random
+init from ``train.seed``), training rows (empty texts dropped), micro batch x accumulation, ZeRO stage, precision,
+optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
+
+* ``finetune``: ``finetune/run.py`` on the preset's run config (length-grouped global batches for unpacked rows);
+* ``hf``: ``Trainer`` as users run it by default (``scripts/bench_hf.py``; random sampler, per-batch padding);
+* ``hf_grouped``: ``Trainer`` with ``train_sampling_strategy="group_by_length"`` (``group_by_length=True`` of
+  transformers 4; ``LengthGroupedSampler``, per rank; unpacked presets only);
+* ``hf_rebalance``: ``Trainer`` with ``train_sampling_strategy="batch_rebalance"`` (new in transformers 5: balances
+  padded cost across ranks and accumulation steps of each global batch; unpacked presets only).
+
+Contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
+hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of each launch are warm-up, not timed):
+
+* real tokens/s: non-pad tokens of all ranks over the wall time of the timed steps; positions/s likewise with pad;
+* step time: median and spread (interquartile range) of the per-step wall times;
+* time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
+  set-up; the tokenized data are cached after the first round), median over rounds;
+* peak memory per rank: the largest ``VmHWM`` (peak resident set) of the rank processes (CPU ranks; sampled every
+  0.2 s from ``/proc``), or ``torch.cuda.max_memory_allocated`` for the HF contender on GPUs;
+* final loss: mean logged training loss of the last 5 steps (the rows differ between contenders, so compare
+  within noise);
+* ratio: real tokens/s of ``finetune`` over each HF contender's.
+
+Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
+``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires); the package never imports it.
+
+Usage (from the repository root; CPU ranks unless ``--gpu``)::
+
+    python scripts/bench.py                                   # bert_mlm, 2 ranks, 40 steps, 2 rounds
+    python scripts/bench.py --preset gpt_clm --steps 60 --rounds 3
+    python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PRESETS: dict[str, dict] = {
+    # The issue's set-up: BERT 4 layers, hidden 256, WikiText-2 rows of up to 256 tokens, micro batch 8, ZeRO-2.
+    "bert_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml",
+                 "overrides": ["model.config_overrides={num_hidden_layers: 4, hidden_size: 256, "
+                               "intermediate_size: 1024, num_attention_heads: 4}", "data.max_seq_len=256",
+                               "train.micro_batch_size=8", "train.gradient_accumulation_steps=1",
+                               "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+                 "contenders": ["finetune", "hf", "hf_grouped", "hf_rebalance"],
+                 "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+                          "num_attention_heads: 2}", "data.max_seq_len=64", "train.micro_batch_size=4"]},
+    # Packed causal LM: the shipped byte-level GPT-2 (2 layers, hidden 128), 128-token blocks; HF with group_texts.
+    "gpt_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml",
+                "overrides": ["train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
+                              "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+                "contenders": ["finetune", "hf"],
+                "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
+                         "data.max_seq_len=64", "train.micro_batch_size=4"]},
+}
+"""Per preset: base run config, overrides, contenders, and ``tiny`` overrides (``--tiny``: a smoke run, for tests)."""
+
+
+def environment(gpu: bool) -> dict:
+    env = dict(os.environ)
+    env.update({"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"})
+    if not gpu:
+        env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeakRSS(threading.Thread):
+    """Largest ``VmHWM`` (kB) of each rank process (a descendant with ``--local_rank`` in its command line)."""
+
+    def __init__(self, root_pid: int):
+        super().__init__(daemon=True)
+        self.root, self.peaks, self.done = root_pid, {}, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        while not self.done.is_set():
+            try:
+                kids = psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                kids = []
+            for kid in kids:
+                try:
+                    if not any(a.startswith("--local_rank") for a in kid.cmdline()):
+                        continue
+                    status = Path(f"/proc/{kid.pid}/status").read_text()
+                except (OSError, psutil.Error):
+                    continue
+                for line in status.splitlines():
+                    if line.startswith("VmHWM:"):
+                        self.peaks[kid.pid] = max(self.peaks.get(kid.pid, 0), int(line.split()[1]))
+            self.done.wait(0.2)
+
+
+def run_launch(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[float, dict[int, int]]:
+    """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid)."""
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        meter = PeakRSS(proc.pid)
+        meter.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            meter.done.set()
+            meter.join()
+    if code != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (exit {code}); its output: {log}\n"
+                           + log.read_text()[-3000:])
+    return start, meter.peaks
+
+
+def clean_shm(before: set[str]) -> None:
+    """Remove the ``/dev/shm/deepspeed_allreduce_buffer_*`` files a launch left (HF Trainer leaves them)."""
+    for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict:
+    """One launch of the toolkit; per-step wall times, tokens and positions from its ``metrics.jsonl``."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+           str(free_port()), "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}"]
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train/loss" in r]
+    tokens = [b["train/tokens_seen"] - a["train/tokens_seen"] for a, b in zip([{"train/tokens_seen": 0}] + rows, rows)]
+    return {"start": start, "ends": [r["time"] for r in rows], "tokens": tokens,
+            "positions": [t / r["train/padding_ratio"] for t, r in zip(tokens, rows)],
+            "losses": [r["train/loss"] for r in rows], "peaks": peaks, "gpu_peak": None}
+
+
+HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
+
+
+def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_hf.py``; per-step times and the counts of its collated micro-batches."""
+    out.mkdir(parents=True)
+    spec = {**spec, "sampling": sampling, "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+           str(free_port()), "scripts/bench_hf.py", "--spec", str(out / "spec.json")]
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
+    gas, steps = spec["gradient_accumulation_steps"], spec["steps"]
+    tokens, positions = [], []
+    for s in range(steps):  # step s trains on the micro-batches [s * gas, (s + 1) * gas) of every rank
+        micro = [c for r in ranks for c in r["counts"][s * gas:(s + 1) * gas]]
+        tokens.append(sum(c[0] for c in micro))
+        positions.append(sum(c[1] for c in micro))
+    losses = ranks[0]["losses"]
+    return {"start": start, "ends": ranks[0]["step_ends"][:steps], "tokens": tokens, "positions": positions,
+            "losses": [losses[k] for k in sorted(losses, key=int)], "peaks": peaks,
+            "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
+
+
+def summarize(name: str, runs: list[dict], skip: int) -> dict:
+    """Pool the launches of one contender (see the module docstring for each number)."""
+    step_times, tokens, positions, seconds, first, losses, peak = [], 0, 0, 0.0, [], [], 0
+    for r in runs:
+        ends = r["ends"]
+        times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
+        timed = times[max(skip - 1, 0):]
+        step_times += timed
+        seconds += sum(timed)
+        tokens += sum(r["tokens"][len(ends) - len(timed):])
+        positions += sum(r["positions"][len(ends) - len(timed):])
+        first.append(ends[0] - r["start"])
+        losses.append(statistics.fmean(r["losses"][-5:]))
+        peak = max([peak, *r["peaks"].values()])
+    q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
+    return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
+            "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
+            "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first),
+            "peak_rss_per_rank_mb": peak / 1024 if peak else None,
+            "gpu_max_allocated_mb": max((r["gpu_peak"] or 0) for r in runs) / 2**20 or None,
+            "final_loss": statistics.fmean(losses), "rounds": len(runs)}
+
+
+def hf_spec(cfg, steps: int, precision: str) -> dict:
+    """What ``scripts/bench_hf.py`` needs of the resolved run config, and its DeepSpeed dict (``auto`` sizes)."""
+    from finetune.ds_config import load_ds_json
+
+    ds = load_ds_json(cfg.deepspeed)
+    ds.update({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
+               "bf16": {"enabled": precision == "bf16"}, "fp16": {"enabled": precision == "fp16"}})
+    t, d, m = cfg.train, cfg.data, cfg.model
+    return {"recipe": cfg.recipe, "model": m.path, "tokenizer": m.tokenizer_path or m.path,
+            "config_overrides": m.config_overrides, "train_files": d.train_files, "max_train_rows": d.max_train_rows,
+            "max_seq_len": d.max_seq_len, "mlm_probability": d.mlm_probability, "micro_batch_size": t.micro_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps, "steps": steps, "lr": t.lr,
+            "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
+            "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds}
+
+
+def table(preset: str, results: list[dict]) -> str:
+    """The results as a text table, one line per contender."""
+    cols = [("real tok/s", "{:.0f}", "real_tokens_per_s"), ("pos/s", "{:.0f}", "positions_per_s"),
+            ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
+            ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
+            ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this")]
+    lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
+    for r in results:
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "n/a" for _, fmt, key in cols]
+        lines.append(f"{r['contender']:<13}" + "".join(f"{c:>14}" for c in cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="bert_mlm", choices=[*PRESETS, "all"])
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per launch")
+    p.add_argument("--rounds", type=int, default=2, help="launches per contender, alternating")
+    p.add_argument("--skip", type=int, default=3, help="warm-up steps per launch left out of the timing")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
+    p.add_argument("--gpu", action="store_true", help="GPU ranks (bf16); default: CPU ranks, fp32")
+    p.add_argument("--tiny", action="store_true", help="small model and data: a smoke run of the benchmark")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
+    p.add_argument("--contenders", default="", help="comma-separated subset of the preset's contenders")
+    p.add_argument("--keep", default="", help="folder to keep the launches' run folders in (default: temporary)")
+    p.add_argument("overrides", nargs="*", help="extra key=value run-config overrides for every contender")
+    args = p.parse_args(argv)
+    if args.steps <= args.skip:
+        p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+
+    from finetune.config import load_run_config
+
+    precision = "bf16" if args.gpu else "fp32"
+    env = environment(args.gpu)
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="finetune_bench_") as tmp:
+        root = Path(args.keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        env.setdefault("FINETUNE_CACHE", str(root / "cache"))
+        for name in PRESETS if args.preset == "all" else [args.preset]:
+            preset = PRESETS[name]
+            tiny = [*preset["tiny"], "data.max_train_rows=400"] if args.tiny else []
+            overrides = [*preset["overrides"], *tiny, f"train.max_steps={args.steps}",
+                         "train.log_every=1", "train.eval_every=0", "train.eval_on_start=false",
+                         "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
+                         f"train.precision={precision}", *args.overrides]
+            cfg = load_run_config(REPO / preset["config"], overrides)
+            spec = hf_spec(cfg, args.steps, precision)
+            t = cfg.train
+            print(f"{name}: {cfg.model.path} {cfg.model.config_overrides}, max_seq_len {cfg.data.max_seq_len}, "
+                  f"micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps} x {args.nproc} ranks, "
+                  f"{cfg.deepspeed}, {precision}, seed {t.seed}, {args.steps} steps x {args.rounds} rounds "
+                  f"(first {args.skip} per launch not timed)", flush=True)
+            chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
+            runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
+            for rnd in range(args.rounds):
+                for c in runs:
+                    out = root / f"{name}-{c}-{rnd}"
+                    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+                    t0 = time.perf_counter()
+                    try:
+                        if c == "finetune":
+                            runs[c].append(ours(preset, overrides, args, out, env))
+                        else:
+                            runs[c].append(hf(spec, HF_SAMPLING[c], args, out, env))
+                    finally:
+                        clean_shm(before)
+                    print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
+            results = [summarize(c, r, args.skip) for c, r in runs.items()]
+            base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
+            for r in results:
+                r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
+            print(table(name, results))
+            for r in results:
+                print(json.dumps({"bench": name, **r}))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

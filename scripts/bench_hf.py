@@ -1,0 +1,112 @@
+"""The Hugging Face Trainer + DeepSpeed contender of ``scripts/bench.py`` (launched by it under ``deepspeed``).
+
+Written as a user of transformers writes it: ``datasets`` reads the parquet files, the tokenizer truncates rows
+(MLM) or ``group_texts`` packs them into blocks (causal LM, as ``run_clm.py``), ``DataCollatorForLanguageModeling``
+masks and pads, ``Trainer(args=TrainingArguments(deepspeed=<dict>, train_sampling_strategy=...))`` trains. Empty texts
+are dropped first, as the toolkit does, so both train on the same rows. The model, batch layout, ZeRO stage,
+precision, optimizer (torch AdamW), schedule, seed and number of steps come from the same spec as the toolkit's
+run (``--spec``, written by ``scripts/bench.py``).
+
+Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds),
+the non-pad tokens and positions of each collated micro-batch, and (rank 0) the logged loss of each step.
+This file is a benchmark contender only: the ``finetune`` package never imports transformers' ``Trainer``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", required=True, help="JSON spec written by scripts/bench.py")
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    args = p.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+
+    import datasets
+    import torch
+    import transformers
+    from transformers import (AutoConfig, DataCollatorForLanguageModeling, Trainer, TrainerCallback,
+                              TrainingArguments, default_data_collator)
+
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    out = Path(spec["out"])
+    rank = int(os.environ.get("RANK", 0))
+    mlm = spec["recipe"] == "bert_mlm"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    max_len = spec["max_seq_len"]
+
+    raw = datasets.load_dataset("parquet", data_files=spec["train_files"], split="train",
+                                cache_dir=str(out.parent / "hf-datasets"))
+    if spec.get("max_train_rows"):
+        raw = raw.select(range(min(spec["max_train_rows"], len(raw))))
+    raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
+    if mlm:
+        train = raw.map(lambda b: tokenizer(b["text"], truncation=True, max_length=max_len,
+                                            return_special_tokens_mask=True),
+                        batched=True, remove_columns=raw.column_names)
+        collate = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=spec["mlm_probability"])
+    else:
+        def group_texts(batch):  # transformers examples/pytorch/language-modeling/run_clm.py, EOS between texts
+            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+            stream = [t for row in ids for t in row + [tokenizer.eos_token_id]]
+            n = len(stream) // max_len * max_len
+            blocks = [stream[i:i + max_len] for i in range(0, n, max_len)]
+            return {"input_ids": blocks, "attention_mask": [[1] * max_len for _ in blocks],
+                    "labels": [list(b) for b in blocks]}
+
+        train = raw.map(group_texts, batched=True, remove_columns=raw.column_names)
+        collate = default_data_collator
+
+    counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
+
+    def counting_collate(rows):
+        batch = collate(rows)
+        mask = batch["attention_mask"]
+        counts.append((int(mask.sum()), int(mask.numel())))
+        return batch
+
+    step_ends: list[float] = []
+    losses: dict[int, float] = {}
+
+    class Meter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.time())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"])
+
+    config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
+    for k, v in spec["config_overrides"].items():
+        setattr(config, k, v)
+    torch.manual_seed(spec["seed"])
+    model_class = transformers.AutoModelForMaskedLM if mlm else transformers.AutoModelForCausalLM
+    model = model_class.from_config(config, dtype=torch.float32)
+    half = spec["precision"]
+    targs = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=spec["gradient_accumulation_steps"], max_steps=spec["steps"],
+        learning_rate=spec["lr"], weight_decay=spec["weight_decay"], warmup_steps=spec["warmup_steps"],
+        lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
+        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        dataloader_num_workers=0, train_sampling_strategy=spec["sampling"], bf16=half == "bf16",
+        fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available())
+    trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=counting_collate,
+                      processing_class=tokenizer, callbacks=[Meter()])
+    trainer.train()
+    peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "counts": counts,
+                                                      "losses": losses, "gpu_max_allocated": peak_gpu}))
+
+
+if __name__ == "__main__":
+    main()
