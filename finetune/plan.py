@@ -48,7 +48,8 @@ CPU Adam and PCIe traffic) and the largest micro batch that still fits it (activ
 micro batch). "Fits" leaves 10% of the GPU memory for the CUDA context and allocator fragmentation.
 
 Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_measured_rss`` (CPU ranks,
-``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 25%; on CPU ranks a fixed
+``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50%: usually 25%, but
+CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 :data:`CPU_RUNTIME_BYTES` is added for the runtime's lazily allocated workspace).
 """
 
