@@ -164,6 +164,11 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
             del head.forward
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` equals ``b``, NaN equal to NaN (a diverged step's loss is NaN; the loop skips that step)."""
+    return torch.equal(a, b) or bool(torch.isnan(a).all() and torch.isnan(b).all())
+
+
 def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
                    count_correct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model(**inputs)`` with its head and cross-entropy only at the positions where ``targets != -100``.
@@ -193,7 +198,7 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
     if state.loss is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} never called its output head {type(head).__name__}; "
                            f"the target-position loss cannot run on this model")
-    if got.ndim != 0 or not torch.equal(got.detach(), state.loss.detach()):
+    if got.ndim != 0 or not _same(got.detach(), state.loss.detach()):
         raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
                            f"before returning it (e.g. logit soft-capping or scaling); the target-position loss "
                            f"does not support such models")
