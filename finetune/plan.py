@@ -33,9 +33,11 @@ no GPU). For each option it adds up, per rank:
   of ``sbI``) + ``2as^2b`` (attention scores and their softmax, only with eager attention: SDPA/flash attention
   keep none) and one byte per dropout mask (``2sbh + as^2b``, only when dropout is on). Gradient checkpointing
   (full recomputation, section 4.1 "2sbh") keeps each layer's input and one layer's activations at a time.
-  The head adds the logits: ``sbV`` in the activation dtype, their fp32 copy for the loss (mixed precision),
-  the fp32 log-softmax that cross entropy saves and its fp32 gradient (``V`` the vocabulary, or the number of
-  labels for ``seq_cls``).
+  The head adds the logits. LM heads run only at target positions (``sb`` x the MLM masking probability for
+  ``bert_mlm``, ``sb`` for causal LMs), in chunks of at most ``LOGITS_CHUNK_ELEMENTS``
+  (:mod:`finetune.recipes.lm_loss`): one chunk's logits in the activation dtype, their fp32 copy (mixed
+  precision) and one fp32 gradient-sized tensor (cross-entropy's saved log-softmax, then its gradient); ``seq_cls``
+  (``V`` = the number of labels, one position per row) also keeps the fp32 log-softmax and its gradient.
 * **DeepSpeed buffers** from the DeepSpeed config: ZeRO 1/2 ``reduce_bucket_size`` (x2 with ``overlap_comm``)
   and ``allgather_bucket_size``; ZeRO 3 ``reduce_bucket_size`` and ``stage3_prefetch_bucket_size``; ZeRO 0 one
   flat gradient bucket for the all-reduce; each in the gradient dtype and never more than the model itself.
@@ -48,7 +50,7 @@ CPU Adam and PCIe traffic) and the largest micro batch that still fits it (activ
 micro batch). "Fits" leaves 10% of the GPU memory for the CUDA context and allocator fragmentation.
 
 Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_measured_rss`` (CPU ranks,
-``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50%: usually 25%, but
+``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50% (measured: 15-30% above);
 CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 :data:`CPU_RUNTIME_BYTES` is added for the runtime's lazily allocated workspace).
 """
@@ -56,6 +58,7 @@ CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -100,6 +103,8 @@ class ModelShape:
     gated_mlp: bool
     eager_attention: bool
     dropout: bool
+    target_fraction: float = 1.0
+    """Fraction of positions where the LM head runs (``bert_mlm``: ``data.mlm_probability``; causal LMs: 1)."""
 
 
 @dataclass
@@ -172,7 +177,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       heads=config.num_attention_heads,
                       head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
                       head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
-                      dropout=dropout)
+                      dropout=dropout,
+                      target_fraction=cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -197,9 +203,14 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
     else:
         layers = shape.layers * layer
     layers += 3 * sbh * act_bytes  # embedding output, final LayerNorm input, head input
-    positions = s * b if shape.head_positions_per_row else b
-    logits = positions * shape.head_outputs * (act_bytes + (4 if act_bytes == 2 else 0) + 4 + 4)
-    return {"activations": layers, "logits": logits}
+    if shape.head_positions_per_row:  # LM heads run at target positions only, in chunks (recipes/lm_loss.py)
+        from finetune.recipes.lm_loss import chunk_tokens
+
+        positions = min(math.ceil(s * b * shape.target_fraction), chunk_tokens(shape.head_outputs))
+        per_element = act_bytes + (4 if act_bytes == 2 else 0) + 4  # head output (+ fp32 copy), its fp32 gradient
+    else:
+        positions, per_element = b, act_bytes + (4 if act_bytes == 2 else 0) + 4 + 4
+    return {"activations": layers, "logits": positions * shape.head_outputs * per_element}
 
 
 def _bucket(ds: dict, key: str, default: float) -> int:

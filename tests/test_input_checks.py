@@ -171,6 +171,7 @@ def test_gpt_vocab_shrink_positions_column_types_and_model_class(tmp_path, monke
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_slow_first_tokenization_outlasts_dist_timeout_and_a_killed_one_leaves_no_entry(tmp_path):
     """A training file rank 0 needs seconds to tokenize. A first run is SIGKILLed while tokenizing: no cache
     entry appears. The next launch (2 ranks, train.dist_timeout_minutes=0.04: 2.4 s) removes the dead run's

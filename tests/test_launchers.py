@@ -82,6 +82,7 @@ def test_torchrun(reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_mpirun(reference, tmp_path):
     try:
         mpirun = ensure_openmpi()

@@ -119,6 +119,7 @@ def test_lora_bert_zero3_resume_with_gradient_checkpointing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_lora_seq_cls_zero3_trains_the_classifier_head(tmp_path):
     """seq_cls: peft's SEQ_CLS task type keeps the classifier head trainable (a copy, saved with the adapter)."""
     import transformers

@@ -55,7 +55,7 @@ example, answer-only labels) on the Llama-architecture scratch model under ZeRO-
 losses 1e-5, grad norms 1e-4, weights 1e-4 against the same reference (measured: passed at those tolerances on the
 first run); also a golden run.
 
-Launch budget: 14 launches (ZeRO 1, ZeRO-2 + offload and BERT 8 x 1 left the battery to keep the suite within
+Launch budget: 12 launches in the default suite (ZeRO 1, ZeRO-2 + offload and BERT 8 x 1 left the battery, GPT 8 x 1 and BERT 1-rank 2 x 4 are extended, to keep the suite within
 its 25-minute budget; they passed at the tolerances above when last run), each run once and shared by the tests that read it (e.g. the ZeRO-0/3 runs are
 also the golden runs). Regenerate golden values with
 ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_parity.py -k golden`` (and say why in the commit).
@@ -302,9 +302,14 @@ def test_seq_cls_matches_single_device(runs, reference, name):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("recipe", "layout"), [(r, lay) for r in ("gpt", "bert")
-                                                 for lay in ("1rank-8x1", "1rank-2x4", "2rank-2x2")
-                                                 if (r, lay) != ("bert", "1rank-8x1")])  # (suite budget)
+# Suite budget: gpt-1rank-8x1 and bert-1rank-2x4 are extended (python -m pytest -m extended); they passed at these
+# tolerances when they were in the default suite.
+_EXTENDED_LAYOUTS = {("gpt", "1rank-8x1"), ("bert", "1rank-2x4")}
+
+
+@pytest.mark.parametrize(("recipe", "layout"), [
+    pytest.param(r, lay, marks=pytest.mark.extended if (r, lay) in _EXTENDED_LAYOUTS else ())
+    for r in ("gpt", "bert") for lay in ("1rank-8x1", "1rank-2x4", "2rank-2x2") if (r, lay) != ("bert", "1rank-8x1")])
 def test_accumulation_matches_single_device(runs, reference, recipe, layout):
     """micro 8 x accum 1 x 1 rank, 2 x 4 x 1, 2 x 2 x 2 ranks: same losses as one device (1e-5 rel).
 
@@ -320,10 +325,10 @@ def test_accumulation_matches_single_device(runs, reference, recipe, layout):
 
 
 def test_accumulation_layouts_agree_with_each_other(runs):
-    """Without the reference: the three layouts of a recipe log the same 20 losses (1e-5 rel)."""
+    """Without the reference: another layout of a recipe logs the same 20 losses as its 2-rank run (1e-5 rel)."""
     for recipe in ("gpt", "bert"):
         two_ranks = logged(runs({"gpt": "gpt-z2", "bert": "bert-z0"}[recipe]), "train/loss")
-        for layout in ("1rank-8x1", "1rank-2x4") if recipe == "gpt" else ("1rank-2x4",):
+        for layout in ("1rank-2x4",) if recipe == "gpt" else ("2rank-2x2",):  # the default suite's layouts
             one_rank = logged(runs(f"{recipe}-{layout}"), "train/loss")
             assert max_rel(one_rank, two_ranks) <= 1e-5, (recipe, layout, one_rank, two_ranks)
 

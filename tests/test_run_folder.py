@@ -60,8 +60,12 @@ def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
 def test_second_launch_into_a_busy_folder_is_refused(tmp_path):
     """Two launches into one output_dir: the second is refused in one line and writes nothing; the first finishes."""
     run = tmp_path / "run"
+    # Long enough that the first launch still runs while the second one starts and validates (~10 s): with the
+    # head at target positions only, 24 steps of this config were over before that, and the second launch
+    # was refused for the finished run's checkpoint instead of the lock.
+    STEPS = 120
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "finetune/run.py",
-           "--config", str(CONFIG), f"output_dir={run}", "train.max_steps=24", "train.save_every=0",
+           "--config", str(CONFIG), f"output_dir={run}", f"train.max_steps={STEPS}", "train.save_every=0",
            "train.eval_every=0", "export=false"]
     first = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -81,7 +85,7 @@ def test_second_launch_into_a_busy_folder_is_refused(tmp_path):
     assert first.returncode == 0, out[-3000:]
     assert sorted(p.name for p in (run / "launches").iterdir()) == ["1"]
     rows = [r for r in read_metrics(run) if "train/loss" in r]
-    assert [r["step"] for r in rows] == list(range(1, 25)), "metrics of two launches interleaved"
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "metrics of two launches interleaved"
 
 
 def test_stale_lock_of_a_dead_process_is_replaced(tmp_path):
