@@ -230,15 +230,18 @@ class StepMeter:
 
             torch.cuda.synchronize(self.device)
 
-    def count(self, attention_mask) -> None:
-        """Count one micro-batch (``attention_mask``: ``[rows, positions]``, 1 at real tokens) on the device,
-        without a synchronisation."""
-        real = attention_mask.sum()
+    def count(self, batch: dict) -> None:
+        """Count one collated micro-batch on the device, without a synchronisation: its real (non-pad) tokens
+        (:func:`finetune.recipes.real_tokens`: the ``attention_mask`` ones, or ``num_tokens`` of packed rows),
+        positions and rows (``input_ids``: ``[rows, positions]``)."""
+        from finetune.recipes import real_tokens
+
+        real, ids = real_tokens(batch), batch["input_ids"]
         self.window[0] += real
-        self.window[1] += attention_mask.numel()
-        self.window[2] += attention_mask.shape[0]
+        self.window[1] += ids.numel()
+        self.window[2] += ids.shape[0]
         self.epoch[0] += real
-        self.epoch[1] += attention_mask.numel()
+        self.epoch[1] += ids.numel()
 
     def begin(self, sample: bool) -> None:
         """Start an optimizer step; ``sample``: time its phases (True on logged steps)."""

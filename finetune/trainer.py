@@ -249,8 +249,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 engine.step()
                 meter.lap("optimizer")
                 step_loss += loss.detach().double() / gas
-                # non-pad tokens; packed sft rows have no attention_mask: their positions (pad tails included)
-                meter.count(batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"]))
+                meter.count(batch)  # non-pad tokens (attention mask, or num_tokens of packed rows), positions
             if stage0:
                 _end_skip_stage0(engine)
             state.step += 1

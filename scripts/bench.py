@@ -5,16 +5,25 @@ init from ``train.seed``), training rows (empty texts dropped), micro batch x ac
 optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
 
 * ``finetune``: ``finetune/run.py`` on the preset's run config (length-grouped global batches for unpacked rows);
+* ``bare``: ``scripts/bench_bare.py``, a bare ``recipe.forward(engine, batch) / backward / step`` loop on the same
+  run config's batches, drawn and moved to the device before the timing starts: ``finetune``'s step time over
+  this one is the overhead of the toolkit's loop (data loading, counting, logging, stop checks);
 * ``hf``: ``Trainer`` as users run it by default (``scripts/bench_hf.py``; random sampler, per-batch padding);
 * ``hf_grouped``: ``Trainer`` with ``train_sampling_strategy="group_by_length"`` (``group_by_length=True`` of
   transformers 4; ``LengthGroupedSampler``, per rank; unpacked presets only);
 * ``hf_rebalance``: ``Trainer`` with ``train_sampling_strategy="batch_rebalance"`` (new in transformers 5: balances
   padded cost across ranks and accumulation steps of each global batch; unpacked presets only).
 
+Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks; HF with ``run_clm.py``'s
+``group_texts``), ``seq_cls`` (the shipped SST-2 classifier; HF as ``run_glue.py``: ``DataCollatorWithPadding``) and
+``sft`` (the shipped GSM8K prompt/response SFT; ours packs examples into rows, HF trains one padded example per row
+with the same answer-only labels).
+
 Contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
 hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of each launch are warm-up, not timed):
 
 * real tokens/s: non-pad tokens of all ranks over the wall time of the timed steps; positions/s likewise with pad;
+  also per round (``real_tokens_per_s_per_round``), to show the noise;
 * step time: median and spread (interquartile range) of the per-step wall times;
 * time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
   set-up; the tokenized data are cached after the first round), median over rounds;
@@ -22,7 +31,8 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   0.2 s from ``/proc``), or ``torch.cuda.max_memory_allocated`` for the HF contender on GPUs;
 * final loss: mean logged training loss of the last 5 steps (the rows differ between contenders, so compare
   within noise);
-* ratio: real tokens/s of ``finetune`` over each HF contender's.
+* ratio: real tokens/s of ``finetune`` over each other contender's (``bare``: the loop overhead, also printed as
+  a percentage of step time).
 
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
 ``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires); the package never imports it.
@@ -31,6 +41,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
 
     python scripts/bench.py                                   # bert_mlm, 2 ranks, 40 steps, 2 rounds
     python scripts/bench.py --preset gpt_clm --steps 60 --rounds 3
+    python scripts/bench.py --preset all                      # every preset, one after the other
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
 """
 
@@ -58,16 +69,29 @@ PRESETS: dict[str, dict] = {
                                "intermediate_size: 1024, num_attention_heads: 4}", "data.max_seq_len=256",
                                "train.micro_batch_size=8", "train.gradient_accumulation_steps=1",
                                "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
-                 "contenders": ["finetune", "hf", "hf_grouped", "hf_rebalance"],
+                 "contenders": ["finetune", "bare", "hf", "hf_grouped", "hf_rebalance"],
                  "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
                           "num_attention_heads: 2}", "data.max_seq_len=64", "train.micro_batch_size=4"]},
     # Packed causal LM: the shipped byte-level GPT-2 (2 layers, hidden 128), 128-token blocks; HF with group_texts.
     "gpt_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml",
                 "overrides": ["train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
                               "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
-                "contenders": ["finetune", "hf"],
+                "contenders": ["finetune", "bare", "hf"],
                 "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
                          "data.max_seq_len=64", "train.micro_batch_size=4"]},
+    # The shipped SST-2 classifier (BERT 2 layers, hidden 128, from scratch), sentences of up to 64 tokens.
+    "seq_cls": {"config": "finetune/recipes/configs/seq_cls_sst2.yaml",
+                "overrides": ["train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
+                              "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+                "contenders": ["finetune", "bare", "hf", "hf_grouped"],
+                "tiny": ["train.micro_batch_size=4"]},
+    # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
+    # trains one example per row, padded per batch (answer-only labels in both).
+    "sft": {"config": "finetune/recipes/configs/sft_gsm8k.yaml",
+            "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+                          "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+            "contenders": ["finetune", "bare", "hf", "hf_grouped"],
+            "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
 }
 """Per preset: base run config, overrides, contenders, and ``tiny`` overrides (``--tiny``: a smoke run, for tests)."""
 
@@ -160,16 +184,9 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
 
 
-def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
-    """One launch of ``scripts/bench_hf.py``; per-step times and the counts of its collated micro-batches."""
-    out.mkdir(parents=True)
-    spec = {**spec, "sampling": sampling, "out": str(out)}
-    (out / "spec.json").write_text(json.dumps(spec))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
-           str(free_port()), "scripts/bench_hf.py", "--spec", str(out / "spec.json")]
-    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.nproc)]
-    gas, steps = spec["gradient_accumulation_steps"], spec["steps"]
+def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, steps: int) -> dict:
+    """One launch's numbers from the ``rank<r>.json`` files ``bench_hf.py`` and ``bench_bare.py`` write."""
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     tokens, positions = [], []
     for s in range(steps):  # step s trains on the micro-batches [s * gas, (s + 1) * gas) of every rank
         micro = [c for r in ranks for c in r["counts"][s * gas:(s + 1) * gas]]
@@ -181,9 +198,29 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
 
+def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_hf.py``; per-step times and the counts of its collated micro-batches."""
+    out.mkdir(parents=True)
+    spec = {**spec, "sampling": sampling, "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+           str(free_port()), "scripts/bench_hf.py", "--spec", str(out / "spec.json")]
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+
+
+def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: int) -> dict:
+    """One launch of ``scripts/bench_bare.py``: the toolkit's batches, model and loss in a bare engine loop."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+           str(free_port()), "scripts/bench_bare.py", "--config", preset["config"], "--out", str(out), *overrides]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    return rank_records(out, start, peaks, args.nproc, gas, args.steps)
+
+
 def summarize(name: str, runs: list[dict], skip: int) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
-    step_times, tokens, positions, seconds, first, losses, peak = [], 0, 0, 0.0, [], [], 0
+    step_times, tokens, positions, seconds, first, losses, peak, per_round = [], 0, 0, 0.0, [], [], 0, []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -192,6 +229,7 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
         seconds += sum(timed)
         tokens += sum(r["tokens"][len(ends) - len(timed):])
         positions += sum(r["positions"][len(ends) - len(timed):])
+        per_round.append(sum(r["tokens"][len(ends) - len(timed):]) / sum(timed))
         first.append(ends[0] - r["start"])
         losses.append(statistics.fmean(r["losses"][-5:]))
         peak = max([peak, *r["peaks"].values()])
@@ -201,7 +239,7 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
             "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first),
             "peak_rss_per_rank_mb": peak / 1024 if peak else None,
             "gpu_max_allocated_mb": max((r["gpu_peak"] or 0) for r in runs) / 2**20 or None,
-            "final_loss": statistics.fmean(losses), "rounds": len(runs)}
+            "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round}
 
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
@@ -215,7 +253,9 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
     t, d, m = cfg.train, cfg.data, cfg.model
     return {"recipe": cfg.recipe, "model": m.path, "tokenizer": m.tokenizer_path or m.path,
             "config_overrides": m.config_overrides, "train_files": d.train_files, "max_train_rows": d.max_train_rows,
-            "max_seq_len": d.max_seq_len, "mlm_probability": d.mlm_probability, "micro_batch_size": t.micro_batch_size,
+            "max_seq_len": d.max_seq_len, "mlm_probability": d.mlm_probability, "text_column": d.text_column,
+            "label_column": d.label_column, "prompt_column": d.prompt_column, "response_column": d.response_column,
+            "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "steps": steps, "lr": t.lr,
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds}
@@ -284,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if c == "finetune":
                             runs[c].append(ours(preset, overrides, args, out, env))
+                        elif c == "bare":
+                            runs[c].append(bare(preset, overrides, args, out, env, t.gradient_accumulation_steps))
                         else:
                             runs[c].append(hf(spec, HF_SAMPLING[c], args, out, env))
                     finally:
@@ -294,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
             print(table(name, results))
+            if base and "bare" in runs:
+                overhead = results[list(runs).index("bare")]["real_tokens_per_s"] / base - 1
+                print(f"{name}: loop overhead of finetune over the bare engine loop on its own batches: "
+                      f"{100 * overhead:+.1f}% step time")
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

@@ -1,9 +1,13 @@
 """The Hugging Face Trainer + DeepSpeed contender of ``scripts/bench.py`` (launched by it under ``deepspeed``).
 
-Written as a user of transformers writes it: ``datasets`` reads the parquet files, the tokenizer truncates rows
-(MLM) or ``group_texts`` packs them into blocks (causal LM, as ``run_clm.py``), ``DataCollatorForLanguageModeling``
-masks and pads, ``Trainer(args=TrainingArguments(deepspeed=<dict>, train_sampling_strategy=...))`` trains. Empty texts
-are dropped first, as the toolkit does, so both train on the same rows. The model, batch layout, ZeRO stage,
+Written as a user of transformers writes it: ``datasets`` reads the parquet files; per recipe, the tokenizer
+truncates rows and ``DataCollatorForLanguageModeling`` masks and pads (``bert_mlm``), ``group_texts`` packs the texts
+into blocks (``gpt_clm``, as ``run_clm.py``), the tokenizer truncates sentences and ``DataCollatorWithPadding`` pads
+them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.py``), or each prompt/response pair
+becomes ``tokens(prompt) + tokens(response) + [EOS]`` with label -100 on the prompt, truncated, one example per row,
+padded by ``DataCollatorForSeq2Seq`` (``sft``); ``Trainer(args=TrainingArguments(deepspeed=<dict>,
+train_sampling_strategy=...))`` trains. Empty texts are dropped first for the LM presets, as the toolkit does, so both
+train on the same rows. The model, batch layout, ZeRO stage,
 precision, optimizer (torch AdamW), schedule, seed and number of steps come from the same spec as the toolkit's
 run (``--spec``, written by ``scripts/bench.py``).
 
@@ -31,14 +35,15 @@ def main() -> None:
     import datasets
     import torch
     import transformers
-    from transformers import (AutoConfig, DataCollatorForLanguageModeling, Trainer, TrainerCallback,
-                              TrainingArguments, default_data_collator)
+    from transformers import (AutoConfig, DataCollatorForLanguageModeling, DataCollatorForSeq2Seq,
+                              DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments,
+                              default_data_collator)
 
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
     out = Path(spec["out"])
     rank = int(os.environ.get("RANK", 0))
-    mlm = spec["recipe"] == "bert_mlm"
+    recipe = spec["recipe"]
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -48,15 +53,22 @@ def main() -> None:
                                 cache_dir=str(out.parent / "hf-datasets"))
     if spec.get("max_train_rows"):
         raw = raw.select(range(min(spec["max_train_rows"], len(raw))))
-    raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True)
-    if mlm:
-        train = raw.map(lambda b: tokenizer(b["text"], truncation=True, max_length=max_len,
+    text = spec["text_column"]
+    config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
+    for k, v in spec["config_overrides"].items():
+        setattr(config, k, v)
+    if recipe == "bert_mlm":
+        raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
+        train = raw.map(lambda b: tokenizer(b[text], truncation=True, max_length=max_len,
                                             return_special_tokens_mask=True),
                         batched=True, remove_columns=raw.column_names)
         collate = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=spec["mlm_probability"])
-    else:
+        model_class = transformers.AutoModelForMaskedLM
+    elif recipe == "gpt_clm":
+        raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
+
         def group_texts(batch):  # transformers examples/pytorch/language-modeling/run_clm.py, EOS between texts
-            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+            ids = tokenizer(batch[text], add_special_tokens=False)["input_ids"]
             stream = [t for row in ids for t in row + [tokenizer.eos_token_id]]
             n = len(stream) // max_len * max_len
             blocks = [stream[i:i + max_len] for i in range(0, n, max_len)]
@@ -65,6 +77,32 @@ def main() -> None:
 
         train = raw.map(group_texts, batched=True, remove_columns=raw.column_names)
         collate = default_data_collator
+        model_class = transformers.AutoModelForCausalLM
+    elif recipe == "seq_cls":  # transformers examples/pytorch/text-classification/run_glue.py, sorted label set
+        names = sorted(set(raw[spec["label_column"]]))
+        class_id = {n: i for i, n in enumerate(names)}
+        config.num_labels = len(names)
+        train = raw.map(lambda b: {**tokenizer(b[text], truncation=True, max_length=max_len),
+                                   "labels": [class_id[v] for v in b[spec["label_column"]]]},
+                        batched=True, remove_columns=raw.column_names)
+        collate = DataCollatorWithPadding(tokenizer)
+        model_class = transformers.AutoModelForSequenceClassification
+    elif recipe == "sft":  # prompt/response: loss on the response + EOS only, one example per row, padded
+        def encode(batch):
+            ids, labels = [], []
+            for prompt, response in zip(batch[spec["prompt_column"]], batch[spec["response_column"]]):
+                p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+                r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                ids.append((p + r)[:max_len])
+                labels.append(([-100] * len(p) + r)[:max_len])
+            return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}
+
+        train = raw.map(encode, batched=True, remove_columns=raw.column_names)
+        train = train.filter(lambda b: [any(v != -100 for v in lab) for lab in b["labels"]], batched=True)
+        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        model_class = transformers.AutoModelForCausalLM
+    else:
+        raise SystemExit(f"bench_hf.py: no Hugging Face contender for recipe {recipe!r}")
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
 
@@ -85,12 +123,10 @@ def main() -> None:
             if logs and "loss" in logs:
                 losses[state.global_step] = float(logs["loss"])
 
-    config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
-    for k, v in spec["config_overrides"].items():
-        setattr(config, k, v)
     torch.manual_seed(spec["seed"])
-    model_class = transformers.AutoModelForMaskedLM if mlm else transformers.AutoModelForCausalLM
     model = model_class.from_config(config, dtype=torch.float32)
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     half = spec["precision"]
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=spec["micro_batch_size"],

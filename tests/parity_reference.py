@@ -12,8 +12,8 @@ trains the same model the textbook way:
 * Model: ``torch.manual_seed(train.seed)``, then ``from_pretrained`` in fp32, or for ``init: scratch`` the
   model built as transformers builds it under ZeRO-3 (torch's default layer inits skipped, then the
   model's own ``_init_weights``), ``model.config_overrides`` applied; train mode.
-* Optimizer: ``torch.optim.AdamW`` over ``finetune.engine.param_groups``; transformers ``get_scheduler``;
-  gradients clipped to ``train.max_grad_norm`` (global norm accumulated in fp64).
+* Optimizer: ``torch.optim.AdamW(fused=True)`` (as the engine on CPU ranks) over ``finetune.engine.param_groups``;
+  transformers ``get_scheduler``; gradients clipped to ``train.max_grad_norm`` (global norm accumulated in fp64).
 * Loss of a step (:func:`full_logits_loss_sum`, from the full logits): ``sum over every target token of the
   global batch / number of targets`` (token weighting) or, with ``train.loss_weighting: micro_batch``, the
   mean over all micro-batches of each micro-batch's own mean. The micro-batches are run one after the other
@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 from finetune.config import RunConfig
 from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
 from finetune.engine import load_model_config, load_tokenizer, param_groups
-from finetune.recipes import get_recipe
+from finetune.recipes import get_recipe, model_inputs
 
 
 _SPLITS: dict = {}  # (recipe, data config, seed) -> Splits: tokenized datasets, loaded once per process
@@ -127,7 +127,7 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
         model.tie_weights()
     model.train()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps)
+                            eps=t.adam_eps, fused=True)  # what the engine runs on CPU ranks (finetune.ds_config)
     sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -146,8 +146,8 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
         n_targets = int(sum(recipe.count_targets(b["labels"]) for b in micro))
         token_loss = micro_loss = 0.0
         for b in micro:
-            labels = b.pop("labels")
-            summed = full_logits_loss_sum(cfg.recipe, model(**b).logits, labels)
+            labels = b["labels"]
+            summed = full_logits_loss_sum(cfg.recipe, model(**model_inputs(b)).logits, labels)
             token = summed / max(n_targets, 1)
             micro_mean = summed / recipe.count_targets(labels).clamp(min=1) / len(micro)
             (token if weighting == "token" else micro_mean).backward()

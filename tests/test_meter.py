@@ -30,11 +30,15 @@ def test_meter_counts_without_sync_and_reports_the_window():
     meter.lap("forward")
     assert meter.split["forward"] == 0.0, "unsampled steps are not timed"
     meter.begin(sample=True)
-    meter.count(mask)
+    meter.count({"input_ids": torch.zeros_like(mask), "attention_mask": mask})
     meter.lap("forward")
     meter.lap("backward")
     assert meter.split["forward"] > 0 and meter.split["backward"] > 0
     assert meter.window.tolist() == [5, 8, 2] and meter.epoch.tolist() == [5, 8]
+    meter.count({"input_ids": torch.zeros(3, 4, dtype=torch.long), "num_tokens": torch.tensor(9)})  # packed rows
+    meter.count({"input_ids": torch.zeros(1, 4, dtype=torch.long)})  # no mask, no count: every position is real
+    assert meter.window.tolist() == [18, 24, 6] and meter.epoch.tolist() == [18, 24]
+    meter.window.zero_()
     out = meter.scalars(tokens=10, positions=16, rows=4, seconds=2.0)
     assert out["train/tokens_per_s"] == 5.0 and out["train/tokens_per_s_per_device"] == 2.5
     assert out["train/padding_ratio"] == 0.625 and "train/mfu" not in out

@@ -126,7 +126,7 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
     from transformers import AutoConfig
 
     from finetune.config import DataConfig
-    from finetune.recipes import sft
+    from finetune.recipes import model_inputs, sft
 
     d = DataConfig(prompt_column="q", response_column="a", max_seq_len=48)
     rows = {"q": ["What is 2+2?", "Name a colour.", "Say hi", "Count to three:", "Capital of France?",
@@ -136,13 +136,16 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
     assert len(packed["input_ids"]) < len(rows["q"]), "nothing was packed"
     batch = sft.make_collator(tokenizer, d)([{k: packed[k][i] for k in packed} for i in range(len(packed["input_ids"]))])
     assert "attention_mask" not in batch and (batch["labels"] == -100).any()
+    # the real-token count of the loop's tokens/s and padding ratio: the packed examples' tokens, pad tails not
+    assert batch["num_tokens"].item() == sum(map(len, packed["input_ids"]))
+    assert batch["num_tokens"].item() < batch["input_ids"].numel()
     config = sft.prepare_model_config(AutoConfig.from_pretrained(REPO / "data" / "models" / model), d)
     config.update({k: 0.0 for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop") if hasattr(config, k)})
     for attn in ("sdpa", "eager"):
         torch.manual_seed(0)
         m = sft.MODEL_CLASS.from_config(config, dtype=torch.float32, attn_implementation=attn).train()
         with torch.no_grad():
-            logits = m(**{k: v for k, v in batch.items() if k != "labels"}).logits
+            logits = m(**model_inputs(batch)).logits
             total = sft.forward(m, batch).loss_sum.item()  # the recipe's path: head at target positions only
             alone, worst = 0.0, 0.0
             for row, (ids_row, pos_row) in enumerate(zip(batch["input_ids"], batch["position_ids"])):

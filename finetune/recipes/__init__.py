@@ -13,8 +13,10 @@ shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's `
 ``make_collator(tokenizer, data_cfg) -> fn``
     ``fn(rows: list[dict]) -> dict[str, Tensor]`` with ``input_ids``/``attention_mask`` (int64,
     ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch; every key but
-    ``labels`` goes to the model. Packed ``sft`` batches carry ``position_ids`` (restarting per example)
-    instead of an ``attention_mask`` (transformers then builds a block-diagonal causal mask). Random choices
+    ``labels`` and ``num_tokens`` goes to the model (:func:`model_inputs`). Packed ``sft`` batches carry
+    ``position_ids`` (restarting per example) instead of an ``attention_mask`` (transformers then builds a
+    block-diagonal causal mask), and ``num_tokens`` (0-dim int64: the real, non-pad tokens, which the loop's
+    tokens/s and padding ratio count where there is no attention mask). Random choices
     (MLM masks) must not use the global RNG: a collator with ``fn.row_seeded = True`` gets an int
     ``"_seed"`` in every row (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for
     evaluation) and draws that row's choices from a generator seeded with it, so batches do not depend
@@ -96,6 +98,25 @@ class LossOutput:
     counts: torch.Tensor | None = None
     """With ``metrics=True``, optionally: a fixed-shape float64 tensor summed over eval batches and ranks and
     handed to the recipe's ``eval_report`` (``seq_cls``: the confusion matrix)."""
+
+
+NOT_MODEL_INPUTS = ("labels", "num_tokens")
+"""Keys of a collated batch that never reach the model: the loss targets and the real-token count of packed rows."""
+
+
+def model_inputs(batch: dict) -> dict:
+    """The keys of ``batch`` the model is called with: all but :data:`NOT_MODEL_INPUTS`."""
+    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+
+
+def real_tokens(batch: dict):
+    """Real (non-pad) tokens of a collated micro-batch (0-dim int64 tensor, or int): the ``attention_mask`` ones,
+    else ``num_tokens`` (packed rows), else every position of ``input_ids``."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    if "num_tokens" in batch:
+        return batch["num_tokens"]
+    return batch["input_ids"].numel()
 
 
 def get_recipe(name: str) -> ModuleType:

@@ -18,7 +18,7 @@ from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
 from finetune.config import ConfigError, DataConfig
-from finetune.recipes import LossOutput
+from finetune.recipes import LossOutput, model_inputs
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForMaskedLM
@@ -106,7 +106,8 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     only at the masked positions (``labels != -100``), in chunks (:func:`finetune.recipes.lm_loss.token_loss_sum`).
 
     Args:
-        model: the engine (or a transformers masked LM); called with every key of ``batch`` except ``labels``.
+        model: the engine (or a transformers masked LM); called with :func:`~finetune.recipes.model_inputs` of
+            ``batch``.
         batch: ``input_ids``, ``attention_mask`` (, ``token_type_ids``) and ``labels`` (int64, [batch, seq]).
         metrics: also return masked-token accuracy sums (``masked_accuracy``: argmax at a masked position is
             its original token).
@@ -116,7 +117,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
         as transformers' ``ForMaskedLMLoss`` with a sum).
     """
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = model_inputs(batch)
     loss, correct = token_loss_sum(model, inputs, labels, count_correct=metrics)
     n = count_targets(labels)
     return LossOutput(loss, n, {"masked_accuracy": (correct, n)} if metrics else {})

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
 
 from finetune.config import DataConfig
-from finetune.recipes import LossOutput, pad_with_eos
+from finetune.recipes import LossOutput, model_inputs, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForCausalLM
@@ -73,8 +73,8 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     -100 where no loss is taken (e.g. prompt tokens).
 
     Args:
-        model: the engine (or a transformers causal LM, peft-wrapped or not); called with every key of ``batch``
-            except ``labels`` (``position_ids`` of packed rows pass through).
+        model: the engine (or a transformers causal LM, peft-wrapped or not); called with
+            :func:`~finetune.recipes.model_inputs` of ``batch`` (``position_ids`` of packed rows pass through).
         batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]).
         metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
 
@@ -83,7 +83,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
         transformers' ``ForCausalLMLoss`` with a sum).
     """
     labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = model_inputs(batch)
     loss, _ = token_loss_sum(model, inputs, shift_labels(labels))
     return LossOutput(loss, count_targets(labels))
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from finetune.config import ConfigError, DataConfig, RunConfig
-from finetune.recipes import LossOutput, pad_with_eos
+from finetune.recipes import LossOutput, model_inputs, pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -203,7 +203,8 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     summed over examples whose ``labels`` [batch] is not -100 (eval filler rows).
 
     Args:
-        model: the engine (or a transformers classifier); called with every key of ``batch`` except ``labels``.
+        model: the engine (or a transformers classifier); called with :func:`~finetune.recipes.model_inputs` of
+            ``batch``.
         batch: ``input_ids``, ``attention_mask`` (, ``token_type_ids``) and ``labels`` (int64, [batch]).
         metrics: also return accuracy sums (``accuracy``) and the confusion counts (``counts``, see
             :func:`confusion_counts`) for :func:`eval_report`.
@@ -212,7 +213,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
         :class:`~finetune.recipes.LossOutput`.
     """
     labels = batch["labels"]
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+    logits = model(**model_inputs(batch)).logits.float()
     loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     n = count_targets(labels)
     if not metrics:

@@ -321,7 +321,8 @@ class PackedCollator:
 
     Rows are right-padded to the longest row (rounded up to ``pad_to_multiple_of``) with the pad token, label
     -100 and positions 0, 1, ... (a segment of its own). No ``attention_mask``: transformers derives the
-    block-diagonal causal mask from ``position_ids`` only when there is none.
+    block-diagonal causal mask from ``position_ids`` only when there is none. ``num_tokens`` (0-dim int64) is the
+    number of real (non-pad) tokens, for the loop's tokens/s and padding ratio; it never reaches the model.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
@@ -337,7 +338,9 @@ class PackedCollator:
             batch["input_ids"].append(list(r["input_ids"]) + [self.pad] * n)
             batch["labels"].append(list(r["labels"]) + [-100] * n)
             batch["position_ids"].append(list(r["position_ids"]) + list(range(n)))
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out["num_tokens"] = torch.tensor(sum(len(r["input_ids"]) for r in rows), dtype=torch.long)
+        return out
 
 
 def make_collator(tokenizer, data_cfg: DataConfig):
