@@ -49,7 +49,7 @@ def main() -> None:
     from finetune.config import load_run_config
     from finetune.ds_config import resolve_ds_config
     from finetune.engine import build_engine, load_tokenizer
-    from finetune.recipes import get_recipe
+    from finetune.recipes import get_recipe, real_tokens
     from finetune.trainer import to_device
 
     cfg = load_run_config(args.config, args.overrides)
@@ -74,8 +74,7 @@ def main() -> None:
     device = engine.device
     it = iter(loader)  # after the engine, as the toolkit's loop does (the same global RNG draws: dropout)
     micro = [to_device(next(it), device) for _ in range(steps * gas)]  # one epoch covers the bench's steps
-    counts = [(int(b["attention_mask"].sum()) if "attention_mask" in b else b["input_ids"].numel(),
-               b["input_ids"].numel()) for b in micro]
+    counts = [(int(real_tokens(b)), b["input_ids"].numel()) for b in micro]  # (non-pad tokens, positions)
     targets = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).view(steps, gas).sum(1)
     denominators = dist_utils.all_reduce_sum(targets.to(device, torch.float32)).clamp(min=1.0) / (world * gas)
     losses = torch.zeros(steps, dtype=torch.float64, device=device)
