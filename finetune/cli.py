@@ -211,6 +211,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"{t.gradient_accumulation_steps} x world size {dist_utils.world_size()}; {steps_per_epoch} "
                     f"steps/epoch; {total_steps} steps")
 
+        health.release_host_memory()  # start-up's freed heap (validation, tokenization) back to the OS
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine

@@ -392,6 +392,15 @@ class IndexedRows(Dataset):
         row["_index"] = int(i)
         return row
 
+    def __getitems__(self, indices: list[int]) -> list[dict]:
+        """The rows of ``indices`` in one Arrow read (``torch.utils.data`` fetches a micro-batch through this
+        when it exists; ``datasets.Dataset.__getitems__``), instead of one read per row."""
+        fetch = getattr(self.dataset, "__getitems__", None)
+        rows = fetch(list(indices)) if fetch is not None else [dict(self.dataset[i]) for i in indices]
+        for row, i in zip(rows, indices):
+            row["_index"] = int(i)
+        return rows
+
 
 class RowSeededCollate:
     """Collate function around a recipe's collator: each row's ``"_index"`` becomes a per-row seed.

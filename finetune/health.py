@@ -233,6 +233,21 @@ def _memory() -> dict:
         return {}
 
 
+def release_host_memory() -> None:
+    """Give the heap that start-up freed back to the OS: ``gc.collect()``, then glibc's ``malloc_trim(0)``.
+
+    Validation, tokenizer loading and (on rank 0) tokenization leave freed but still resident heap behind; the
+    trim hands it back before the model is built (measured on the ``gpt_clm`` bench preset's tokenizing rank:
+    520 -> 503 MiB resident before the model). A no-op where libc has no ``malloc_trim`` (musl, macOS).
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def memory_mark(when: str) -> None:
     """Record host memory at a point of the run in this rank's record (no-op before :func:`start`).
 

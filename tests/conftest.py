@@ -62,6 +62,14 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
+def finished_run(tmp_path_factory, config: str | Path, overrides: list[str]) -> Path:
+    """A successful 2-rank launch of ``config`` with ``overrides`` into a fresh folder (for module-scoped fixtures
+    that several tests resume from or compare with); returns its run folder."""
+    run = tmp_path_factory.mktemp(Path(config).stem) / "run"
+    ok(launch(config, [f"output_dir={run}", *overrides]))
+    return run
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """Rows of ``run_dir/metrics.jsonl``."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

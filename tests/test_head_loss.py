@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, cpu_env, free_port, ok, run_python
+from head_loss_zero import batch as make_batch
 
 
 def _bert():
@@ -38,20 +39,6 @@ def _gpt():
 
     return AutoModelForCausalLM.from_pretrained(REPO / "data/models/tiny-gpt2", resid_pdrop=0.0, embd_pdrop=0.0,
                                                 attn_pdrop=0.0).train()
-
-
-def _batch(mlm: bool, vocab: int) -> dict:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, vocab, (3, 16), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 11:] = 0
-    if mlm:
-        labels = torch.full_like(ids, -100)
-        chosen = torch.rand(ids.shape, generator=g) < 0.25
-        labels[chosen] = ids[chosen]
-    else:
-        labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _full_head(model, batch: dict, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +71,7 @@ def test_target_positions_only_equal_full_head(monkeypatch):
     from finetune.recipes import bert_mlm, gpt_clm, lm_loss
 
     for recipe, model, causal in ((bert_mlm, _bert(), False), (gpt_clm, _gpt(), True)):
-        batch = _batch(not causal, model.config.vocab_size)
+        batch = make_batch("gpt_clm" if causal else "bert_mlm", model.config.vocab_size)
         name = recipe.__name__.rsplit(".", 1)[-1]
         head = lm_loss.find_head(model)
         assert head is (model.cls if not causal else model.lm_head), "BERT: transform + decoder; GPT-2: lm_head"
@@ -130,14 +117,14 @@ def test_peft_packed_rows_and_unsupported_models():
                                num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0)
     gemma = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(RuntimeError, match="changes the output of its head"):
-        gpt_clm.forward(gemma, _batch(False, 300))
+        gpt_clm.forward(gemma, make_batch("gpt_clm", 300))
 
     peft = pytest.importorskip("peft", reason="peft is the LoRA branch's dependency")  # pinned with LoRA (issue 10)
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
-    batch = _batch(False, 50257)
-    batch["position_ids"] = torch.cat([torch.arange(9), torch.arange(7)]).repeat(3, 1)  # two packed documents
-    batch["labels"][:, 9] = -100  # no loss across the document boundary
+    batch = make_batch("gpt_clm", 50257)
+    batch["position_ids"] = torch.cat([torch.arange(7), torch.arange(5)]).repeat(3, 1)  # two packed documents
+    batch["labels"][:, 7] = -100  # no loss across the document boundary
     for targets in (["c_attn"], ["c_attn", "lm_head"]):
         model = get_peft_model(_gpt(), LoraConfig(r=2, target_modules=targets, init_lora_weights=False))
         want = _loss_and_grads(lambda: _full_head(model, batch, True)[0], model)

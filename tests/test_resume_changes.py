@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, cpu_env, free_port, launch, ok, read_metrics, run_python, train_losses
+from conftest import CONFIGS, cpu_env, finished_run, free_port, launch, ok, read_metrics, run_python, train_losses
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 BASE = ["train.max_steps=8", "train.save_every=4", "train.eval_every=0", "train.log_every=1", "export=false"]
@@ -22,9 +22,7 @@ BASE = ["train.max_steps=8", "train.save_every=4", "train.eval_every=0", "train.
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("base") / "run"
-    ok(launch(CONFIG, [f"output_dir={run}", *BASE]))
-    return run
+    return finished_run(tmp_path_factory, CONFIG, BASE)
 
 
 def copy_of(base: Path, tmp_path: Path) -> Path:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, launch, ok, read_metrics, train_losses
+from conftest import CONFIGS, finished_run, launch, ok, read_metrics, train_losses
 
 CONFIG = CONFIGS / "parity_gpt.yaml"
 COMMON = ["train.max_steps=8", "train.save_every=2", "train.log_every=1", "train.eval_every=0", "export=false"]
@@ -24,9 +24,7 @@ COMMON = ["train.max_steps=8", "train.save_every=2", "train.log_every=1", "train
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("ws") / "reference"
-    ok(launch(CONFIG, [f"output_dir={run}", *COMMON]))
-    return run
+    return finished_run(tmp_path_factory, CONFIG, COMMON)
 
 
 def checkpoints(run: Path) -> list[str]:
