@@ -60,6 +60,7 @@ def test_deepspeed_num_gpus(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget; the deepspeed launcher across nodes: test_slurm's multi-node script
 def test_deepspeed_hostfile(reference, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=2\n")

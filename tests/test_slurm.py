@@ -124,8 +124,10 @@ def test_srun_in_allocation(slurm, reference, tmp_path):
     assert_same_losses(run_dir, reference[1])
 
 
-@pytest.mark.parametrize("script,launcher", [(SINGLE, "deepspeed"), (MULTI, "srun")],
-                         ids=["single_node-deepspeed", "multi_node-deepspeed_slurm_backend"])
+@pytest.mark.parametrize("script,launcher", [
+    # suite budget: the single-node script's run is test_single_node_script_writes_run_folder; its requeue: extended
+    pytest.param(SINGLE, "deepspeed", marks=pytest.mark.extended), (MULTI, "srun")],
+    ids=["single_node-deepspeed", "multi_node-deepspeed_slurm_backend"])
 def test_usr1_checkpoints_requeues_and_resumes(slurm, reference, tmp_path, script, launcher):
     run_dir = tmp_path / "run"
     job = slurm.sbatch(script, str(CONFIG), f"output_dir={run_dir}", *RUN_OVERRIDES,
