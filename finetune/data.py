@@ -515,8 +515,6 @@ class ResumableDistributedSampler(DistributedSampler):
         return grouped_order(self.lengths, self.global_batch, self.seed, self.epoch)
 
     def __iter__(self):
-        if self.lengths is None:
-            return iter(list(super().__iter__())[self.skip:])
         mine = self.global_order()[self.rank:self.total_size:self.num_replicas]
         return iter(mine[self.skip:])
 

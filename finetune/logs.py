@@ -18,6 +18,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from finetune.recipes import real_tokens
+
 __all__ = ["logger", "setup_logging", "tensorboard_section", "monitor_sections", "MetricsSink", "StepMeter",
            "PEAK_FLOPS"]
 
@@ -234,8 +236,6 @@ class StepMeter:
         """Count one collated micro-batch on the device, without a synchronisation: its real (non-pad) tokens
         (:func:`finetune.recipes.real_tokens`: the ``attention_mask`` ones, or ``num_tokens`` of packed rows),
         positions and rows (``input_ids``: ``[rows, positions]``)."""
-        from finetune.recipes import real_tokens
-
         real, ids = real_tokens(batch), batch["input_ids"]
         self.window[0] += real
         self.window[1] += ids.numel()

@@ -141,6 +141,12 @@ class PeakRSS(threading.Thread):
             self.done.wait(0.2)
 
 
+def deepspeed_cmd(args, script: str, *script_args: str) -> list[str]:
+    """``deepspeed --num_gpus <nproc> --master_port <free port> <script> <script_args...>`` (this venv's launcher)."""
+    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+            str(free_port()), script, *script_args]
+
+
 def run_launch(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[float, dict[int, int]]:
     """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid)."""
     start = time.time()
@@ -170,8 +176,7 @@ def clean_shm(before: set[str]) -> None:
 
 def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict:
     """One launch of the toolkit; per-step wall times, tokens and positions from its ``metrics.jsonl``."""
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
-           str(free_port()), "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}"]
+    cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}")
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
@@ -203,16 +208,14 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     out.mkdir(parents=True)
     spec = {**spec, "sampling": sampling, "out": str(out)}
     (out / "spec.json").write_text(json.dumps(spec))
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
-           str(free_port()), "scripts/bench_hf.py", "--spec", str(out / "spec.json")]
+    cmd = deepspeed_cmd(args, "scripts/bench_hf.py", "--spec", str(out / "spec.json"))
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
 
 
 def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: int) -> dict:
     """One launch of ``scripts/bench_bare.py``: the toolkit's batches, model and loss in a bare engine loop."""
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
-           str(free_port()), "scripts/bench_bare.py", "--config", preset["config"], "--out", str(out), *overrides]
+    cmd = deepspeed_cmd(args, "scripts/bench_bare.py", "--config", preset["config"], "--out", str(out), *overrides)
     out.parent.mkdir(parents=True, exist_ok=True)
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     return rank_records(out, start, peaks, args.nproc, gas, args.steps)
