@@ -3,13 +3,18 @@
 Per optimizer step, on every rank::
 
     micro = [next(batches) for _ in range(gradient_accumulation_steps)]
-    N = all_reduce(sum(count_targets(b.labels) for b in micro))        # one all-reduce per step
+    N, stop = all_reduce([sum(count_targets(b.labels) for b in micro), stop signal here?])  # the step's collective
+    if stop: save a checkpoint of the last step, return
     for b in micro:
         out = recipe.forward(engine, b)                                 # batch -> loss sum (recipe runs the model)
         loss = out.loss_sum * world * gas / N                           # summed token loss, token-weighted
         engine.backward(loss)                                           # DeepSpeed divides by gas ...
         engine.step()                                                   # ... and averages over ranks
-    stop, bad = all_reduce([stop signal here?, loss not finite here?])  # the step's second all-reduce
+    bad = not engine.was_step_applied()                                 # the same on every rank, no collective
+
+One small all-reduce per step (the target count and the stop signal together; none at all with
+``loss_weighting: micro_batch`` and no stop signal to watch), plus one on logged steps for the log totals:
+each is a synchronisation point of all ranks, and on GPUs a wait of the host for the device.
 
 Token-weighted loss (``train.loss_weighting: token``, default). DeepSpeed averages gradients with equal
 weight per micro-batch and per rank, which is not the gradient of the mean over all target tokens when
@@ -24,9 +29,10 @@ The loss sum comes from the recipe (``forward``: "batch -> loss sum", see :mod:`
 the model: models do not all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns
 its own mean); the LM recipes run the output head and the cross-entropy at target positions only.
 
-Non-finite steps. A step whose loss (any rank) or global gradient norm is not finite is skipped: ZeRO 1-3
-skip it themselves (DeepSpeed's overflow check, also forced on for bf16 in ``engine.build_engine``); at
-stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and makes that step a no-op.
+Non-finite steps. A step whose global gradient norm is not finite (a non-finite loss on any rank makes it
+so) is skipped: ZeRO 1-3 skip it themselves (DeepSpeed's overflow check, also forced on for bf16 and fp32 in
+``engine.build_engine``); at stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and
+makes that step a no-op. Either way ``engine.was_step_applied()`` says so, alike on every rank.
 Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a row raise
 :class:`TrainingDiverged`. The position in the epoch is counted in rows of the global order
 (``TrainState.samples_in_epoch``), so a resume with another micro-batch split continues at the next row.
@@ -229,9 +235,21 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             meter.begin(sample=log_now)
             micro = [next(batches) for _ in range(gas)]
             meter.lap("data_wait")
+            # One all-reduce for both: this step's targets on all ranks, a stop signal on any rank.
+            head = torch.zeros(2, dtype=torch.float32, device=device)
             if token_weighted:
-                n = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum().to(device, torch.float32)
-                denom = dist_utils.all_reduce_sum(n).clamp(min=1.0) / (world * gas)
+                head[0] = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum()
+            if stop_flag is not None:
+                head[1] = float(stop_flag())
+            if token_weighted or stop_flag is not None:
+                head = dist_utils.all_reduce_sum(head)
+            denom = head[0].clamp(min=1.0) / (world * gas)
+            if stop_flag is not None and head[1].item() > 0:  # the rows drawn for this step are trained on resume
+                if last_saved != state.step:
+                    ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
+                logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
+                pbar.close()
+                return state
             grad_norm = None
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, batch in enumerate(micro):
@@ -257,13 +275,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             done += step_rows
             pbar.update(1)
 
-            # One all-reduce per step for both: a stop signal on any rank, a non-finite loss on any rank.
-            stop_here = stop_flag is not None and stop_flag() and state.step < total_steps
-            flags = dist_utils.all_reduce_sum(torch.stack([
-                torch.tensor(float(stop_here), dtype=torch.float64, device=device),
-                (~torch.isfinite(step_loss)).double()]))
-            stop, loss_bad = (flags > 0).tolist()
-            if loss_bad or not engine.was_step_applied():
+            if not engine.was_step_applied():  # the global gradient norm was not finite: no update
                 state.bad_steps += 1
                 bad_in_a_row += 1
                 logger.warning(f"step {state.step}: non-finite loss or gradient norm; update skipped "
@@ -307,16 +319,11 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             if t.eval_every and state.step % t.eval_every == 0 and state.step < total_steps:
                 _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
                 t_log = time.perf_counter()
-            # (not at the last step: that one ends the run normally, with its final eval and checkpoint;
-            # not right after a skipped step: the save waits for the end or a stop)
-            if stop or (t.save_every and state.step % t.save_every == 0 and bad_in_a_row == 0):
+            # (not right after a skipped step: the save waits for the end or a stop)
+            if t.save_every and state.step % t.save_every == 0 and bad_in_a_row == 0:
                 ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
                 last_saved = state.step
                 t_log = time.perf_counter()
-            if stop:
-                logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
-                pbar.close()
-                return state
         if done + step_rows > epoch_rows:
             _log_epoch_padding(meter, state.epoch, "")
             state.epoch += 1

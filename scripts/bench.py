@@ -27,12 +27,15 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
 * step time: median and spread (interquartile range) of the per-step wall times;
 * time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
   set-up; the tokenized data are cached after the first round), median over rounds;
-* peak memory per rank: the largest ``VmHWM`` (peak resident set) of the rank processes (CPU ranks; sampled every
-  0.2 s from ``/proc``), or ``torch.cuda.max_memory_allocated`` for the HF contender on GPUs;
+* peak memory per rank: the largest ``VmHWM`` (peak resident set) of a launch's rank processes (CPU ranks; sampled
+  every 0.2 s from ``/proc``), median over rounds (it moves by +-30 MB between identical launches; each round's
+  figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
 * final loss: mean logged training loss of the last 5 steps (the rows differ between contenders, so compare
   within noise);
-* ratio: real tokens/s of ``finetune`` over each other contender's (``bare``: the loop overhead, also printed as
-  a percentage of step time).
+* ratio: real tokens/s of ``finetune`` over each other contender's, all rounds pooled (``ours/this``), and the
+  median over rounds of the same ratio within each round (``by rounds``: a pair launched back to back shares the
+  machine's load of the moment, so a slow round does not skew it); ``bare``: the loop overhead, also printed as
+  a percentage of step time, pooled and round by round (from each launch's median step time).
 
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
 ``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires); the package never imports it.
@@ -223,7 +226,7 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
 
 def summarize(name: str, runs: list[dict], skip: int) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
-    step_times, tokens, positions, seconds, first, losses, peak, per_round = [], 0, 0, 0.0, [], [], 0, []
+    step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -233,16 +236,27 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
         tokens += sum(r["tokens"][len(ends) - len(timed):])
         positions += sum(r["positions"][len(ends) - len(timed):])
         per_round.append(sum(r["tokens"][len(ends) - len(timed):]) / sum(timed))
+        medians.append(statistics.median(timed))
         first.append(ends[0] - r["start"])
         losses.append(statistics.fmean(r["losses"][-5:]))
-        peak = max([peak, *r["peaks"].values()])
+        peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
             "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first),
-            "peak_rss_per_rank_mb": peak / 1024 if peak else None,
+            "peak_rss_per_rank_mb": statistics.median(peaks) if all(peaks) else None,
             "gpu_max_allocated_mb": max((r["gpu_peak"] or 0) for r in runs) / 2**20 or None,
-            "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round}
+            "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round,
+            "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks}
+
+
+def paired(ours: dict, this: dict) -> tuple[float, float]:
+    """Round-by-round comparison of two contenders launched back to back in each round (robust to a slow round,
+    which hits both of a pair alike): the median over rounds of ours/this real tokens/s, and of ours/this median
+    step time minus 1 (the overhead of ours, a fraction)."""
+    tok = [a / b for a, b in zip(ours["real_tokens_per_s_per_round"], this["real_tokens_per_s_per_round"])]
+    step = [a / b - 1 for a, b in zip(ours["step_time_median_s_per_round"], this["step_time_median_s_per_round"])]
+    return statistics.median(tok), statistics.median(step)
 
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
@@ -269,7 +283,8 @@ def table(preset: str, results: list[dict]) -> str:
     cols = [("real tok/s", "{:.0f}", "real_tokens_per_s"), ("pos/s", "{:.0f}", "positions_per_s"),
             ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
-            ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this")]
+            ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
+            ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "n/a" for _, fmt, key in cols]
@@ -338,11 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
+                r["ratio_ours_over_this_median_of_rounds"] = paired(results[0], r)[0] if base else None
             print(table(name, results))
             if base and "bare" in runs:
-                overhead = results[list(runs).index("bare")]["real_tokens_per_s"] / base - 1
+                bare_r = results[list(runs).index("bare")]
+                overhead = bare_r["real_tokens_per_s"] / base - 1
                 print(f"{name}: loop overhead of finetune over the bare engine loop on its own batches: "
-                      f"{100 * overhead:+.1f}% step time")
+                      f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * paired(results[0], bare_r)[1]:+.1f}% "
+                      f"(median step times, round by round, median over rounds)")
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

@@ -39,6 +39,8 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     assert ours["ratio_ours_over_this"] == 1.0
     for other in (bare, hf):
         assert other["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / other["real_tokens_per_s"])
+        # one round: the round-by-round ratio is that round's, the pooled one
+        assert other["ratio_ours_over_this_median_of_rounds"] == pytest.approx(other["ratio_ours_over_this"])
     assert abs(ours["final_loss"] - hf["final_loss"]) < 0.5, "same model, data and steps: close losses"
     # the bare loop trains the toolkit's own batches, model and loss: the same losses, to float rounding
     assert bare["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-5)
