@@ -253,7 +253,8 @@ def memory_mark(when: str) -> None:
 
     ``when="before_model"``: ``rss_before_model_mib`` = RSS now, and the kernel's peak-RSS mark is reset
     (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0); ``when="trained"``: ``peak_rss_train_mib`` = the peak
-    RSS since that reset (``VmHWM``), i.e. what building the engine and training added at their highest.
+    RSS since that reset (``VmHWM``), i.e. what building the engine and training added at their highest; on a
+    GPU also ``peak_gpu_allocated_mib`` (``torch.cuda.max_memory_allocated`` of the run so far).
     """
     if _current is None:
         return
@@ -267,6 +268,9 @@ def memory_mark(when: str) -> None:
                 Path("/proc/self/clear_refs").write_text("5")
         elif when == "trained":
             _current.record["peak_rss_train_mib"] = mem["peak_rss_mib"]
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                _current.record["peak_gpu_allocated_mib"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         with contextlib.suppress(OSError):
             _current._write()
 

@@ -310,7 +310,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 sink.write(state.step, scalars)
                 pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
                                  tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
-                                 pad=f"{scalars['train/padding_ratio']:.2f}", mfu=meter.describe_mfu(scalars))
+                                 pad=f"{scalars['train/padding_ratio']:.2f}", mfu=meter.describe_mfu(scalars),
+                                 refresh=False)  # drawn by the next update (tqdm's 0.1 s minimum interval)
                 logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
                 acc.zero_()
                 meter.window.zero_()

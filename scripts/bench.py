@@ -26,16 +26,19 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   also per round (``real_tokens_per_s_per_round``), to show the noise;
 * step time: median and spread (interquartile range) of the per-step wall times;
 * time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
-  set-up; the tokenized data are cached after the first round), median over rounds;
+  set-up; the tokenized data are cached after the first round), median over rounds (n/a for ``finetune`` with
+  ``--log-every`` above 1: its first logged step is the end of the first window);
 * peak memory per rank: the largest ``VmHWM`` (peak resident set) of a launch's rank processes (CPU ranks; sampled
   every 0.2 s from ``/proc``), median over rounds (it moves by +-30 MB between identical launches; each round's
   figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
+* MFU (GPUs of the peak table in ``finetune/logs.py``; n/a on CPUs): ``finetune``'s logged ``train/mfu``, median
+  over the timed steps; the other contenders' from their real tokens/s (same model, same FLOPs per real token);
 * final loss: mean logged training loss of the last 5 steps (the rows differ between contenders, so compare
-  within noise);
+  within noise; with ``--log-every`` above 1 the logged losses are window means);
 * ratio: real tokens/s of ``finetune`` over each other contender's, all rounds pooled (``ours/this``), and the
   median over rounds of the same ratio within each round (``by rounds``: a pair launched back to back shares the
   machine's load of the moment, so a slow round does not skew it); ``bare``: the loop overhead, also printed as
-  a percentage of step time, pooled and round by round (from each launch's median step time).
+  a percentage of step time (``bare``'s tokens/s over ours, minus 1), pooled and round by round.
 
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
 ``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires); the package never imports it.
@@ -46,6 +49,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset gpt_clm --steps 60 --rounds 3
     python scripts/bench.py --preset all                      # every preset, one after the other
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
+    python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -95,8 +100,27 @@ PRESETS: dict[str, dict] = {
                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
             "contenders": ["finetune", "bare", "hf", "hf_grouped"],
             "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
+    # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
+    # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
+    "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
+                       "overrides": ["model.path=data/models/bert-large-config", "data.max_seq_len=512",
+                                     "train.micro_batch_size=32", "train.gradient_accumulation_steps=1",
+                                     "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-4"],
+                       "contenders": ["finetune", "bare", "hf", "hf_grouped"],
+                       "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, "
+                                "intermediate_size: 128, num_attention_heads: 2}", "data.max_seq_len=64",
+                                "train.micro_batch_size=4"]},
+    "gpt2_medium_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml", "gpu": True,
+                        "overrides": ["model.path=data/models/gpt2-medium-config", "data.max_seq_len=1024",
+                                      "model.tokenizer_path=data/models/gpt2-bytes",  # byte ids, < its vocab
+                                      "train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
+                                      "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-4"],
+                        "contenders": ["finetune", "bare", "hf"],
+                        "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
+                                 "data.max_seq_len=64", "train.micro_batch_size=4"]},
 }
-"""Per preset: base run config, overrides, contenders, and ``tiny`` overrides (``--tiny``: a smoke run, for tests)."""
+"""Per preset: base run config, overrides, contenders, ``tiny`` overrides (``--tiny``: a smoke run, for tests), and
+``gpu`` (presets sized for a GPU: ``--preset all`` includes them only with ``--gpu``)."""
 
 
 def environment(gpu: bool) -> dict:
@@ -183,10 +207,24 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
-    tokens = [b["train/tokens_seen"] - a["train/tokens_seen"] for a, b in zip([{"train/tokens_seen": 0}] + rows, rows)]
-    return {"start": start, "ends": [r["time"] for r in rows], "tokens": tokens,
-            "positions": [t / r["train/padding_ratio"] for t, r in zip(tokens, rows)],
-            "losses": [r["train/loss"] for r in rows], "peaks": peaks, "gpu_peak": None}
+    records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
+    gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
+    # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
+    ends, tokens, positions, losses, mfu = [], [], [], [], []
+    prev_step, prev_time, prev_seen = 0, None, 0
+    for r in rows:
+        n = r["step"] - prev_step
+        window_tokens = r["train/tokens_seen"] - prev_seen
+        t0 = prev_time if prev_time is not None else r["time"]  # the first window's start is unknown: step 1 only
+        for k in range(1, n + 1):
+            ends.append(t0 + (r["time"] - t0) * k / n if prev_time is not None or k == n else float("nan"))
+            tokens.append(window_tokens / n)
+            positions.append(window_tokens / n / r["train/padding_ratio"])
+            losses.append(r["train/loss"])
+            mfu.append(r.get("train/mfu"))
+        prev_step, prev_time, prev_seen = r["step"], r["time"], r["train/tokens_seen"]
+    return {"start": start, "ends": ends, "tokens": tokens, "positions": positions, "losses": losses,
+            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu}
 
 
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
@@ -227,6 +265,7 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
 def summarize(name: str, runs: list[dict], skip: int) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
+    mfu = []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -237,26 +276,27 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
         positions += sum(r["positions"][len(ends) - len(timed):])
         per_round.append(sum(r["tokens"][len(ends) - len(timed):]) / sum(timed))
         medians.append(statistics.median(timed))
-        first.append(ends[0] - r["start"])
+        mfu += [m for m in r.get("mfu", [])[len(ends) - len(timed):] if m is not None]
+        if math.isfinite(ends[0]):  # unknown for finetune with --log-every > 1
+            first.append(ends[0] - r["start"])
         losses.append(statistics.fmean(r["losses"][-5:]))
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
-            "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first),
+            "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first) if first else None,
             "peak_rss_per_rank_mb": statistics.median(peaks) if all(peaks) else None,
             "gpu_max_allocated_mb": max((r["gpu_peak"] or 0) for r in runs) / 2**20 or None,
             "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round,
-            "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks}
+            "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks,
+            "mfu": statistics.median(mfu) if mfu else None}
 
 
-def paired(ours: dict, this: dict) -> tuple[float, float]:
+def paired(ours: dict, this: dict) -> float:
     """Round-by-round comparison of two contenders launched back to back in each round (robust to a slow round,
-    which hits both of a pair alike): the median over rounds of ours/this real tokens/s, and of ours/this median
-    step time minus 1 (the overhead of ours, a fraction)."""
-    tok = [a / b for a, b in zip(ours["real_tokens_per_s_per_round"], this["real_tokens_per_s_per_round"])]
-    step = [a / b - 1 for a, b in zip(ours["step_time_median_s_per_round"], this["step_time_median_s_per_round"])]
-    return statistics.median(tok), statistics.median(step)
+    which hits both of a pair alike): the median over rounds of ours/this real tokens/s."""
+    return statistics.median(a / b for a, b in zip(ours["real_tokens_per_s_per_round"],
+                                                   this["real_tokens_per_s_per_round"]))
 
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
@@ -284,7 +324,7 @@ def table(preset: str, results: list[dict]) -> str:
             ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
             ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
-            ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds")]
+            ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "n/a" for _, fmt, key in cols]
@@ -298,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per launch")
     p.add_argument("--rounds", type=int, default=2, help="launches per contender, alternating")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps per launch left out of the timing")
+    p.add_argument("--log-every", type=int, default=1,
+                   help="log every N steps (finetune's train.log_every, HF's logging_steps); finetune's step times "
+                        "are then the mean of each N-step window")
     p.add_argument("--nproc", type=int, default=2, help="ranks per launch")
     p.add_argument("--gpu", action="store_true", help="GPU ranks (bf16); default: CPU ranks, fp32")
     p.add_argument("--tiny", action="store_true", help="small model and data: a smoke run of the benchmark")
@@ -308,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps <= args.skip:
         p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
+    if args.log_every > 1 and (args.skip % args.log_every or args.steps % args.log_every):
+        p.error(f"--log-every {args.log_every} must divide --skip {args.skip} and --steps {args.steps} (whole windows)")
 
     from finetune.config import load_run_config
 
@@ -318,15 +363,16 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         env.setdefault("FINETUNE_CACHE", str(root / "cache"))
-        for name in PRESETS if args.preset == "all" else [args.preset]:
+        every = [n for n, pr in PRESETS.items() if args.gpu or not pr.get("gpu")]
+        for name in every if args.preset == "all" else [args.preset]:
             preset = PRESETS[name]
             tiny = [*preset["tiny"], "data.max_train_rows=400"] if args.tiny else []
             overrides = [*preset["overrides"], *tiny, f"train.max_steps={args.steps}",
-                         "train.log_every=1", "train.eval_every=0", "train.eval_on_start=false",
+                         f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_on_start=false",
                          "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
                          f"train.precision={precision}", *args.overrides]
             cfg = load_run_config(REPO / preset["config"], overrides)
-            spec = hf_spec(cfg, args.steps, precision)
+            spec = {**hf_spec(cfg, args.steps, precision), "log_every": args.log_every}
             t = cfg.train
             print(f"{name}: {cfg.model.path} {cfg.model.config_overrides}, max_seq_len {cfg.data.max_seq_len}, "
                   f"micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps} x {args.nproc} ranks, "
@@ -353,14 +399,16 @@ def main(argv: list[str] | None = None) -> int:
             base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
-                r["ratio_ours_over_this_median_of_rounds"] = paired(results[0], r)[0] if base else None
+                if base and results[0]["mfu"] is not None and r is not results[0]:  # same model: FLOPs per real token
+                    r["mfu"] = results[0]["mfu"] * r["real_tokens_per_s"] / base
+                r["ratio_ours_over_this_median_of_rounds"] = paired(results[0], r) if base else None
             print(table(name, results))
             if base and "bare" in runs:
                 bare_r = results[list(runs).index("bare")]
                 overhead = bare_r["real_tokens_per_s"] / base - 1
                 print(f"{name}: loop overhead of finetune over the bare engine loop on its own batches: "
-                      f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * paired(results[0], bare_r)[1]:+.1f}% "
-                      f"(median step times, round by round, median over rounds)")
+                      f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * (1 / paired(results[0], bare_r) - 1):+.1f}% "
+                      f"(round by round, median over rounds)")
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

@@ -133,7 +133,7 @@ def main() -> None:
         gradient_accumulation_steps=spec["gradient_accumulation_steps"], max_steps=spec["steps"],
         learning_rate=spec["lr"], weight_decay=spec["weight_decay"], warmup_steps=spec["warmup_steps"],
         lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
-        logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0, train_sampling_strategy=spec["sampling"], bf16=half == "bf16",
         fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=counting_collate,
