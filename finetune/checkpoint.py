@@ -413,3 +413,26 @@ def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
     logger.info(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, "
                 f"{state.samples_in_epoch} rows of the epoch consumed")
     return state
+
+
+def check_free_space(run_dir: Path, engine) -> None:
+    """Refuse to train when the run folder's disk cannot hold one checkpoint (all ranks share the estimate).
+
+    Estimate: parameters x (4 bytes fp32 weights + 8 bytes AdamW moments, + 4 bytes fp32 master weights and
+    2 bytes 16-bit weights in bf16/fp16) x 1.1, written by all ranks together; frozen parameters (a LoRA base)
+    count with their own size only.
+
+    Raises:
+        ConfigError: less free space than the estimate (before any step is trained).
+    """
+    params = list(engine.module.parameters())
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+    frozen = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params if not p.requires_grad)
+    per_param = 12 + (6 if (engine.bfloat16_enabled() or engine.fp16_enabled()) else 0)
+    need = int((n * per_param + frozen) * 1.1)  # frozen (LoRA base) weights: saved as they are, no AdamW state
+    free = shutil.disk_usage(run_dir).free
+    logger.info(f"checkpoint size estimate {need / 2**20:.1f} MiB; {free / 2**30:.1f} GiB free in {run_dir}")
+    if free < need:
+        raise ConfigError(f"output_dir: '{run_dir}' has {free / 2**20:.1f} MiB free, one checkpoint needs about "
+                          f"{need / 2**20:.1f} MiB ({n:,} trainable parameters with AdamW states); free space or "
+                          f"move output_dir")

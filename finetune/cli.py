@@ -215,7 +215,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine
-        _check_free_space(run_dir, engine)
+        ckpt_utils.check_free_space(run_dir, engine)
         state = ckpt_utils.TrainState()
         if resolved.resume_ckpt is not None:
             # another world size or ZeRO stage: rank 0 converts once (a universal copy beside the checkpoint)
@@ -276,30 +276,6 @@ def _write_report(run_dir: Path) -> None:
         logger.info(f"report {write_report([run_dir], run_dir / 'report.png')}")
     except Exception as e:  # noqa: BLE001  (matplotlib or a damaged metrics.jsonl must not fail a finished run)
         logger.warning(f"report.png not written: {type(e).__name__}: {e}")
-
-
-def _check_free_space(run_dir: Path, engine) -> None:
-    """Refuse to train when the run folder's disk cannot hold one checkpoint (all ranks share the estimate).
-
-    Estimate: parameters x (4 bytes fp32 weights + 8 bytes AdamW moments, + 4 bytes fp32 master weights and
-    2 bytes 16-bit weights in bf16/fp16) x 1.1, written by all ranks together; frozen parameters (a LoRA base)
-    count with their own size only.
-    """
-    import shutil
-
-    from finetune.logs import logger
-
-    params = list(engine.module.parameters())
-    n = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
-    frozen = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params if not p.requires_grad)
-    per_param = 12 + (6 if (engine.bfloat16_enabled() or engine.fp16_enabled()) else 0)
-    need = int((n * per_param + frozen) * 1.1)  # frozen (LoRA base) weights: saved as they are, no AdamW state
-    free = shutil.disk_usage(run_dir).free
-    logger.info(f"checkpoint size estimate {need / 2**20:.1f} MiB; {free / 2**30:.1f} GiB free in {run_dir}")
-    if free < need:
-        raise ConfigError(f"output_dir: '{run_dir}' has {free / 2**20:.1f} MiB free, one checkpoint needs about "
-                          f"{need / 2**20:.1f} MiB ({n:,} trainable parameters with AdamW states); free space or "
-                          f"move output_dir")
 
 
 def _failure_hint(e: BaseException) -> str:

@@ -155,6 +155,9 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, t.weight_decay),
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False)
-    if hasattr(engine.optimizer, "check_grad_overflow"):  # ZeRO 1/2 in bf16 would apply a NaN/inf update
+    if engine.bfloat16_enabled() and hasattr(engine.optimizer, "check_grad_overflow"):
+        # ZeRO 1/2 in bf16 skip a non-finite step only with this on (DeepSpeed's default, a JSON may turn it off);
+        # in fp32 and fp16 they skip on a non-finite global gradient norm anyway, and this on would add a scan of
+        # every gradient, an all-reduce and a host sync to each step
         engine.optimizer.check_grad_overflow = True
     return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)

@@ -76,8 +76,9 @@ class MetricsSink:
     Every ``metrics.jsonl`` row is ``{"step": int, "launch": int, "<tag>": float | null, ..., "time": float}``:
     ``launch`` is the launch that wrote it (a resumed run re-runs the steps after its checkpoint, so a step can
     have rows of two launches: the later launch's row is the one that counts), a non-finite value is ``null`` so
-    every line stays valid JSON, and ``time`` is the wall-clock time of the write (Unix seconds; step times and
-    the time to the first step in ``scripts/bench.py``).
+    every line stays valid JSON, ``time`` is the wall-clock time of the write (Unix seconds; step times and
+    the time to the first step in ``scripts/bench.py``) and ``cpu_time`` the CPU seconds rank 0's process has used
+    so far (all its threads; ``time.process_time``): a loop bound by the host shows it growing as fast as ``time``.
 
     Args:
         engine: the DeepSpeed engine (``engine.monitor.write_events`` takes ``[(tag, value, step)]``).
@@ -98,7 +99,8 @@ class MetricsSink:
             return
         self.engine.monitor.write_events([(tag, float(v), step) for tag, v in scalars.items()])
         row = {"step": step, "launch": self.launch,
-               **{k: (float(v) if math.isfinite(float(v)) else None) for k, v in scalars.items()}, "time": time.time()}
+               **{k: (float(v) if math.isfinite(float(v)) else None) for k, v in scalars.items()}, "time": time.time(),
+               "cpu_time": time.process_time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
 

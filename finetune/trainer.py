@@ -30,8 +30,8 @@ the model: models do not all honour ``num_items_in_batch`` (``BertForMaskedLM`` 
 its own mean); the LM recipes run the output head and the cross-entropy at target positions only.
 
 Non-finite steps. A step whose global gradient norm is not finite (a non-finite loss on any rank makes it
-so) is skipped: ZeRO 1-3 skip it themselves (DeepSpeed's overflow check, also forced on for bf16 and fp32 in
-``engine.build_engine``); at stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and
+so) is skipped: ZeRO 1-3 skip it themselves (DeepSpeed's check of the global norm; for ZeRO 1/2 in bf16 it
+needs ``check_grad_overflow``, kept on in ``engine.build_engine``); at stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and
 makes that step a no-op. Either way ``engine.was_step_applied()`` says so, alike on every rank.
 Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a row raise
 :class:`TrainingDiverged`. The position in the epoch is counted in rows of the global order

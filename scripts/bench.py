@@ -25,6 +25,9 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
 * real tokens/s: non-pad tokens of all ranks over the wall time of the timed steps; positions/s likewise with pad;
   also per round (``real_tokens_per_s_per_round``), to show the noise;
 * step time: median and spread (interquartile range) of the per-step wall times;
+* rank 0's CPU time per timed step (``time.process_time`` of its process, all threads; median over rounds): the
+  work of the contender itself, which a busy or shared machine does not inflate as it does wall time (a rank
+  waiting in a gloo collective sleeps, so waiting is not counted);
 * time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
   set-up; the tokenized data are cached after the first round), median over rounds (n/a for ``finetune`` with
   ``--log-every`` above 1: its first logged step is the end of the first window);
@@ -210,20 +213,23 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
-    ends, tokens, positions, losses, mfu = [], [], [], [], []
-    prev_step, prev_time, prev_seen = 0, None, 0
+    ends, cpu, tokens, positions, losses, mfu = [], [], [], [], [], []
+    prev_step, prev_time, prev_cpu, prev_seen = 0, None, None, 0
     for r in rows:
         n = r["step"] - prev_step
         window_tokens = r["train/tokens_seen"] - prev_seen
         t0 = prev_time if prev_time is not None else r["time"]  # the first window's start is unknown: step 1 only
+        c0 = prev_cpu if prev_cpu is not None else r["cpu_time"]
         for k in range(1, n + 1):
-            ends.append(t0 + (r["time"] - t0) * k / n if prev_time is not None or k == n else float("nan"))
+            known = prev_time is not None or k == n
+            ends.append(t0 + (r["time"] - t0) * k / n if known else float("nan"))
+            cpu.append(c0 + (r["cpu_time"] - c0) * k / n if known else float("nan"))
             tokens.append(window_tokens / n)
             positions.append(window_tokens / n / r["train/padding_ratio"])
             losses.append(r["train/loss"])
             mfu.append(r.get("train/mfu"))
-        prev_step, prev_time, prev_seen = r["step"], r["time"], r["train/tokens_seen"]
-    return {"start": start, "ends": ends, "tokens": tokens, "positions": positions, "losses": losses,
+        prev_step, prev_time, prev_cpu, prev_seen = r["step"], r["time"], r["cpu_time"], r["train/tokens_seen"]
+    return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu}
 
 
@@ -239,7 +245,8 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
         tokens.append(sum(c[0] for c in micro))
         positions.append(sum(c[1] for c in micro))
     losses = ranks[0]["losses"]
-    return {"start": start, "ends": ranks[0]["step_ends"][:steps], "tokens": tokens, "positions": positions,
+    return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
+            "tokens": tokens, "positions": positions,
             "losses": [losses[k] for k in sorted(losses, key=int)], "peaks": peaks,
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
@@ -265,7 +272,7 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
 def summarize(name: str, runs: list[dict], skip: int) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
-    mfu = []
+    mfu, cpu = [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -276,6 +283,7 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
         positions += sum(r["positions"][len(ends) - len(timed):])
         per_round.append(sum(r["tokens"][len(ends) - len(timed):]) / sum(timed))
         medians.append(statistics.median(timed))
+        cpu.append((r["cpu"][-1] - r["cpu"][len(ends) - len(timed) - 1]) / len(timed))  # rank 0, s per timed step
         mfu += [m for m in r.get("mfu", [])[len(ends) - len(timed):] if m is not None]
         if math.isfinite(ends[0]):  # unknown for finetune with --log-every > 1
             first.append(ends[0] - r["start"])
@@ -289,7 +297,8 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
             "gpu_max_allocated_mb": max((r["gpu_peak"] or 0) for r in runs) / 2**20 or None,
             "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round,
             "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks,
-            "mfu": statistics.median(mfu) if mfu else None}
+            "mfu": statistics.median(mfu) if mfu else None,
+            "rank0_cpu_s_per_step": statistics.median(cpu), "rank0_cpu_s_per_step_per_round": cpu}
 
 
 def paired(ours: dict, this: dict) -> float:
@@ -322,6 +331,7 @@ def table(preset: str, results: list[dict]) -> str:
     """The results as a text table, one line per contender."""
     cols = [("real tok/s", "{:.0f}", "real_tokens_per_s"), ("pos/s", "{:.0f}", "positions_per_s"),
             ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
+            ("r0 CPU s", "{:.3f}", "rank0_cpu_s_per_step"),
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
             ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu")]
@@ -408,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                 overhead = bare_r["real_tokens_per_s"] / base - 1
                 print(f"{name}: loop overhead of finetune over the bare engine loop on its own batches: "
                       f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * (1 / paired(results[0], bare_r) - 1):+.1f}% "
-                      f"(round by round, median over rounds)")
+                      f"(round by round, median over rounds); rank 0's CPU time per step "
+                      f"{100 * (results[0]['rank0_cpu_s_per_step'] / bare_r['rank0_cpu_s_per_step'] - 1):+.1f}%")
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

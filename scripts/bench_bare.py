@@ -82,6 +82,7 @@ def main() -> None:
 
     engine.train()
     step_ends: list[float] = []
+    step_cpu: list[float] = []  # this process's CPU seconds at each step's end (gloo waits sleep: not counted)
     for s in range(steps):
         for i in range(gas):
             out = recipe.forward(engine, micro[s * gas + i])
@@ -90,13 +91,14 @@ def main() -> None:
             engine.step()
             losses[s] += loss.detach().double() / gas
         step_ends.append(time.time())
+        step_cpu.append(time.process_time())
 
     losses = dist_utils.all_reduce_sum(losses) / world
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps({
-        "step_ends": step_ends, "counts": counts, "gpu_max_allocated": peak_gpu,
+        "step_ends": step_ends, "step_cpu": step_cpu, "counts": counts, "gpu_max_allocated": peak_gpu,
         "losses": {str(s + 1): v for s, v in enumerate(losses.tolist())}}))
     torch.distributed.destroy_process_group()
 

@@ -113,11 +113,13 @@ def main() -> None:
         return batch
 
     step_ends: list[float] = []
+    step_cpu: list[float] = []
     losses: dict[int, float] = {}
 
     class Meter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             step_ends.append(time.time())
+            step_cpu.append(time.process_time())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
@@ -140,7 +142,7 @@ def main() -> None:
                       processing_class=tokenizer, callbacks=[Meter()])
     trainer.train()
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "counts": counts,
+    (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu}))
 
 
