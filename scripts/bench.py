@@ -36,8 +36,8 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
 * MFU (GPUs of the peak table in ``finetune/logs.py``; n/a on CPUs): ``finetune``'s logged ``train/mfu``, median
   over the timed steps; the other contenders' from their real tokens/s (same model, same FLOPs per real token);
-* final loss: mean logged training loss of the last 5 steps (the rows differ between contenders, so compare
-  within noise; with ``--log-every`` above 1 the logged losses are window means);
+* final loss: mean training loss of the last 5 steps, or of the last ``--log-every`` steps (each step taking its
+  log window's mean) when that is more (the rows differ between contenders, so compare within noise);
 * ratio: real tokens/s of ``finetune`` over each other contender's, all rounds pooled (``ours/this``), and the
   median over rounds of the same ratio within each round (``by rounds``: a pair launched back to back shares the
   machine's load of the moment, so a slow round does not skew it); ``bare``: the loop overhead, also printed as
@@ -244,10 +244,15 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
         micro = [c for r in ranks for c in r["counts"][s * gas:(s + 1) * gas]]
         tokens.append(sum(c[0] for c in micro))
         positions.append(sum(c[1] for c in micro))
-    losses = ranks[0]["losses"]
+    logged = {int(k): v for k, v in ranks[0]["losses"].items()}  # step -> loss (HF: mean since its last log)
+    losses, value = [], None
+    for s in range(steps, 0, -1):  # each step takes the loss of the log window it belongs to
+        value = logged.get(s, value)
+        losses.append(value)
+    losses.reverse()
     return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
             "tokens": tokens, "positions": positions,
-            "losses": [losses[k] for k in sorted(losses, key=int)], "peaks": peaks,
+            "losses": losses, "peaks": peaks,
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
 
@@ -269,7 +274,7 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
     return rank_records(out, start, peaks, args.nproc, gas, args.steps)
 
 
-def summarize(name: str, runs: list[dict], skip: int) -> dict:
+def summarize(name: str, runs: list[dict], skip: int, last: int = 5) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
     mfu, cpu = [], []
@@ -287,7 +292,7 @@ def summarize(name: str, runs: list[dict], skip: int) -> dict:
         mfu += [m for m in r.get("mfu", [])[len(ends) - len(timed):] if m is not None]
         if math.isfinite(ends[0]):  # unknown for finetune with --log-every > 1
             first.append(ends[0] - r["start"])
-        losses.append(statistics.fmean(r["losses"][-5:]))
+        losses.append(statistics.fmean(r["losses"][-last:]))
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
@@ -405,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         clean_shm(before)
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
-            results = [summarize(c, r, args.skip) for c, r in runs.items()]
+            results = [summarize(c, r, args.skip, max(5, args.log_every)) for c, r in runs.items()]
             base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None

@@ -144,6 +144,8 @@ def main() -> None:
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu}))
+    if torch.distributed.is_initialized():  # Trainer leaves it up; gloo's threads torn down at exit can abort
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
