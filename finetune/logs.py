@@ -73,7 +73,8 @@ def monitor_sections(ds: dict, run_dir: Path) -> dict:
 class MetricsSink:
     """Writes scalar events to DeepSpeed's monitor (TensorBoard) and ``metrics.jsonl``; rank 0 only.
 
-    Every ``metrics.jsonl`` row is ``{"step": int, "launch": int, "<tag>": float | null, ..., "time": float}``:
+    Every ``metrics.jsonl`` row is ``{"step": int, "launch": int, "<tag>": float | null, ..., "time": float,
+    "cpu_time": float}``:
     ``launch`` is the launch that wrote it (a resumed run re-runs the steps after its checkpoint, so a step can
     have rows of two launches: the later launch's row is the one that counts), a non-finite value is ``null`` so
     every line stays valid JSON, ``time`` is the wall-clock time of the write (Unix seconds; step times and
