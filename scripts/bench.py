@@ -214,21 +214,18 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
     ends, cpu, tokens, positions, losses, mfu = [], [], [], [], [], []
-    prev_step, prev_time, prev_cpu, prev_seen = 0, None, None, 0
+    prev = {"step": 0, "train/tokens_seen": 0}
     for r in rows:
-        n = r["step"] - prev_step
-        window_tokens = r["train/tokens_seen"] - prev_seen
-        t0 = prev_time if prev_time is not None else r["time"]  # the first window's start is unknown: step 1 only
-        c0 = prev_cpu if prev_cpu is not None else r["cpu_time"]
+        n = r["step"] - prev["step"]
+        window_tokens = r["train/tokens_seen"] - prev["train/tokens_seen"]
         for k in range(1, n + 1):
-            known = prev_time is not None or k == n
-            ends.append(t0 + (r["time"] - t0) * k / n if known else float("nan"))
-            cpu.append(c0 + (r["cpu_time"] - c0) * k / n if known else float("nan"))
+            for out, key in ((ends, "time"), (cpu, "cpu_time")):  # the first window's start is unknown: its end only
+                out.append(prev[key] + (r[key] - prev[key]) * k / n if key in prev else r[key] if k == n else math.nan)
             tokens.append(window_tokens / n)
             positions.append(window_tokens / n / r["train/padding_ratio"])
             losses.append(r["train/loss"])
             mfu.append(r.get("train/mfu"))
-        prev_step, prev_time, prev_cpu, prev_seen = r["step"], r["time"], r["cpu_time"], r["train/tokens_seen"]
+        prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu}
 
@@ -244,12 +241,9 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
         micro = [c for r in ranks for c in r["counts"][s * gas:(s + 1) * gas]]
         tokens.append(sum(c[0] for c in micro))
         positions.append(sum(c[1] for c in micro))
-    logged = {int(k): v for k, v in ranks[0]["losses"].items()}  # step -> loss (HF: mean since its last log)
-    losses, value = [], None
-    for s in range(steps, 0, -1):  # each step takes the loss of the log window it belongs to
-        value = logged.get(s, value)
-        losses.append(value)
-    losses.reverse()
+    logged = sorted((int(k), v) for k, v in ranks[0]["losses"].items())  # (step, loss); HF: mean since its last log
+    # each step takes the loss of the log window it belongs to (the first logged step at or after it)
+    losses = [next((v for k, v in logged if k >= s), None) for s in range(1, steps + 1)]
     return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
             "tokens": tokens, "positions": positions,
             "losses": losses, "peaks": peaks,
