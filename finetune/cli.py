@@ -212,6 +212,8 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"steps/epoch; {total_steps} steps")
 
         health.release_host_memory()  # start-up's freed heap (validation, tokenization) back to the OS
+        if _on_cpu():  # CPU ranks: no page-fault churn of the step's tensors (the trim above is start-up's)
+            logger.info(f"host allocator: {health.tune_cpu_allocator()}")
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine

@@ -46,6 +46,7 @@ def main() -> None:
 
     from finetune import data as data_utils
     from finetune import distributed as dist_utils
+    from finetune import health
     from finetune.config import load_run_config
     from finetune.ds_config import resolve_ds_config
     from finetune.engine import build_engine, load_tokenizer
@@ -69,6 +70,9 @@ def main() -> None:
                                      t.micro_batch_size, t.seed, gas)
     loader.sampler.set_epoch(0, skip=0)
     loader.collate_fn.set_epoch(0)
+    health.release_host_memory()  # as finetune/cli.py does before the model
+    if not torch.cuda.is_available():
+        health.tune_cpu_allocator()
     built = build_engine(cfg, recipe, ds, steps)
     engine = built.engine
     device = engine.device
