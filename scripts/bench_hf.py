@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -144,8 +145,14 @@ def main() -> None:
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu}))
-    if torch.distributed.is_initialized():  # Trainer leaves it up; gloo's threads torn down at exit can abort
-        torch.distributed.destroy_process_group()
+    # Leave without the interpreter's teardown: with Trainer's process group still up, gloo's threads torn down at
+    # exit aborted a finished launch ("terminate called without an active exception", 1 launch in ~30), and
+    # destroy_process_group() first did not prevent it. Every rank is past its last collective after the barrier.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
