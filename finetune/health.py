@@ -23,8 +23,8 @@ JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a 
   the peak since the process started, or since the model was about to be built) in every write;
   :func:`memory_mark` adds ``rss_before_model_mib`` (just before the model is built; the peak is reset there)
   and ``peak_rss_train_mib`` (the peak from then to the end of training, before the export), which
-  ``finetune plan``'s figures are checked against (tests/test_train.py). Before the model is built, CPU ranks
-  give start-up's freed heap back (:func:`release_host_memory`) and set glibc's malloc thresholds so that a
+  ``finetune plan``'s figures are checked against (tests/test_train.py). Before the model is built, every rank
+  gives start-up's freed heap back (:func:`release_host_memory`), and CPU ranks set glibc's malloc thresholds so a
   step's tensors are not faulted back in at every step (:func:`tune_cpu_allocator`).
 
 ``faulthandler`` writes to the rank's own log file: a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE,
