@@ -211,9 +211,10 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"{t.gradient_accumulation_steps} x world size {dist_utils.world_size()}; {steps_per_epoch} "
                     f"steps/epoch; {total_steps} steps")
 
-        health.release_host_memory()  # start-up's freed heap (validation, tokenization) back to the OS
-        if _on_cpu():  # CPU ranks: no page-fault churn of the step's tensors (the trim above is start-up's)
-            logger.info(f"host allocator: {health.tune_cpu_allocator()}")
+        # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step
+        allocator = health.prepare_host_memory(_on_cpu())
+        if allocator:
+            logger.info(f"host allocator: {allocator}")
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         built = build_engine(cfg, recipe, ds, total_steps)
         engine = built.engine

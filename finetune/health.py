@@ -266,8 +266,8 @@ def tune_cpu_allocator() -> str:
     PyTorch's CPU performance guide makes the same point with jemalloc/tcmalloc). Blocks above 32 MiB are still
     ``mmap``-ed and returned; the price is a somewhat higher peak resident set (the heap keeps what it reached).
 
-    Call it once, before the model is built. It changes nothing on GPU ranks (tensors live on the device)
-    and is skipped when the environment already tunes glibc's malloc (``GLIBC_TUNABLES`` naming
+    Call it once, before the model is built, on CPU ranks only (through :func:`prepare_host_memory`; on GPU ranks
+    the tensors live on the device). It is skipped when the environment already tunes glibc's malloc (``GLIBC_TUNABLES`` naming
     ``glibc.malloc``, or any ``MALLOC_*_`` variable): the user's choice wins.
 
     Returns:
@@ -287,6 +287,16 @@ def tune_cpu_allocator() -> str:
         return "no glibc mallopt"
     done = [f"{name}={value}" for name, (param, value) in CPU_MALLOC_OPTIONS.items() if mallopt(param, value) == 1]
     return "mallopt " + " ".join(done)
+
+
+def prepare_host_memory(on_cpu: bool) -> str | None:
+    """Before the model is built: :func:`release_host_memory`, then on CPU ranks :func:`tune_cpu_allocator`.
+
+    Returns:
+        The allocator line for the log on CPU ranks (see :func:`tune_cpu_allocator`), None on GPU ranks.
+    """
+    release_host_memory()
+    return tune_cpu_allocator() if on_cpu else None
 
 
 def memory_mark(when: str) -> None:

@@ -70,9 +70,9 @@ def main() -> None:
                                      t.micro_batch_size, t.seed, gas)
     loader.sampler.set_epoch(0, skip=0)
     loader.collate_fn.set_epoch(0)
-    health.release_host_memory()  # as finetune/cli.py does before the model
-    if not torch.cuda.is_available():
-        health.tune_cpu_allocator()
+    from deepspeed.accelerator import get_accelerator
+
+    health.prepare_host_memory(get_accelerator().device_name() == "cpu")  # as finetune/cli.py before the model
     built = build_engine(cfg, recipe, ds, steps)
     engine = built.engine
     device = engine.device
