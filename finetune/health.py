@@ -34,6 +34,7 @@ SIGILL) leaves the Python stack of every thread there, and ``kill -USR2 <pid>`` 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -45,6 +46,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 HEARTBEAT_S = 5.0
 """Seconds between heartbeat writes."""
@@ -392,6 +394,42 @@ def finish(exit_code: int) -> int:
     if _current is not None:
         _current.finish(exit_code)
     return exit_code
+
+
+_exit_code: int | None = None
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code``: the interpreter's clean-up runs, its teardown does not.
+
+    ``sys.exit(code)`` as usual: non-daemon threads are joined and every ``atexit`` handler runs (loguru
+    closes its log files, ``multiprocessing`` ends DataLoader workers, wandb finishes its files, ...). Then
+    the handler this module registers when it is first imported ends the process with ``os._exit(code)``,
+    skipping the interpreter's finalisation: the last garbage collection and the teardown of every module
+    and C++ static (torch, transformers, DeepSpeed), 1.4 s of CPU after a 2-rank CPU launch's last
+    ``atexit`` handler (measured with ``strace``), 1.3-3 s of wall time per launch.
+    ``finetune/run.py`` imports this module before anything else, so that the handler runs after every
+    library's. A process that does not call this function (an exception escapes) exits the usual way.
+
+    Raises:
+        SystemExit: always (``sys.exit``).
+    """
+    global _exit_code
+    _exit_code = int(code)
+    sys.exit(_exit_code)
+
+
+def _end_without_teardown() -> None:
+    """Last ``atexit`` handler: flush Python's standard streams and ``os._exit`` after :func:`exit_process`."""
+    if _exit_code is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_exit_code)
+
+
+atexit.register(_end_without_teardown)  # registered first (run.py imports this module first): runs last
 
 
 def failed(e: BaseException) -> None:

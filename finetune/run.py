@@ -13,7 +13,9 @@ if __package__ in (None, ""):
     sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
+# health first: its atexit handler (exit_process: no interpreter teardown) must run after every library's
+from finetune.health import exit_process  # noqa: E402, I001
 from finetune.cli import train_main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train_main())
+    exit_process(train_main())

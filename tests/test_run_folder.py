@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
+from launch_helpers import wait_for
 
 from finetune import run_folder
 
@@ -60,28 +62,35 @@ def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
 def test_second_launch_into_a_busy_folder_is_refused(tmp_path):
     """Two launches into one output_dir: the second is refused in one line and writes nothing; the first finishes."""
     run = tmp_path / "run"
-    # Long enough that the first launch still runs while the second one starts and validates (~10 s): with the
-    # head at target positions only, 24 steps of this config were over before that, and the second launch
-    # was refused for the finished run's checkpoint instead of the lock.
-    STEPS = 120
+    STEPS = 24
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "finetune/run.py",
            "--config", str(CONFIG), f"output_dir={run}", f"train.max_steps={STEPS}", "train.save_every=0",
            "train.eval_every=0", "export=false"]
-    first = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while not (run / ".lock").exists() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        holder = json.loads((run / ".lock").read_text())
-        assert holder["pid"] > 0 and holder["host"]
-        second = launch(CONFIG, [f"output_dir={run}", "train.max_steps=24", "export=false"])
+        def holder_info():
+            try:
+                return json.loads((run / ".lock").read_text()) or None
+            except (OSError, ValueError):  # not there yet, or created and not yet written
+                return None
+
+        holder = wait_for(lambda: holder_info() or first.poll() is not None, 300, what="lock")
+        assert first.poll() is None and holder["pid"] > 0 and holder["host"]
+        # The first launch holds the lock: freeze it (launcher and ranks) while the second one starts and
+        # validates, so that the first cannot finish before (its lock, not its finished run, must refuse it).
+        os.killpg(first.pid, signal.SIGSTOP)
+        try:
+            second = launch(CONFIG, [f"output_dir={run}", "train.max_steps=2", "export=false"])
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
         assert second.returncode != 0
         lines = errors(second)
         assert len(lines) == 1 and "is in use by another launch" in lines[0] and f"pid {holder['pid']}" in lines[0]
         out, _ = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
-            first.kill()
+            os.killpg(first.pid, signal.SIGKILL)
     assert first.returncode == 0, out[-3000:]
     assert sorted(p.name for p in (run / "launches").iterdir()) == ["1"]
     rows = [r for r in read_metrics(run) if "train/loss" in r]
