@@ -232,6 +232,9 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         state = fit(cfg, engine, recipe, train_dl, eval_dl, state, total_steps, run_dir,
                     resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
         health.memory_mark("trained")
+        # what training freed (activations, gradient buckets: kept by the CPU ranks' allocator settings) goes back
+        # to the OS before the export, its check and the report allocate their own
+        health.release_host_memory()
         if state.step < total_steps:  # fit stopped early on a signal; every rank agreed on the step
             logger.warning(f"stopped at step {state.step} of {total_steps}; resume with --resume (a requeued "
                            f"Slurm job resumes by itself)")

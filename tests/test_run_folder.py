@@ -31,11 +31,12 @@ def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
     Slurm job continues its own run even when a newer run exists."""
     root = tmp_path / "runs"
     common = ["output_dir=", f"output_root={root}", *SHORT]
-    ok(launch(CONFIG, common, env=cpu_env(SLURM_JOB_ID="4242")))
+    # one rank per launch: folder naming and picking do not depend on the world size (and it is quicker)
+    ok(launch(CONFIG, common, nproc=1, env=cpu_env(SLURM_JOB_ID="4242")))
     first = run_folder.runs_under(root)
     assert len(first) == 1 and first[0].name.endswith("-job4242")
     time.sleep(1.1)  # names carry the second of the launch
-    proc = ok(launch(CONFIG, common))
+    proc = ok(launch(CONFIG, common, nproc=1))
     runs = run_folder.runs_under(root)
     assert len(runs) == 2 and runs[0] == first[0]
     newest = runs[1]
@@ -51,7 +52,7 @@ def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in first[0].rglob("*") if p.is_file()} == before, "old run was touched"
 
     # A requeued job (same SLURM_JOB_ID, SLURM_RESTART_COUNT=1, no --resume) resumes its own, older run.
-    proc = ok(launch(CONFIG, ["output_dir=", f"output_root={root}", *SHORT, "train.max_steps=3"],
+    proc = ok(launch(CONFIG, ["output_dir=", f"output_root={root}", *SHORT, "train.max_steps=3"], nproc=1,
                      env=cpu_env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")))
     assert f"resuming from the latest complete checkpoint in {first[0]}" in proc.stdout
     assert sorted(p.name for p in (first[0] / "launches").iterdir()) == ["1", "2"]
