@@ -410,7 +410,7 @@ def exit_process(code: int) -> NoReturn:
     the handler this module registers when it is first imported ends the process with ``os._exit(code)``,
     skipping the interpreter's finalisation: the last garbage collection and the teardown of every module
     and C++ static (torch, transformers, DeepSpeed), 1.4 s of CPU after a 2-rank CPU launch's last
-    ``atexit`` handler (measured with ``strace``), 1.3-3 s of wall time per launch.
+    ``atexit`` handler (measured with ``strace``); 1-2.5 s less wall time per launch of a tiny run (two A/B series).
     ``finetune/run.py`` imports this module before anything else, so that the handler runs after every
     library's. A process that does not call this function (an exception escapes) exits the usual way.
 

@@ -137,3 +137,32 @@ def test_cpu_allocator_tuning_stops_page_fault_churn_and_yields_to_the_environme
     assert said == "left to the environment (MALLOC_TOP_PAD_)"
     said, _ = faults("tune", GLIBC_TUNABLES="glibc.malloc.trim_threshold=0")
     assert said == "left to the environment (GLIBC_TUNABLES)"
+
+
+def test_exit_process_runs_every_atexit_handler_then_skips_the_teardown(tmp_path):
+    """``health.exit_process(3)``: exit status 3, buffered stdout written, an ``atexit`` handler registered after
+    the import (as a library's is) still runs, and an object's ``__del__`` left for the interpreter's teardown does
+    not (the teardown was skipped). An exception escaping instead exits the usual way (status 1, teardown run)."""
+    code = f"""
+import atexit, sys
+sys.path.insert(0, {str(REPO)!r})
+from finetune import health
+from pathlib import Path
+out = Path({str(tmp_path)!r})
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+class Teardown:
+    def __del__(self):
+        (out / "teardown").write_text("ran")
+keep = Teardown()
+print("buffered, not flushed", end="")
+if sys.argv[1] == "exit":
+    health.exit_process(3)
+raise RuntimeError("escaped")
+"""
+    proc = subprocess.run([sys.executable, "-c", code, "exit"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and proc.stdout == "buffered, not flushed", (proc.returncode, proc.stderr)
+    assert (tmp_path / "atexit").read_text() == "ran" and not (tmp_path / "teardown").exists()
+    (tmp_path / "atexit").unlink()
+    proc = subprocess.run([sys.executable, "-c", code, "raise"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "RuntimeError: escaped" in proc.stderr
+    assert (tmp_path / "atexit").read_text() == "ran" and (tmp_path / "teardown").read_text() == "ran"
