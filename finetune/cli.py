@@ -47,12 +47,6 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_cpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
-
-
 def _git_hash() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -120,7 +114,8 @@ def train_main(argv: list[str] | None = None) -> int:
         if note and dist_utils.rank() == 0 and not (args.print_config or args.check):
             print(f"finetune: {note}", file=sys.stderr, flush=True)
         try:
-            resolved = validate_run(cfg, args.resume, dist_utils.world_size(), _on_cpu(), args.resume_allow_changes)
+            resolved = validate_run(cfg, args.resume, dist_utils.world_size(), dist_utils.on_cpu(),
+                                    args.resume_allow_changes)
         except ConfigError as e:
             raise ConfigError(load_problems + _unless_about(e.problems, load_problems)) from e
         if load_problems:
@@ -187,7 +182,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
         recipe = get_recipe(cfg.recipe)
         ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
         tokenizer = load_tokenizer(cfg, recipe)
-        precision = describe_precision(cfg, _on_cpu())
+        precision = describe_precision(cfg, dist_utils.on_cpu())
         if rank == 0:
             _write_run_folder(run_dir, opened.launch, cfg, ds, tokenizer, load_model_config(cfg), launcher, precision)
             print(f"finetune: run folder {run_dir} (launch {opened.launch})", file=sys.stderr, flush=True)
@@ -212,7 +207,7 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"steps/epoch; {total_steps} steps")
 
         # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step
-        allocator = health.prepare_host_memory(_on_cpu())
+        allocator = health.prepare_host_memory(dist_utils.on_cpu())
         if allocator:
             logger.info(f"host allocator: {allocator}")
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against

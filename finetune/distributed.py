@@ -186,6 +186,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def on_cpu() -> bool:
+    """True when DeepSpeed's accelerator is the CPU (``DS_ACCELERATOR=cpu``, or no GPU found): the ranks train in
+    host memory, over gloo."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
 def init(timeout_minutes: float) -> None:
     """Start the process group through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
 
@@ -208,7 +216,7 @@ def init(timeout_minutes: float) -> None:
     if get_accelerator().device_name() == "cuda":
         get_accelerator().set_device(local_rank())
     deepspeed.init_distributed(timeout=timeout, auto_mpi_discovery=False)
-    if get_accelerator().device_name() == "cpu":
+    if on_cpu():
         _unlink_shm_buffer()
 
 

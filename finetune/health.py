@@ -272,8 +272,8 @@ def tune_cpu_allocator() -> str:
     ``mmap``-ed and returned; the price is a somewhat higher peak resident set (the heap keeps what it reached).
 
     Call it once, before the model is built, on CPU ranks only (through :func:`prepare_host_memory`; on GPU ranks
-    the tensors live on the device). It is skipped when the environment already tunes glibc's malloc (``GLIBC_TUNABLES`` naming
-    ``glibc.malloc``, or any ``MALLOC_*_`` variable): the user's choice wins.
+    the tensors live on the device). It is skipped when the environment already tunes glibc's malloc
+    (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or any ``MALLOC_*_`` variable): the user's choice wins.
 
     Returns:
         What was done, for the log: ``"mallopt M_MMAP_THRESHOLD=33554432 M_TRIM_THRESHOLD=134217728"``, or why

@@ -70,9 +70,7 @@ def main() -> None:
                                      t.micro_batch_size, t.seed, gas)
     loader.sampler.set_epoch(0, skip=0)
     loader.collate_fn.set_epoch(0)
-    from deepspeed.accelerator import get_accelerator
-
-    health.prepare_host_memory(get_accelerator().device_name() == "cpu")  # as finetune/cli.py before the model
+    health.prepare_host_memory(dist_utils.on_cpu())  # as finetune/cli.py before the model
     built = build_engine(cfg, recipe, ds, steps)
     engine = built.engine
     device = engine.device

@@ -1,4 +1,5 @@
-"""Real training runs: both recipes, ZeRO 2 and 3 (GPT/ZeRO-2 and BERT/ZeRO-3 by default), 2 CPU ranks, fp32, tiny models.
+"""Real training runs: both recipes, ZeRO 2 and 3 (GPT/ZeRO-2 and BERT/ZeRO-3 by default), 2 CPU ranks, fp32,
+tiny models.
 
 Each run is launched once per module (``runs`` fixture) and several tests read its run folder: loss
 goes down, evaluation and TensorBoard scalars are there, checkpoints are complete, the export reloads
@@ -24,7 +25,8 @@ RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
 # is extended (`pytest -m extended tests/test_train.py`), also for the suite's budget. test_parity.py runs GPT
 # under ZeRO-3 (with and without CPU offload) and BERT under ZeRO-0 and ZeRO-3 against the single-device reference.
 RUNS = [("gpt", "zero2"), ("bert", "zero3"),
-        pytest.param("gpt", "zero3", marks=pytest.mark.extended), pytest.param("bert", "zero2", marks=pytest.mark.extended)]
+        pytest.param("gpt", "zero3", marks=pytest.mark.extended),
+        pytest.param("bert", "zero2", marks=pytest.mark.extended)]
 TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_per_s_per_device",
                  "train/padding_ratio", "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s"}
 EVAL_SCALARS = {"eval/loss", "eval/perplexity"}
