@@ -190,18 +190,9 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                     f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
         logger.info("precision {precision} ({why})".format(**precision))
 
-        splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
-        collator = recipe.make_collator(tokenizer, cfg.data)
-        t = cfg.train
-        train_dl = data_utils.train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed,
-                                           t.gradient_accumulation_steps)
-        eval_dl = data_utils.eval_loader(splits.validation, collator, cfg.data, t.micro_batch_size)
-        steps_per_epoch = (train_dl.sampler.num_samples // t.micro_batch_size) // t.gradient_accumulation_steps
-        if steps_per_epoch == 0:
-            raise ConfigError(f"data.train_files: {len(splits.train)} training rows give no full global batch of "
-                              f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {dist_utils.world_size()} "
-                              f"rows; lower train.micro_batch_size or add data")
-        total_steps = t.max_steps or t.epochs * steps_per_epoch
+        data = data_utils.build_train_data(recipe, cfg, tokenizer)
+        splits, collator, train_dl, eval_dl = data.splits, data.collator, data.train_loader, data.eval_loader
+        steps_per_epoch, total_steps, t = data.steps_per_epoch, data.total_steps, cfg.train
         logger.info(f"global batch {ds['train_batch_size']} rows = micro batch {t.micro_batch_size} x accumulation "
                     f"{t.gradient_accumulation_steps} x world size {dist_utils.world_size()}; {steps_per_epoch} "
                     f"steps/epoch; {total_steps} steps")

@@ -49,7 +49,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from finetune import distributed as dist_utils
-from finetune.config import ConfigError, DataConfig
+from finetune.config import ConfigError, DataConfig, RunConfig
 from finetune.logs import logger
 
 
@@ -601,3 +601,42 @@ def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed:
     shard = _EvalShard(dataset, dist_utils.rank(), dist_utils.world_size())
     return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=_eval_collate(collator, seed),
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
+
+
+
+@dataclass
+class TrainData:
+    """What one training run reads, built by :func:`build_train_data` (the toolkit's loop and the bench's bare
+    loop use the same)."""
+
+    splits: Splits
+    collator: object  # the recipe's collator (rows -> batch of tensors)
+    train_loader: DataLoader  # :func:`train_loader`: this rank's micro-batches, sampler a ResumableDistributedSampler
+    eval_loader: DataLoader  # :func:`eval_loader`
+    steps_per_epoch: int  # optimizer steps per epoch (whole global batches)
+    total_steps: int  # ``train.max_steps``, or ``train.epochs`` x steps_per_epoch
+
+
+def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
+    """Tokenized splits (:func:`load_splits`, cached), the recipe's collator and this rank's loaders.
+
+    Args:
+        recipe: the recipe module (``tokenize_function``, ``make_collator``).
+        cfg: the run config (``recipe``, ``data``, and ``train``'s micro batch, accumulation, seed, steps).
+        tokenizer: the prepared tokenizer (``recipe.prepare_tokenizer`` applied).
+
+    Raises:
+        ConfigError: a split has no rows (``data.train_files``/``data.validation_*``), or the training rows do
+            not fill one global batch (micro batch x accumulation x world size rows).
+    """
+    t = cfg.train
+    splits = load_splits(recipe, cfg.recipe, tokenizer, cfg.data, t.seed)
+    collator = recipe.make_collator(tokenizer, cfg.data)
+    train_dl = train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed, t.gradient_accumulation_steps)
+    eval_dl = eval_loader(splits.validation, collator, cfg.data, t.micro_batch_size)
+    steps_per_epoch = (train_dl.sampler.num_samples // t.micro_batch_size) // t.gradient_accumulation_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"data.train_files: {len(splits.train)} training rows give no full global batch of "
+                          f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {dist_utils.world_size()} "
+                          f"rows; lower train.micro_batch_size or add data")
+    return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)

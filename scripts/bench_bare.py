@@ -1,9 +1,10 @@
 """The bare-loop contender of ``scripts/bench.py``: ``engine(batch) / backward / step`` on pre-collated batches.
 
 Launched by ``scripts/bench.py`` under ``deepspeed`` with the toolkit run's config and overrides. It builds
-exactly what ``finetune/run.py`` builds (resolved DeepSpeed config, recipe, tokenized rows from the same cache,
-length-grouped loader, engine) but then draws every micro-batch of the run from the loader up front, moves them
-to the device, all-reduces each step's target count in one collective, and only then times a loop with nothing
+exactly what ``finetune/run.py`` builds (resolved DeepSpeed config, recipe, and through the same functions the
+tokenized rows from the same cache, the length-grouped loader and the engine), but then draws every micro-batch of
+the run from the loader up front, moves them to the device, all-reduces each step's target count in one
+collective, and only then times a loop with nothing
 but the work itself::
 
     for step:                                  # the timed loop
@@ -63,11 +64,9 @@ def main() -> None:
     ds.pop("tensorboard", None)
     recipe = get_recipe(cfg.recipe)
     tokenizer = load_tokenizer(cfg, recipe)
-    splits = data_utils.load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
+    data = data_utils.build_train_data(recipe, cfg, tokenizer)  # as finetune/cli.py: same rows, sampler, collator
     t = cfg.train
-    gas, steps = t.gradient_accumulation_steps, t.max_steps
-    loader = data_utils.train_loader(splits.train, recipe.make_collator(tokenizer, cfg.data), cfg.data,
-                                     t.micro_batch_size, t.seed, gas)
+    gas, steps, loader = t.gradient_accumulation_steps, data.total_steps, data.train_loader
     loader.sampler.set_epoch(0, skip=0)
     loader.collate_fn.set_epoch(0)
     health.prepare_host_memory(dist_utils.on_cpu())  # as finetune/cli.py before the model
