@@ -133,6 +133,44 @@ def test_peft_packed_rows_and_unsupported_models():
         assert any("lora" in k for k in got[1])
 
 
+
+def _liger_ready() -> bool:
+    from finetune.recipes import lm_loss
+
+    return torch.cuda.is_available() and lm_loss._liger_loss_class() is not None
+
+
+@pytest.mark.skipif(not _liger_ready(), reason="needs a CUDA GPU and liger-kernel (pip install -e .[gpu])")
+def test_liger_fused_head_equals_chunked():
+    """On a CUDA GPU with liger-kernel, GPT-2's loss runs in Liger's fused linear cross-entropy: the same loss and
+    gradients as the full head in fp32 (1e-4 relative: the kernel sums in another order), and in bf16 the same
+    loss as the chunked path within bf16 rounding; evaluation keeps the chunked path."""
+    from finetune.recipes import gpt_clm, lm_loss
+
+    model = _gpt().cuda()
+    batch = {k: v.cuda() for k, v in make_batch("gpt_clm", model.config.vocab_size).items()}
+    head = lm_loss.find_head(model)
+    rows = torch.zeros(4, model.config.n_embd, device="cuda")
+    assert lm_loss.fused_head_loss(head, rows) is None, lm_loss.fused_head_loss(head, rows)
+    with torch.no_grad():
+        assert lm_loss.fused_head_loss(head, rows) == "evaluation"
+    want = _loss_and_grads(lambda: _full_head(model, batch, True)[0], model)
+    got = _loss_and_grads(lambda: gpt_clm.forward(model, batch).loss_sum, model)
+    assert got[0] == pytest.approx(want[0], rel=1e-4)
+    assert got[1].keys() == want[1].keys()
+    scale = max(g.abs().max().item() for g in want[1].values())
+    worst = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
+    assert worst <= 1e-4 * scale, f"gradients differ by {worst:.2e} (scale {scale:.2e})"
+
+    model = model.to(torch.bfloat16)
+    fused = gpt_clm.forward(model, batch).loss_sum.item()
+    targets = gpt_clm.shift_labels(batch["labels"])
+    hidden = model.transformer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
+    keep = targets != -100
+    chunked, _ = lm_loss.chunked_cross_entropy(head, hidden[keep], targets[keep], chunk=10**6)
+    assert fused == pytest.approx(chunked.item(), rel=2e-2)
+
+
 def test_zero0_and_zero3_equal_full_head(tmp_path):
     """Real DeepSpeed, 1 rank, ZeRO 0 and 3 (every parameter partitioned), 3-row checkpointed chunks: MLM and CLM
     losses (1e-6) and full gradients (1e-6 of the largest) equal the full head's on a plain copy of the model."""

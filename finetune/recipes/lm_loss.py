@@ -24,6 +24,15 @@ wasted work (the MLM head plus cross-entropy was ~58% of a BERT step on CPU, iss
   the recomputation runs). A single chunk (the usual MLM micro-batch) is not checkpointed: nothing
   is recomputed.
 
+* **Liger's fused linear cross-entropy on CUDA GPUs.** When the head is a plain ``torch.nn.Linear`` (GPT-2's,
+  Llama's and Qwen's ``lm_head``), the rows are on a CUDA device, gradients are on and ``liger-kernel`` is
+  installed (the ``gpu`` extra), the projection and the cross-entropy run in Liger's fused Triton kernel
+  (``LigerFusedLinearCrossEntropyLoss``, reduction ``sum``, fp32 gradient accumulation; Hsu et al. 2024,
+  "Liger Kernel", arXiv:2410.10989): it computes the gradients chunk by chunk in the forward pass, so nothing
+  is recomputed and no ``[targets, vocab]`` logits are kept. Everywhere else (CPUs, evaluation, MLM heads with a
+  transform before the projection) the chunked PyTorch path above runs. :func:`fused_head_loss` says which, and
+  the first use is logged. Not yet run on a GPU by this project (no GPU was lent to the sessions that wrote it):
+  ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked`` checks it against the chunked path on a GPU.
 Same numbers as the full head: the sum of per-position cross-entropies over the same positions, in fp32
 (``tests/test_head_loss.py`` checks losses and gradients at 1e-6 at ZeRO 0 and 3, MLM and CLM).
 Limit: a model that changes the head's output before returning it (logit soft-capping, a logit scale)
@@ -132,6 +141,61 @@ def chunked_cross_entropy(head_fn, hidden: torch.Tensor, targets: torch.Tensor, 
     return loss, correct
 
 
+_LIGER: list = []  # [LigerFusedLinearCrossEntropyLoss class or None], filled on first use
+_ANNOUNCED: set = set()
+
+
+def _liger_loss_class():
+    """``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss``, or None when it (or Triton) cannot be imported."""
+    if not _LIGER:
+        try:
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        except Exception:  # noqa: BLE001  (not installed, no Triton, no CUDA build: the chunked path runs)
+            LigerFusedLinearCrossEntropyLoss = None
+        _LIGER.append(LigerFusedLinearCrossEntropyLoss)
+    return _LIGER[0]
+
+
+def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: bool = False) -> str | None:
+    """Why the fused kernel does not run for ``head`` on ``hidden``, or None when it does.
+
+    The fused path (Liger's fused linear cross-entropy) needs: gradients on and no accuracy count (training), a
+    CUDA tensor, a head that is exactly ``torch.nn.Linear`` with its class's ``forward`` (not a peft/LoRA layer, not
+    a head whose ``forward`` someone replaced), at least one target row, and ``liger-kernel`` importable.
+
+    Returns:
+        None (fused), or a short reason for the chunked path, e.g. ``"CPU tensors"``.
+    """
+    if not torch.is_grad_enabled() or count_correct:
+        return "evaluation"
+    if not hidden.is_cuda:
+        return "CPU tensors" if hidden.device.type == "cpu" else f"{hidden.device.type} tensors"
+    if type(head) is not torch.nn.Linear or "forward" in vars(head):
+        return f"the head is {type(head).__name__}, not a plain Linear projection"
+    if hidden.shape[0] == 0:
+        return "no target rows"
+    if _liger_loss_class() is None:
+        return "liger-kernel is not installed (pip install -e .[gpu])"
+    return None
+
+
+def _fused_ce_sum(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``head(hidden)`` against ``targets`` in Liger's fused kernel (0-dim float32)."""
+    loss_fn = _liger_loss_class()(reduction="sum", accum_dtype=torch.float32)
+    return loss_fn(head.weight, hidden, targets, head.bias).float()
+
+
+def _announce(path: str) -> None:
+    """Log, once per path and process (rank 0), which head loss runs."""
+    if path not in _ANNOUNCED:
+        _ANNOUNCED.add(path)
+        from finetune import distributed as dist_utils
+        from finetune.logs import logger
+
+        if dist_utils.is_main():
+            logger.info(f"head loss: {path}")
+
+
 @contextlib.contextmanager
 def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool):
     """While active, calling ``head(hidden [batch, seq, hidden])`` returns the summed cross-entropy at ``targets``
@@ -150,8 +214,18 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
                                f"{tuple(hidden.shape)}, expected [batch, seq, hidden] matching the labels "
                                f"{tuple(targets.shape)}")
         keep = targets != -100
-        state.loss, state.correct = chunked_cross_entropy(
-            lambda h: original(h, *args, **kwargs), hidden[keep], targets[keep], chunk, count_correct)
+        rows, wanted = hidden[keep], targets[keep]
+        why_not = fused_head_loss(head, rows, count_correct)
+        if why_not is None and (args or kwargs):
+            why_not = "the head takes arguments besides the hidden states"
+        if why_not is None:
+            _announce("Liger fused linear cross-entropy at the target positions (CUDA)")
+            state.loss, state.correct = _fused_ce_sum(head, rows, wanted), None
+        else:
+            if torch.is_grad_enabled() and why_not != "evaluation":
+                _announce(f"chunked PyTorch cross-entropy at the target positions ({why_not})")
+            state.loss, state.correct = chunked_cross_entropy(
+                lambda h: original(h, *args, **kwargs), rows, wanted, chunk, count_correct)
         return state.loss
 
     head.forward = forward
