@@ -134,6 +134,37 @@ def test_peft_packed_rows_and_unsupported_models():
 
 
 
+def test_fused_path_choice(monkeypatch):
+    """On CPU the chunked path runs; inside the loss call GPT-2's ``lm_head`` is seen as the plain Linear head the
+    fused GPU kernel needs (only the device keeps it off here), BERT's transform + projection head and a peft LoRA
+    ``lm_head`` are not; evaluation never takes the fused path."""
+    from finetune.recipes import bert_mlm, gpt_clm, lm_loss
+
+    seen = []
+    real = lm_loss.fused_head_loss
+
+    def spy(head, hidden, count_correct=False, forward_replaced=False):
+        seen.append((type(head) is torch.nn.Linear and not forward_replaced, hidden.shape[0]))
+        return real(head, hidden, count_correct, forward_replaced)
+
+    monkeypatch.setattr(lm_loss, "fused_head_loss", spy)
+    gpt, bert = _gpt(), _bert()
+    gpt_batch = make_batch("gpt_clm", gpt.config.vocab_size)
+    gpt_clm.forward(gpt, gpt_batch)
+    bert_mlm.forward(bert, make_batch("bert_mlm", bert.config.vocab_size))
+    assert seen == [(True, int(gpt_clm.count_targets(gpt_batch["labels"]))), (False, seen[1][1])], seen
+    peft = pytest.importorskip("peft", reason="peft is the LoRA branch's dependency")
+    lora = peft.get_peft_model(_gpt(), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    gpt_clm.forward(lora, gpt_batch)
+    assert seen[2][0] is False, seen
+
+    rows = torch.zeros(2, gpt.config.n_embd)
+    assert real(lm_loss.find_head(gpt), rows) == "CPU tensors"
+    with torch.no_grad():
+        assert real(lm_loss.find_head(gpt), rows) == "evaluation"
+    assert real(lm_loss.find_head(gpt), rows, count_correct=True) == "evaluation"
+
+
 def _liger_ready() -> bool:
     from finetune.recipes import lm_loss
 

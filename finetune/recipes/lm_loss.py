@@ -32,7 +32,8 @@ wasted work (the MLM head plus cross-entropy was ~58% of a BERT step on CPU, iss
   is recomputed and no ``[targets, vocab]`` logits are kept. Everywhere else (CPUs, evaluation, MLM heads with a
   transform before the projection) the chunked PyTorch path above runs. :func:`fused_head_loss` says which, and
   the first use is logged. Not yet run on a GPU by this project (no GPU was lent to the sessions that wrote it):
-  ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked`` checks it against the chunked path on a GPU.
+  ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked`` checks it on a GPU against the full head
+  (fp32) and the chunked path (bf16).
 Same numbers as the full head: the sum of per-position cross-entropies over the same positions, in fp32
 (``tests/test_head_loss.py`` checks losses and gradients at 1e-6 at ZeRO 0 and 3, MLM and CLM).
 Limit: a model that changes the head's output before returning it (logit soft-capping, a logit scale)
@@ -156,12 +157,20 @@ def _liger_loss_class():
     return _LIGER[0]
 
 
-def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: bool = False) -> str | None:
+def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: bool = False,
+                    forward_replaced: bool = False) -> str | None:
     """Why the fused kernel does not run for ``head`` on ``hidden``, or None when it does.
 
     The fused path (Liger's fused linear cross-entropy) needs: gradients on and no accuracy count (training), a
-    CUDA tensor, a head that is exactly ``torch.nn.Linear`` with its class's ``forward`` (not a peft/LoRA layer, not
-    a head whose ``forward`` someone replaced), at least one target row, and ``liger-kernel`` importable.
+    CUDA tensor, a head that is exactly ``torch.nn.Linear`` running its class's ``forward`` (not a peft/LoRA layer;
+    ``forward_replaced``: someone other than this module set an instance-level ``forward``), at least one target
+    row, and ``liger-kernel`` importable.
+
+    Args:
+        head: the output head (:func:`find_head`).
+        hidden: ``[n, hidden]`` hidden states of the target rows.
+        count_correct: an accuracy count is wanted (evaluation).
+        forward_replaced: the head's ``forward`` was replaced on the instance before the loss call.
 
     Returns:
         None (fused), or a short reason for the chunked path, e.g. ``"CPU tensors"``.
@@ -170,8 +179,9 @@ def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: 
         return "evaluation"
     if not hidden.is_cuda:
         return "CPU tensors" if hidden.device.type == "cpu" else f"{hidden.device.type} tensors"
-    if type(head) is not torch.nn.Linear or "forward" in vars(head):
-        return f"the head is {type(head).__name__}, not a plain Linear projection"
+    if type(head) is not torch.nn.Linear or forward_replaced:
+        kind = f"{type(head).__module__}.{type(head).__qualname__}"
+        return f"the head is {kind}{' with a replaced forward' if forward_replaced else ''}, not torch.nn.Linear"
     if hidden.shape[0] == 0:
         return "no target rows"
     if _liger_loss_class() is None:
@@ -215,7 +225,7 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
                                f"{tuple(targets.shape)}")
         keep = targets != -100
         rows, wanted = hidden[keep], targets[keep]
-        why_not = fused_head_loss(head, rows, count_correct)
+        why_not = fused_head_loss(head, rows, count_correct, forward_replaced=own is not None)
         if why_not is None and (args or kwargs):
             why_not = "the head takes arguments besides the hidden states"
         if why_not is None:
