@@ -603,7 +603,6 @@ def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed:
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
-
 @dataclass
 class TrainData:
     """What one training run reads, built by :func:`build_train_data` (the toolkit's loop and the bench's bare

@@ -135,34 +135,36 @@ def test_peft_packed_rows_and_unsupported_models():
 
 
 def test_fused_path_choice(monkeypatch):
-    """On CPU the chunked path runs; inside the loss call GPT-2's ``lm_head`` is seen as the plain Linear head the
-    fused GPU kernel needs (only the device keeps it off here), BERT's transform + projection head and a peft LoRA
-    ``lm_head`` are not; evaluation never takes the fused path."""
+    """Which head loss runs, as decided inside the loss call: GPT-2's plain ``lm_head`` is turned down on CPU for the
+    device only (on a GPU it would be fused); BERT's transform + projection head and a peft LoRA ``lm_head`` are
+    turned down for what they are; evaluation never takes the fused path."""
     from finetune.recipes import bert_mlm, gpt_clm, lm_loss
 
-    seen = []
+    reasons = []
     real = lm_loss.fused_head_loss
 
-    def spy(head, hidden, count_correct=False, forward_replaced=False):
-        seen.append((type(head) is torch.nn.Linear and not forward_replaced, hidden.shape[0]))
-        return real(head, hidden, count_correct, forward_replaced)
+    def spy(*args, **kwargs):
+        reasons.append(real(*args, **kwargs))
+        return reasons[-1]
 
     monkeypatch.setattr(lm_loss, "fused_head_loss", spy)
     gpt, bert = _gpt(), _bert()
     gpt_batch = make_batch("gpt_clm", gpt.config.vocab_size)
     gpt_clm.forward(gpt, gpt_batch)
     bert_mlm.forward(bert, make_batch("bert_mlm", bert.config.vocab_size))
-    assert seen == [(True, int(gpt_clm.count_targets(gpt_batch["labels"]))), (False, seen[1][1])], seen
+    assert reasons[0] == "CPU tensors", reasons
+    assert reasons[1].startswith("the head is transformers.") and "BertOnlyMLMHead" in reasons[1], reasons
+    with torch.no_grad():
+        gpt_clm.forward(gpt, gpt_batch)
+    assert reasons[2] == "evaluation", reasons
+    rows = torch.zeros(2, gpt.config.n_embd)
+    assert real(lm_loss.find_head(gpt), rows, forward_replaced=True).endswith("with a replaced forward, not "
+                                                                              "torch.nn.Linear")
+
     peft = pytest.importorskip("peft", reason="peft is the LoRA branch's dependency")
     lora = peft.get_peft_model(_gpt(), peft.LoraConfig(r=2, target_modules=["lm_head"]))
     gpt_clm.forward(lora, gpt_batch)
-    assert seen[2][0] is False, seen
-
-    rows = torch.zeros(2, gpt.config.n_embd)
-    assert real(lm_loss.find_head(gpt), rows) == "CPU tensors"
-    with torch.no_grad():
-        assert real(lm_loss.find_head(gpt), rows) == "evaluation"
-    assert real(lm_loss.find_head(gpt), rows, count_correct=True) == "evaluation"
+    assert reasons[3].startswith("the head is peft."), reasons
 
 
 def _liger_ready() -> bool:
@@ -172,34 +174,45 @@ def _liger_ready() -> bool:
 
 
 @pytest.mark.skipif(not _liger_ready(), reason="needs a CUDA GPU and liger-kernel (pip install -e .[gpu])")
-def test_liger_fused_head_equals_chunked():
-    """On a CUDA GPU with liger-kernel, GPT-2's loss runs in Liger's fused linear cross-entropy: the same loss and
-    gradients as the full head in fp32 (1e-4 relative: the kernel sums in another order), and in bf16 the same
-    loss as the chunked path within bf16 rounding; evaluation keeps the chunked path."""
+def test_liger_fused_head_equals_chunked(monkeypatch):
+    """On a CUDA GPU with liger-kernel, GPT-2's loss runs in Liger's fused linear cross-entropy (once per forward):
+    in fp32 the same loss and gradients as the full head (1e-4 relative: the kernel sums in another order); in bf16
+    the same loss and gradients as the chunked path within bf16 rounding. Evaluation keeps the chunked path."""
     from finetune.recipes import gpt_clm, lm_loss
 
+    fused_calls = []
+    fused = lm_loss._fused_ce_sum
+    monkeypatch.setattr(lm_loss, "_fused_ce_sum", lambda *a: (fused_calls.append(1), fused(*a))[1])
     model = _gpt().cuda()
     batch = {k: v.cuda() for k, v in make_batch("gpt_clm", model.config.vocab_size).items()}
     head = lm_loss.find_head(model)
-    rows = torch.zeros(4, model.config.n_embd, device="cuda")
-    assert lm_loss.fused_head_loss(head, rows) is None, lm_loss.fused_head_loss(head, rows)
-    with torch.no_grad():
-        assert lm_loss.fused_head_loss(head, rows) == "evaluation"
     want = _loss_and_grads(lambda: _full_head(model, batch, True)[0], model)
     got = _loss_and_grads(lambda: gpt_clm.forward(model, batch).loss_sum, model)
+    assert len(fused_calls) == 1, "the fused path did not run"
     assert got[0] == pytest.approx(want[0], rel=1e-4)
     assert got[1].keys() == want[1].keys()
     scale = max(g.abs().max().item() for g in want[1].values())
     worst = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
     assert worst <= 1e-4 * scale, f"gradients differ by {worst:.2e} (scale {scale:.2e})"
+    with torch.no_grad():
+        gpt_clm.forward(model, batch)
+    assert len(fused_calls) == 1, "evaluation took the fused path"
 
     model = model.to(torch.bfloat16)
-    fused = gpt_clm.forward(model, batch).loss_sum.item()
     targets = gpt_clm.shift_labels(batch["labels"])
-    hidden = model.transformer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
     keep = targets != -100
-    chunked, _ = lm_loss.chunked_cross_entropy(head, hidden[keep], targets[keep], chunk=10**6)
-    assert fused == pytest.approx(chunked.item(), rel=2e-2)
+
+    def chunked():
+        hidden = model.transformer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])[0]
+        return lm_loss.chunked_cross_entropy(head, hidden[keep], targets[keep], chunk=10**6)[0]
+
+    want = _loss_and_grads(chunked, model)
+    got = _loss_and_grads(lambda: gpt_clm.forward(model, batch).loss_sum, model)
+    assert len(fused_calls) == 2, "the fused path did not run in bf16"
+    assert got[0] == pytest.approx(want[0], rel=5e-3)
+    scale = max(g.abs().float().max().item() for g in want[1].values())
+    worst = max((got[1][k] - want[1][k]).abs().float().max().item() for k in want[1])
+    assert worst <= 2e-2 * scale, f"bf16 gradients differ by {worst:.2e} (scale {scale:.2e})"
 
 
 def test_zero0_and_zero3_equal_full_head(tmp_path):

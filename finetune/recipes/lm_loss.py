@@ -33,9 +33,12 @@ wasted work (the MLM head plus cross-entropy was ~58% of a BERT step on CPU, iss
   transform before the projection) the chunked PyTorch path above runs. :func:`fused_head_loss` says which, and
   the first use is logged. Not yet run on a GPU by this project (no GPU was lent to the sessions that wrote it):
   ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked`` checks it on a GPU against the full head
-  (fp32) and the chunked path (bf16).
-Same numbers as the full head: the sum of per-position cross-entropies over the same positions, in fp32
-(``tests/test_head_loss.py`` checks losses and gradients at 1e-6 at ZeRO 0 and 3, MLM and CLM).
+  (fp32, 1e-4) and the chunked path (bf16); it has not been run under ZeRO-3 (where DeepSpeed still gathers the
+  head's weight for the backward pass, which Liger does not need).
+
+The chunked path gives the full head's numbers: the sum of per-position cross-entropies over the same
+positions, in fp32 (``tests/test_head_loss.py`` checks losses and gradients at 1e-6 at ZeRO 0 and 3, MLM and
+CLM).
 Limit: a model that changes the head's output before returning it (logit soft-capping, a logit scale)
 is refused with a clear error on its first step (the loss would be wrong).
 """
@@ -162,9 +165,10 @@ def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: 
     """Why the fused kernel does not run for ``head`` on ``hidden``, or None when it does.
 
     The fused path (Liger's fused linear cross-entropy) needs: gradients on and no accuracy count (training), a
-    CUDA tensor, a head that is exactly ``torch.nn.Linear`` running its class's ``forward`` (not a peft/LoRA layer;
-    ``forward_replaced``: someone other than this module set an instance-level ``forward``), at least one target
-    row, and ``liger-kernel`` importable.
+    head that is exactly ``torch.nn.Linear`` running its class's ``forward`` (not a peft/LoRA layer;
+    ``forward_replaced``: someone other than this module set an instance-level ``forward``), CUDA hidden states
+    that require gradients (Liger 0.8.5 computes no weight gradient otherwise), at least one target row, and
+    ``liger-kernel`` importable.
 
     Args:
         head: the output head (:func:`find_head`).
@@ -177,11 +181,13 @@ def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: 
     """
     if not torch.is_grad_enabled() or count_correct:
         return "evaluation"
-    if not hidden.is_cuda:
-        return "CPU tensors" if hidden.device.type == "cpu" else f"{hidden.device.type} tensors"
     if type(head) is not torch.nn.Linear or forward_replaced:
         kind = f"{type(head).__module__}.{type(head).__qualname__}"
         return f"the head is {kind}{' with a replaced forward' if forward_replaced else ''}, not torch.nn.Linear"
+    if not hidden.is_cuda:
+        return "CPU tensors" if hidden.device.type == "cpu" else f"{hidden.device.type} tensors"
+    if not hidden.requires_grad:  # Liger computes the weight's gradient only through the input's (0.8.5)
+        return "hidden states without gradients"
     if hidden.shape[0] == 0:
         return "no target rows"
     if _liger_loss_class() is None:
