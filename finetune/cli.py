@@ -84,10 +84,28 @@ def _write_run_folder(run_dir: Path, launch_no: int, cfg, ds: dict, tokenizer, m
         tokenizer.save_pretrained(run_dir / MODEL_META)
 
 
+RANK0_REPORT_GRACE_S = 10.0
+"""Seconds a rank other than 0 waits before leaving after an error that rank 0 reports (:func:`_error`)."""
+
+
+def _let_rank0_report() -> None:
+    """On ranks other than 0, wait :data:`RANK0_REPORT_GRACE_S` before exiting after an error only rank 0 prints.
+
+    Every rank meets the same bad input, but only rank 0 prints it (one line, not one per rank). A launcher that
+    stops all ranks when the first one fails (``deepspeed``, ``torchrun``, ``mpirun``) would otherwise kill rank 0
+    before it prints whenever another rank gets there first (seen on 2 busy cores: the refused launch of
+    ``tests/test_run_folder.py`` ended with no error line). When rank 0 exits, such a launcher ends this rank at
+    once, so the wait costs nothing there; elsewhere it delays the failed launch's end by at most this long.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        time.sleep(RANK0_REPORT_GRACE_S)
+
+
 def _error(e: ConfigError) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for line in e.problems:
-            print(f"finetune: error: {line}", file=sys.stderr)
+            print(f"finetune: error: {line}", file=sys.stderr, flush=True)
+    _let_rank0_report()
     return 2
 
 
@@ -145,6 +163,7 @@ def train_main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:
         if dist_utils.rank() == 0:
             print(f"finetune: error: {e}", file=sys.stderr, flush=True)
+        _let_rank0_report()
         code = 3
     except StopRequested as e:
         print(f"finetune: rank {dist_utils.rank()} {e}", file=sys.stderr, flush=True)

@@ -87,7 +87,8 @@ def test_second_launch_into_a_busy_folder_is_refused(tmp_path):
             os.killpg(first.pid, signal.SIGCONT)
         assert second.returncode != 0
         lines = errors(second)
-        assert len(lines) == 1 and "is in use by another launch" in lines[0] and f"pid {holder['pid']}" in lines[0]
+        assert len(lines) == 1 and "is in use by another launch" in lines[0] and f"pid {holder['pid']}" in lines[0], \
+            second.stdout[-4000:]
         out, _ = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
