@@ -46,6 +46,7 @@ is refused with a clear error on its first step (the loss would be wrong).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from types import SimpleNamespace
 
@@ -145,19 +146,17 @@ def chunked_cross_entropy(head_fn, hidden: torch.Tensor, targets: torch.Tensor, 
     return loss, correct
 
 
-_LIGER: list = []  # [LigerFusedLinearCrossEntropyLoss class or None], filled on first use
 _ANNOUNCED: set = set()
 
 
+@functools.cache
 def _liger_loss_class():
     """``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss``, or None when it (or Triton) cannot be imported."""
-    if not _LIGER:
-        try:
-            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        except Exception:  # noqa: BLE001  (not installed, no Triton, no CUDA build: the chunked path runs)
-            LigerFusedLinearCrossEntropyLoss = None
-        _LIGER.append(LigerFusedLinearCrossEntropyLoss)
-    return _LIGER[0]
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception:  # noqa: BLE001  (not installed, no Triton, no CUDA build: the chunked path runs)
+        return None
+    return LigerFusedLinearCrossEntropyLoss
 
 
 def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: bool = False,
