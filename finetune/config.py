@@ -63,6 +63,8 @@ class ModelConfig:
     """Attention kernel passed to transformers: ``sdpa`` (PyTorch scaled-dot-product), ``eager`` or ``flash_attention_2`` (needs ``flash-attn``, GPUs)."""
     lora: LoraConfig | None = None
     """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
+    fused_kernels: bool = True
+    """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.kernels`): same values up to fp32 rounding, less activation memory; false keeps the model's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (transformers' non-reentrant gradient checkpointing): less memory, about a third more compute."""
 

@@ -13,6 +13,8 @@
 * AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.ds_config`);
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
+* ``model.fused_kernels`` (default on) replaces Python-written activations with fused kernels of the same
+  function (:func:`finetune.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
   ``deepspeed.initialize`` (:func:`finetune.lora.apply`); only trainable parameters reach the optimizer.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from finetune import lora
+from finetune import kernels, lora
 from finetune.config import RunConfig
 from finetune.ds_config import zero_stage
 from finetune.logs import logger
@@ -145,6 +147,8 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
                 f"{zero_stage(ds)}, attention {attn}")
+    if cfg.model.fused_kernels:
+        logger.info(f"fused kernels: {kernels.fuse(model)}")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
 
     t = cfg.train

@@ -4,7 +4,7 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
 ``--resume`` the launch's config is compared with it key by key and every difference is printed:
 
 * **Refused** (the continuation would be a different run), one line per key, unless
-  ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing``,
+  ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing`` and ``fused_kernels``,
   the ``data.*`` keys that decide which rows and tokens exist (files, columns, ``max_seq_len``, ``packing``,
   masking, row caps, the held-out fraction), ``train.seed``, ``train.loss_weighting`` and the global batch size
   (micro batch x accumulation x world size).
@@ -34,7 +34,9 @@ _REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
 _REFUSED_PREFIXES = ("model.", "data.")
 # Keys that change how the same numbers are computed, not which: gradient checkpointing recomputes the forward
 # pass bit-identically in fp32 (a resume may switch it on to save memory, or read a checkpoint older than it).
-_FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of", "model.gradient_checkpointing"}
+# model.fused_kernels swaps a module for a kernel of the same function (equal up to fp32 rounding).
+_FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of", "model.gradient_checkpointing",
+              "model.fused_kernels"}
 _NOT_COMPARED = {"output_dir", "output_root"}
 SCHEDULE_KEYS = ("train.lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps", "train.epochs")
 _OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps")

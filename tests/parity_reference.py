@@ -125,6 +125,10 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
                                                    attn_implementation=cfg.model.attn_implementation)
         model.initialize_weights()
         model.tie_weights()
+    if cfg.model.fused_kernels:  # the engine computes the same function with the same kernels
+        from finetune.kernels import fuse
+
+        fuse(model)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_eps, fused=True)  # what the engine runs on CPU ranks (finetune.ds_config)
