@@ -77,6 +77,7 @@ def test_training_run(runs, recipe, stage):
     wanted = TRAIN_SCALARS | EVAL_SCALARS | ({"eval/masked_accuracy"} if recipe == "bert" else set())
     assert wanted <= set(scalars), f"missing in TensorBoard: {wanted - set(scalars)}"
     assert [s for s, _ in scalars["train/loss"]] == list(range(1, 17)), "indexed by optimizer step"
+    assert not any(tag.startswith("Train/Samples/") for tag in scalars), "DeepSpeed's own per-step events are off"
     assert [v for _, v in scalars["train/loss"]] == pytest.approx(values, rel=1e-6)  # TensorBoard keeps float32
     assert all(v > 0 for _, v in scalars["train/grad_norm"]) and all(v > 0 for _, v in scalars["train/tokens_per_s"])
     rows = [r for r in read_metrics(run) if "train/loss" in r]
