@@ -96,11 +96,13 @@ class MetricsSink:
         # With its monitor enabled, DeepSpeed's engine writes an event of its own on every optimizer step
         # (``Train/Samples/lr``, flushed at once; ``engine.step()`` in deepspeed/runtime/engine.py): a duplicate of
         # ``train/lr`` that costs rank 0 a write and a flush per step (~1% of a 0.1 s step on a CPU rank, and the
-        # writer thread's work; py-spy on the seq_cls bench preset). Turned off here unless wall_clock_breakdown
-        # asks DeepSpeed to log its timers there too; ``MonitorMaster.write_events`` does not read the flag, so
-        # every event of this sink still reaches every enabled monitor.
+        # writer thread's work; py-spy on the seq_cls bench preset). Turned off here, except when DeepSpeed has
+        # something of its own to write there: the loss scale of fp16 runs (``Train/Samples/loss_scale``, with the
+        # lr), or the timers of ``wall_clock_breakdown`` / ``flops_profiler``. ``MonitorMaster.write_events`` does
+        # not read the flag, so every event of this sink still reaches every enabled monitor.
         monitor = getattr(engine, "monitor", None)
-        if monitor is not None and not engine.wall_clock_breakdown():
+        if monitor is not None and not (engine.fp16_enabled() or engine.wall_clock_breakdown()
+                                        or engine.flops_profiler_enabled()):
             monitor.enabled = False
 
     def write(self, step: int, scalars: dict[str, float]) -> None:

@@ -30,8 +30,8 @@ no GPU). For each option it adds up, per rank:
   section 4.1: ``sbh(34 + 5as/h)`` bytes in 16-bit, i.e. in elements ``sbh(1 + 2 + 1 + 1)`` (attention inputs:
   QKV input, Q and K, V, output projection input) + ``2sbh`` (two LayerNorm inputs) + ``sbh + 2sbI`` (MLP input,
   its up-projection and activation outputs, ``I`` the intermediate size; gated MLPs (Llama family) keep 4 tensors
-  of ``sbI``; a fused activation, as ``model.fused_kernels`` makes GPT-2's ``gelu_new``: written in Python it
-  keeps 3 more) + ``2as^2b`` (attention scores and their softmax, only with eager attention: SDPA/flash attention
+  of ``sbI``; a fused activation, as ``model.fused_kernels`` makes GPT-2's ``gelu_new``; with that option off,
+  such a Python-written activation keeps 3 more) + ``2as^2b`` (attention scores and their softmax, only with eager attention: SDPA/flash attention
   keep none) and one byte per dropout mask (``2sbh + as^2b``, only when dropout is on). Gradient checkpointing
   (full recomputation, section 4.1 "2sbh") keeps each layer's input and one layer's activations at a time.
   The head adds the logits. LM heads run only at target positions (``sb`` x the MLM masking probability for
@@ -106,6 +106,9 @@ class ModelShape:
     dropout: bool
     target_fraction: float = 1.0
     """Fraction of positions where the LM head runs (``bert_mlm``: ``data.mlm_probability``; causal LMs: 1)."""
+    python_activation: bool = False
+    """The MLP activation stays a Python chain of ops (``model.fused_kernels: false`` on a ``gelu_new`` model):
+    autograd keeps 3 more ``sbI`` tensors per layer (:mod:`finetune.kernels`)."""
 
 
 @dataclass
@@ -152,6 +155,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     import torch
 
     from finetune.engine import load_model_config
+    from finetune.kernels import fusable
     from finetune.recipes import get_recipe
 
     recipe = get_recipe(cfg.recipe)
@@ -179,7 +183,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
                       head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
                       dropout=dropout,
-                      target_fraction=cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0)
+                      target_fraction=cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0,
+                      python_activation=not cfg.model.fused_kernels and fusable(model) > 0)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -195,7 +200,7 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
     """
     s, b, h, a, inter = seq_len, micro_batch, shape.hidden, shape.heads, shape.intermediate
     sbh = s * b * h
-    mlp = sbh + (4 if shape.gated_mlp else 2) * s * b * inter
+    mlp = sbh + (4 if shape.gated_mlp else 2) * s * b * inter + (3 * s * b * inter if shape.python_activation else 0)
     elements = 5 * sbh + 2 * sbh + mlp + (2 * a * s * s * b if shape.eager_attention else 0)
     masks = (2 * sbh + (a * s * s * b if shape.eager_attention else 0)) if shape.dropout else 0
     layer = elements * act_bytes + masks

@@ -34,7 +34,7 @@ _REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
 _REFUSED_PREFIXES = ("model.", "data.")
 # Keys that change how the same numbers are computed, not which: gradient checkpointing recomputes the forward
 # pass bit-identically in fp32 (a resume may switch it on to save memory, or read a checkpoint older than it).
-# model.fused_kernels swaps a module for a kernel of the same function (equal up to fp32 rounding).
+# model.fused_kernels swaps a module for a kernel of the same function (equal up to the precision's rounding).
 _FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of", "model.gradient_checkpointing",
               "model.fused_kernels"}
 _NOT_COMPARED = {"output_dir", "output_root"}

@@ -119,3 +119,23 @@ def test_fused_gelu_tanh_is_as_close_to_the_float64_formula(dtype):
     fused = torch.nn.functional.gelu(x.to(dtype), approximate="tanh").double()
     python = act.NewGELUActivation()(x.to(dtype)).double()
     assert (fused - exact).abs().max() <= (python - exact).abs().max() * 1.0001
+
+
+def test_plan_counts_the_python_activation_only_when_it_stays(monkeypatch):
+    """``finetune plan``: with ``model.fused_kernels=false`` a ``gelu_new`` model keeps 3 more ``[tokens, d_ff]``
+    tensors per layer (what the saved-tensor test above measures); with the default, or a model without a
+    Python-written activation, the count is the same."""
+    from finetune import plan
+    from finetune.config import load_run_config
+
+    monkeypatch.chdir(MODELS.parent.parent)  # run configs name repo-relative paths
+    gpt = "finetune/recipes/configs/gpt_clm_wikitext2.yaml"
+    fused = plan.model_shape(load_run_config(gpt))
+    python = plan.model_shape(load_run_config(gpt, ["model.fused_kernels=false"]))
+    assert not fused.python_activation and python.python_activation
+    b, s = 16, 128
+    extra = (plan.activation_bytes(python, b, s, 4, False)["activations"]
+             - plan.activation_bytes(fused, b, s, 4, False)["activations"])
+    assert extra == 3 * b * s * fused.intermediate * 4 * fused.layers
+    bert = "finetune/recipes/configs/bert_mlm_wikitext2.yaml"
+    assert not plan.model_shape(load_run_config(bert, ["model.fused_kernels=false"])).python_activation
