@@ -27,6 +27,8 @@ check compares its logits with the engine's at 1e-4). ``model.fused_kernels: fal
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 _TANH = "F.gelu(approximate='tanh')"
@@ -62,7 +64,7 @@ def fuse(model: torch.nn.Module) -> str:
         One line for the log, e.g. ``"NewGELUActivation x2 -> F.gelu(approximate='tanh')"``, or
         ``"nothing to replace"``.
     """
-    replaced: dict[tuple[str, str], int] = {}
+    replaced: Counter[tuple[str, str]] = Counter()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             swap = _replacement(child)
@@ -71,7 +73,7 @@ def fuse(model: torch.nn.Module) -> str:
             was, now, fused = swap
             fused.train(child.training)
             parent._modules[name] = fused  # also the numbered children of ModuleList / Sequential
-            replaced[was, now] = replaced.get((was, now), 0) + 1
+            replaced[was, now] += 1
     if not replaced:
         return "nothing to replace"
     return ", ".join(f"{was} x{n} -> {now}" for (was, now), n in replaced.items())

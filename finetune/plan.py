@@ -31,8 +31,8 @@ no GPU). For each option it adds up, per rank:
   QKV input, Q and K, V, output projection input) + ``2sbh`` (two LayerNorm inputs) + ``sbh + 2sbI`` (MLP input,
   its up-projection and activation outputs, ``I`` the intermediate size; gated MLPs (Llama family) keep 4 tensors
   of ``sbI``; a fused activation, as ``model.fused_kernels`` makes GPT-2's ``gelu_new``; with that option off,
-  such a Python-written activation keeps 3 more) + ``2as^2b`` (attention scores and their softmax, only with eager attention: SDPA/flash attention
-  keep none) and one byte per dropout mask (``2sbh + as^2b``, only when dropout is on). Gradient checkpointing
+  such a Python-written activation keeps 3 more) + ``2as^2b`` (attention scores and their softmax, only with
+  eager attention: SDPA/flash attention keep none) and one byte per dropout mask (``2sbh + as^2b``, only when dropout is on). Gradient checkpointing
   (full recomputation, section 4.1 "2sbh") keeps each layer's input and one layer's activations at a time.
   The head adds the logits. LM heads run only at target positions (``sb`` x the MLM masking probability for
   ``bert_mlm``, ``sb`` for causal LMs), in chunks of at most ``LOGITS_CHUNK_ELEMENTS``

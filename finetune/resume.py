@@ -4,7 +4,8 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
 ``--resume`` the launch's config is compared with it key by key and every difference is printed:
 
 * **Refused** (the continuation would be a different run), one line per key, unless
-  ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing`` and ``fused_kernels``,
+  ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing`` and
+  ``fused_kernels``,
   the ``data.*`` keys that decide which rows and tokens exist (files, columns, ``max_seq_len``, ``packing``,
   masking, row caps, the held-out fraction), ``train.seed``, ``train.loss_weighting`` and the global batch size
   (micro batch x accumulation x world size).

@@ -55,7 +55,8 @@ def test_run_records_and_checkpoint_config(base):
     rows = read_metrics(base)
     assert {r["launch"] for r in rows} == {1} and all("train/bad_steps" in r for r in rows if "train/loss" in r)
     assert not (base / ".lock").exists(), "the lock is released at the end"
-    assert "fused kernels: NewGELUActivation x2 -> F.gelu(approximate='tanh')" in (base / "logs" / "rank0.log").read_text()
+    log = (base / "logs" / "rank0.log").read_text()
+    assert "fused kernels: NewGELUActivation x2 -> F.gelu(approximate='tanh')" in log
 
 
 def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path):
