@@ -283,10 +283,14 @@ def _write_report(run_dir: Path) -> None:
     from finetune.logs import logger
     from finetune.report import write_report
 
+    skipped: dict[str, int] = {}
     try:
-        logger.info(f"report {write_report([run_dir], run_dir / 'report.png')}")
+        logger.info(f"report {write_report([run_dir], run_dir / 'report.png', skipped)}")
+        if skipped.get(str(run_dir)):
+            logger.warning(f"metrics.jsonl: {skipped[str(run_dir)]} damaged line(s) skipped in report.png (torn by a "
+                           f"kill or a full disk)")
     except Exception as e:  # noqa: BLE001  (matplotlib or a damaged metrics.jsonl must not fail a finished run)
-        logger.warning(f"report.png not written: {type(e).__name__}: {e}")
+        logger.warning(f"report.png not written (an older one is stale): {type(e).__name__}: {e}")
 
 
 def _failure_hint(e: BaseException) -> str:

@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from finetune import distributed as dist_utils
 from finetune.config import ConfigError, DataConfig, RunConfig
 from finetune.logs import logger
+from finetune.recipes import data_columns
 
 
 def expand_files(patterns: list, key: str, problems: list[str]) -> list[str]:
@@ -93,7 +94,10 @@ def _no_text_in_statistics(pf, column: str) -> bool:
         if stats is None:
             return False
         all_null = stats.has_null_count and stats.null_count == group.num_rows
-        all_empty = stats.has_min_max and stats.max in ("", b"")
+        try:
+            all_empty = stats.has_min_max and stats.max in ("", b"")
+        except UnicodeDecodeError:  # a maximum that is not UTF-8: text of some kind (check_utf8 names the row)
+            return False
         if not (all_null or all_empty):
             return False
     return True
@@ -140,6 +144,53 @@ def check_parquet_files(files: list[str], key: str, text_column: str | None, pro
             problems.append(f"{key}: '{f}' is empty (0 rows)")
         rows += pf.metadata.num_rows
     return rows
+
+
+def _bad_utf8_row(column) -> int | None:
+    """Index of the first row of an Arrow array whose strings are not valid UTF-8 (None: every row is valid)."""
+    import pyarrow as pa
+
+    try:
+        column.validate(full=True)
+        return None
+    except pa.ArrowInvalid:
+        pass
+    for i in range(len(column)):
+        try:
+            column.slice(i, 1).validate(full=True)
+        except pa.ArrowInvalid:
+            return i
+    return None
+
+
+def check_utf8(files: list[str], key: str, columns: list[str], problems: list[str]) -> None:
+    """Every string in ``columns`` (nested ones too: chat messages) of each file is valid UTF-8.
+
+    Parquet stores strings as bytes and does not check them, so a file written by another tool can hold a
+    cell such as ``b"\\xff\\xfe"`` that only fails when the rows become Python strings during tokenization.
+    Reads the columns (one record batch at a time) and appends one line per file with such a cell, naming the
+    file, the row and the column. Unreadable files and absent columns are skipped (reported elsewhere).
+    """
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            pf = pq.ParquetFile(f)
+            present = [c for c in columns if c in pf.schema_arrow.names]
+            if not present:
+                continue
+            start = 0
+            for batch in pf.iter_batches(columns=present):
+                bad = [(row, c) for c in present if (row := _bad_utf8_row(batch.column(c))) is not None]
+                if bad:
+                    row, c = min(bad)
+                    problems.append(f"{key}: '{f}' row {start + row} column '{c}' is not valid UTF-8 text (bytes "
+                                    f"another tool wrote as a string); fix or drop that row, e.g. decode it with "
+                                    f"errors='replace' when writing the file")
+                    break
+                start += batch.num_rows
+        except Exception:  # noqa: BLE001  (an unreadable file is reported by check_parquet_files)
+            continue
 
 
 def default_cache_dir(data_cfg: DataConfig) -> Path:
@@ -291,7 +342,7 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
     cache = default_cache_dir(data_cfg)
     cache.mkdir(parents=True, exist_ok=True)
     col = data_cfg.text_column
-    cols = recipe.columns(data_cfg) if hasattr(recipe, "columns") else [col]
+    cols = data_columns(recipe, data_cfg)
 
     def read(files):
         return datasets.load_dataset("parquet", data_files=files, split="train",

@@ -70,6 +70,10 @@ def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
     from finetune.data import expand_files
 
+    from finetune.recipes import RECIPES, data_columns, get_recipe
+
+    # the columns the recipe reads (sft: prompt/response or messages; seq_cls: text, pair, label)
+    needed = data_columns(get_recipe(cfg.recipe), cfg.data) if cfg.recipe in RECIPES else [cfg.data.text_column]
     rows = []
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
@@ -77,10 +81,11 @@ def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
             try:
                 pf = pq.ParquetFile(f)
                 cols = pf.schema_arrow.names
-                rows.append(("data", "ok" if cfg.data.text_column in cols else "FAIL",
+                missing = [c for c in needed if c not in cols]
+                rows.append(("data", "FAIL" if missing else "ok",
                              f"{key} '{f}': {pf.metadata.num_rows:,} rows, {_size(os.path.getsize(f))}, columns "
-                             f"{', '.join(cols)}" + ("" if cfg.data.text_column in cols else
-                                                     f" (no data.text_column '{cfg.data.text_column}')")))
+                             f"{', '.join(cols)}" + (f" (no column {', '.join(map(repr, missing))}, which recipe "
+                                                     f"{cfg.recipe} reads)" if missing else "")))
             except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a bad file)
                 rows.append(("data", "FAIL", f"{key} '{f}': unreadable: {type(e).__name__}: {e}"[:300]))
     return rows
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     from finetune.config import load_run_config
 
     try:
+        if args.world_size is not None and args.world_size < 1:
+            raise ConfigError(f"--world-size: must be >= 1 (the ranks of the planned launch), got {args.world_size}")
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:
         return _error(e)

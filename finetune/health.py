@@ -429,7 +429,20 @@ def _end_without_teardown() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    _finalize_mpi()
     os._exit(_exit_code)
+
+
+def _finalize_mpi() -> None:
+    """``MPI_Finalize`` when mpi4py initialised MPI in this process (the MPI launch's port broadcast,
+    ``finetune.distributed``). mpi4py finalises during the interpreter's teardown, which ``os._exit`` skips, and
+    ``mpirun`` counts a rank that initialised MPI without finalising it as failed (exit 1 after a finished run)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return
+    with contextlib.suppress(Exception):
+        if mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
 
 
 atexit.register(_end_without_teardown)  # registered first (run.py imports this module first): runs last

@@ -21,7 +21,7 @@ from loguru import logger
 from finetune.recipes import real_tokens
 
 __all__ = ["logger", "setup_logging", "tensorboard_section", "monitor_sections", "MetricsSink", "StepMeter",
-           "PEAK_FLOPS"]
+           "PEAK_FLOPS", "read_metrics_file"]
 
 _FORMAT = "{time:YYYY-MM-DD HH:mm:ss} | {level:<7} | rank {extra[rank]} | {message}"
 
@@ -70,6 +70,31 @@ def monitor_sections(ds: dict, run_dir: Path) -> dict:
     return ds
 
 
+def read_metrics_file(path: Path) -> tuple[list[dict], int]:
+    """The rows of a ``metrics.jsonl`` and how many lines could not be read.
+
+    A line cut by a kill or a full disk, or holding bytes that are not UTF-8 JSON, is skipped and counted,
+    so a damaged file still gives every readable row.
+
+    Returns:
+        ``(rows, skipped)``: the JSON objects in file order and the number of non-empty lines skipped.
+    """
+    rows, skipped = [], 0
+    for raw in Path(path).read_bytes().splitlines():
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            skipped += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            skipped += 1
+    return rows, skipped
+
+
 class MetricsSink:
     """Writes scalar events to DeepSpeed's monitor (TensorBoard) and ``metrics.jsonl``; rank 0 only.
 
@@ -100,6 +125,11 @@ class MetricsSink:
         # something of its own to write there: the loss scale of fp16 runs (``Train/Samples/loss_scale``, with the
         # lr), or the timers of ``wall_clock_breakdown`` / ``flops_profiler``. ``MonitorMaster.write_events`` does
         # not read the flag, so every event of this sink still reaches every enabled monitor.
+        if enabled and self.path.is_file() and self.path.stat().st_size:
+            with open(self.path, "rb+") as f:  # a launch killed mid-line left a torn row: start a fresh line
+                f.seek(-1, 2)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         monitor = getattr(engine, "monitor", None)
         if monitor is not None and not (engine.fp16_enabled() or engine.wall_clock_breakdown()
                                         or engine.flops_profiler_enabled()):

@@ -320,15 +320,18 @@ def parse_size(text: str) -> float:
     """``80GiB``, ``512GB``, ``1.5TiB``, ``64G`` (binary units for G/T/M without B) -> bytes.
 
     Raises:
-        ValueError: not a size.
+        ValueError: not a size, or not more than 0 bytes.
     """
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.I)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.I)
     if not m:
         raise ValueError(f"'{text}' is not a memory size such as 80GiB or 512GB")
     number, unit, binary, b = m.groups()
     power = "KMGT".index(unit.upper()) + 1 if unit else 0
     base = 1000 if (b and not binary) else 1024
-    return float(number) * base**power
+    size = float(number) * base**power
+    if size <= 0:
+        raise ValueError(f"'{text}' is no memory at all; give the memory of one device, e.g. 80GiB")
+    return size
 
 
 def _fmt(n: float) -> str:

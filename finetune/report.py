@@ -11,11 +11,11 @@ matplotlib's Agg backend, so it works on a login node without a display. ``finet
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from finetune.config import ConfigError
+from finetune.logs import read_metrics_file
 
 PANELS = ("loss", "perplexity", "accuracy", "learning rate", "grad norm", "throughput")
 """Panel titles, in drawing order (row-major, 2 rows x 3 columns)."""
@@ -32,9 +32,13 @@ _YLABEL = {"loss": "cross entropy (nats/token)", "perplexity": "exp(eval loss)",
 _LOG = {"loss", "perplexity", "grad norm"}
 
 
-def read_run(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+def read_run(run_dir: Path, skipped: dict[str, int] | None = None) -> dict[str, list[tuple[int, float]]]:
     """``{metric: [(step, value), ...]}`` from ``run_dir/metrics.jsonl``, steps ascending, later launches winning
     (a step whose winning value is null, i.e. non-finite, has no point).
+
+    Lines that are not JSON objects (a row torn by a kill or a full disk, garbage bytes) and rows without an
+    integer ``step`` or with non-numeric values are skipped (:func:`finetune.logs.read_metrics_file`); their
+    number goes to ``skipped[run_dir]`` when ``skipped`` is given.
 
     Raises:
         ConfigError: no ``metrics.jsonl`` in ``run_dir``.
@@ -42,18 +46,21 @@ def read_run(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"report: '{run_dir}' has no metrics.jsonl (is it a run folder of finetune train?)")
+    rows, bad = read_metrics_file(path)
     latest: dict[str, dict[int, tuple[int, float]]] = {}
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        row = json.loads(line)
+    for row in rows:
         step, launch = row.get("step"), row.get("launch", 1)
-        for k, v in row.items():
-            if k in ("step", "launch"):
-                continue
+        values = {k: v for k, v in row.items() if k not in ("step", "launch")}
+        if not isinstance(step, int) or not isinstance(launch, int) or not all(
+                v is None or isinstance(v, (int, float)) for v in values.values()):
+            bad += 1
+            continue
+        for k, v in values.items():
             old = latest.setdefault(k, {}).get(step)
             if old is None or launch >= old[0]:  # null (non-finite) included: the later launch's null wins
                 latest[k][step] = (launch, None if v is None else float(v))
+    if skipped is not None:
+        skipped[str(run_dir)] = bad
     return {k: sorted((s, v) for s, (_, v) in d.items() if v is not None) for k, d in latest.items()}
 
 
@@ -105,14 +112,17 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
     return fig
 
 
-def write_report(run_dirs: list[Path], out: Path) -> Path:
-    """Draw the runs in ``run_dirs`` (labelled by folder name) into the PNG ``out``; returns ``out``."""
+def write_report(run_dirs: list[Path], out: Path, skipped: dict[str, int] | None = None) -> Path:
+    """Draw the runs in ``run_dirs`` (labelled by folder name) into the PNG ``out``; returns ``out``.
+
+    ``skipped`` (when given) receives, per run folder, the number of ``metrics.jsonl`` lines that could not be
+    read (:func:`read_run`)."""
     runs = {}
     for d in run_dirs:
         label = Path(d).resolve().name
         while label in runs:
             label += "'"
-        runs[label] = read_run(Path(d))
+        runs[label] = read_run(Path(d), skipped)
     fig = build_figure(runs)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
@@ -131,10 +141,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out) if args.out else (Path(args.run_dirs[0]) / "report.png" if len(args.run_dirs) == 1
                                            else Path("report.png"))
+    skipped: dict[str, int] = {}
     try:
-        write_report([Path(d) for d in args.run_dirs], out)
+        write_report([Path(d) for d in args.run_dirs], out, skipped)
     except ConfigError as e:
         return _error(e)
+    for run_dir, n in skipped.items():
+        if n:
+            print(f"finetune: warning: {run_dir}/metrics.jsonl: {n} line(s) skipped (torn or not JSON); the "
+                  f"report draws the rest", file=sys.stderr)
     print(f"finetune: report {out}")
     return 0
 

@@ -3,6 +3,8 @@
 A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_config.yaml``). On
 ``--resume`` the launch's config is compared with it key by key and every difference is printed:
 
+* **Refused always**: a change of ``model.lora`` on/off, ``model.lora.r`` or ``model.lora.target_modules``, which
+  gives the model parameters the checkpoint does not hold (it could never be loaded).
 * **Refused** (the continuation would be a different run), one line per key, unless
   ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing`` and
   ``fused_kernels``,
@@ -39,6 +41,9 @@ _REFUSED_PREFIXES = ("model.", "data.")
 _FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of", "model.gradient_checkpointing",
               "model.fused_kernels"}
 _NOT_COMPARED = {"output_dir", "output_root"}
+# Keys whose change gives the model other parameters (names or shapes) than the checkpoint holds: its state dict
+# can never load, so these are refused even with --resume-allow-changes.
+_UNLOADABLE = {"model.lora", "model.lora.r", "model.lora.target_modules"}
 SCHEDULE_KEYS = ("train.lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps", "train.epochs")
 _OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps")
 
@@ -107,10 +112,17 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
     """
     diff = changes(old, cfg)
     problems, notes = [], []
+    unloadable = [f"{k} {diff[k][0]!r} -> {diff[k][1]!r}" for k in diff if k in _UNLOADABLE]
+    if unloadable:
+        problems.append(f"--resume: the LoRA adapters changed ({', '.join(unloadable)}): the model's parameters no "
+                        f"longer match the checkpoint's, which can then never be loaded (not even with "
+                        f"--resume-allow-changes); start a new run (drop --resume), e.g. from the export as model.path")
     fix = "start a new run (drop --resume), or pass --resume-allow-changes to continue anyway"
     for key, (was, now) in diff.items():
         if key in ("train.micro_batch_size", "train.gradient_accumulation_steps"):
             continue
+        if key.startswith("model.lora") and unloadable:
+            continue  # one line for the whole LoRA change, below
         if _refused(key):
             line = f"--resume: {key} changed ({was!r} -> {now!r}): the continuation would be a different run"
             (notes if allow else problems).append(line + ("; continuing as --resume-allow-changes asks" if allow

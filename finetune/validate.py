@@ -12,9 +12,9 @@ from finetune import checkpoint as ckpt_utils
 from finetune import resume as resume_policy
 from finetune import run_folder
 from finetune.config import ConfigError, RunConfig
-from finetune.data import check_parquet_files, expand_files
+from finetune.data import check_parquet_files, check_utf8, expand_files
 from finetune.ds_config import resolve_ds_config
-from finetune.recipes import RECIPES
+from finetune.recipes import RECIPES, data_columns, get_recipe
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
@@ -298,6 +298,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
                           ("data.validation_files", cfg.data.validation_files)):
         files[key] = expand_files(patterns, key, problems)
         check_parquet_files(files[key], key, None if _recipe_checks_columns(cfg) else cfg.data.text_column, problems)
+        if cfg.recipe in RECIPES:
+            check_utf8(files[key], key, data_columns(get_recipe(cfg.recipe), cfg.data), problems)
     _check_recipe_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
     number_problems: list[str] = []

@@ -7,10 +7,12 @@ layers):
   adapters in the optimizer and trained (the base weights in the checkpoint are the pretrained ones), the
   trainable-parameter count in the log, the merged export and the adapter folder (loaded by plain
   ``from_pretrained`` and by ``peft.PeftModel.from_pretrained`` on the pretrained base) reproduce the engine.
+* The GPT runs end with the sample of ``train.sample_prompt`` (at ZeRO 3 too, generated on rank 0 alone).
 * BERT (MLM) at ZeRO 3, checkpoint at step 2, then resumed from it with gradient checkpointing switched on:
   steps 3-4 equal the uninterrupted run's (1e-6 relative; measured: bit-identical), which is both the resume
   exactness and the gradient-checkpointing loss equality (under ZeRO-3 with LoRA, the case that needs
-  ``enable_input_require_grads``).
+  ``enable_input_require_grads``). A resume that changes the LoRA rank or drops LoRA is refused in one line
+  by ``--check``, even with ``--resume-allow-changes``.
 * seq_cls (BERT) at ZeRO 3, one rank: the classifier head trains with the adapters and is saved in the adapter folder.
 * Bad ``model.lora`` input: one line each from :func:`finetune.validate.validate_run`, in process.
 """
@@ -23,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, launch, ok, train_losses
+from conftest import CONFIGS, REPO, launch, ok, run_python, train_losses
 
 GPT, BERT = CONFIGS / "parity_gpt.yaml", CONFIGS / "parity_bert.yaml"
 LORA = ["model.lora.r=4", "train.max_steps=4", "export=true"]
@@ -48,7 +50,10 @@ def test_lora_gpt_zero0_equals_zero3_and_exports(tmp_path):
     runs = {}
     for stage in (0, 3):
         runs[stage] = tmp_path / f"z{stage}"
-        ok(launch(GPT, [f"ds.zero_optimization.stage={stage}", *LORA, f"output_dir={runs[stage]}"]))
+        ok(launch(GPT, [f"ds.zero_optimization.stage={stage}", *LORA, f"output_dir={runs[stage]}",
+                        "train.sample_prompt=The game"]))
+        # the end-of-run sample comes from the export on rank 0 alone, also at ZeRO-3 (the other ranks have left)
+        assert (runs[stage] / "sample.txt").read_text().startswith("The game")
     l0, l3 = train_losses(runs[0]), train_losses(runs[3])
     assert sorted(l0) == sorted(l3) == [1, 2, 3, 4]
     for step in l0:
@@ -100,6 +105,13 @@ def test_lora_bert_zero3_resume_with_gradient_checkpointing(tmp_path):
                      resume=str(full / "checkpoints" / "step2")))
     assert "resumed from" in proc.stdout
     assert "gradient checkpointing on (non-reentrant)" in _log(resumed)
+    # Another LoRA rank, or no LoRA, can never load this checkpoint: one line before any model, flag or not.
+    for change in (["model.lora.r=8"], ["model.lora=null"]):
+        proc = run_python(["finetune/run.py", "--config", str(BERT), *stage3, *change, f"output_dir={resumed}",
+                           "--resume", "--resume-allow-changes", "--check"])
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+        assert "the LoRA adapters changed (model.lora.r 4 -> " in errors[0] and "can then never be loaded" in errors[0]
     assert "gradient checkpointing" not in _log(full)
     want, got = train_losses(full), train_losses(resumed)
     assert sorted(got) == [3, 4]

@@ -171,9 +171,21 @@ def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
     run = runs("gpt", "zero2")
     proc = launch(RECIPES["gpt"], [f"output_dir={run}", "deepspeed=ds_configs/zero2.json"], nproc=2)
     assert proc.returncode != 0 and "already holds checkpoints" in proc.stdout
+    # A kill mid-write left a torn last line: the resumed launch starts a fresh line, and its report skips the torn
+    # one (counted in the log) instead of failing on it.
+    metrics = run / "metrics.jsonl"
+    intact = metrics.read_bytes()
+    metrics.write_bytes(intact[:-20])
+    report_before = (run / "report.png").stat().st_mtime_ns
     proc = ok(launch(RECIPES["gpt"], [f"output_dir={run}", "deepspeed=ds_configs/zero2.json", "train.max_steps=18"],
                      resume="latest"))
     assert "resumed from" in proc.stdout and "step16" in proc.stdout
+    lines, n = metrics.read_bytes().splitlines(), intact.count(b"\n")
+    assert lines[n - 1] == intact.splitlines()[-1][:-19]  # the torn row stays alone on its line
+    assert json.loads(lines[n])["step"] == 17
+    assert (run / "report.png").stat().st_mtime_ns > report_before
+    assert "metrics.jsonl: 1 damaged line(s) skipped in report.png" in (run / "logs" / "rank0.log").read_text()
+    metrics.write_bytes(b"".join(line + b"\n" for i, line in enumerate(lines) if i != n - 1))
     assert sorted(s for s in train_losses(run) if s > 16) == [17, 18]
     # The earlier export is kept aside, the new one comes from step 18.
     assert json.loads((run / "export" / "finetune_export.json").read_text())["step"] == 18

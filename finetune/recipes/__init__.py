@@ -130,6 +130,11 @@ def get_recipe(name: str) -> ModuleType:
     return importlib.import_module(f"finetune.recipes.{name}")
 
 
+def data_columns(recipe: ModuleType, data_cfg) -> list[str]:
+    """Parquet columns the recipe's tokenize function reads: its ``columns(data_cfg)``, else ``[data.text_column]``."""
+    return recipe.columns(data_cfg) if hasattr(recipe, "columns") else [data_cfg.text_column]
+
+
 def pad_with_eos(tokenizer, recipe: str):
     """Shared ``prepare_tokenizer`` step: use the EOS token as the pad token when there is none (GPT-2 has none).
 

@@ -108,7 +108,9 @@ def greedy_sample(export_dir, prompt: str, new_tokens: int = 120) -> str:
         model = MODEL_CLASS.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32).eval()
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
+        # synced_gpus=False: this plain copy runs on one rank only; transformers would otherwise sync every
+        # decoding step with the other ranks whenever a ZeRO-3 engine lives in the process (and they have left)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+                             pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 

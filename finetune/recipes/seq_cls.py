@@ -107,6 +107,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
     d = cfg.data
     train_labels: set = set()
     val_labels: dict[str, list] = {}
+    kinds: dict[str, str] = {}  # label kind (int, str) -> first file holding it
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
         for f in files:
             try:
@@ -124,10 +125,12 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             kind = _label_kind(col.type)
             if kind not in ("int", "str"):
                 example = next((v for v in col.to_pylist() if v is not None), None)
-                what = "float" if kind == "float" else kind
-                problems.append(f"{key}: '{f}' column '{d.label_column}' holds {what} values (e.g. {example!r}); "
-                                f"seq_cls needs int or string class labels (convert them, e.g. 1.0 -> 1)")
+                fix = ("convert them, e.g. 1.0 -> 1" if kind == "float" else
+                       "cast the column to string or int, e.g. pandas df[col] = df[col].astype(str)")
+                problems.append(f"{key}: '{f}' column '{d.label_column}' holds {kind} values (e.g. {example!r}); "
+                                f"seq_cls needs int or string class labels ({fix})")
                 continue
+            kinds.setdefault(kind, f)
             if col.null_count:
                 row = col.to_pylist().index(None)
                 problems.append(f"{key}: '{f}' column '{d.label_column}' has {col.null_count} missing (null) "
@@ -137,6 +140,11 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 train_labels |= set(values)
             else:
                 val_labels[f] = values
+    if len(kinds) > 1:
+        problems.append(f"data: column '{d.label_column}' holds int labels in '{kinds['int']}' but string labels in "
+                        f"'{kinds['str']}'; every file must use the same label type (convert one of them, e.g. "
+                        f"0 -> '0')")
+        return
     if train_labels:
         for f, values in val_labels.items():
             unknown = sorted(set(values) - train_labels, key=str)
