@@ -304,6 +304,10 @@ def to_universal(ckpt: Path) -> Path:
 
 
 def _convert(ckpt: Path, target: Path) -> None:
+    if not os.access(ckpt.parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--resume: '{ckpt.parent}' is read-only, so the universal copy that another world size "
+                          f"or ZeRO stage needs cannot be written beside '{ckpt.name}'; copy the run folder somewhere "
+                          f"writable and resume from there, or resume with the checkpoint's layout ({marker(ckpt)})")
     for old in ckpt.parent.glob(f".{target.name}.tmp*"):  # left by an interrupted conversion (we hold the run lock)
         shutil.rmtree(old, ignore_errors=True)
     tmp = ckpt.parent / f".{target.name}.tmp{os.getpid()}"
@@ -317,7 +321,10 @@ def _convert(ckpt: Path, target: Path) -> None:
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
+        lines = proc.stdout.strip().splitlines()
+        # the exception's own line, not the traceback above it
+        tail = next((line.strip() for line in reversed(lines) if re.match(r"^\w+(\.\w+)*(Error|Exception)\b", line)),
+                    lines[-1].strip() if lines else "no output")
         raise ConfigError(f"--resume: converting '{ckpt}' to a universal checkpoint for the new layout failed "
                           f"(ds_to_universal exit {proc.returncode}: {tail}); resume with the checkpoint's world "
                           f"size and ZeRO stage ({marker(ckpt)})")

@@ -251,10 +251,14 @@ def _train(cfg, resolved, launcher: str, stop) -> int:
                 export_checkpoint(ckpt, run_dir / "export", keep_previous=True)
             dist_utils.barrier()
             verify_export(engine, splits.validation, collator, run_dir, ds, recipe)
-            if cfg.train.sample_prompt and rank == 0 and hasattr(recipe, "greedy_sample"):
-                sample = recipe.greedy_sample(run_dir / "export", cfg.train.sample_prompt)
+            if cfg.train.sample_prompt and rank == 0 and recipe.MODEL_CLASS.__name__ == "AutoModelForCausalLM":
+                from finetune.generation import sample_text
+
+                t = cfg.train
+                sample = sample_text(run_dir / "export", t.sample_prompt, t.sample_tokens, t.sample_temperature,
+                                     t.sample_top_k, t.seed)
                 (run_dir / "sample.txt").write_text(sample + "\n")
-                logger.info(f"greedy sample (sample.txt): {sample!r}")
+                logger.info(f"{'sample' if t.sample_temperature > 0 else 'greedy sample'} (sample.txt): {sample!r}")
         if rank == 0:
             _write_report(run_dir)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")

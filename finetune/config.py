@@ -161,7 +161,13 @@ class TrainConfig:
     log_every: int = 10
     """Log train loss, lr, grad norm, tokens/s, padding ratio, the step-time split (timed on that step only) and MFU every N optimizer steps."""
     sample_prompt: str = ""
-    """gpt_clm and sft: after the export, rank 0 prints the export's greedy continuation (120 tokens) of this prompt and writes it to ``sample.txt``; empty: no sample."""
+    """gpt_clm and sft: after the export, rank 0 prints the export's continuation of this prompt and writes it to ``sample.txt``; empty: no sample."""
+    sample_tokens: int = 120
+    """New tokens of the end-of-run sample."""
+    sample_temperature: float = 0.0
+    """Sampling temperature of the end-of-run sample; 0: greedy decoding (the most likely token at each step)."""
+    sample_top_k: int = 0
+    """With ``sample_temperature`` > 0: sample among the k most likely tokens only (0: all tokens). The sample is seeded with ``train.seed``, so a run's sample is reproducible."""
     precision: str = "auto"
     """``auto`` (bf16 on GPUs that support it, else fp16; fp32 on CPUs; an explicit bf16/fp16 ``enabled`` in the DeepSpeed JSON wins), ``fp32``, ``bf16`` or ``fp16``."""
     seed: int = 42

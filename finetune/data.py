@@ -385,7 +385,8 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
                    else f"{len(ds):,} rows gave no example ({fn.summary()})" if counts_rows and dropped is None
                    else f"{len(ds):,} texts in column '{col}' gave no row (empty, null, or shorter than one "
                         f"data.max_seq_len block when packing)")
-            raise ConfigError(f"{key_name}: the {name} split has no rows to train on: {why}")
+            use = "to evaluate on" if name == "validation" else "to train on"
+            raise ConfigError(f"{key_name}: the {name} split has no rows {use}: {why}")
         return out
 
     with dist_utils.main_process_first(data_cfg.tokenize_timeout_minutes):

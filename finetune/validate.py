@@ -201,14 +201,15 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     positive = {"train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps":
                 t.gradient_accumulation_steps, "train.lr": t.lr, "data.max_seq_len": d.max_seq_len,
                 "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes,
-                "data.tokenize_timeout_minutes": d.tokenize_timeout_minutes}
+                "data.tokenize_timeout_minutes": d.tokenize_timeout_minutes, "train.sample_tokens": t.sample_tokens}
     problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     non_negative = {"train.max_steps": t.max_steps, "train.warmup_steps": t.warmup_steps, "train.eval_every":
                     t.eval_every, "train.save_every": t.save_every, "train.weight_decay": t.weight_decay,
                     "train.max_grad_norm": t.max_grad_norm, "data.num_workers": d.num_workers,
                     "train.eval_max_batches": t.eval_max_batches, "data.max_train_rows": d.max_train_rows,
                     "data.pad_to_multiple_of": d.pad_to_multiple_of,
-                    "train.keep_last_checkpoints": t.keep_last_checkpoints}
+                    "train.keep_last_checkpoints": t.keep_last_checkpoints, "train.sample_temperature":
+                t.sample_temperature, "train.sample_top_k": t.sample_top_k}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     if t.max_steps == 0 and t.epochs <= 0:
         problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {t.epochs}")

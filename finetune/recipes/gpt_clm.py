@@ -91,26 +91,3 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Positions predicted after the one-token shift (``labels[:, 1:] != -100``); 0-dim int64."""
     return (labels[:, 1:] != -100).sum()
-
-
-def greedy_sample(export_dir, prompt: str, new_tokens: int = 120) -> str:
-    """Greedy continuation of ``prompt`` by the exported model in ``export_dir`` (one process, CPU, fp32).
-
-    Returns:
-        The prompt followed by the generated text (special tokens skipped).
-    """
-    from transformers import AutoTokenizer
-
-    from finetune.export import plain_model_construction
-
-    tokenizer = AutoTokenizer.from_pretrained(export_dir, local_files_only=True)
-    with plain_model_construction():
-        model = MODEL_CLASS.from_pretrained(export_dir, local_files_only=True, dtype=torch.float32).eval()
-    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        # synced_gpus=False: this plain copy runs on one rank only; transformers would otherwise sync every
-        # decoding step with the other ranks whenever a ZeRO-3 engine lives in the process (and they have left)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, synced_gpus=False)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
-

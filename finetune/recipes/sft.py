@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
 from finetune.config import ConfigError, DataConfig, RunConfig
 from finetune.recipes import pad_with_eos
-from finetune.recipes.gpt_clm import count_targets, forward, greedy_sample  # noqa: F401  (one loss path)
+from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
 
 MODEL_CLASS = AutoModelForCausalLM
 
