@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from finetune import distributed as dist_utils
-from finetune.config import ConfigError
+from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 
 MARKER = "COMPLETE"
@@ -158,7 +158,7 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
     ``protect`` (the checkpoint this launch resumed from). Returns the checkpoint folder.
 
     Raises:
-        ConfigError: the disk filled up or the folder cannot be written (the message names the folder and
+        RunFailure: the disk filled up or the folder cannot be written (the message names the folder and
             its free space; the checkpoint stays without its ``COMPLETE`` marker, so nothing loads it).
     """
     from finetune.config import dump_yaml
@@ -175,7 +175,7 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
         if isinstance(e, RuntimeError) and "unexpected pos" not in str(e) and "write" not in str(e).lower():
             raise
         free = shutil.disk_usage(ckdir).free if ckdir.exists() else 0
-        raise ConfigError(f"checkpoint: writing '{ckdir / tag}' failed ({type(e).__name__}: {e}); "
+        raise RunFailure(f"checkpoint: writing '{ckdir / tag}' failed ({type(e).__name__}: {e}); "
                           f"{free / 2**30:.2f} GiB free there: free space or move output_dir "
                           f"(the partial checkpoint has no {MARKER} marker and is never loaded)") from e
     dist_utils.barrier()
@@ -279,7 +279,7 @@ def to_universal(ckpt: Path) -> Path:
     The other ranks wait for rank 0's answer.
 
     Raises:
-        ConfigError: the conversion failed (the converter's last output lines are in the message).
+        RunFailure: the conversion failed (the converter's last output lines are in the message).
     """
     target = universal_folder(ckpt)
     result: list = [None]
@@ -289,7 +289,7 @@ def to_universal(ckpt: Path) -> Path:
         else:
             try:
                 _convert(ckpt, target)
-            except ConfigError as e:
+            except RunFailure as e:
                 result = [str(e)]
             except OSError as e:  # answer the other ranks (waiting below) instead of leaving them to time out
                 result = [f"--resume: writing the universal copy '{target}' failed ({type(e).__name__}: {e}); "
@@ -299,13 +299,13 @@ def to_universal(ckpt: Path) -> Path:
 
         dist.broadcast_object_list(result, src=0)
     if result[0]:
-        raise ConfigError(result[0])
+        raise RunFailure(result[0])
     return target
 
 
 def _convert(ckpt: Path, target: Path) -> None:
     if not os.access(ckpt.parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--resume: '{ckpt.parent}' is read-only, so the universal copy that another world size "
+        raise RunFailure(f"--resume: '{ckpt.parent}' is read-only, so the universal copy that another world size "
                           f"or ZeRO stage needs cannot be written beside '{ckpt.name}'; copy the run folder somewhere "
                           f"writable and resume from there, or resume with the checkpoint's layout ({marker(ckpt)})")
     for old in ckpt.parent.glob(f".{target.name}.tmp*"):  # left by an interrupted conversion (we hold the run lock)
@@ -325,7 +325,7 @@ def _convert(ckpt: Path, target: Path) -> None:
         # the exception's own line, not the traceback above it
         tail = next((line.strip() for line in reversed(lines) if re.match(r"^\w+(\.\w+)*(Error|Exception)\b", line)),
                     lines[-1].strip() if lines else "no output")
-        raise ConfigError(f"--resume: converting '{ckpt}' to a universal checkpoint for the new layout failed "
+        raise RunFailure(f"--resume: converting '{ckpt}' to a universal checkpoint for the new layout failed "
                           f"(ds_to_universal exit {proc.returncode}: {tail}); resume with the checkpoint's world "
                           f"size and ZeRO stage ({marker(ckpt)})")
     meta = marker(ckpt)
@@ -392,7 +392,7 @@ def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
     step, rows of the epoch consumed by all ranks), so it holds on any world size.
 
     Raises:
-        ConfigError: DeepSpeed could not load it.
+        RunFailure: DeepSpeed could not load it.
     """
     src = universal or ckpt
     decay = [g.get("weight_decay") for g in engine.optimizer.param_groups] if universal is not None else []
@@ -410,7 +410,7 @@ def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
             if torch.is_tensor(st.get("step")):
                 st["step"] = st["step"].clone()
     if path is None or "train_state" not in (client or {}):
-        raise ConfigError(f"--resume: DeepSpeed could not load '{ckpt}'")
+        raise RunFailure(f"--resume: DeepSpeed could not load '{ckpt}'")
     saved = dict(client["train_state"])
     if "batches_in_epoch" in saved:  # checkpoints before the position was global: per-rank micro-batches
         old = saved_config(ckpt) or {}

@@ -24,13 +24,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A run config, DeepSpeed config or input file is wrong. ``str(err)`` lists every problem, one per line."""
-
-    def __init__(self, problems: list[str] | str):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("\n".join(self.problems))
+from finetune.errors import ConfigError
 
 
 @dataclass

@@ -49,9 +49,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from finetune import distributed as dist_utils
-from finetune.config import ConfigError, DataConfig, RunConfig
+from finetune.config import DataConfig, RunConfig
+from finetune.errors import ConfigError
 from finetune.logs import logger
-from finetune.recipes import data_columns
 
 
 def expand_files(patterns: list, key: str, problems: list[str]) -> list[str]:
@@ -321,12 +321,11 @@ class Splits:
     validation: "datasets.Dataset"  # noqa: F821
 
 
-def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
+def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
     """Read the parquet files, split off validation if needed, tokenize (cached), rank 0 first.
 
     Args:
         recipe: the recipe module (its ``tokenize_function``).
-        recipe_name: recipe name, part of the cache key.
         tokenizer: a prepared ``PreTrainedTokenizerBase``.
         data_cfg: the ``data`` section.
         seed: seed of the held-out validation split.
@@ -342,24 +341,22 @@ def load_splits(recipe, recipe_name: str, tokenizer, data_cfg: DataConfig, seed:
     cache = default_cache_dir(data_cfg)
     cache.mkdir(parents=True, exist_ok=True)
     col = data_cfg.text_column
-    cols = data_columns(recipe, data_cfg)
+    cols = recipe.columns(data_cfg)
 
     def read(files):
         return datasets.load_dataset("parquet", data_files=files, split="train",
                                      cache_dir=str(cache / "parquet"), columns=cols)
 
-    base_key = {"recipe": recipe_name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
-                "max_seq_len": data_cfg.max_seq_len, "packing": data_cfg.packing if recipe_name == "gpt_clm" else None,
+    base_key = {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
+                "max_seq_len": data_cfg.max_seq_len, "recipe_settings": recipe.cache_key(data_cfg),
                 "datasets": datasets.__version__, "version": 1}
-    if hasattr(recipe, "cache_key"):  # sft: data form, truncation, packing, chat template text
-        base_key["recipe_settings"] = recipe.cache_key(data_cfg)
     fn = recipe.tokenize_function(tokenizer, data_cfg)
-    counts_rows = getattr(fn, "counts_rows", False)  # the recipe skips and counts bad rows itself (sft)
+    counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft)
     tokenized_dir = cache / "tokenized"
 
     def tokenize(ds, split_key: dict, name: str, key_name: str):
         key = _fingerprint({**base_key, **split_key})
-        path = tokenized_dir / f"{recipe_name}-{name}-{key}.arrow"
+        path = tokenized_dir / f"{recipe.name}-{name}-{key}.arrow"
         if path.exists():
             out = datasets.Dataset.from_file(str(path))
             logger.info(f"{name}: {len(out):,} rows (cache hit: {path})")
@@ -681,7 +678,7 @@ def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
             not fill one global batch (micro batch x accumulation x world size rows).
     """
     t = cfg.train
-    splits = load_splits(recipe, cfg.recipe, tokenizer, cfg.data, t.seed)
+    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
     collator = recipe.make_collator(tokenizer, cfg.data)
     train_dl = train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed, t.gradient_accumulation_steps)
     eval_dl = eval_loader(splits.validation, collator, cfg.data, t.micro_batch_size)

@@ -38,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _PORT_BASE, _PORT_SPAN = 20000, 10000  # derived ports stay below Linux's ephemeral range (32768-60999)

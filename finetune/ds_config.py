@@ -19,7 +19,8 @@ import functools
 import json
 from pathlib import Path
 
-from finetune.config import ConfigError, RunConfig, deep_merge
+from finetune.config import RunConfig, deep_merge
+from finetune.errors import ConfigError
 
 # Top-level keys read outside DeepSpeedConfig.__init__ (optional sections, launcher and op settings).
 _EXTRA_TOP_LEVEL_KEYS = {

@@ -42,19 +42,15 @@ def load_tokenizer(cfg: RunConfig, recipe):
     return recipe.prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
 
-def load_model_config(cfg: RunConfig):
-    """``AutoConfig`` from ``model.path`` with ``model.config_overrides`` applied."""
+def load_model_config(cfg: RunConfig, recipe):
+    """``AutoConfig`` from ``model.path`` with ``model.config_overrides`` applied, then the recipe's
+    ``prepare_model_config`` (``seq_cls``: ``num_labels``, ``id2label`` from the training labels)."""
     from transformers import AutoConfig
-
-    from finetune.recipes import get_recipe
 
     config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     for k, v in cfg.model.config_overrides.items():
         setattr(config, k, v)
-    recipe = get_recipe(cfg.recipe)
-    if hasattr(recipe, "prepare_model_config"):  # e.g. seq_cls: num_labels/id2label from the training labels
-        config = recipe.prepare_model_config(config, cfg.data)
-    return config
+    return recipe.prepare_model_config(config, cfg.data)
 
 
 def load_pretrained(model_class, path: str, model_config, attn_implementation: str = "sdpa"):
@@ -118,12 +114,13 @@ class Built:
     """``HfDeepSpeedConfig`` kept alive under ZeRO-3 (transformers holds only a weak reference)."""
 
 
-def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
+def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: int) -> Built:
     """Build the model and wrap it in a DeepSpeed engine.
 
     Args:
         cfg: run config.
-        recipe: recipe module (its ``MODEL_CLASS``).
+        recipe: the task's :class:`~finetune.recipes.Recipe` (its ``model_class``).
+        model_config: the transformers config to build (:func:`load_model_config`).
         ds: resolved DeepSpeed config dict.
         total_steps: optimizer steps of the whole run (length of the LR schedule).
 
@@ -134,16 +131,15 @@ def build_engine(cfg: RunConfig, recipe, ds: dict, total_steps: int) -> Built:
     from transformers import get_scheduler
     from transformers.integrations import HfDeepSpeedConfig
 
-    model_config = load_model_config(cfg)
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.validate)
     if cfg.model.init == "pretrained":
-        model = load_pretrained(recipe.MODEL_CLASS, cfg.model.path, model_config, attn)
+        model = load_pretrained(recipe.model_class, cfg.model.path, model_config, attn)
     elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
-        model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32, attn_implementation=attn)
+        model = recipe.model_class.from_config(model_config, dtype=torch.float32, attn_implementation=attn)
     else:
-        model = scratch_model(recipe.MODEL_CLASS, model_config, attn)
+        model = scratch_model(recipe.model_class, model_config, attn)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
                 f"{zero_stage(ds)}, attention {attn}")

@@ -24,11 +24,9 @@ from pathlib import Path
 import torch
 
 from finetune import lora
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
 from finetune.logs import logger
-
-MODEL_META = "model_config"
-"""Run-folder subfolder with the model ``config.json`` and tokenizer files, written at the start of a run."""
+from finetune.run_folder import MODEL_META
 
 
 @contextlib.contextmanager
@@ -143,9 +141,9 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     state = consolidated_state_dict(ckpt)
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     with plain_model_construction():
-        model = recipe.MODEL_CLASS.from_config(config, dtype=torch.float32)
+        model = recipe.model_class.from_config(config, dtype=torch.float32)
         if run_cfg.model.lora is not None:  # the checkpoint holds the PeftModel's state (base + adapters)
-            model = lora.wrap(model, run_cfg.model.lora, recipe.MODEL_CLASS, 0)
+            model = lora.wrap(model, run_cfg.model.lora, recipe.model_class, 0)
             model.peft_config["default"].base_model_name_or_path = (
                 str(Path(run_cfg.model.path).resolve()) if run_cfg.model.init == "pretrained" else None)
     _check_and_load(model, state, ckpt)
@@ -197,10 +195,10 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
     config = AutoConfig.from_pretrained(run_dir / MODEL_META, local_files_only=True)
     with plain_model_construction():
         if run_cfg.model.init == "pretrained":
-            base = load_pretrained(recipe.MODEL_CLASS, run_cfg.model.path, config)
+            base = load_pretrained(recipe.model_class, run_cfg.model.path, config)
         else:
-            peft_model = lora.wrap(recipe.MODEL_CLASS.from_config(config, dtype=torch.float32), run_cfg.model.lora,
-                                   recipe.MODEL_CLASS, 0)
+            peft_model = lora.wrap(recipe.model_class.from_config(config, dtype=torch.float32), run_cfg.model.lora,
+                                   recipe.model_class, 0)
             _check_and_load(peft_model, consolidated_state_dict(ckpt), ckpt)
             base = peft_model.unload()
         adapted = PeftModel.from_pretrained(base, export / lora.ADAPTER_DIR).eval()
@@ -237,7 +235,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
     engine.train()
     if dist_utils.is_main():
         with plain_model_construction():
-            exported = recipe.MODEL_CLASS.from_pretrained(run_dir / "export", local_files_only=True,
+            exported = recipe.model_class.from_pretrained(run_dir / "export", local_files_only=True,
                                                           dtype=torch.float32).eval()
         with torch.no_grad():
             got = exported(**inputs).logits.float()
@@ -264,3 +262,23 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
         if not low_precision and not diff <= 1e-4:
             raise RuntimeError(f"export check failed: exported logits differ from the engine's by {diff:.3g}")
     dist_utils.barrier()
+
+
+def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds: dict, recipe) -> Path:
+    """End of a run: rank 0 exports checkpoint ``step<step>`` to ``run_dir/export`` (an earlier export is kept aside
+    as ``export-step<N>``), then every rank takes part in :func:`verify_export`. All ranks call it.
+
+    Returns:
+        The export folder.
+
+    Raises:
+        RuntimeError: the export's logits differ from the engine's (:func:`verify_export`).
+    """
+    from finetune import distributed as dist_utils
+    from finetune.checkpoint import checkpoints_dir
+
+    if dist_utils.is_main():
+        export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True)
+    dist_utils.barrier()
+    verify_export(engine, validation, collator, run_dir, ds, recipe)
+    return run_dir / "export"

@@ -43,3 +43,12 @@ def sample_text(export_dir: Path, prompt: str, new_tokens: int = 120, temperatur
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              pad_token_id=tokenizer.pad_token_id, synced_gpus=False, **sampling)
     return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def write_sample(run_dir: Path, cfg) -> str:
+    """The end-of-run sample of ``train.sample_prompt`` from ``run_dir/export`` (:func:`sample_text` with the
+    ``train.sample_*`` settings and ``train.seed``), written to ``run_dir/sample.txt``; returns it."""
+    sample = sample_text(run_dir / "export", cfg.train.sample_prompt, cfg.train.sample_tokens,
+                         cfg.train.sample_temperature, cfg.train.sample_top_k, cfg.train.seed)
+    (run_dir / "sample.txt").write_text(sample + "\n")
+    return sample

@@ -457,3 +457,12 @@ def failed(e: BaseException) -> None:
 def diagnose(wait_s: float = DIAGNOSE_S) -> str:
     """:meth:`RankHealth.diagnose` of this rank ("" before :func:`start`)."""
     return _current.diagnose(wait_s) if _current is not None else ""
+
+
+def failure_hint(e: BaseException) -> str:
+    """Extra words for a failed rank's log line when a collective broke because another rank went away: which
+    rank, from the ranks' heartbeat/exit-status records (:func:`diagnose`; waits up to ``DIAGNOSE_S``)."""
+    if not is_peer_failure(e):
+        return ""
+    who = diagnose() or "another rank probably died or hung (no rank records yet); see the launcher's output"
+    return f" (a collective failed because of another rank: {who})"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from finetune.recipes import real_tokens
+from finetune.batch import real_tokens
 
 __all__ = ["logger", "setup_logging", "tensorboard_section", "monitor_sections", "MetricsSink", "StepMeter",
            "PEAK_FLOPS", "read_metrics_file"]

@@ -89,7 +89,7 @@ def apply(model: torch.nn.Module, cfg: RunConfig, recipe) -> torch.nn.Module:
     if m.lora is not None:
         if m.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = wrap(model, m.lora, recipe.MODEL_CLASS, cfg.train.seed)
+        model = wrap(model, m.lora, recipe.model_class, cfg.train.seed)
         trainable, total = count_parameters(model)
         targets = sorted({n.rsplit(".", 1)[-1] for n in model.targeted_module_names})
         logger.info(f"LoRA r={m.lora.r} alpha={m.lora.alpha:g} dropout={m.lora.dropout:g} on "

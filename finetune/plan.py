@@ -1,4 +1,4 @@
-"""``finetune plan``: memory per GPU and per node for every ZeRO stage x offload x gradient checkpointing, offline.
+"""The memory model of ``finetune plan``: memory per GPU and node for each ZeRO stage x offload x checkpointing.
 
 Needs only the run config and the model's ``config.json`` (the model is built on the meta device: no weights,
 no GPU). For each option it adds up, per rank:
@@ -58,14 +58,13 @@ CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config import ConfigError, RunConfig
+from finetune.config import RunConfig
+from finetune.errors import ConfigError
 
 GIB = 2**30
 CPU_RUNTIME_BYTES = 200 * 2**20
@@ -160,9 +159,9 @@ def model_shape(cfg: RunConfig) -> ModelShape:
 
     recipe = get_recipe(cfg.recipe)
     try:
-        config = load_model_config(cfg)
+        config = load_model_config(cfg, recipe)
         with torch.device("meta"):
-            model = recipe.MODEL_CLASS.from_config(config)
+            model = recipe.model_class.from_config(config)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a config it cannot build)
@@ -176,14 +175,14 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     attn = getattr(config, "_attn_implementation", None) or "sdpa"
     dropout = any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
                   if "dropout" in k or k.endswith("_pdrop"))
-    per_row = cfg.recipe == "seq_cls"
+    per_row = recipe.targets_per_row
     return ModelShape(model_type=config.model_type, params=params, largest_layer=largest,
                       layers=config.num_hidden_layers, hidden=hidden, intermediate=intermediate,
                       heads=config.num_attention_heads,
                       head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
                       head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
                       dropout=dropout,
-                      target_fraction=cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0,
+                      target_fraction=recipe.target_fraction(cfg.data),
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0)
 
 
@@ -452,44 +451,3 @@ def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, 
             best = (e, mb)
             break
     return render(cfg, shape, ds, options, precision, gpus_per_node, nodes, gpu_bytes, cpu_bytes, best), options, best
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``finetune plan <run config> [key=value ...] [--gpus-per-node N] [--nodes M] [--gpu-memory 80GiB]
-    [--cpu-memory 512GiB]``: print the memory plan; exit 2 with one line per problem on a bad config."""
-    p = argparse.ArgumentParser(prog="finetune plan", description="Memory per GPU and node for each ZeRO stage, "
-                                "offload and gradient checkpointing choice, offline from config.json.")
-    p.add_argument("config", help="run config (YAML or JSON)")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU (default 80GiB)")
-    p.add_argument("--cpu-memory", default=None, help="CPU RAM of one node (default: not checked)")
-    args = p.parse_args(argv)
-    from finetune.cli import _error
-    from finetune.config import load_run_config
-
-    try:
-        problems = []
-        if args.gpus_per_node < 1 or args.nodes < 1:
-            problems.append("--gpus-per-node and --nodes: must be >= 1")
-        try:
-            gpu = parse_size(args.gpu_memory)
-            cpu = parse_size(args.cpu_memory) if args.cpu_memory else None
-        except ValueError as e:
-            problems.append(f"--gpu-memory/--cpu-memory: {e}")
-        if problems:
-            raise ConfigError(problems)
-        cfg = load_run_config(args.config, args.overrides)
-        if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
-            raise ConfigError(f"model.path: '{cfg.model.path}/config.json' does not exist (the plan needs the model's "
-                              f"config.json, not its weights)")
-        text, _, _ = make_plan(cfg, args.gpus_per_node, args.nodes, gpu, cpu)
-    except ConfigError as e:
-        return _error(e)
-    print(text)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

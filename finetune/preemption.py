@@ -30,17 +30,10 @@ import subprocess
 import sys
 import time
 
+from finetune.errors import StopRequested
 from finetune.logs import logger
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
-
-
-class StopRequested(BaseException):
-    """Raised by :class:`StopSignal`'s handler for a signal that arrives before training starts."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} before training started")
-        self.signum = signum
 
 
 class StopSignal:

@@ -1,4 +1,4 @@
-"""``finetune report <run dir> [<run dir> ...]``: one PNG of a run's curves, several runs overlaid.
+"""The training curves of run folders as one PNG (``finetune report``, and ``report.png`` at the end of a run).
 
 Reads each run folder's ``metrics.jsonl`` (:class:`finetune.logs.MetricsSink`; for a step written by two
 launches, the later launch's row counts) and draws six panels against the optimizer step: train and eval
@@ -10,12 +10,10 @@ matplotlib's Agg backend, so it works on a login node without a display. ``finet
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from finetune.config import ConfigError
-from finetune.logs import read_metrics_file
+from finetune.errors import ConfigError
+from finetune.logs import logger, read_metrics_file
 
 PANELS = ("loss", "perplexity", "accuracy", "learning rate", "grad norm", "throughput")
 """Panel titles, in drawing order (row-major, 2 rows x 3 columns)."""
@@ -129,30 +127,14 @@ def write_report(run_dirs: list[Path], out: Path, skipped: dict[str, int] | None
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``finetune report <run dir> [<run dir> ...] [--out report.png]``."""
-    p = argparse.ArgumentParser(prog="finetune report", description="PNG of the training curves of one or more "
-                                "run folders (several runs overlaid).")
-    p.add_argument("run_dirs", nargs="+", help="run folders (with metrics.jsonl)")
-    p.add_argument("--out", default=None, help="PNG to write (default: <run dir>/report.png for one run, "
-                   "./report.png for several)")
-    args = p.parse_args(argv)
-    from finetune.cli import _error
-
-    out = Path(args.out) if args.out else (Path(args.run_dirs[0]) / "report.png" if len(args.run_dirs) == 1
-                                           else Path("report.png"))
+def write_run_report(run_dir: Path) -> None:
+    """``run_dir/report.png`` at the end of a run (rank 0). A report that cannot be drawn (matplotlib, a damaged
+    ``metrics.jsonl``) is a warning, never a failed run; damaged lines are skipped and counted in the log."""
     skipped: dict[str, int] = {}
     try:
-        write_report([Path(d) for d in args.run_dirs], out, skipped)
-    except ConfigError as e:
-        return _error(e)
-    for run_dir, n in skipped.items():
-        if n:
-            print(f"finetune: warning: {run_dir}/metrics.jsonl: {n} line(s) skipped (torn or not JSON); the "
-                  f"report draws the rest", file=sys.stderr)
-    print(f"finetune: report {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        logger.info(f"report {write_report([run_dir], run_dir / 'report.png', skipped)}")
+        if skipped.get(str(run_dir)):
+            logger.warning(f"metrics.jsonl: {skipped[str(run_dir)]} damaged line(s) skipped in report.png (torn by a "
+                           f"kill or a full disk)")
+    except Exception as e:  # noqa: BLE001  (a finished run stays finished)
+        logger.warning(f"report.png not written (an older one is stale): {type(e).__name__}: {e}")

@@ -31,6 +31,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from finetune import checkpoint as ckpt_utils
+from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
 
 _REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
@@ -184,3 +186,23 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
         sched.last_epoch = position - 1
         sched.step()
     engine.lr_scheduler = sched
+
+
+def restore(engine, resolved, cfg: RunConfig, total_steps: int) -> TrainState:
+    """The training state to start from: fresh, or loaded from ``resolved.resume_ckpt`` into ``engine``.
+
+    On another world size or ZeRO stage the checkpoint is loaded through its universal copy (rank 0 converts it
+    once, :func:`finetune.checkpoint.to_universal`); then :func:`apply` makes the restored optimizer and LR
+    schedule follow this launch's config. All ranks call it.
+
+    Raises:
+        RunFailure: the conversion or the load failed.
+    """
+    if resolved.resume_ckpt is None:
+        return TrainState()
+    universal = ckpt_utils.to_universal(resolved.resume_ckpt) if resolved.universal else None
+    state = ckpt_utils.load(engine, resolved.resume_ckpt, universal)
+    old = ckpt_utils.saved_config(resolved.resume_ckpt)
+    if old is not None:
+        apply(engine, old, cfg, total_steps)
+    return state

@@ -15,7 +15,7 @@ if __package__ in (None, ""):
 
 # health first: its atexit handler (exit_process: no interpreter teardown) must run after every library's
 from finetune.health import exit_process  # noqa: E402, I001
-from finetune.cli import train_main  # noqa: E402
+from finetune.commands.train import main as train_main  # noqa: E402
 
 if __name__ == "__main__":
     exit_process(train_main())

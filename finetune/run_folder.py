@@ -26,13 +26,24 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import deepspeed
+import torch
+import transformers
+
+from finetune.config import config_to_dict, dump_yaml
+
 LOCK = ".lock"
 LAUNCHES = "launches"
+MODEL_META = "model_config"
+"""Folder of the run folder with the model config and tokenizer the export is built from (written once)."""
 STALE_AFTER_S = 300.0
 """A lock of another host that has not been touched for this long (seconds) belongs to a dead launch."""
 _TOUCH_EVERY_S = 60.0
@@ -254,7 +265,7 @@ def open_run(cfg) -> OpenRun:
         ConfigError: the folder cannot be created or written, or another live launch holds it.
     """
     from finetune import distributed as dist_utils
-    from finetune.config import ConfigError
+    from finetune.errors import ConfigError
 
     result: list = [None, None, 0]  # [run_dir, problem, launch number]
     lock = None
@@ -297,3 +308,34 @@ def write_launch_record(run_dir: Path, launch: int, files: dict[str, str]) -> Pa
         if not top.exists():
             top.write_text(text)
     return folder
+
+
+def _git_hash() -> str:
+    """Commit of the finetune source tree (``-dirty`` with uncommitted changes), or ``unknown``."""
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_launch(run_dir: Path, launch: int, cfg, ds: dict, tokenizer, model_config, launcher: str,
+                 precision: dict, world_size: int) -> None:
+    """Rank 0: this launch's record (``launches/<n>/``: run config, DeepSpeed config, meta: command, git commit,
+    launcher, world size, host, versions) and, for a new run, the model config and tokenizer the export is built
+    from (``model_config/``). Nothing an earlier launch wrote is rewritten."""
+    meta = {"launch": launch, "command": shlex.join([sys.executable] + sys.argv), "cwd": os.getcwd(),
+            "git": _git_hash(), "launcher": launcher, "world_size": world_size, "host": platform.node(),
+            "pid": os.getpid(), "slurm_job_id": slurm_job_id(), "precision": precision,
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()}}
+    write_launch_record(run_dir, launch, {"run_config.yaml": dump_yaml(config_to_dict(cfg)),
+                                          "ds_config.json": json.dumps(ds, indent=2),
+                                          "meta.json": json.dumps(meta, indent=2)})
+    if not (run_dir / MODEL_META / "config.json").is_file():
+        model_config.save_pretrained(run_dir / MODEL_META)
+        tokenizer.save_pretrained(run_dir / MODEL_META)

@@ -59,15 +59,12 @@ import torch
 from tqdm import tqdm
 
 from finetune import checkpoint as ckpt_utils
+from finetune.batch import to_device
 from finetune import distributed as dist_utils
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
+from finetune.errors import TrainingDiverged
 from finetune.logs import MetricsSink, StepMeter, logger
-
-
-def to_device(batch: dict, device) -> dict:
-    """Move every tensor of ``batch`` to ``device`` (non-blocking from pinned memory)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _rng_fork(device):
@@ -141,10 +138,6 @@ def _grad_norm_stage0(engine) -> float:
     if not grads:
         return 0.0
     return float(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]).norm())
-
-
-class TrainingDiverged(RuntimeError):
-    """``train.max_bad_steps`` consecutive optimizer steps had a non-finite loss or gradient norm."""
 
 
 def _skip_update_stage0(engine) -> None:

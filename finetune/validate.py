@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from finetune import checkpoint as ckpt_utils
+from finetune import distributed as dist_utils
 from finetune import resume as resume_policy
 from finetune import run_folder
-from finetune.config import ConfigError, RunConfig
+from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
+from finetune.errors import ConfigError
 from finetune.data import check_parquet_files, check_utf8, expand_files
 from finetune.ds_config import resolve_ds_config
-from finetune.recipes import RECIPES, data_columns, get_recipe
+from finetune.recipes import RECIPES, get_recipe
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
-_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
 
 
 @dataclass
@@ -33,6 +37,19 @@ class Resolved:
     universal: bool = False
     """Resume through the checkpoint's universal copy (another world size or ZeRO stage; ``ds`` then has
     ``checkpoint.load_universal``)."""
+
+    def print_check(self, cfg: RunConfig, config_path: str, print_config: bool) -> int:
+        """``--print-config`` / ``--check``: rank 0 prints the resolved configs or that all checks pass, and the
+        resume notes; returns 0."""
+        if dist_utils.rank() == 0:
+            if print_config:
+                print(dump_yaml({**config_to_dict(cfg), "resolved_deepspeed": self.ds}))
+            else:
+                print(f"finetune: {config_path}: no problems found (world size {dist_utils.world_size()}"
+                      f"{f'; resume from {self.resume_ckpt}' if self.resume_ckpt else ''})")
+            for note in self.resume_notes:
+                print(f"finetune: {note}")
+        return 0
 
 
 def _check_writable(key: str, path: str, problems: list[str]) -> None:
@@ -71,16 +88,16 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
                         f"copy the downloaded model there or fix the path)")
     elif not (p / "config.json").is_file():
         problems.append(f"model.path: '{p}' has no config.json")
-    elif m.init == "pretrained" and not any((p / w).is_file() for w in _WEIGHTS):
-        problems.append(f"model.path: '{p}' has no weights ({', '.join(_WEIGHTS)}); "
+    elif m.init == "pretrained" and not any((p / w).is_file() for w in WEIGHT_FILES):
+        problems.append(f"model.path: '{p}' has no weights ({', '.join(WEIGHT_FILES)}); "
                         f"use model.init=scratch to train from config.json alone")
     if m.init not in ("pretrained", "scratch"):
         problems.append(f"model.init: '{m.init}' is not 'pretrained' or 'scratch'")
     tok = Path(m.tokenizer_path or m.path)
     if m.tokenizer_path and not tok.is_dir():
         problems.append(f"model.tokenizer_path: folder '{tok}' does not exist")
-    elif tok.is_dir() and not any((tok / f).is_file() for f in _TOKENIZER_FILES):
-        problems.append(f"model.tokenizer_path: '{tok}' has no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    elif tok.is_dir() and not any((tok / f).is_file() for f in TOKENIZER_FILES):
+        problems.append(f"model.tokenizer_path: '{tok}' has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
 
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
@@ -144,9 +161,9 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"pretrained weights in '{model_dir}' have that shape; drop the override or use "
                             f"model.init=scratch")
         setattr(config, key, value)
-    mapping = getattr(recipe.MODEL_CLASS, "_model_mapping", None)
+    mapping = getattr(recipe.model_class, "_model_mapping", None)
     if mapping is not None and type(config) not in mapping:
-        problems.append(f"model.path: {where} is a model type that {recipe.MODEL_CLASS.__name__} (recipe "
+        problems.append(f"model.path: {where} is a model type that {recipe.model_class.__name__} (recipe "
                         f"{cfg.recipe}) cannot build; choose a model with that head or another recipe")
     elif mapping is not None and not getattr(mapping[type(config)], _ATTN_SUPPORT.get(m.attn_implementation, ""), True):
         problems.append(f"model.attn_implementation: {mapping[type(config)].__name__} ({where}) does not support "
@@ -154,7 +171,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
         from finetune import lora
 
-        lora.check(cfg, recipe.MODEL_CLASS, config, where, problems)
+        lora.check(cfg, recipe.model_class, config, where, problems)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
@@ -170,7 +187,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
-    if tok_dir is None or not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES):
+    if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
@@ -182,9 +199,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
         tokenizer = recipe.prepare_tokenizer(tokenizer)
     except ConfigError as e:
         problems += e.problems
-    if cfg.recipe == "gpt_clm" and cfg.data.packing and tokenizer.eos_token_id is None:
-        problems.append(f"model.tokenizer_path: tokenizer '{tok_dir}' has no EOS token, which data.packing=true "
-                        f"puts between texts; set data.packing=false or use a tokenizer with an EOS token")
+    recipe.check_tokenizer(tokenizer, cfg, problems)
     vocab = getattr(config, "vocab_size", None)
     if isinstance(vocab, int):
         needed = max([len(tokenizer)] + [i + 1 for i in tokenizer.all_special_ids if i is not None])
@@ -222,26 +237,6 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.lr_scheduler: '{t.lr_scheduler}' unknown (choose one of: {', '.join(SCHEDULERS)})")
     if t.loss_weighting not in ("token", "micro_batch"):
         problems.append(f"train.loss_weighting: '{t.loss_weighting}' is not 'token' or 'micro_batch'")
-
-
-def _recipe_checks_columns(cfg: RunConfig) -> bool:
-    """True for recipes whose ``check_labels`` checks every column they read (``sft``: no ``data.text_column``)."""
-    if cfg.recipe not in RECIPES:
-        return False
-    from finetune.recipes import get_recipe
-
-    return getattr(get_recipe(cfg.recipe), "checks_columns", False)
-
-
-def _check_recipe_data(cfg: RunConfig, train_files: list[str], validation_files: list[str],
-                       problems: list[str]) -> None:
-    """The recipe's own data checks (``check_labels``: seq_cls label columns), when it has them."""
-    if cfg.recipe in RECIPES:
-        from finetune.recipes import get_recipe
-
-        recipe = get_recipe(cfg.recipe)
-        if hasattr(recipe, "check_labels"):
-            recipe.check_labels(cfg, train_files, validation_files, problems)
 
 
 def _check_trackers(ds: dict) -> list[str]:
@@ -294,14 +289,17 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     _check_model(cfg, problems)
     if not cfg.data.train_files:
         problems.append("data.train_files: no training files given")
+    recipe = get_recipe(cfg.recipe) if cfg.recipe in RECIPES else None
     files = {}
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
         files[key] = expand_files(patterns, key, problems)
-        check_parquet_files(files[key], key, None if _recipe_checks_columns(cfg) else cfg.data.text_column, problems)
-        if cfg.recipe in RECIPES:
-            check_utf8(files[key], key, data_columns(get_recipe(cfg.recipe), cfg.data), problems)
-    _check_recipe_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
+        own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
+        check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
+        if recipe is not None:
+            check_utf8(files[key], key, recipe.columns(cfg.data), problems)
+    if recipe is not None:
+        recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
     number_problems: list[str] = []
     _check_numbers(cfg, number_problems)
@@ -357,3 +355,44 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     if problems:
         raise ConfigError(problems)
     return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal)
+
+
+def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:
+    """``problems`` without those about a key that already has a load problem (``key: ...``): a key given with
+    the wrong type keeps its default, and a second line about that default would only confuse."""
+    keys = {p.split(":", 1)[0] for p in load_problems if re.match(r"^[\w.]+: ", p)}
+    return [p for p in problems if p.split(":", 1)[0] not in keys]
+
+
+def check_launch(config: str, overrides: list[str], resume: str | None, allow_changes: bool,
+                 announce: bool = True) -> tuple[RunConfig, Resolved, str]:
+    """Everything a launch checks before its process group exists, on every rank: load and merge the config
+    (defaults < file < overrides), discover rank and world size from the launcher, resolve ``output_root`` and
+    an automatic resume, then :func:`validate_run`.
+
+    Args:
+        config: the run config file.
+        overrides: dotted ``key=value`` overrides.
+        resume: the ``--resume`` value or None.
+        allow_changes: ``--resume-allow-changes``.
+        announce: rank 0 prints the note of an automatic resume (not for ``--check``).
+
+    Returns:
+        ``(cfg, resolved, launcher)``.
+
+    Raises:
+        ConfigError: every problem, the config file's own first.
+    """
+    load_problems: list[str] = []
+    cfg = load_run_config(config, overrides, problems=load_problems)
+    launcher = dist_utils.export_rank_env()
+    resume, note = run_folder.resolve_output_dir(cfg, resume)
+    if note and announce and dist_utils.rank() == 0:
+        print(f"finetune: {note}", file=sys.stderr, flush=True)
+    try:
+        resolved = validate_run(cfg, resume, dist_utils.world_size(), dist_utils.on_cpu(), allow_changes)
+    except ConfigError as e:
+        raise ConfigError(load_problems + _unless_about(e.problems, load_problems)) from e
+    if load_problems:
+        raise ConfigError(load_problems)
+    return cfg, resolved, launcher

@@ -50,9 +50,10 @@ def main() -> None:
     from finetune import health
     from finetune.config import load_run_config
     from finetune.ds_config import resolve_ds_config
-    from finetune.engine import build_engine, load_tokenizer
-    from finetune.recipes import get_recipe, real_tokens
-    from finetune.trainer import to_device
+    from finetune.engine import build_engine, load_model_config, load_tokenizer
+    from finetune.batch import real_tokens
+    from finetune.recipes import get_recipe
+    from finetune.batch import to_device
 
     cfg = load_run_config(args.config, args.overrides)
     dist_utils.export_rank_env()
@@ -64,13 +65,13 @@ def main() -> None:
     ds.pop("tensorboard", None)
     recipe = get_recipe(cfg.recipe)
     tokenizer = load_tokenizer(cfg, recipe)
-    data = data_utils.build_train_data(recipe, cfg, tokenizer)  # as finetune/cli.py: same rows, sampler, collator
+    data = data_utils.build_train_data(recipe, cfg, tokenizer)  # as finetune/commands/train.py: same rows, sampler, collator
     t = cfg.train
     gas, steps, loader = t.gradient_accumulation_steps, data.total_steps, data.train_loader
     loader.sampler.set_epoch(0, skip=0)
     loader.collate_fn.set_epoch(0)
-    health.prepare_host_memory(dist_utils.on_cpu())  # as finetune/cli.py before the model
-    built = build_engine(cfg, recipe, ds, steps)
+    health.prepare_host_memory(dist_utils.on_cpu())  # as finetune/commands/train.py before the model
+    built = build_engine(cfg, recipe, load_model_config(cfg, recipe), ds, steps)
     engine = built.engine
     device = engine.device
     it = iter(loader)  # after the engine, as the toolkit's loop does (the same global RNG draws: dropout)

@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader
 from finetune.config import RunConfig
 from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
 from finetune.engine import load_model_config, load_tokenizer, param_groups
-from finetune.recipes import get_recipe, model_inputs
+from finetune.batch import model_inputs
+from finetune.recipes import get_recipe
 
 
 _SPLITS: dict = {}  # (recipe, data config, seed) -> Splits: tokenized datasets, loaded once per process
@@ -98,7 +99,7 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
     tokenizer = load_tokenizer(cfg, recipe)
     key = (cfg.recipe, repr(cfg.data), t.seed)
     if key not in _SPLITS:
-        _SPLITS[key] = load_splits(recipe, cfg.recipe, tokenizer, cfg.data, t.seed)
+        _SPLITS[key] = load_splits(recipe, tokenizer, cfg.data, t.seed)
     splits = _SPLITS[key]
     collator = recipe.make_collator(tokenizer, cfg.data)
     rows = IndexedRows(splits.train)
@@ -111,17 +112,17 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
 
     from transformers import get_scheduler
 
-    model_config = load_model_config(cfg)
+    model_config = load_model_config(cfg, recipe)
     torch.manual_seed(t.seed)
     if cfg.model.init == "pretrained":
-        model = recipe.MODEL_CLASS.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
+        model = recipe.model_class.from_pretrained(cfg.model.path, config=model_config, local_files_only=True,
                                                    dtype=torch.float32,
                                                    attn_implementation=cfg.model.attn_implementation)
     else:  # what transformers' from_config does inside deepspeed.zero.Init, on one device
         from transformers.initialization import no_init_weights
 
         with no_init_weights():
-            model = recipe.MODEL_CLASS.from_config(model_config, dtype=torch.float32,
+            model = recipe.model_class.from_config(model_config, dtype=torch.float32,
                                                    attn_implementation=cfg.model.attn_implementation)
         model.initialize_weights()
         model.tie_weights()

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.config import ConfigError, RunConfig, load_run_config
+from finetune.config import RunConfig, load_run_config
+from finetune.errors import ConfigError
 from finetune.ds_config import known_top_level_keys, resolve_ds_config
 from finetune.validate import validate_run
 

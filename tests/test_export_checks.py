@@ -7,7 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import REPO
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
 from finetune.export import _check_and_load
 
 

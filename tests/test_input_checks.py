@@ -48,7 +48,8 @@ def test_empty_and_null_rows_are_dropped_and_counted(tmp_path, holes, config):
     """Tokenization (gpt_clm packed, bert_mlm one row per text) drops the 1,010 empty/null rows and the
     WikiText blank lines, logs the count once per split, and a split of only whitespace (which footer
     statistics cannot prove empty) is a clear error, not a crash."""
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.data import load_splits
     from finetune.engine import load_tokenizer
     from finetune.logs import logger
@@ -62,7 +63,7 @@ def test_empty_and_null_rows_are_dropped_and_counted(tmp_path, holes, config):
     messages: list[str] = []
     sink = logger.add(lambda m: messages.append(str(m)), level="INFO")
     try:
-        splits = load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
+        splits = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
     finally:
         logger.remove(sink)
     texts = sum(1 for t in wiki_texts(600) if t.strip())
@@ -77,7 +78,7 @@ def test_empty_and_null_rows_are_dropped_and_counted(tmp_path, holes, config):
     cfg.data.train_files = [str(spaces)]
     with pytest.raises(ConfigError, match=r"data.train_files: the train split has no rows to train on: every one "
                                           r"of its 30 texts in column 'text' is empty or null"):
-        load_splits(recipe, cfg.recipe, tokenizer, cfg.data, cfg.train.seed)
+        load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
 
 
 def test_every_problem_of_every_kind_in_one_pass(tmp_path):
@@ -142,7 +143,8 @@ def test_gpt_vocab_shrink_positions_column_types_and_model_class(tmp_path, monke
     """In-process ``validate_run``: a config_overrides vocab shrink on pretrained weights, max_seq_len above
     n_positions, a binary validation column and an all-empty training file in one pass; then a recipe whose
     model class cannot build the model type."""
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
     monkeypatch.chdir(REPO)

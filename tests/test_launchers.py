@@ -22,7 +22,7 @@ import pytest
 
 from conftest import BIN, REPO, cpu_env, free_port, launch, ok, train_losses
 from finetune import distributed as dist_utils
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
 from finetune.preemption import forward
 from launch_helpers import (RUN_OVERRIDES, STEPS, apt_install, assert_same_losses, assert_wiring, ensure_openmpi,
                             logged_steps, reference_run, wait_for, wiring)
@@ -371,7 +371,8 @@ def test_forward_signals_ranks_not_launchers():
 
 def test_stop_signal_raises_at_startup_then_defers_to_the_loop():
     """Before training a signal stops the rank at once (nothing to save); during training it is a flag."""
-    from finetune.preemption import StopRequested, StopSignal
+    from finetune.errors import StopRequested
+    from finetune.preemption import StopSignal
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(StopRequested, match="SIGTERM before training started"):

@@ -163,7 +163,8 @@ def test_lora_seq_cls_zero3_trains_the_classifier_head(tmp_path):
     (["model.lora.target_modules=ln_1"], "model.lora: peft cannot add LoRA adapters to GPT2LMHeadModel"),
 ])
 def test_bad_lora_input_is_one_line_before_any_model(overrides, expected, tmp_path):
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
     cfg = load_run_config(CONFIGS / "tiny_gpt.yaml", [f"output_dir={tmp_path / 'run'}", *overrides])
@@ -177,7 +178,8 @@ def test_bad_lora_input_is_one_line_before_any_model(overrides, expected, tmp_pa
 
 def test_lora_config_keys():
     """``model.lora`` is off by default, switched on by one key (defaults for the rest), off again with null."""
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
 
     assert load_run_config(GPT).model.lora is None
     lora = load_run_config(GPT, ["model.lora.alpha=8"]).model.lora

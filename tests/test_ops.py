@@ -14,7 +14,10 @@ import pytest
 
 from conftest import CONFIGS, REPO, cpu_env, run_python
 
-from finetune import doctor, plan, report
+from finetune import plan, report
+from finetune.commands import doctor
+from finetune.commands import plan as plan_cmd
+from finetune.commands import report as report_cmd
 
 SHIPPED = sorted((REPO / "finetune" / "recipes" / "configs").glob("*.yaml"))
 BIG = {  # name -> (run config, overrides, parameters: transformers' own count of the full model)
@@ -32,7 +35,7 @@ def _repo_cwd(monkeypatch):
 
 
 def _plan(capsys, argv):
-    code = plan.main([str(a) for a in argv])
+    code = plan_cmd.main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -158,15 +161,15 @@ def test_report_panels_and_png(tmp_path, capsys):
     assert set(lines["learning rate"]) == {"run_a", "run_b"}
     assert all(ax.get_xlabel() == "optimizer step" and ax.get_ylabel() for ax in fig.axes)
 
-    assert report.main([str(a)]) == 0
+    assert report_cmd.main([str(a)]) == 0
     png = a / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
     assert matplotlib.image.imread(png).shape[:2] == (850, 1500)
     out = tmp_path / "both.png"
-    assert report.main([str(a), str(b), "--out", str(out)]) == 0 and out.is_file()
-    assert report.main([str(tmp_path)]) == 2
+    assert report_cmd.main([str(a), str(b), "--out", str(out)]) == 0 and out.is_file()
+    assert report_cmd.main([str(tmp_path)]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 

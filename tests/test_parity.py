@@ -222,7 +222,7 @@ def test_mlm_masks_depend_only_on_seed_epoch_and_row():
     cfg = run_config("bert-z0")
     recipe = get_recipe("bert_mlm")
     tokenizer = load_tokenizer(cfg, recipe)
-    splits = data_utils.load_splits(recipe, "bert_mlm", tokenizer, cfg.data, cfg.train.seed)
+    splits = data_utils.load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
     collate = data_utils.RowSeededCollate(recipe.make_collator(tokenizer, cfg.data), seed=cfg.train.seed)
     rows = data_utils.IndexedRows(splits.train)
 

@@ -20,7 +20,10 @@ import pytest
 
 from conftest import CONFIGS, REPO, run_python
 
-from finetune import doctor, plan, report
+from finetune import plan, report
+from finetune.commands import doctor
+from finetune.commands import plan as plan_cmd
+from finetune.commands import report as report_cmd
 
 SHIPPED = sorted((REPO / "finetune" / "recipes" / "configs").glob("*.yaml"))
 # Shipped configs that name files a user brings: pointed at the shipped config-only model and data instead.
@@ -63,7 +66,7 @@ def test_doctor_data_row_names_the_recipes_missing_column(capsys, tmp_path):
 ])
 def test_absurd_numbers_are_one_line_and_exit_2(argv, expected, capsys):
     command, *flags = argv
-    main = {"doctor": doctor.main, "plan": plan.main}[command]
+    main = {"doctor": doctor.main, "plan": plan_cmd.main}[command]
     code = main([str(CONFIGS / "tiny_gpt.yaml"), *flags])
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
@@ -94,7 +97,8 @@ def test_seq_cls_label_types_that_differ_between_files_are_one_line(tmp_path):
 
 
 def test_categorical_labels_get_a_hint_that_fits(tmp_path):
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
     train = tmp_path / "train.parquet"
@@ -137,7 +141,7 @@ def test_report_draws_a_damaged_metrics_file_and_counts_what_it_skipped(capsys, 
     rows = b"".join(json.dumps({"step": s, "launch": 1, "train/loss": 5.0 - s / 10, "train/lr": 1e-3}).encode() + b"\n"
                     for s in range(1, 6))
     run = _metrics(tmp_path / "run", rows + b"\xff\xfe garbage\n" + b'{"step": 6, "launch": 1, "train/lo')
-    code = report.main([str(run)])
+    code = report_cmd.main([str(run)])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "2 line(s) skipped" in err and (run / "report.png").stat().st_size > 10_000

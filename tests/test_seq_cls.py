@@ -152,7 +152,8 @@ def _write(path: Path, **columns) -> Path:
 
 def _one_problem(*overrides: str) -> str:
     """The single problem ``validate_run`` reports (what the CLI prints as ``finetune: error: ...``)."""
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
     cfg = load_run_config(CONFIG, ["output_dir=/nonexistent/run", *overrides])

@@ -126,7 +126,8 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
     from transformers import AutoConfig
 
     from finetune.config import DataConfig
-    from finetune.recipes import model_inputs, sft
+    from finetune.batch import model_inputs
+    from finetune.recipes import sft
 
     d = DataConfig(prompt_column="q", response_column="a", max_seq_len=48)
     rows = {"q": ["What is 2+2?", "Name a colour.", "Say hi", "Count to three:", "Capital of France?",
@@ -184,7 +185,8 @@ def _chat_files(tmp_path: Path, rows: list) -> str:
 
 
 def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
     cfg = load_run_config(SFT, [f"output_dir={tmp_path / 'out'}", *overrides])

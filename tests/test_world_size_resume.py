@@ -85,7 +85,8 @@ def test_layout_and_global_batch_decisions_before_anything_is_built(reference, t
     """Validation only: another world size keeps the global batch by itself (also on the Slurm requeue path);
     a changed global batch is refused, and resumes as a warning with --resume-allow-changes; a layout the
     universal checkpoint cannot reach is refused in one line."""
-    from finetune.config import ConfigError, load_run_config
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
     from finetune.run_folder import resolve_output_dir
     from finetune.validate import validate_run
 

@@ -1,138 +1,143 @@
-"""Task recipes, selected by ``recipe:`` in the run config.
+"""Task recipes: the protocol every recipe fills in, and the table of recipes by name.
 
-A recipe is a small module (no base class) that provides exactly these names, the contract the
-shared loop in :mod:`finetune.trainer` relies on (in the spirit of torchtune's ``recipe_interfaces``):
+A recipe is a small module (``finetune/recipes/<name>.py``) that ends with ``RECIPE = Recipe(...)``: the hooks
+the shared loop (:mod:`finetune.trainer`), the data pipeline (:mod:`finetune.data`), the engine set-up, the
+pre-flight checks and the planner call. Every hook and its default are the fields of :class:`Recipe`, so no
+caller probes a recipe for what it has (in the spirit of torchtune's ``recipe_interfaces``: a documented set of
+functions, no base-class hierarchy). A recipe registers by name in :data:`RECIPES`. A change of the protocol
+changes every recipe in the same commit.
 
-``MODEL_CLASS``
-    The transformers auto class (``AutoModelForMaskedLM``, ``AutoModelForCausalLM``).
-``prepare_tokenizer(tokenizer) -> tokenizer``
-    Fix up special tokens (e.g. GPT-2's missing pad token); raise ``ConfigError`` if unusable.
-``tokenize_function(tokenizer, data_cfg) -> fn``
-    ``fn(batch: dict[str, list]) -> dict[str, list]`` for ``datasets.Dataset.map(batched=True)``; reads
-    ``data_cfg.text_column``, may return fewer or more rows than it got (drops empty texts, packs blocks).
-``make_collator(tokenizer, data_cfg) -> fn``
-    ``fn(rows: list[dict]) -> dict[str, Tensor]`` with ``input_ids``/``attention_mask`` (int64,
-    ``[micro_batch, seq]``) and ``labels`` (int64, -100 where no loss), padded per batch; every key but
-    ``labels`` and ``num_tokens`` goes to the model (:func:`model_inputs`). Packed ``sft`` batches carry
-    ``position_ids`` (restarting per example) instead of an ``attention_mask`` (transformers then builds a
-    block-diagonal causal mask), and ``num_tokens`` (0-dim int64: the real, non-pad tokens, which the loop's
-    tokens/s and padding ratio count where there is no attention mask). Random choices
-    (MLM masks) must not use the global RNG: a collator with ``fn.row_seeded = True`` gets an int
-    ``"_seed"`` in every row (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for
-    evaluation) and draws that row's choices from a generator seeded with it, so batches do not depend
-    on ranks, micro-batch split or workers; it should fall back to the global RNG for rows without
-    ``"_seed"``. Other collators get rows of tokenized columns only.
-``forward(model, batch, metrics=False) -> LossOutput``
-    The loss of one micro-batch, "batch -> loss sum": ``batch`` is the collated micro-batch on the model's
-    device (``labels`` included); the recipe calls ``model(**inputs)`` itself (``model`` is the DeepSpeed
-    engine, or a plain/peft-wrapped transformers model) and never passes ``labels`` to it (not every model
-    honours ``num_items_in_batch``: ``BertForMaskedLM`` always returns its own mean). It returns a
-    :class:`LossOutput`: the loss **summed** over the positions ``count_targets`` counts (0-dim float32,
-    fp32 logits); the loop divides it by the token-weighting denominator itself. The recipe decides what
-    runs: ``bert_mlm`` and ``gpt_clm`` run the output head and the cross-entropy only at target positions,
-    in chunks (:mod:`finetune.recipes.lm_loss`), so full ``[tokens, vocab]`` logits never exist.
-    ``metrics=True`` (evaluation, under ``torch.no_grad``) also fills ``LossOutput.metrics`` (and
-    ``counts``). Outside this call the model is unchanged (the export check compares full logits).
-``count_targets(labels) -> Tensor``
-    Number of positions that contribute to the loss (0-dim int64): the token-weighting denominator. The
-    loop calls it on the labels of every micro-batch of a step before any of them runs (one all-reduce of
-    the step's total); it must equal ``LossOutput.targets``.
-
-For ``seq_cls`` the "positions" above are examples: ``labels`` is ``[micro_batch]`` (-100 on eval filler
-rows) and ``count_targets`` counts examples, so token weighting is example weighting.
-
-Optional names (a recipe without them behaves as if they returned nothing; ``bert_mlm`` and ``gpt_clm``
-define none):
-
-``columns(data_cfg) -> list[str]``
-    Parquet columns the tokenize function reads (default: ``[data_cfg.text_column]``); part of the
-    tokenized-cache key.
-``cache_key(data_cfg) -> dict``
-    More settings that decide the tokenized rows (``sft``: data form, truncation, packing, chat template text);
-    part of the tokenized-cache key.
-``checks_columns = True``
-    ``check_labels`` checks every column the recipe reads, so ``data.text_column`` is not checked (``sft``).
-A tokenize function with ``counts_rows = True`` gets every row (``finetune.data`` drops no empty texts for
-it), skips and counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split).
-``check_labels(cfg, train_files, validation_files, problems) -> None``
-    Extra checks of the data files before any model is built (``finetune.validate.validate_run``);
-    appends one line per problem to ``problems``.
-``prepare_model_config(model_config, data_cfg) -> model_config``
-    Adjust the transformers config before the model is built and before it is saved to the run folder
-    (``seq_cls``: ``num_labels``, ``id2label``, ``label2id`` from the training labels).
-``eval_report(counts, model_config) -> (dict, dict)``
-    Metrics that are not ratios of sums (F1), from ``LossOutput.counts`` (a fixed-shape float64 tensor
-    summed over eval batches and ranks; ``seq_cls``: the confusion matrix): scalar metrics (``name ->
-    float``, logged as ``eval/<name>``) and artefacts (``name -> JSON-able dict``; rank 0 writes each to
-    ``<run folder>/eval/step<N>_<name>.json``, and one with ``labels`` and ``matrix`` also as an image to
-    TensorBoard). Required when ``forward`` returns ``counts``.
-
-The contract changes for every recipe at once (it moved from ``loss_sum(logits, labels)``,
-``eval_stats(logits, labels)`` and ``eval_counts(logits, labels)`` to ``forward`` in issue 11).
+For ``seq_cls`` the "targets" below are examples: ``labels`` is ``[micro_batch]`` (-100 on eval filler rows) and
+``count_targets`` counts examples, so token weighting is example weighting.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-if TYPE_CHECKING:  # torch is not imported by the config checks that read RECIPES
+from finetune.errors import ConfigError
+
+if TYPE_CHECKING:  # torch and transformers are not imported by the config checks that read RECIPES
     import torch
 
-RECIPES = ("bert_mlm", "gpt_clm", "seq_cls", "sft")
+    from finetune.batch import LossOutput
+    from finetune.config import DataConfig, RunConfig
+
+RECIPES: dict[str, str] = {
+    "bert_mlm": "finetune.recipes.bert_mlm",
+    "gpt_clm": "finetune.recipes.gpt_clm",
+    "seq_cls": "finetune.recipes.seq_cls",
+    "sft": "finetune.recipes.sft",
+}
+"""Recipe name (the run config's ``recipe:``) -> the module that defines its ``RECIPE``."""
 
 
-@dataclass
-class LossOutput:
-    """What a recipe's ``forward`` returns for one micro-batch."""
-
-    loss_sum: torch.Tensor
-    """Loss summed over the micro-batch's targets: 0-dim float32, differentiable (the loop divides it)."""
-    targets: torch.Tensor
-    """Targets it sums over (0-dim int64), equal to ``count_targets(labels)``."""
-    metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    """With ``metrics=True``: extra eval metrics as ``name -> (numerator, denominator)`` sums (0-dim tensors),
-    reduced over batches and ranks and logged as ``eval/<name>`` = numerator / denominator."""
-    counts: torch.Tensor | None = None
-    """With ``metrics=True``, optionally: a fixed-shape float64 tensor summed over eval batches and ranks and
-    handed to the recipe's ``eval_report`` (``seq_cls``: the confusion matrix)."""
+def text_column(data_cfg: DataConfig) -> list[str]:
+    """Default ``columns``: ``[data.text_column]``."""
+    return [data_cfg.text_column]
 
 
-NOT_MODEL_INPUTS = ("labels", "num_tokens")
-"""Keys of a collated batch that never reach the model: the loss targets and the real-token count of packed rows."""
+def no_settings(data_cfg: DataConfig) -> dict:
+    """Default ``cache_key``: no settings besides files, columns, tokenizer and ``data.max_seq_len``."""
+    return {}
 
 
-def model_inputs(batch: dict) -> dict:
-    """The keys of ``batch`` the model is called with: all but :data:`NOT_MODEL_INPUTS`."""
-    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+def no_problems(*args: Any) -> None:
+    """Default of the ``check_*`` hooks: nothing to add."""
 
 
-def real_tokens(batch: dict):
-    """Real (non-pad) tokens of a collated micro-batch (0-dim int64 tensor, or int): the ``attention_mask`` ones,
-    else ``num_tokens`` (packed rows), else every position of ``input_ids``."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].sum()
-    if "num_tokens" in batch:
-        return batch["num_tokens"]
-    return batch["input_ids"].numel()
+def unchanged(model_config, data_cfg: DataConfig):
+    """Default ``prepare_model_config``: the config as it is."""
+    return model_config
 
 
-def get_recipe(name: str) -> ModuleType:
-    """Import ``finetune.recipes.<name>``.
+def every_target(data_cfg: DataConfig) -> float:
+    """Default ``target_fraction``: every position is a target."""
+    return 1.0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The hooks of one task. Required first, then the optional ones with their defaults."""
+
+    name: str
+    """The name in :data:`RECIPES` (part of the tokenized-cache key)."""
+    model_class: type
+    """The transformers auto class (``AutoModelForMaskedLM``, ``AutoModelForCausalLM``, ...)."""
+    prepare_tokenizer: Callable
+    """``(tokenizer) -> tokenizer``: fix up special tokens (GPT-2's missing pad token).
+
+    Raises ``ConfigError`` when the tokenizer cannot serve the task."""
+    tokenize_function: Callable
+    """``(tokenizer, data_cfg) -> fn`` with ``fn(batch: dict[str, list]) -> dict[str, list]`` for
+    ``datasets.Dataset.map(batched=True)``; reads :attr:`columns`, may return fewer or more rows than it got (drops
+    empty texts, packs blocks)."""
+    make_collator: Callable
+    """``(tokenizer, data_cfg) -> fn`` with ``fn(rows: list[dict]) -> dict[str, Tensor]``: a batch as
+    :mod:`finetune.batch` describes it, padded per batch. Random choices (MLM masks) must not use the global RNG:
+    a collator with ``fn.row_seeded = True`` gets an int ``"_seed"`` in every row
+    (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for evaluation) and draws that row's choices
+    from a generator seeded with it, so batches depend on neither ranks, nor micro-batch split, nor workers."""
+    forward: Callable[..., LossOutput]
+    """``(model, batch, metrics=False) -> LossOutput``: the loss of one micro-batch, "batch -> loss sum".
+
+    ``batch`` is on the model's device, ``labels`` included; the recipe calls ``model(**model_inputs(batch))``
+    itself (``model``: the DeepSpeed engine, or a plain/peft-wrapped transformers model) and never passes
+    ``labels`` (``BertForMaskedLM`` ignores ``num_items_in_batch``). It returns the loss **summed** over the
+    positions :attr:`count_targets` counts (0-dim float32, fp32 logits); the loop divides. The LM recipes run the
+    head and the cross-entropy only at target positions, in chunks (:mod:`finetune.recipes.lm_loss`).
+    ``metrics=True`` (evaluation, under ``torch.no_grad``) also fills ``LossOutput.metrics`` (and ``counts``).
+    Outside this call the model is unchanged (the export check compares full logits)."""
+    count_targets: Callable[[torch.Tensor], torch.Tensor]
+    """``(labels) -> 0-dim int64``: positions that contribute to the loss (the token-weighting denominator). The
+    loop calls it on every micro-batch of a step before any of them runs; it equals ``LossOutput.targets``."""
+
+    columns: Callable[[DataConfig], list[str]] = text_column
+    """``(data_cfg) -> list[str]``: parquet columns the tokenize function reads; part of the tokenized-cache key,
+    checked by ``finetune doctor`` and for valid UTF-8 before any model is built."""
+    cache_key: Callable[[DataConfig], dict] = no_settings
+    """``(data_cfg) -> dict``: more settings that decide the tokenized rows (``sft``: data form, truncation,
+    packing, chat template text; ``gpt_clm``: packing); part of the tokenized-cache key."""
+    checks_columns: bool = False
+    """True when :attr:`check_data` checks every column the recipe reads (``data.text_column`` is then not
+    checked by the generic parquet check)."""
+    counts_rows: bool = False
+    """True when the tokenize function gets every row (``finetune.data`` drops no empty texts for it), skips and
+    counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split)."""
+    check_data: Callable[[RunConfig, list[str], list[str], list[str]], None] = no_problems
+    """``(cfg, train_files, validation_files, problems)``: checks of the data files before any model is built;
+    appends one line per problem (``seq_cls``: label columns; ``sft``: columns and chat template)."""
+    check_tokenizer: Callable[[Any, RunConfig, list[str]], None] = no_problems
+    """``(prepared tokenizer, cfg, problems)``: what the task needs of the tokenizer beyond
+    :attr:`prepare_tokenizer` (``gpt_clm``: an EOS token to put between packed texts)."""
+    prepare_model_config: Callable = unchanged
+    """``(model_config, data_cfg) -> model_config``: adjust the transformers config before the model is built
+    and saved to the run folder (``seq_cls``: ``num_labels``, ``id2label``, ``label2id`` from the labels)."""
+    eval_report: Callable | None = None
+    """``(counts, model_config) -> (metrics, artefacts)``: metrics that are not ratios of sums (F1) from
+    ``LossOutput.counts`` summed over eval batches and ranks; artefacts (name -> JSON-able dict) go to
+    ``<run>/eval/step<N>_<name>.json`` and, with ``labels`` and ``matrix``, to TensorBoard as an image. Required
+    when ``forward`` returns ``counts``."""
+    generates_text: bool = False
+    """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.generation`)."""
+    target_fraction: Callable[[DataConfig], float] = every_target
+    """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
+    (``bert_mlm``: ``data.mlm_probability``)."""
+    targets_per_row: bool = False
+    """True when a row has one target (sequence classification: the planner counts no per-token logits)."""
+
+
+def get_recipe(name: str) -> Recipe:
+    """The :class:`Recipe` registered as ``name`` (its module is imported on first use).
 
     Raises:
-        KeyError: ``name`` is not one of :data:`RECIPES`.
+        KeyError: ``name`` is not in :data:`RECIPES`.
     """
     if name not in RECIPES:
         raise KeyError(f"unknown recipe '{name}' (choose one of: {', '.join(RECIPES)})")
-    return importlib.import_module(f"finetune.recipes.{name}")
-
-
-def data_columns(recipe: ModuleType, data_cfg) -> list[str]:
-    """Parquet columns the recipe's tokenize function reads: its ``columns(data_cfg)``, else ``[data.text_column]``."""
-    return recipe.columns(data_cfg) if hasattr(recipe, "columns") else [data_cfg.text_column]
+    return importlib.import_module(RECIPES[name]).RECIPE
 
 
 def pad_with_eos(tokenizer, recipe: str):
@@ -141,8 +146,6 @@ def pad_with_eos(tokenizer, recipe: str):
     Raises:
         ConfigError: the tokenizer has neither a pad nor an EOS token.
     """
-    from finetune.config import ConfigError
-
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "

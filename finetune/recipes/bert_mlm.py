@@ -17,8 +17,10 @@ import torch
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
-from finetune.config import ConfigError, DataConfig
-from finetune.recipes import LossOutput, model_inputs
+from finetune.config import DataConfig
+from finetune.errors import ConfigError
+from finetune.batch import LossOutput, model_inputs
+from finetune.recipes import Recipe
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForMaskedLM
@@ -126,3 +128,13 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Masked positions (``labels != -100``) in ``labels`` [batch, seq]; 0-dim int64."""
     return (labels != -100).sum()
+
+
+def target_fraction(data_cfg: DataConfig) -> float:
+    """Share of positions that are loss targets: the masked ones (``data.mlm_probability``)."""
+    return data_cfg.mlm_probability
+
+
+RECIPE = Recipe(name="bert_mlm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
+                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
+                count_targets=count_targets, target_fraction=target_fraction)

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
 
-from finetune.config import DataConfig
-from finetune.recipes import LossOutput, model_inputs, pad_with_eos
+from finetune.config import DataConfig, RunConfig
+from finetune.batch import LossOutput, model_inputs
+from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForCausalLM
@@ -91,3 +92,22 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
     """Positions predicted after the one-token shift (``labels[:, 1:] != -100``); 0-dim int64."""
     return (labels[:, 1:] != -100).sum()
+
+
+def cache_key(data_cfg: DataConfig) -> dict:
+    """Packing decides the tokenized rows (blocks of ``data.max_seq_len`` or one row per text)."""
+    return {"packing": data_cfg.packing}
+
+
+def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
+    """Packing puts the EOS token between texts: a tokenizer without one cannot pack."""
+    if cfg.data.packing and tokenizer.eos_token_id is None:
+        problems.append(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no EOS token, which "
+                        f"data.packing=true puts between texts; set data.packing=false or use a tokenizer with an "
+                        f"EOS token")
+
+
+RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
+                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
+                count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
+                generates_text=True)

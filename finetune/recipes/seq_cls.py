@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from finetune.config import ConfigError, DataConfig, RunConfig
-from finetune.recipes import LossOutput, model_inputs, pad_with_eos
+from finetune.config import DataConfig, RunConfig
+from finetune.errors import ConfigError
+from finetune.batch import LossOutput, model_inputs
+from finetune.recipes import Recipe, pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -264,3 +266,9 @@ def eval_report(counts: torch.Tensor, model_config) -> tuple[dict[str, float], d
     id2label = getattr(model_config, "id2label", None) or {}
     labels = [str(id2label.get(i, i)) for i in range(c.shape[0])]
     return metrics, {"confusion_matrix": {"labels": labels, "matrix": c.round().long().tolist()}}
+
+
+RECIPE = Recipe(name="seq_cls", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
+                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
+                count_targets=count_targets, columns=columns, check_data=check_labels,
+                prepare_model_config=prepare_model_config, eval_report=eval_report, targets_per_row=True)

@@ -44,14 +44,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
-from finetune.config import ConfigError, DataConfig, RunConfig
-from finetune.recipes import pad_with_eos
+from finetune.config import DataConfig, RunConfig
+from finetune.errors import ConfigError
+from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
 
 MODEL_CLASS = AutoModelForCausalLM
-
-checks_columns = True
-"""Contract flag: :func:`check_labels` checks this recipe's columns (``data.text_column`` is not read)."""
 
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -228,14 +226,12 @@ class SftExamples:
     """Batched map function: rows -> examples (ids, labels) -> packed (or single-example) rows; counts what it drops.
 
     Output columns: ``input_ids``, ``labels``, ``position_ids`` (packed) or ``input_ids``, ``attention_mask``,
-    ``labels`` (unpacked); lists of int. ``counts_rows = True`` tells ``finetune.data`` that this function skips
-    and counts bad rows itself; :meth:`summary` is logged once per tokenized split.
+    ``labels`` (unpacked); lists of int. It skips and counts bad rows itself (the recipe's ``counts_rows``);
+    :meth:`summary` is logged once per tokenized split.
 
     Raises:
         ConfigError: a messages row is malformed (checked before training by :func:`check_labels`).
     """
-
-    counts_rows = True
 
     def __init__(self, tokenizer, data_cfg: DataConfig):
         self.tokenizer, self.d = tokenizer, data_cfg
@@ -430,3 +426,10 @@ def _tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
         chat_template(cfg.data, tokenizer)
     except ConfigError as e:
         problems += e.problems
+
+
+RECIPE = Recipe(name="sft", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
+                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
+                count_targets=count_targets, columns=columns, cache_key=cache_key, checks_columns=True,
+                counts_rows=True, check_data=check_labels, prepare_model_config=prepare_model_config,
+                generates_text=True)

@@ -19,12 +19,24 @@ Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exi
 from __future__ import annotations
 
 import argparse
+import copy
 import os
-import sys
+import shutil
 import tempfile
 from pathlib import Path
 
-from finetune.config import ConfigError, RunConfig
+import pyarrow.parquet as pq
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from finetune.config import RunConfig, deep_merge, load_run_config
+from finetune.data import default_cache_dir, expand_files
+from finetune.ds_config import describe_precision, load_ds_json
+from finetune.errors import ConfigError
+from finetune.errors import report as report_error
+from finetune.plan import model_shape, run_precision
+from finetune.recipes import RECIPES, get_recipe
+from finetune.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
 _HOSTFILES = ("/job/hostfile",)  # DeepSpeed's default hostfile (deepspeed.launcher.runner DLTS_HOSTFILE)
@@ -39,8 +51,6 @@ def _size(n: float) -> str:
 
 
 def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    from finetune.validate import _TOKENIZER_FILES, _WEIGHTS
-
     rows = []
     for key, folder in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)):
         if not folder:
@@ -51,8 +61,8 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
             continue
         files = sorted(f for f in p.iterdir() if f.is_file())
         listing = ", ".join(f"{f.name} ({_size(f.stat().st_size)})" for f in files) or "no files"
-        has_tok = any((p / f).is_file() for f in _TOKENIZER_FILES)
-        has_w = any((p / f).is_file() for f in _WEIGHTS)
+        has_tok = any((p / f).is_file() for f in TOKENIZER_FILES)
+        has_w = any((p / f).is_file() for f in WEIGHT_FILES)
         what = []
         if key == "model.path":
             what.append("config.json" + ("" if (p / "config.json").is_file() else " MISSING"))
@@ -66,14 +76,8 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    import pyarrow.parquet as pq
-
-    from finetune.data import expand_files
-
-    from finetune.recipes import RECIPES, data_columns, get_recipe
-
     # the columns the recipe reads (sft: prompt/response or messages; seq_cls: text, pair, label)
-    needed = data_columns(get_recipe(cfg.recipe), cfg.data) if cfg.recipe in RECIPES else [cfg.data.text_column]
+    needed = get_recipe(cfg.recipe).columns(cfg.data) if cfg.recipe in RECIPES else [cfg.data.text_column]
     rows = []
     for key, patterns in (("data.train_files", cfg.data.train_files),
                           ("data.validation_files", cfg.data.validation_files)):
@@ -92,8 +96,6 @@ def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def _config_rows(cfg: RunConfig, world: int, on_cpu: bool) -> tuple[list[tuple[str, str, str]], dict]:
-    from finetune.validate import validate_run
-
     try:
         resolved = validate_run(cfg, None, world, on_cpu)
     except ConfigError as e:
@@ -102,13 +104,6 @@ def _config_rows(cfg: RunConfig, world: int, on_cpu: bool) -> tuple[list[tuple[s
 
 
 def _ops_rows(cfg: RunConfig, ds: dict) -> list[tuple[str, str, str]]:
-    import copy
-
-    from deepspeed.accelerator import get_accelerator
-
-    from finetune.config import deep_merge
-    from finetune.ds_config import load_ds_json
-
     if not ds:
         try:
             ds = deep_merge(load_ds_json(cfg.deepspeed), copy.deepcopy(cfg.ds))
@@ -138,10 +133,6 @@ def _ops_rows(cfg: RunConfig, ds: dict) -> list[tuple[str, str, str]]:
 
 
 def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]:
-    from deepspeed.accelerator import get_accelerator
-
-    from finetune.ds_config import describe_precision
-
     acc = get_accelerator()
     name = acc.device_name()
     on_cpu = name == "cpu"
@@ -149,7 +140,6 @@ def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]
     names = ""
     if not on_cpu:
         try:
-            import torch
 
             names = ", ".join(sorted({torch.cuda.get_device_name(i) for i in range(count)}))
         except Exception:  # noqa: BLE001
@@ -158,7 +148,6 @@ def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]
              f"{name}: {count} device(s){f' ({names})' if names else ''}" if not on_cpu else
              "no GPU visible (DeepSpeed's CPU accelerator; fine on a login node, the launch runs elsewhere)")]
     try:
-        from finetune.plan import run_precision
 
         prec = describe_precision(cfg, on_cpu)
         gpu = f"; on GPUs with bf16: {run_precision(cfg)}" if on_cpu else ""
@@ -184,8 +173,6 @@ def _probe_writable(path: Path) -> str | None:
 
 
 def _folder_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    from finetune.data import default_cache_dir
-
     rows = []
     for key, path in (("output_dir", cfg.output_dir), ("output_root", cfg.output_root),
                       ("data.cache_dir", str(default_cache_dir(cfg.data)))):
@@ -198,10 +185,6 @@ def _folder_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def _disk_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    import shutil
-
-    from finetune.plan import model_shape, run_precision
-
     folder = Path(cfg.output_dir or cfg.output_root or ".").absolute()
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
@@ -265,20 +248,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks of the planned launch, for the batch-size checks (default: WORLD_SIZE or 1)")
     args = p.parse_args(argv)
-    from finetune.cli import _error
-    from finetune.config import load_run_config
 
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size: must be >= 1 (the ranks of the planned launch), got {args.world_size}")
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:
-        return _error(e)
+        return report_error(e)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     rows = diagnose(cfg, world)
     print(render(rows))
     return 2 if any(s == "FAIL" for _, s, _ in rows) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,165 @@
+"""``finetune train`` (what ``deepspeed finetune/run.py`` runs): one launch of a training run.
+
+The order of work, one call per step into the module that owns it::
+
+    config + checks      finetune.validate.check_launch      every problem before any model (exit 2)
+    process group        finetune.distributed.init
+    run folder           finetune.run_folder.open_run / write_launch
+    data                 finetune.data.build_train_data      tokenize (rank 0 first), samplers, loaders
+    engine               finetune.engine.build_engine        model, LoRA, DeepSpeed
+    resume               finetune.resume.restore             checkpoint (universal copy on a new layout)
+    fit                  finetune.trainer.fit                the loop: log, eval, checkpoint
+    export + verify      finetune.export.export_and_verify   Hugging Face folder, checked against the engine
+    sample               finetune.generation.write_sample    causal LMs with train.sample_prompt
+    report               finetune.report.write_run_report    report.png
+
+How a launch that does not finish ends (exit statuses, who prints) is :mod:`finetune.errors`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from finetune import checkpoint as ckpt_utils
+from finetune import distributed as dist_utils
+from finetune import health
+from finetune.data import build_train_data
+from finetune.ds_config import describe_precision
+from finetune.engine import build_engine, load_model_config, load_tokenizer
+from finetune.errors import ConfigError, RunFailure, StopRequested, TrainingDiverged
+from finetune.errors import report as report_error
+from finetune.export import export_and_verify
+from finetune.generation import write_sample
+from finetune.logs import logger, monitor_sections, setup_logging
+from finetune.preemption import StopSignal
+from finetune.recipes import get_recipe
+from finetune.report import write_run_report
+from finetune.resume import restore
+from finetune.run_folder import open_run, write_launch
+from finetune.trainer import fit
+from finetune.validate import Resolved, check_launch
+
+USAGE_EXAMPLE = ("deepspeed --num_gpus 2 finetune/run.py --config finetune/recipes/configs/gpt_clm_wikitext2.yaml "
+                 "train.lr=3e-5 ds.zero_optimization.stage=3")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``finetune train`` / ``finetune/run.py``."""
+    p = argparse.ArgumentParser(prog="finetune train", description="Fine-tune a Hugging Face model with DeepSpeed.",
+                                epilog=f"example: {USAGE_EXAMPLE}")
+    p.add_argument("--config", required=True, help="run config (YAML or JSON)")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=3e-5 "
+                   "ds.zero_optimization.stage=3 (precedence: defaults < file < these)")
+    p.add_argument("--resume", nargs="?", const="latest", default=None,
+                   help="continue from the latest complete checkpoint in output_dir (with output_root: of the "
+                        "newest run under it), or from the given checkpoint or run folder")
+    p.add_argument("--resume-allow-changes", action="store_true",
+                   help="on --resume, continue even when the config changes what the run is (data, seed, global "
+                        "batch, ...): printed as notes instead of refused")
+    p.add_argument("--print-config", action="store_true",
+                   help="run every check a launch runs, print the resolved run and DeepSpeed configs, exit "
+                        "(status 2 and one line per problem when something is wrong)")
+    p.add_argument("--check", action="store_true",
+                   help="run every check a launch runs (config, files, model/tokenizer/data compatibility, "
+                        "resume target) and exit: 0 when all is well, 2 with one line per problem")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``finetune/run.py`` and ``finetune train``. Returns the process exit status."""
+    args = parser().parse_args(argv)
+    try:
+        cfg, resolved, launcher = check_launch(args.config, args.overrides, args.resume, args.resume_allow_changes,
+                                               announce=not (args.print_config or args.check))
+        if args.print_config or args.check:
+            return resolved.print_check(cfg, args.config, args.print_config)
+    except ConfigError as e:
+        return report_error(e)
+    try:
+        # SIGTERM/SIGUSR1: during start-up stop at once; once training runs, checkpoint and stop (preemption.py)
+        with StopSignal() as stop:
+            code = train(cfg, resolved, launcher, stop)
+    except (ConfigError, RunFailure, TrainingDiverged, StopRequested) as e:
+        code = report_error(e)
+    return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
+
+
+def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
+    """One launch after its checks passed, from the process group to the report. Returns the exit status."""
+    dist_utils.init(cfg.train.dist_timeout_minutes)
+    opened = open_run(cfg)  # rank 0 creates/locks the folder; refused launches raise here, having written nothing
+    run_dir, rank = opened.run_dir, dist_utils.rank()
+    try:
+        setup_logging(run_dir, rank)
+        logger.info(dist_utils.describe())  # every rank's log: rank, world, local rank, launcher, host, pid
+        # heartbeat/exit-status record read by the other ranks when one fails; faulthandler into the rank's log
+        health.start(run_dir / "launches" / str(opened.launch) / "ranks", run_dir / "logs" / f"rank{rank}.log")
+        for note in resolved.resume_notes:
+            logger.warning(note)
+        recipe = get_recipe(cfg.recipe)
+        ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
+        tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)
+        precision = describe_precision(cfg, dist_utils.on_cpu())
+        if rank == 0:
+            write_launch(run_dir, opened.launch, cfg, ds, tokenizer, model_config, launcher, precision,
+                         dist_utils.world_size())
+            print(f"finetune: run folder {run_dir} (launch {opened.launch})", file=sys.stderr, flush=True)
+        logger.info(f"run folder {run_dir} (launch {opened.launch}); world size {dist_utils.world_size()} "
+                    f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
+        logger.info("precision {precision} ({why})".format(**precision))
+
+        data = build_train_data(recipe, cfg, tokenizer)
+        logger.info(f"global batch {ds['train_batch_size']} rows = micro batch {cfg.train.micro_batch_size} x "
+                    f"accumulation {cfg.train.gradient_accumulation_steps} x world size {dist_utils.world_size()}; "
+                    f"{data.steps_per_epoch} steps/epoch; {data.total_steps} steps")
+        # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step
+        allocator = health.prepare_host_memory(dist_utils.on_cpu())
+        if allocator:
+            logger.info(f"host allocator: {allocator}")
+        health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
+        engine = build_engine(cfg, recipe, model_config, ds, data.total_steps).engine
+        ckpt_utils.check_free_space(run_dir, engine)
+        state = restore(engine, resolved, cfg, data.total_steps)
+
+        stop.defer_to_loop()
+        state = fit(cfg, engine, recipe, data.train_loader, data.eval_loader, state, data.total_steps, run_dir,
+                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
+        health.memory_mark("trained")
+        # what training freed (activations, gradient buckets) goes back to the OS before the export allocates
+        health.release_host_memory()
+        if state.step < data.total_steps:  # fit stopped early on a signal; every rank agreed on the step
+            logger.warning(f"stopped at step {state.step} of {data.total_steps}; resume with --resume (a requeued "
+                           f"Slurm job resumes by itself)")
+            return stop.exit_code()
+
+        if cfg.export:
+            export_and_verify(engine, run_dir, state.step, data.splits.validation, data.collator, ds, recipe)
+            if cfg.train.sample_prompt and recipe.generates_text and rank == 0:
+                sample = write_sample(run_dir, cfg)
+                logger.info(f"{'sample' if cfg.train.sample_temperature > 0 else 'greedy sample'} (sample.txt): "
+                            f"{sample!r}")
+        if rank == 0:
+            write_run_report(run_dir)
+        logger.info(f"done: {state.step} steps; run folder {run_dir}")
+        return 0
+    except (ConfigError, StopRequested):
+        raise
+    except (TrainingDiverged, RunFailure) as e:
+        logger.error(f"rank {rank}: {e}")
+        raise
+    except BaseException as e:
+        health.failed(e)  # first, so that the other ranks' diagnosis finds it
+        logger.exception(f"rank {rank} failed: {type(e).__name__}: {e}{health.failure_hint(e)}")
+        raise
+    finally:
+        if opened.lock is not None:
+            opened.lock.release()
+        if torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # noqa: BLE001  (best effort at shutdown)
+                pass
