@@ -20,11 +20,25 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from finetune.errors import ConfigError
+
+# Choice fields: the allowed values live in the type and are checked when the config is loaded (_coerce).
+Init = Literal["pretrained", "scratch"]
+Attention = Literal["sdpa", "eager", "flash_attention_2"]
+Truncation = Literal["truncate", "drop"]
+Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                    "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
+LossWeighting = Literal["token", "micro_batch"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+def choices(choice_type: Any) -> tuple[str, ...]:
+    """The allowed values of a choice field's ``Literal`` type, in the order they are declared."""
+    return typing.get_args(choice_type)
 
 
 @dataclass
@@ -49,11 +63,11 @@ class ModelConfig:
     """Local folder with ``config.json`` (and the weights when ``init: pretrained``)."""
     tokenizer_path: str = ""
     """Local tokenizer folder; empty means ``model.path``."""
-    init: str = "pretrained"
+    init: Init = "pretrained"
     """``pretrained``: load the weights from ``model.path``; ``scratch``: random init from ``config.json`` only."""
     config_overrides: dict = field(default_factory=dict)
     """Keys set on the model config before building, e.g. ``{num_hidden_layers: 2}`` for a small scratch model."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: Attention = "sdpa"
     """Attention kernel passed to transformers: ``sdpa`` (PyTorch scaled-dot-product), ``eager`` or ``flash_attention_2`` (needs ``flash-attn``, GPUs)."""
     lora: LoraConfig | None = None
     """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
@@ -91,7 +105,7 @@ class DataConfig:
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
     chat_template: str = ""
     """sft only: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
-    truncation: str = "truncate"
+    truncation: Truncation = "truncate"
     """sft only: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
     group_by_length: bool = True
     """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
@@ -134,13 +148,13 @@ class TrainConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
-    lr_scheduler: str = "linear"
+    lr_scheduler: Scheduler = "linear"
     """transformers ``get_scheduler`` name: ``linear``, ``cosine``, ``constant_with_warmup``, ``constant``."""
     warmup_steps: int = 0
     """Optimizer steps of linear warmup from 0 to ``lr``."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (DeepSpeed ``gradient_clipping``); 0 disables."""
-    loss_weighting: str = "token"
+    loss_weighting: LossWeighting = "token"
     """``token``: exact mean over all target tokens of the global batch; ``micro_batch``: DeepSpeed's plain mean of micro-batch means."""
     eval_every: int = 0
     """Evaluate every N optimizer steps (0: only at the end)."""
@@ -162,7 +176,7 @@ class TrainConfig:
     """Sampling temperature of the end-of-run sample; 0: greedy decoding (the most likely token at each step)."""
     sample_top_k: int = 0
     """With ``sample_temperature`` > 0: sample among the k most likely tokens only (0: all tokens). The sample is seeded with ``train.seed``, so a run's sample is reproducible."""
-    precision: str = "auto"
+    precision: Precision = "auto"
     """``auto`` (bf16 on GPUs that support it, else fp16; fp32 on CPUs; an explicit bf16/fp16 ``enabled`` in the DeepSpeed JSON wins), ``fp32``, ``bf16`` or ``fp16``."""
     seed: int = 42
     """Seed for init, shuffling, masking, dropout and the validation split."""
@@ -239,6 +253,14 @@ def _suggest(key: str, options: list[str]) -> str:
 
 def _coerce(value: Any, typ: Any, where: str, problems: list[str]) -> Any:
     """Convert ``value`` (from YAML or a CLI string) to ``typ``; append a problem and return None if impossible."""
+    if typing.get_origin(typ) is Literal:
+        allowed = choices(typ)
+        if isinstance(value, str) and value in allowed:
+            return value
+        close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+        problems.append(f"{where}: '{value}' unknown (choose one of: {', '.join(allowed)})"
+                        + (f"; did you mean '{close[0]}'?" if close else ""))
+        return None
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -476,7 +498,8 @@ def config_reference_markdown() -> str:
             if dataclasses.is_dataclass(value):
                 walk(value, f"{prefix}{f.name}.")
                 continue
-            rows.append(f"| `{prefix}{f.name}` | {typ.__name__} | `{json.dumps(value)}` | {doc} |")
+            name = " \\| ".join(choices(typ)) if typing.get_origin(typ) is Literal else typ.__name__
+            rows.append(f"| `{prefix}{f.name}` | {name} | `{json.dumps(value)}` | {doc} |")
 
     walk(RunConfig(), "")
     return "\n".join(rows)

@@ -677,14 +677,13 @@ def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
         ConfigError: a split has no rows (``data.train_files``/``data.validation_*``), or the training rows do
             not fill one global batch (micro batch x accumulation x world size rows).
     """
-    t = cfg.train
-    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
+    splits = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
     collator = recipe.make_collator(tokenizer, cfg.data)
-    train_dl = train_loader(splits.train, collator, cfg.data, t.micro_batch_size, t.seed, t.gradient_accumulation_steps)
-    eval_dl = eval_loader(splits.validation, collator, cfg.data, t.micro_batch_size)
-    steps_per_epoch = (train_dl.sampler.num_samples // t.micro_batch_size) // t.gradient_accumulation_steps
+    train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed, cfg.train.gradient_accumulation_steps)
+    eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
+    steps_per_epoch = (train_dl.sampler.num_samples // cfg.train.micro_batch_size) // cfg.train.gradient_accumulation_steps
     if steps_per_epoch == 0:
         raise ConfigError(f"data.train_files: {len(splits.train)} training rows give no full global batch of "
-                          f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {dist_utils.world_size()} "
+                          f"{cfg.train.micro_batch_size} x {cfg.train.gradient_accumulation_steps} x {dist_utils.world_size()} "
                           f"rows; lower train.micro_batch_size or add data")
-    return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch, t.max_steps or t.epochs * steps_per_epoch)
+    return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch, cfg.train.max_steps or cfg.train.epochs * steps_per_epoch)

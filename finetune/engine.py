@@ -147,13 +147,12 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(f"fused kernels: {kernels.fuse(model)}")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
 
-    t = cfg.train
 
     def scheduler(optimizer):
-        return get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps,
+        return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                              num_training_steps=total_steps)
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, t.weight_decay),
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False)
     if engine.bfloat16_enabled() and hasattr(engine.optimizer, "check_grad_overflow"):
         # ZeRO 1/2 in bf16 skip a non-finite step only with this on (DeepSpeed's default, a JSON may turn it off);

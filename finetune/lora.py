@@ -83,19 +83,18 @@ def apply(model: torch.nn.Module, cfg: RunConfig, recipe) -> torch.nn.Module:
     Returns:
         The model to hand to ``deepspeed.initialize`` (a ``PeftModel`` with LoRA).
     """
-    m = cfg.model
-    if m.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if m.lora is not None:
-        if m.gradient_checkpointing:
+    if cfg.model.lora is not None:
+        if cfg.model.gradient_checkpointing:
             model.enable_input_require_grads()
-        model = wrap(model, m.lora, recipe.model_class, cfg.train.seed)
+        model = wrap(model, cfg.model.lora, recipe.model_class, cfg.train.seed)
         trainable, total = count_parameters(model)
         targets = sorted({n.rsplit(".", 1)[-1] for n in model.targeted_module_names})
-        logger.info(f"LoRA r={m.lora.r} alpha={m.lora.alpha:g} dropout={m.lora.dropout:g} on "
+        logger.info(f"LoRA r={cfg.model.lora.r} alpha={cfg.model.lora.alpha:g} dropout={cfg.model.lora.dropout:g} on "
                     f"{len(model.targeted_module_names)} modules ({', '.join(targets)}): trainable parameters "
                     f"{trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
-    if m.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing:
         logger.info("gradient checkpointing on (non-reentrant)")
     return model
 
@@ -125,8 +124,7 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
             ``target_modules``, target modules that match no module (a few module names are listed),
             target modules of a type peft cannot adapt, a model without gradient checkpointing support.
     """
-    m = cfg.model
-    lora = m.lora
+    lora = cfg.model.lora
     if lora is not None:
         before = len(problems)
         if lora.r <= 0:
@@ -139,7 +137,7 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
             problems.append(f"model.lora.target_modules: empty; name modules to adapt or use {ALL_LINEAR}")
         if len(problems) > before:
             return
-    if lora is None and not m.gradient_checkpointing:
+    if lora is None and not cfg.model.gradient_checkpointing:
         return
     import warnings
 
@@ -149,7 +147,7 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
             model = model_class.from_config(model_config)
     except Exception:  # noqa: BLE001  (the model type's own problems are reported by validate)
         return
-    if m.gradient_checkpointing and not model.supports_gradient_checkpointing:
+    if cfg.model.gradient_checkpointing and not model.supports_gradient_checkpointing:
         problems.append(f"model.gradient_checkpointing: {type(model).__name__} ({where}) does not support gradient "
                         f"checkpointing in transformers; set model.gradient_checkpointing=false")
     if lora is None:

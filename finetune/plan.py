@@ -61,7 +61,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from finetune.config import RunConfig
 from finetune.errors import ConfigError
@@ -342,11 +341,10 @@ def _fmt(n: float) -> str:
 def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate], precision: str, gpus_per_node: int,
            nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None) -> str:
     """The plan as text: a header, one table row per option, the recommendation."""
-    t = cfg.train
     lines = [f"model: {shape.model_type} from {cfg.model.path}, {shape.params:,} parameters "
              f"({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads; largest layer "
              f"{shape.largest_layer:,} parameters)",
-             f"run: micro batch {t.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
+             f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
              + (f", CPU RAM {_fmt(cpu_bytes)} per node" if cpu_bytes is not None else ""),
@@ -375,7 +373,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     lines += [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) + ("  <- this config" if (e.stage, e.offload, e.checkpointing) == current else "")
               for e, r in zip(options, rows)]
-    lines += ["", f"Columns: per-rank GPU memory by part, at micro batch {t.micro_batch_size}; 'fits': at that micro "
+    lines += ["", f"Columns: per-rank GPU memory by part, at micro batch {cfg.train.micro_batch_size}; 'fits': at that micro "
               f"batch; 'max micro': the largest micro batch that fits.",
               "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
               "Formulas: DeepSpeed's ZeRO estimators (model states), Korthikanti et al. 2022 (activations); "
@@ -386,13 +384,13 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     else:
         e, mb = best
         lines.append(f"recommendation: {e.name} (the fastest option that fits), train.micro_batch_size up to {mb} "
-                     f"(now {t.micro_batch_size}); DeepSpeed JSON: zero_optimization.stage={e.stage}"
+                     f"(now {cfg.train.micro_batch_size}); DeepSpeed JSON: zero_optimization.stage={e.stage}"
                      f"{', offload_optimizer.device=cpu' if e.offload else ''}"
                      f"{', offload_param.device=cpu' if e.offload and e.stage == 3 else ''}"
                      f"{'; gradient checkpointing on' if e.checkpointing else ''}")
-        if mb < t.micro_batch_size:
+        if mb < cfg.train.micro_batch_size:
             lines.append(f"  (a smaller micro batch changes the global batch unless train.gradient_accumulation_steps "
-                         f"grows to match; at micro batch {t.micro_batch_size} the fastest that fits is "
+                         f"grows to match; at micro batch {cfg.train.micro_batch_size} the fastest that fits is "
                          f"{now.name if now else 'none'})")
     return "\n".join(lines)
 

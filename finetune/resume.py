@@ -82,21 +82,21 @@ def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int, fir
     Returns:
         A note for the log when it changed ``cfg``, else None.
     """
-    t, ot = cfg.train, old.get("train", {})
+    ot = old.get("train", {})
     old_micro, old_gas = ot.get("micro_batch_size"), ot.get("gradient_accumulation_steps")
     ft = (first or {}).get("train", {})
-    split = (t.micro_batch_size, t.gradient_accumulation_steps)
+    split = (cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps)
     if world == old_world or split not in ((old_micro, old_gas),
                                            (ft.get("micro_batch_size"), ft.get("gradient_accumulation_steps"))):
         return None
     global_batch = old_micro * old_gas * old_world
-    if t.micro_batch_size != old_micro or global_batch % (old_micro * world):
+    if cfg.train.micro_batch_size != old_micro or global_batch % (old_micro * world):
         return None
-    was, t.gradient_accumulation_steps = t.gradient_accumulation_steps, global_batch // (old_micro * world)
-    if was == t.gradient_accumulation_steps:
+    was, cfg.train.gradient_accumulation_steps = cfg.train.gradient_accumulation_steps, global_batch // (old_micro * world)
+    if was == cfg.train.gradient_accumulation_steps:
         return None
     return (f"--resume: world size {old_world} -> {world}: train.gradient_accumulation_steps {was} -> "
-            f"{t.gradient_accumulation_steps} keeps the global batch of {global_batch} rows (micro batch {old_micro})")
+            f"{cfg.train.gradient_accumulation_steps} keeps the global batch of {global_batch} rows (micro batch {old_micro})")
 
 
 def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -> tuple[list[str], list[str]]:
@@ -133,18 +133,18 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
             notes.append(f"--resume: {key}: {was!r} -> {now!r} (applied: the LR schedule is rebuilt at the current step)")
         else:
             notes.append(f"--resume: {key}: {was!r} -> {now!r} (applied from now on)")
-    ot, t = old.get("train", {}), cfg.train
-    old_micro, old_gas = ot.get("micro_batch_size", t.micro_batch_size), ot.get("gradient_accumulation_steps",
-                                                                              t.gradient_accumulation_steps)
-    old_global, new_global = old_micro * old_gas * old_world, t.micro_batch_size * t.gradient_accumulation_steps * world
+    ot = old.get("train", {})
+    old_micro, old_gas = ot.get("micro_batch_size", cfg.train.micro_batch_size), ot.get("gradient_accumulation_steps",
+                                                                              cfg.train.gradient_accumulation_steps)
+    old_global, new_global = old_micro * old_gas * old_world, cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * world
     split = (f"micro batch {old_micro} x accumulation {old_gas} x world {old_world} -> "
-             f"{t.micro_batch_size} x {t.gradient_accumulation_steps} x {world}")
+             f"{cfg.train.micro_batch_size} x {cfg.train.gradient_accumulation_steps} x {world}")
     if old_global != new_global:
         line = f"--resume: the global batch changed from {old_global} to {new_global} rows ({split})"
         (notes if allow else problems).append(
             line + ("; continuing as --resume-allow-changes asks" if allow else
                     f": a different run; keep micro batch x accumulation x world size = {old_global}, or {fix}"))
-    elif (old_micro, old_gas, old_world) != (t.micro_batch_size, t.gradient_accumulation_steps, world):
+    elif (old_micro, old_gas, old_world) != (cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps, world):
         notes.append(f"--resume: same global batch of {new_global} rows, new split ({split}); the position is kept "
                      f"in rows, so no row is repeated or skipped")
     return problems, notes
@@ -163,25 +163,24 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
     from transformers import get_scheduler
 
     diff = changes(old, cfg)
-    t = cfg.train
     groups = engine.optimizer.param_groups
     if any(k in diff for k in _OPTIMIZER_KEYS):
         for i, g in enumerate(groups):
             if "betas" in g:
-                g["betas"] = (t.adam_beta1, t.adam_beta2)
+                g["betas"] = (cfg.train.adam_beta1, cfg.train.adam_beta2)
             if "eps" in g:
-                g["eps"] = t.adam_eps
+                g["eps"] = cfg.train.adam_eps
             if i == 0:
-                g["weight_decay"] = t.weight_decay
+                g["weight_decay"] = cfg.train.weight_decay
     if not any(k in diff for k in SCHEDULE_KEYS) or engine.lr_scheduler is None:
         return
     old_sched = engine.lr_scheduler
     position = old_sched.last_epoch
     for g in groups:
-        g["initial_lr"] = t.lr
+        g["initial_lr"] = cfg.train.lr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
-        sched = get_scheduler(t.lr_scheduler, old_sched.optimizer, num_warmup_steps=t.warmup_steps,
+        sched = get_scheduler(cfg.train.lr_scheduler, old_sched.optimizer, num_warmup_steps=cfg.train.warmup_steps,
                               num_training_steps=total_steps)
         sched.last_epoch = position - 1
         sched.step()

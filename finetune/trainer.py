@@ -167,6 +167,193 @@ def _log_epoch_padding(meter: StepMeter, epoch: int, note: str) -> None:
                     f"{tokens:,.0f} / {positions:,.0f})")
 
 
+def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, device) -> tuple[torch.Tensor, bool]:
+    """The step's one all-reduce: the targets of this step's micro-batches on all ranks, and whether any rank was
+    asked to stop. None at all with ``loss_weighting: micro_batch`` and no stop signal to watch.
+
+    Returns:
+        ``(targets, stop)``: the global target count (0-dim float32; 0 when not token-weighted) and the stop flag.
+    """
+    head = torch.zeros(2, dtype=torch.float32, device=device)
+    if token_weighted:
+        head[0] = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum()
+    if stop_flag is not None:
+        head[1] = float(stop_flag())
+    if token_weighted or stop_flag is not None:
+        head = dist_utils.all_reduce_sum(head)
+    return head[0], stop_flag is not None and head[1].item() > 0
+
+
+def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, world: int,
+               meter: StepMeter) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over the step's micro-batches: forward (the recipe's loss sum), scale, backward, step.
+
+    Token weighting divides each micro-batch's loss sum by ``targets / (world * gas)`` (see the module docstring);
+    ``micro_batch`` weighting by its own target count. At ZeRO stage 0 a non-finite global gradient norm makes
+    the step a no-op (:func:`_skip_update_stage0`); ZeRO 1-3 skip it themselves.
+
+    Returns:
+        ``(loss, grad_norm)``: this rank's share of the step's loss (0-dim float64) and, at stage 0, the global
+        gradient norm (None otherwise: DeepSpeed keeps it).
+    """
+    gas, device = len(micro), engine.device
+    stage0 = engine.zero_optimization_stage() == 0
+    denom = targets.clamp(min=1.0) / (world * gas)
+    grad_norm = None
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(micro):
+        batch = to_device(batch, device)
+        out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
+        loss = out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1))
+        meter.lap("forward")
+        engine.backward(loss)
+        meter.lap("backward")
+        if stage0 and i == gas - 1:  # grads are all-reduced: the same norm on every rank
+            grad_norm = _grad_norm_stage0(engine)  # DeepSpeed keeps no norm at stage 0
+            if not math.isfinite(grad_norm):
+                _skip_update_stage0(engine)
+        engine.step()
+        meter.lap("optimizer")
+        step_loss += loss.detach().double() / gas
+        meter.count(batch)  # non-pad tokens (attention mask, or num_tokens of packed rows), positions
+    if stage0:
+        _end_skip_stage0(engine)
+    return step_loss, grad_norm
+
+
+class Cadence:
+    """When to log, evaluate and save, from ``train.log_every``, ``eval_every``, ``save_every`` (0: only at the end)
+    and the run's last step."""
+
+    def __init__(self, cfg: RunConfig, total_steps: int):
+        self.log_every, self.eval_every, self.save_every = cfg.train.log_every, cfg.train.eval_every, cfg.train.save_every
+        self.total_steps = total_steps
+
+    def log(self, step: int) -> bool:
+        """Write the train scalars after ``step``."""
+        return step % self.log_every == 0 or step == self.total_steps
+
+    def eval(self, step: int) -> bool:
+        """Evaluate after ``step`` (the last step's evaluation is the final one, after the loop)."""
+        return bool(self.eval_every) and step % self.eval_every == 0 and step < self.total_steps
+
+    def save(self, step: int) -> bool:
+        """Checkpoint after ``step``."""
+        return bool(self.save_every) and step % self.save_every == 0
+
+
+class Guard:
+    """Counts optimizer steps that were not applied (non-finite loss or gradient norm: DeepSpeed skipped the update,
+    :func:`train_step` at stage 0) and stops the run after ``train.max_bad_steps`` in a row."""
+
+    def __init__(self, max_bad_steps: int, run_dir: Path):
+        self.max_bad_steps, self.run_dir, self.in_a_row = max_bad_steps, run_dir, 0
+
+    def check(self, engine, state: TrainState) -> bool:
+        """After a step: True when it was applied; counts and warns when not.
+
+        Raises:
+            TrainingDiverged: ``train.max_bad_steps`` steps in a row were skipped; nothing is saved from this state.
+        """
+        if engine.was_step_applied():  # the same on every rank, no collective
+            self.in_a_row = 0
+            return True
+        state.bad_steps += 1
+        self.in_a_row += 1
+        logger.warning(f"step {state.step}: non-finite loss or gradient norm; update skipped ({self.in_a_row} in a "
+                       f"row; the run stops at train.max_bad_steps={self.max_bad_steps})")
+        if self.in_a_row >= self.max_bad_steps:
+            last = ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(self.run_dir))
+            raise TrainingDiverged(
+                f"training diverged: {self.in_a_row} consecutive optimizer steps up to step {state.step} had a "
+                f"non-finite loss or gradient norm (train.max_bad_steps={self.max_bad_steps}); nothing was saved or "
+                f"exported from this state; last good checkpoint: {last[-1] if last else 'none'}; lower train.lr or "
+                f"check the data")
+        return False
+
+
+class LogWindow:
+    """Running sums since the last train log line (loss of each applied step, applied steps; tokens, positions and
+    rows in the meter), written as one row of scalars every ``train.log_every`` steps (one all-reduce)."""
+
+    def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar):
+        self.engine, self.sink, self.meter, self.world, self.epoch_rows, self.pbar = engine, sink, meter, world, \
+            epoch_rows, pbar
+        self.acc = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        self.restart()
+
+    def restart(self) -> None:
+        """Start the next window's clock (after a log line, an evaluation or a save)."""
+        self.t0 = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        """An applied step's loss (this rank's share)."""
+        self.acc[0] += loss
+        self.acc[1] += 1
+
+    def write(self, state: TrainState, grad_norm: float | None) -> None:
+        """All-reduce the window, write the train scalars (rank 0), update the progress bar, start a new window."""
+        totals = dist_utils.all_reduce_sum(torch.cat([self.acc, self.meter.window]))
+        elapsed = time.perf_counter() - self.t0
+        steps = totals[1].item() / self.world
+        if grad_norm is None:
+            gn = self.engine.get_global_grad_norm()
+            grad_norm = float(gn) if gn is not None else float("nan")
+        tokens, positions, rows = totals[2:].tolist()
+        state.tokens_seen += int(tokens)
+        scalars = {"train/loss": totals[0].item() / self.world / steps if steps else float("nan"),
+                   "train/lr": self.engine.get_lr()[0], "train/grad_norm": grad_norm,
+                   **self.meter.scalars(tokens, positions, rows, elapsed),
+                   "train/epoch": state.epoch + state.samples_in_epoch / (self.epoch_rows * self.world),
+                   "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps}
+        self.sink.write(state.step, scalars)
+        self.pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
+                              tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
+                              pad=f"{scalars['train/padding_ratio']:.2f}", mfu=self.meter.describe_mfu(scalars),
+                              refresh=False)  # drawn by the next update (tqdm's 0.1 s minimum interval)
+        logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
+        self.acc.zero_()
+        self.meter.window.zero_()
+        self.restart()
+
+
+class Saver:
+    """Checkpoints of this launch: every ``train.save_every`` steps, at the end and on a stop, each step once,
+    keeping the newest ``train.keep_last_checkpoints`` (never the one resumed from)."""
+
+    def __init__(self, engine, run_dir: Path, cfg: RunConfig, state: TrainState, resume_from: Path | None):
+        self.engine, self.run_dir, self.config = engine, run_dir, config_to_dict(cfg)
+        self.keep = {"keep_last": cfg.train.keep_last_checkpoints, "protect": resume_from}
+        self.last = state.step if resume_from else -1
+
+    def save(self, state: TrainState, unless_saved: bool = False) -> None:
+        """Save ``state`` (all ranks); with ``unless_saved`` not when this step is already saved."""
+        if unless_saved and self.last == state.step:
+            return
+        ckpt_utils.save(self.engine, self.run_dir, state, self.config, **self.keep)
+        self.last = state.step
+
+
+def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_rows: int, world: int,
+                resume_from: Path | None, begin):
+    """The micro-batches of each optimizer step left in the current epoch: lists of ``gas`` collated batches.
+
+    Positions the sampler at ``state.samples_in_epoch`` (rows of the global order already trained on), sets the
+    epoch of the sampler and of the collator (MLM masks: seed, epoch, row), and on a resume restores the RNG
+    states once the batch iterator exists, exactly as in the original run. Calls ``begin()`` before fetching each
+    step's batches (the step timer's start). Stops before a step the epoch cannot fill, and at ``total_steps``.
+    """
+    sampler = train_dl.sampler
+    sampler.set_epoch(state.epoch, skip=state.samples_in_epoch // world)
+    getattr(train_dl.collate_fn, "set_epoch", lambda epoch: None)(state.epoch)
+    batches = iter(train_dl)
+    if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
+        ckpt_utils.restore_rng_state(resume_from)
+    while state.samples_in_epoch // world + step_rows <= sampler.num_samples and state.step < total_steps:
+        begin()
+        yield [next(batches) for _ in range(gas)]
+
+
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
         run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1) -> TrainState:
     """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
@@ -174,7 +361,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     Args:
         cfg: run config.
         engine: DeepSpeed engine.
-        recipe: recipe module.
+        recipe: the task's :class:`~finetune.recipes.Recipe`.
         train_dl: training loader whose sampler is a ``ResumableDistributedSampler``.
         eval_dl: validation loader.
         state: where to start (from a checkpoint or fresh).
@@ -189,143 +376,53 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         The final :class:`TrainState`.
 
     Raises:
-        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient
-            norm. Each such step is skipped (no parameter update) and counted; nothing is saved or
-            exported from the state the run stops in.
+        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
+            (:class:`Guard`).
     """
-    t = cfg.train
-    gas, world, device = t.gradient_accumulation_steps, dist_utils.world_size(), engine.device
-    token_weighted = t.loss_weighting == "token"
-    sampler = train_dl.sampler
-    step_rows = t.micro_batch_size * gas  # rows per rank per optimizer step
-    epoch_rows = sampler.num_samples  # rows per rank per epoch
+    world, token_weighted = dist_utils.world_size(), cfg.train.loss_weighting == "token"
+    gas = cfg.train.gradient_accumulation_steps
+    step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
-    stage0 = engine.zero_optimization_stage() == 0
-    last_saved = state.step if resume_from else -1
-    save_kw = {"keep_last": t.keep_last_checkpoints, "protect": resume_from}  # never prune the resumed-from one
-    bad_in_a_row = 0
-    # Running sums since the last log line: [loss of each good step, good steps]; tokens and positions: meter
-    acc = torch.zeros(2, dtype=torch.float64, device=device)
-    meter = StepMeter(engine.module, device, world, half_precision=engine.bfloat16_enabled() or engine.fp16_enabled())
-    t_log = time.perf_counter()
+    meter = StepMeter(engine.module, engine.device, world, engine.bfloat16_enabled() or engine.fp16_enabled())
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
                 dynamic_ncols=True)
+    cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
+        Saver(engine, run_dir, cfg, state, resume_from)
+    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar)
     engine.train()
-    if t.eval_on_start and state.step == 0 and resume_from is None:
+    if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
         _eval_and_log(engine, eval_dl, recipe, cfg, sink, 0, "eval before training, step")
-        t_log = time.perf_counter()
-
+        window.restart()
     while state.step < total_steps:
-        done = state.samples_in_epoch // world  # this rank's rows of the epoch already trained on
-        sampler.set_epoch(state.epoch, skip=done)
-        getattr(train_dl.collate_fn, "set_epoch", lambda epoch: None)(state.epoch)  # MLM masks: (seed, epoch, row)
-        batches = iter(train_dl)
-        if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
-            ckpt_utils.restore_rng_state(resume_from)
-            resume_from = None
-        while done + step_rows <= epoch_rows and state.step < total_steps:
-            log_now = (state.step + 1) % t.log_every == 0 or state.step + 1 == total_steps
-            meter.begin(sample=log_now)
-            micro = [next(batches) for _ in range(gas)]
+        begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (timed: logged steps)
+        for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, world, resume_from, begin):
             meter.lap("data_wait")
-            # One all-reduce for both: this step's targets on all ranks, a stop signal on any rank.
-            head = torch.zeros(2, dtype=torch.float32, device=device)
-            if token_weighted:
-                head[0] = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum()
-            if stop_flag is not None:
-                head[1] = float(stop_flag())
-            if token_weighted or stop_flag is not None:
-                head = dist_utils.all_reduce_sum(head)
-            denom = head[0].clamp(min=1.0) / (world * gas)
-            if stop_flag is not None and head[1].item() > 0:  # the rows drawn for this step are trained on resume
-                if last_saved != state.step:
-                    ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
+            log_now = cadence.log(state.step + 1)
+            targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device)
+            if stop:  # the rows drawn for this step are trained on resume
+                saver.save(state, unless_saved=True)
                 logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                 pbar.close()
                 return state
-            grad_norm = None
-            step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for i, batch in enumerate(micro):
-                batch = to_device(batch, device)
-                out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
-                norm = denom if token_weighted else out.targets.clamp(min=1)
-                loss = out.loss_sum / norm
-                meter.lap("forward")
-                engine.backward(loss)
-                meter.lap("backward")
-                if stage0 and i == gas - 1:  # grads are all-reduced: the same norm on every rank
-                    grad_norm = _grad_norm_stage0(engine)  # DeepSpeed keeps no norm at stage 0
-                    if not math.isfinite(grad_norm):
-                        _skip_update_stage0(engine)
-                engine.step()
-                meter.lap("optimizer")
-                step_loss += loss.detach().double() / gas
-                meter.count(batch)  # non-pad tokens (attention mask, or num_tokens of packed rows), positions
-            if stage0:
-                _end_skip_stage0(engine)
-            state.step += 1
-            state.samples_in_epoch += step_rows * world
-            done += step_rows
+            loss, grad_norm = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
+            state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * world
             pbar.update(1)
-
-            if not engine.was_step_applied():  # the global gradient norm was not finite: no update
-                state.bad_steps += 1
-                bad_in_a_row += 1
-                logger.warning(f"step {state.step}: non-finite loss or gradient norm; update skipped "
-                               f"({bad_in_a_row} in a row; the run stops at train.max_bad_steps={t.max_bad_steps})")
-                if bad_in_a_row >= t.max_bad_steps:
-                    pbar.close()
-                    last = ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(run_dir))
-                    raise TrainingDiverged(
-                        f"training diverged: {bad_in_a_row} consecutive optimizer steps up to step {state.step} had "
-                        f"a non-finite loss or gradient norm (train.max_bad_steps={t.max_bad_steps}); nothing was "
-                        f"saved or exported from this state; last good checkpoint: "
-                        f"{last[-1] if last else 'none'}; lower train.lr or check the data")
-            else:
-                bad_in_a_row = 0
-                acc[0] += step_loss
-                acc[1] += 1
-
+            if guard.check(engine, state):
+                window.add(loss)
             if log_now:
-                totals = dist_utils.all_reduce_sum(torch.cat([acc, meter.window]))
-                elapsed = time.perf_counter() - t_log
-                steps = totals[1].item() / world
-                if grad_norm is None:
-                    gn = engine.get_global_grad_norm()
-                    grad_norm = float(gn) if gn is not None else float("nan")
-                tokens, positions, rows = totals[2:].tolist()
-                state.tokens_seen += int(tokens)
-                scalars = {"train/loss": totals[0].item() / world / steps if steps else float("nan"),
-                           "train/lr": engine.get_lr()[0], "train/grad_norm": grad_norm,
-                           **meter.scalars(tokens, positions, rows, elapsed),
-                           "train/epoch": state.epoch + state.samples_in_epoch / (epoch_rows * world),
-                           "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps}
-                sink.write(state.step, scalars)
-                pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
-                                 tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
-                                 pad=f"{scalars['train/padding_ratio']:.2f}", mfu=meter.describe_mfu(scalars),
-                                 refresh=False)  # drawn by the next update (tqdm's 0.1 s minimum interval)
-                logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
-                acc.zero_()
-                meter.window.zero_()
-                t_log = time.perf_counter()
-
-            if t.eval_every and state.step % t.eval_every == 0 and state.step < total_steps:
+                window.write(state, grad_norm)
+            if cadence.eval(state.step):
                 _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
-                t_log = time.perf_counter()
-            # (not right after a skipped step: the save waits for the end or a stop)
-            if t.save_every and state.step % t.save_every == 0 and bad_in_a_row == 0:
-                ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
-                last_saved = state.step
-                t_log = time.perf_counter()
-        if done + step_rows > epoch_rows:
+                window.restart()
+            if cadence.save(state.step) and guard.in_a_row == 0:  # after a skipped step, the save waits
+                saver.save(state)
+                window.restart()
+        resume_from = None  # the RNG states are restored once, in the first epoch of the launch
+        if state.samples_in_epoch // world + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
             _log_epoch_padding(meter, state.epoch, "")
-            state.epoch += 1
-            state.samples_in_epoch = 0
+            state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     pbar.close()
     _log_epoch_padding(meter, state.epoch, " (up to the last step)")
-
     _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
-    if last_saved != state.step:
-        ckpt_utils.save(engine, run_dir, state, config_to_dict(cfg), **save_kw)
+    saver.save(state, unless_saved=True)
     return state

@@ -20,8 +20,6 @@ from finetune.data import check_parquet_files, check_utf8, expand_files
 from finetune.ds_config import resolve_ds_config
 from finetune.recipes import RECIPES, get_recipe
 
-SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
-              "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
 
@@ -69,39 +67,31 @@ def _check_writable(key: str, path: str, problems: list[str]) -> None:
 
 
 def _check_model(cfg: RunConfig, problems: list[str]) -> None:
-    m = cfg.model
-    if m.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        problems.append(f"model.attn_implementation: '{m.attn_implementation}' unknown (choose one of: "
-                        f"{', '.join(ATTN_IMPLEMENTATIONS)})")
-    elif m.attn_implementation == "flash_attention_2":
+    if cfg.model.attn_implementation == "flash_attention_2":
         from transformers.utils import is_flash_attn_2_available
 
         if not is_flash_attn_2_available():
             problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
                             "GPU, not available here; use sdpa (default) or eager")
-    if not m.path:
+    if not cfg.model.path:
         problems.append("model.path: not set (a local folder with config.json)")
         return
-    p = Path(m.path)
+    p = Path(cfg.model.path)
     if not p.is_dir():
         problems.append(f"model.path: folder '{p}' does not exist (models load from local folders only; "
                         f"copy the downloaded model there or fix the path)")
     elif not (p / "config.json").is_file():
         problems.append(f"model.path: '{p}' has no config.json")
-    elif m.init == "pretrained" and not any((p / w).is_file() for w in WEIGHT_FILES):
+    elif cfg.model.init == "pretrained" and not any((p / w).is_file() for w in WEIGHT_FILES):
         problems.append(f"model.path: '{p}' has no weights ({', '.join(WEIGHT_FILES)}); "
                         f"use model.init=scratch to train from config.json alone")
-    if m.init not in ("pretrained", "scratch"):
-        problems.append(f"model.init: '{m.init}' is not 'pretrained' or 'scratch'")
-    tok = Path(m.tokenizer_path or m.path)
-    if m.tokenizer_path and not tok.is_dir():
+    tok = Path(cfg.model.tokenizer_path or cfg.model.path)
+    if cfg.model.tokenizer_path and not tok.is_dir():
         problems.append(f"model.tokenizer_path: folder '{tok}' does not exist")
     elif tok.is_dir() and not any((tok / f).is_file() for f in TOKENIZER_FILES):
         problems.append(f"model.tokenizer_path: '{tok}' has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
 
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
-"""Values of ``model.attn_implementation`` (transformers' ``attn_implementation``)."""
 _ATTN_SUPPORT = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
 
 # Config keys that set parameter shapes: with init=pretrained, overriding one makes the weights on disk not fit.
@@ -129,9 +119,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
     (their own problems are reported elsewhere).
     """
-    m = cfg.model
-    model_dir = Path(m.path) if m.path else None
-    tok_dir = Path(m.tokenizer_path or m.path) if (m.tokenizer_path or m.path) else None
+    model_dir = Path(cfg.model.path) if cfg.model.path else None
+    tok_dir = Path(cfg.model.tokenizer_path or cfg.model.path) if (cfg.model.tokenizer_path or cfg.model.path) else None
     if cfg.recipe not in RECIPES or model_dir is None or not (model_dir / "config.json").is_file():
         return
     import difflib
@@ -148,7 +137,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                         f"{' '.join(str(e).split())[:300]}")
         return
     where = f"'{model_dir}/config.json' (model_type {config.model_type})"
-    for key, value in m.config_overrides.items():
+    for key, value in cfg.model.config_overrides.items():
         if not hasattr(config, str(key)):
             close = difflib.get_close_matches(str(key), list(config.to_dict()) + list(config.attribute_map), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -156,7 +145,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"it would be ignored")
             continue
         before = getattr(config, key)
-        if m.init == "pretrained" and key in _SHAPE_KEYS and before != value:
+        if cfg.model.init == "pretrained" and key in _SHAPE_KEYS and before != value:
             problems.append(f"model.config_overrides: {key}={value} differs from {where} ({before}), but the "
                             f"pretrained weights in '{model_dir}' have that shape; drop the override or use "
                             f"model.init=scratch")
@@ -165,9 +154,9 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     if mapping is not None and type(config) not in mapping:
         problems.append(f"model.path: {where} is a model type that {recipe.model_class.__name__} (recipe "
                         f"{cfg.recipe}) cannot build; choose a model with that head or another recipe")
-    elif mapping is not None and not getattr(mapping[type(config)], _ATTN_SUPPORT.get(m.attn_implementation, ""), True):
+    elif mapping is not None and not getattr(mapping[type(config)], _ATTN_SUPPORT.get(cfg.model.attn_implementation, ""), True):
         problems.append(f"model.attn_implementation: {mapping[type(config)].__name__} ({where}) does not support "
-                        f"'{m.attn_implementation}'; use eager")
+                        f"'{cfg.model.attn_implementation}'; use eager")
     else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
         from finetune import lora
 
@@ -175,7 +164,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
-        overridden = set(m.config_overrides) & {"hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head"}
+        overridden = set(cfg.model.config_overrides) & {"hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head"}
         problems.append(f"{'model.config_overrides' if overridden else 'model.path'}: hidden size {hidden} is not a "
                         f"multiple of the number of attention heads {heads} ({where} + overrides)")
     positions = next((getattr(config, k) for k in _POSITION_KEYS if isinstance(getattr(config, k, None), int)), None)
@@ -208,35 +197,30 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"vocab_size is {vocab:,} ({where} + overrides): ids >= {vocab:,} would index past the "
                             f"embedding matrix; use the model's own tokenizer"
                             + (" or set model.config_overrides={vocab_size: %d}" % needed
-                               if m.init == "scratch" else ""))
+                               if cfg.model.init == "scratch" else ""))
 
 
 def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
-    t, d = cfg.train, cfg.data
-    positive = {"train.micro_batch_size": t.micro_batch_size, "train.gradient_accumulation_steps":
-                t.gradient_accumulation_steps, "train.lr": t.lr, "data.max_seq_len": d.max_seq_len,
-                "train.log_every": t.log_every, "train.dist_timeout_minutes": t.dist_timeout_minutes,
-                "data.tokenize_timeout_minutes": d.tokenize_timeout_minutes, "train.sample_tokens": t.sample_tokens}
+    positive = {"train.micro_batch_size": cfg.train.micro_batch_size, "train.gradient_accumulation_steps":
+                cfg.train.gradient_accumulation_steps, "train.lr": cfg.train.lr, "data.max_seq_len": cfg.data.max_seq_len,
+                "train.log_every": cfg.train.log_every, "train.dist_timeout_minutes": cfg.train.dist_timeout_minutes,
+                "data.tokenize_timeout_minutes": cfg.data.tokenize_timeout_minutes, "train.sample_tokens": cfg.train.sample_tokens}
     problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
-    non_negative = {"train.max_steps": t.max_steps, "train.warmup_steps": t.warmup_steps, "train.eval_every":
-                    t.eval_every, "train.save_every": t.save_every, "train.weight_decay": t.weight_decay,
-                    "train.max_grad_norm": t.max_grad_norm, "data.num_workers": d.num_workers,
-                    "train.eval_max_batches": t.eval_max_batches, "data.max_train_rows": d.max_train_rows,
-                    "data.pad_to_multiple_of": d.pad_to_multiple_of,
-                    "train.keep_last_checkpoints": t.keep_last_checkpoints, "train.sample_temperature":
-                t.sample_temperature, "train.sample_top_k": t.sample_top_k}
+    non_negative = {"train.max_steps": cfg.train.max_steps, "train.warmup_steps": cfg.train.warmup_steps, "train.eval_every":
+                    cfg.train.eval_every, "train.save_every": cfg.train.save_every, "train.weight_decay": cfg.train.weight_decay,
+                    "train.max_grad_norm": cfg.train.max_grad_norm, "data.num_workers": cfg.data.num_workers,
+                    "train.eval_max_batches": cfg.train.eval_max_batches, "data.max_train_rows": cfg.data.max_train_rows,
+                    "data.pad_to_multiple_of": cfg.data.pad_to_multiple_of,
+                    "train.keep_last_checkpoints": cfg.train.keep_last_checkpoints, "train.sample_temperature":
+                cfg.train.sample_temperature, "train.sample_top_k": cfg.train.sample_top_k}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
-    if t.max_steps == 0 and t.epochs <= 0:
-        problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {t.epochs}")
-    if not 0.0 < d.mlm_probability < 1.0:
-        problems.append(f"data.mlm_probability: must be in (0, 1), got {d.mlm_probability}")
-    if not d.validation_files and not 0.0 < d.validation_fraction < 1.0:
+    if cfg.train.max_steps == 0 and cfg.train.epochs <= 0:
+        problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {cfg.train.epochs}")
+    if not 0.0 < cfg.data.mlm_probability < 1.0:
+        problems.append(f"data.mlm_probability: must be in (0, 1), got {cfg.data.mlm_probability}")
+    if not cfg.data.validation_files and not 0.0 < cfg.data.validation_fraction < 1.0:
         problems.append(f"data.validation_fraction: must be in (0, 1) when data.validation_files is empty, "
-                        f"got {d.validation_fraction}")
-    if t.lr_scheduler not in SCHEDULERS:
-        problems.append(f"train.lr_scheduler: '{t.lr_scheduler}' unknown (choose one of: {', '.join(SCHEDULERS)})")
-    if t.loss_weighting not in ("token", "micro_batch"):
-        problems.append(f"train.loss_weighting: '{t.loss_weighting}' is not 'token' or 'micro_batch'")
+                        f"got {cfg.data.validation_fraction}")
 
 
 def _check_trackers(ds: dict) -> list[str]:

@@ -72,7 +72,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics, train_losses
+from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics
 from parity_reference import reference_run
 
 pytestmark = pytest.mark.slow

@@ -12,6 +12,7 @@ import torch
 
 from conftest import REPO, run_python
 from finetune.config import load_run_config
+from finetune.errors import ConfigError
 from finetune.ds_config import auto_precision, choose_precision, precision_of, resolve_ds_config
 
 TINY = REPO / "tests/configs/tiny_gpt.yaml"
@@ -73,12 +74,16 @@ def test_auto_takes_the_json_choice_and_explicit_precision_is_written(gpu):
     (["train.precision=bf16", "deepspeed=ds_configs/zero3_fp16.json"], "gives fp16 (bf16/fp16 'enabled') but "
                                                                        "train.precision=bf16"),
     (["train.precision=fp16", "ds.bf16.enabled=false"], "gives fp32 (bf16/fp16 'enabled') but train.precision=fp16"),
-    (["train.precision=fp8"], "train.precision: 'fp8' unknown"),
 ])
 def test_contradictions_are_errors(gpu, overrides, needle):
     cfg = load_run_config(TINY, ["ds={}", *overrides])
     _, problems = resolve_ds_config(cfg, world_size=2, on_cpu=False, accelerator=gpu(9, 0))
     assert len(problems) == 1 and needle in problems[0], problems
+
+
+def test_unknown_precision_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match="train.precision: 'fp8' unknown \\(choose one of: auto, fp32, bf16, fp16\\)"):
+        load_run_config(TINY, ["train.precision=fp8"])
 
 
 def test_contradiction_is_one_cli_error_line(tmp_path):

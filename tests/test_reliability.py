@@ -20,7 +20,7 @@ import pytest
 
 from conftest import CONFIGS, REPO, run_python
 
-from finetune import plan, report
+from finetune import report
 from finetune.commands import doctor
 from finetune.commands import plan as plan_cmd
 from finetune.commands import report as report_cmd

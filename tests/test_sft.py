@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, REPO, launch, ok, read_metrics, run_python
 
 TOKENIZER = REPO / "data" / "models" / "tiny-gpt2"
 CHATML = REPO / "data" / "chat_templates" / "chatml.jinja"
@@ -189,8 +189,8 @@ def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
     from finetune.errors import ConfigError
     from finetune.validate import validate_run
 
-    cfg = load_run_config(SFT, [f"output_dir={tmp_path / 'out'}", *overrides])
-    try:
+    try:  # choice fields are checked as the config loads, the rest by the launch's validation
+        cfg = load_run_config(SFT, [f"output_dir={tmp_path / 'out'}", *overrides])
         validate_run(cfg, None, 1, True)
     except ConfigError as e:
         return e.problems
@@ -212,7 +212,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
         "model.attn_implementation=flash": "model.attn_implementation: 'flash' unknown (choose one of: sdpa, eager",
         "data.messages_column=": "data.prompt_column: sft needs data.prompt_column and data.response_column",
         "data.prompt_column=question": "data.messages_column: set either data.messages_column (chat) or",
-        "data.truncation=cut": "data.truncation: 'cut' is not 'truncate' or 'drop'",
+        "data.truncation=cut": "data.truncation: 'cut' unknown (choose one of: truncate, drop)",
     }
     for override, want in cases.items():
         problems = _problems(tmp_path, [override])

@@ -106,7 +106,6 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
     """
     import pyarrow.parquet as pq
 
-    d = cfg.data
     train_labels: set = set()
     val_labels: dict[str, list] = {}
     kinds: dict[str, str] = {}  # label kind (int, str) -> first file holding it
@@ -116,26 +115,26 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 names = pq.ParquetFile(f).schema_arrow.names
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 continue
-            if d.text_pair_column and d.text_pair_column not in names:
-                problems.append(f"{key}: '{f}' has no column '{d.text_pair_column}' (columns: {', '.join(names)}); "
+            if cfg.data.text_pair_column and cfg.data.text_pair_column not in names:
+                problems.append(f"{key}: '{f}' has no column '{cfg.data.text_pair_column}' (columns: {', '.join(names)}); "
                                 f"set data.text_pair_column (or leave it empty for single texts)")
-            if d.label_column not in names:
-                problems.append(f"{key}: '{f}' has no label column '{d.label_column}' (columns: {', '.join(names)}); "
+            if cfg.data.label_column not in names:
+                problems.append(f"{key}: '{f}' has no label column '{cfg.data.label_column}' (columns: {', '.join(names)}); "
                                 f"set data.label_column")
                 continue
-            col = read_labels(f, d.label_column)
+            col = read_labels(f, cfg.data.label_column)
             kind = _label_kind(col.type)
             if kind not in ("int", "str"):
                 example = next((v for v in col.to_pylist() if v is not None), None)
                 fix = ("convert them, e.g. 1.0 -> 1" if kind == "float" else
                        "cast the column to string or int, e.g. pandas df[col] = df[col].astype(str)")
-                problems.append(f"{key}: '{f}' column '{d.label_column}' holds {kind} values (e.g. {example!r}); "
+                problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' holds {kind} values (e.g. {example!r}); "
                                 f"seq_cls needs int or string class labels ({fix})")
                 continue
             kinds.setdefault(kind, f)
             if col.null_count:
                 row = col.to_pylist().index(None)
-                problems.append(f"{key}: '{f}' column '{d.label_column}' has {col.null_count} missing (null) "
+                problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' has {col.null_count} missing (null) "
                                 f"label(s), e.g. row {row}; every row needs a label")
             values = [v for v in col.unique().to_pylist() if v is not None]
             if key == "data.train_files":
@@ -143,7 +142,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             else:
                 val_labels[f] = values
     if len(kinds) > 1:
-        problems.append(f"data: column '{d.label_column}' holds int labels in '{kinds['int']}' but string labels in "
+        problems.append(f"data: column '{cfg.data.label_column}' holds int labels in '{kinds['int']}' but string labels in "
                         f"'{kinds['str']}'; every file must use the same label type (convert one of them, e.g. "
                         f"0 -> '0')")
         return
@@ -151,11 +150,11 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
         for f, values in val_labels.items():
             unknown = sorted(set(values) - train_labels, key=str)
             if unknown:
-                problems.append(f"data.validation_files: '{f}' column '{d.label_column}' has label {unknown[0]!r} "
+                problems.append(f"data.validation_files: '{f}' column '{cfg.data.label_column}' has label {unknown[0]!r} "
                                 f"that no training file has (training labels: "
                                 f"{', '.join(map(str, sorted(train_labels)[:20]))})")
         if len(train_labels) < 2:
-            problems.append(f"data.train_files: column '{d.label_column}' has only the label "
+            problems.append(f"data.train_files: column '{cfg.data.label_column}' has only the label "
                             f"{next(iter(train_labels))!r}; classification needs at least 2 classes")
         n = len(train_labels)
         want = cfg.model.config_overrides.get("num_labels")

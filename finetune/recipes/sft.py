@@ -360,15 +360,12 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
 
     from finetune.data import _string_type
 
-    d = cfg.data
-    if d.truncation not in ("truncate", "drop"):
-        problems.append(f"data.truncation: '{d.truncation}' is not 'truncate' or 'drop'")
-    pair = bool(d.prompt_column or d.response_column)
-    if d.messages_column and pair:
+    pair = bool(cfg.data.prompt_column or cfg.data.response_column)
+    if cfg.data.messages_column and pair:
         problems.append("data.messages_column: set either data.messages_column (chat) or data.prompt_column and "
                         "data.response_column (prompt/response), not both")
         return
-    if not d.messages_column and not (d.prompt_column and d.response_column):
+    if not cfg.data.messages_column and not (cfg.data.prompt_column and cfg.data.response_column):
         problems.append("data.prompt_column: sft needs data.prompt_column and data.response_column (prompt/response "
                         "text), or data.messages_column (a list of {role, content} per row)")
         return
@@ -379,8 +376,8 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 schema = pq.ParquetFile(f).schema_arrow
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 continue
-            for col, what in ((d.messages_column, "messages_column"), (d.prompt_column, "prompt_column"),
-                              (d.response_column, "response_column")):
+            for col, what in ((cfg.data.messages_column, "messages_column"), (cfg.data.prompt_column, "prompt_column"),
+                              (cfg.data.response_column, "response_column")):
                 if not col:
                     continue
                 if col not in schema.names:
@@ -389,24 +386,24 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 elif what != "messages_column" and not _string_type(schema.field(col).type):
                     problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
                                     f"(string); set data.{what} to a text column")
-            if d.messages_column and d.messages_column in schema.names:
-                rows = pq.read_table(f, columns=[d.messages_column]).column(d.messages_column).to_pylist()
+            if cfg.data.messages_column and cfg.data.messages_column in schema.names:
+                rows = pq.read_table(f, columns=[cfg.data.messages_column]).column(cfg.data.messages_column).to_pylist()
                 for i, messages in enumerate(rows):
                     problem = message_problem(messages)
                     if problem:
-                        problems.append(f"{key}: '{f}' row {i} of column '{d.messages_column}' is {problem}; every "
+                        problems.append(f"{key}: '{f}' row {i} of column '{cfg.data.messages_column}' is {problem}; every "
                                         f"row must be a list of {{role, content}} messages")
                         break
                 else:
                     if key == "data.train_files":
                         answers += sum(has_answer(m) for m in rows)
                         read += 1
-    if d.messages_column and train_files and read == len(train_files) and not answers:
-        problems.append(f"data.train_files: no conversation in column '{d.messages_column}' has an assistant turn, "
+    if cfg.data.messages_column and train_files and read == len(train_files) and not answers:
+        problems.append(f"data.train_files: no conversation in column '{cfg.data.messages_column}' has an assistant turn, "
                         f"so there is nothing to train on (sft trains on assistant turns only)")
-    if d.messages_column:
+    if cfg.data.messages_column:
         try:
-            if not _template_from_config(d):
+            if not _template_from_config(cfg.data):
                 _tokenizer_template_problem(cfg, problems)
         except ConfigError as e:
             problems += e.problems
