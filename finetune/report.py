@@ -138,3 +138,17 @@ def write_run_report(run_dir: Path) -> None:
                            f"kill or a full disk)")
     except Exception as e:  # noqa: BLE001  (a finished run stays finished)
         logger.warning(f"report.png not written (an older one is stale): {type(e).__name__}: {e}")
+
+
+def eval_summary(run_dir: Path) -> str:
+    """One line of how the run's evaluation moved: ``eval/loss`` and ``eval/perplexity`` at their first and last
+    steps (a resumed run's later launch winning), e.g. ``eval/loss 5.56 (step 0) -> 1.62 (step 300)``; "" when the
+    run has no evaluation."""
+    series = read_run(Path(run_dir))
+    parts = []
+    for key in ("eval/loss", "eval/perplexity"):
+        points = series.get(key)
+        if points:
+            (s0, v0), (s1, v1) = points[0], points[-1]
+            parts.append(f"{key} {v0:.4g} (step {s0}) -> {v1:.4g} (step {s1})")
+    return "; ".join(parts)

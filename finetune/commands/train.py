@@ -36,7 +36,7 @@ from finetune.generation import write_sample
 from finetune.logs import logger, monitor_sections, setup_logging
 from finetune.preemption import StopSignal
 from finetune.recipes import get_recipe
-from finetune.report import write_run_report
+from finetune.report import eval_summary, write_run_report
 from finetune.resume import restore
 from finetune.run_folder import open_run, write_launch
 from finetune.trainer import fit
@@ -138,12 +138,15 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
 
         if cfg.export:
             export_and_verify(engine, run_dir, state.step, data.splits.validation, data.collator, ds, recipe)
-            if cfg.train.sample_prompt and recipe.generates_text and rank == 0:
+        if rank == 0:
+            write_run_report(run_dir)
+            summary = eval_summary(run_dir)
+            if summary:
+                logger.info(f"evaluation: {summary}")
+            if cfg.export and cfg.train.sample_prompt and recipe.generates_text:
                 sample = write_sample(run_dir, cfg)
                 logger.info(f"{'sample' if cfg.train.sample_temperature > 0 else 'greedy sample'} (sample.txt): "
                             f"{sample!r}")
-        if rank == 0:
-            write_run_report(run_dir)
         logger.info(f"done: {state.step} steps; run folder {run_dir}")
         return 0
     except (ConfigError, StopRequested):
