@@ -34,8 +34,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import yaml
+from deepspeed.accelerator import get_accelerator
 
 from finetune import distributed as dist_utils
+from finetune.config import dump_yaml
+from finetune.ds_config import zero_stage
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 
@@ -118,8 +123,6 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Path | None, str | Non
 
 
 def _rng_state() -> dict:
-    from deepspeed.accelerator import get_accelerator
-
     acc = get_accelerator()
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if acc.device_name() != "cpu":
@@ -133,8 +136,6 @@ def restore_rng_state(ckpt: Path) -> None:
     A rank the checkpoint did not have (resume on more ranks) keeps its freshly seeded generators
     (a warning says so: dropout then draws other masks than an uninterrupted run would).
     """
-    from deepspeed.accelerator import get_accelerator
-
     path = ckpt / f"rng_state_rank{dist_utils.rank()}.pt"
     if not path.is_file():
         logger.warning(f"{ckpt} has no random-generator state for rank {dist_utils.rank()} (saved on fewer ranks): "
@@ -161,8 +162,6 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
         RunFailure: the disk filled up or the folder cannot be written (the message names the folder and
             its free space; the checkpoint stays without its ``COMPLETE`` marker, so nothing loads it).
     """
-    from finetune.config import dump_yaml
-
     ckdir = checkpoints_dir(output_dir)
     tag = f"step{state.step}"
     t0 = time.perf_counter()
@@ -238,8 +237,6 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], lis
         ``(problems, notes, universal)``: one-line refusals, lines for the log, and True when the launch
         must load the universal copy.
     """
-    from finetune.ds_config import zero_stage
-
     meta = marker(ckpt)
     stage = zero_stage(ds)
     old_world, old_stage = meta.get("world_size", world_size), meta.get("zero_stage", stage)
@@ -295,8 +292,6 @@ def to_universal(ckpt: Path) -> Path:
                 result = [f"--resume: writing the universal copy '{target}' failed ({type(e).__name__}: {e}); "
                           f"free space in or make '{ckpt.parent}' writable"]
     if dist_utils.world_size() > 1:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(result, src=0)
     if result[0]:
         raise RunFailure(result[0])
@@ -376,8 +371,6 @@ def prune(ckdir: Path, keep_last: int, protect: Path | None = None) -> list[Path
 
 def saved_config(ckpt: Path) -> dict | None:
     """The run config ``ckpt`` was trained with (its own copy, else the run folder's first launch's)."""
-    import yaml
-
     for p in (ckpt / CONFIG_FILE, ckpt.parent.parent / CONFIG_FILE):
         if p.is_file():
             return yaml.safe_load(p.read_text())

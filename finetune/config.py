@@ -13,8 +13,10 @@ together in one :class:`ConfigError` (the litgpt ``validate_args`` pattern).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import typing
@@ -43,7 +45,7 @@ def choices(choice_type: Any) -> tuple[str, ...]:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (``peft``): the base model is frozen, only the low-rank adapters train (see README, LoRA)."""
+    """LoRA adapters (``peft``): the base model is frozen, only the low-rank adapters train (docs/lora.md)."""
 
     r: int = 8
     """Rank of each adapter (``A``: r x in, ``B``: out x r); must be > 0."""
@@ -470,11 +472,8 @@ def config_reference_markdown() -> str:
     """Markdown table of every run-config key: dotted name, type, default and its one-line docstring.
 
     The docstrings are read from this module's source (the string literal under each field), so the
-    README's reference is generated from the code (``python -m finetune.config``) and tested against it.
+    manual's reference (docs/config.md) is generated from the code (``python -m finetune.config``) and tested against it.
     """
-    import ast
-    import inspect
-
     tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["_"])))
     docs: dict[tuple[str, str], str] = {}
     for node in tree.body:

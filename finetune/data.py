@@ -40,13 +40,19 @@ import math
 import os
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from finetune import distributed as dist_utils
 from finetune.config import DataConfig, RunConfig
@@ -65,10 +71,8 @@ def expand_files(patterns: list, key: str, problems: list[str]) -> list[str]:
     return files
 
 
-def _string_type(typ) -> bool:
+def string_type(typ) -> bool:
     """True for Arrow string columns (``string``, ``large_string``, ``string_view``, dictionary of strings)."""
-    import pyarrow as pa
-
     if pa.types.is_dictionary(typ):
         typ = typ.value_type
     return pa.types.is_string(typ) or pa.types.is_large_string(typ) or getattr(pa.types, "is_string_view",
@@ -112,8 +116,6 @@ def check_parquet_files(files: list[str], key: str, text_column: str | None, pro
     that every row is null or empty (``text_column=None``: readability and row counts only, for recipes that
     check their own columns). Returns the total row count.
     """
-    import pyarrow.parquet as pq
-
     rows = 0
     for f in files:
         try:
@@ -131,9 +133,9 @@ def check_parquet_files(files: list[str], key: str, text_column: str | None, pro
                             f"set data.text_column")
         elif pf.metadata.num_rows == 0:
             problems.append(f"{key}: '{f}' is empty (0 rows)")
-        elif not _string_type(schema.field(text_column).type):
+        elif not string_type(schema.field(text_column).type):
             typ = schema.field(text_column).type
-            others = [f"{n} ({schema.field(n).type})" for n in names if _string_type(schema.field(n).type)]
+            others = [f"{n} ({schema.field(n).type})" for n in names if string_type(schema.field(n).type)]
             hint = f"string columns: {', '.join(others)}" if others else "the file has no string column"
             problems.append(f"{key}: '{f}' column '{text_column}' has type {typ}, not text (string); "
                             f"set data.text_column to a text column ({hint}) or convert the column to strings")
@@ -148,8 +150,6 @@ def check_parquet_files(files: list[str], key: str, text_column: str | None, pro
 
 def _bad_utf8_row(column) -> int | None:
     """Index of the first row of an Arrow array whose strings are not valid UTF-8 (None: every row is valid)."""
-    import pyarrow as pa
-
     try:
         column.validate(full=True)
         return None
@@ -171,8 +171,6 @@ def check_utf8(files: list[str], key: str, columns: list[str], problems: list[st
     Reads the columns (one record batch at a time) and appends one line per file with such a cell, naming the
     file, the row and the column. Unreadable files and absent columns are skipped (reported elsewhere).
     """
-    import pyarrow.parquet as pq
-
     for f in files:
         try:
             pf = pq.ParquetFile(f)
@@ -253,8 +251,6 @@ def _tokenize_atomically(ds, fn, path: Path, desc: str, fingerprint: str) -> Non
     run reads and :func:`clean_dead_partials` removes. ``fingerprint`` (our cache key) spares ``datasets``
     hashing ``fn`` with its tokenizer (seconds for a large vocabulary).
     """
-    import tempfile
-
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=path.parent))
     try:
@@ -333,8 +329,6 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
     Returns:
         :class:`Splits` with only model-input columns.
     """
-    import datasets
-
     problems: list[str] = []
     train_files = expand_files(data_cfg.train_files, "data.train_files", problems)
     val_files = expand_files(data_cfg.validation_files, "data.validation_files", problems)
@@ -483,8 +477,6 @@ class RowSeededCollate:
 def row_lengths(dataset) -> np.ndarray:
     """Tokens per row of a tokenized ``datasets.Dataset`` (int64 array ``[rows]``), read from the Arrow
     list offsets of ``input_ids`` (no row is decoded)."""
-    import pyarrow.compute as pc
-
     column = dataset.data.column("input_ids")
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -510,8 +502,6 @@ def grouped_order(lengths: np.ndarray, global_batch: int, seed: int, epoch: int)
     Returns:
         Row indices (list of int): global batch ``s`` is ``order[s * global_batch:(s + 1) * global_batch]``.
     """
-    from transformers.trainer_pt_utils import get_length_grouped_indices
-
     g = torch.Generator()
     g.manual_seed(seed + epoch)
     order = get_length_grouped_indices(lengths.tolist(), global_batch, generator=g)

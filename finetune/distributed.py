@@ -35,8 +35,11 @@ import socket
 import subprocess
 from datetime import timedelta
 
+import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from torch.distributed import distributed_c10d
 
 from finetune.errors import ConfigError
 
@@ -189,8 +192,6 @@ def is_main() -> bool:
 def on_cpu() -> bool:
     """True when DeepSpeed's accelerator is the CPU (``DS_ACCELERATOR=cpu``, or no GPU found): the ranks train in
     host memory, over gloo."""
-    from deepspeed.accelerator import get_accelerator
-
     return get_accelerator().device_name() == "cpu"
 
 
@@ -202,10 +203,6 @@ def init(timeout_minutes: float) -> None:
             for every group created later: a rank that hangs makes the others raise after this long. (A
             rank that exits is noticed at once: its sockets close, and the launcher ends the others.)
     """
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-    from torch.distributed import distributed_c10d
-
     timeout = timedelta(minutes=timeout_minutes)
     # DeepSpeed creates its own groups (ZeRO's data-parallel group, ...) with dist.new_group(), which takes
     # torch's built-in default timeout (30 min for gloo, 10 min for NCCL), not the one init_process_group got.

@@ -19,6 +19,9 @@ import functools
 import json
 from pathlib import Path
 
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config import DeepSpeedConfig
+
 from finetune.config import RunConfig, deep_merge
 from finetune.errors import ConfigError
 
@@ -36,8 +39,6 @@ def known_top_level_keys() -> frozenset[str]:
     Returns:
         A frozenset of key names (about 60 for DeepSpeed 0.19).
     """
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     seen: set[str] = set()
 
     class _Recorder(dict):
@@ -183,8 +184,6 @@ def choose_precision(requested: str, ds: dict, source: str, on_cpu: bool, accele
     if on_cpu:
         return "fp32", "auto: CPU accelerator (bf16 is slow without bf16 hardware, fp16 unsupported)", []
     if accelerator is None:
-        from deepspeed.accelerator import get_accelerator
-
         accelerator = get_accelerator()
     precision, reason = auto_precision(accelerator)
     return precision, reason, []
@@ -269,8 +268,6 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
 
 def _deepspeed_own_checks(ds: dict, world_size: int, source: str) -> list[str]:
     """Run DeepSpeed's own config parser (pydantic models reject unknown keys inside sections)."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
     probe = copy.deepcopy(ds)
     # Parse as a single rank: DeepSpeed derives world size from the process group, which may not exist yet.
     probe["train_batch_size"] = probe["train_micro_batch_size_per_gpu"] * probe["gradient_accumulation_steps"]

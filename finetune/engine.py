@@ -1,7 +1,7 @@
 """Model, tokenizer and DeepSpeed engine set-up.
 
 * Model and tokenizer load from local folders only (``local_files_only=True``).
-* ``init: scratch`` builds the model from ``config.json`` alone (``MODEL_CLASS.from_config``), seeded
+* ``init: scratch`` builds the model from ``config.json`` alone (the recipe's ``model_class.from_config``), seeded
   so every rank builds the same weights, and the same weights at every ZeRO stage: under ZeRO-3
   transformers skips torch's default ``reset_parameters`` and runs only the model's ``_init_weights``,
   so the other stages build the model the same way (:func:`scratch_model`) to draw the same numbers.
@@ -24,7 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import deepspeed
 import torch
+from transformers import AutoConfig, AutoTokenizer, get_scheduler
+from transformers.initialization import no_init_weights
+from transformers.integrations import HfDeepSpeedConfig
+from transformers.utils import logging as hf_logging
 
 from finetune import kernels, lora
 from finetune.config import RunConfig
@@ -36,8 +41,6 @@ _NO_DECAY = ("bias", "layernorm", "layer_norm", "ln_", "norm.weight")
 
 def load_tokenizer(cfg: RunConfig, recipe):
     """Tokenizer from ``model.tokenizer_path`` (or ``model.path``), prepared by the recipe."""
-    from transformers import AutoTokenizer
-
     path = cfg.model.tokenizer_path or cfg.model.path
     return recipe.prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
@@ -45,8 +48,6 @@ def load_tokenizer(cfg: RunConfig, recipe):
 def load_model_config(cfg: RunConfig, recipe):
     """``AutoConfig`` from ``model.path`` with ``model.config_overrides`` applied, then the recipe's
     ``prepare_model_config`` (``seq_cls``: ``num_labels``, ``id2label`` from the training labels)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
     for k, v in cfg.model.config_overrides.items():
         setattr(config, k, v)
@@ -59,8 +60,6 @@ def load_pretrained(model_class, path: str, model_config, attn_implementation: s
     A checkpoint without the task's head (a plain BERT for ``seq_cls``) gets a freshly initialised head;
     transformers' own per-weight warnings are silenced and replaced by one INFO line naming those weights.
     """
-    from transformers.utils import logging as hf_logging
-
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -84,8 +83,6 @@ def scratch_model(model_class, model_config, attn_implementation: str = "sdpa"):
     ``transformers.initialization.no_init_weights`` and then calling ``init_weights`` (init + tie) skips it
     here too, so a seeded scratch model has the same weights at every ZeRO stage.
     """
-    from transformers.initialization import no_init_weights
-
     with no_init_weights():
         model = model_class.from_config(model_config, dtype=torch.float32, attn_implementation=attn_implementation)
     model.init_weights()
@@ -127,10 +124,6 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     Returns:
         :class:`Built`.
     """
-    import deepspeed
-    from transformers import get_scheduler
-    from transformers.integrations import HfDeepSpeedConfig
-
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.validate)

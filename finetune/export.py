@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 
 import torch
+from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+from peft import PeftModel
+from transformers import AutoConfig, AutoTokenizer
+from transformers.integrations import deepspeed as hf_ds
 
+from finetune import distributed as dist_utils
 from finetune import lora
+from finetune.checkpoint import checkpoints_dir, is_complete
+from finetune.config import load_run_config
+from finetune.engine import load_pretrained
 from finetune.errors import ConfigError
 from finetune.logs import logger
+from finetune.recipes import get_recipe
 from finetune.run_folder import MODEL_META
 
 
@@ -37,8 +47,6 @@ def plain_model_construction():
     collective operation: building the export model on rank 0 alone would hang. The training
     engine's config is set back afterwards.
     """
-    from transformers.integrations import deepspeed as hf_ds
-
     ref = hf_ds._hf_deepspeed_config_weak_ref
     hf_ds.unset_hf_deepspeed_config()
     try:
@@ -53,8 +61,6 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     Raises:
         ConfigError: ``ckpt`` holds no DeepSpeed model states.
     """
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
     if list(ckpt.glob("*zero_pp_rank_*optim_states.pt")) and not list(ckpt.glob("bf16_zero_*")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     states = ckpt / "mp_rank_00_model_states.pt"
@@ -112,11 +118,6 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     Raises:
         ConfigError: missing inputs, ``out_dir`` not empty, or missing/empty tensors.
     """
-    from finetune.checkpoint import is_complete
-    from finetune.config import load_run_config
-    from finetune.recipes import get_recipe
-    from transformers import AutoConfig, AutoTokenizer
-
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     run_dir = Path(run_dir) if run_dir else ckpt.parent.parent
     meta = run_dir / MODEL_META
@@ -180,12 +181,6 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
     for ``init: scratch`` the random base exists only in the checkpoint, so it is rebuilt from there (the
     ``PeftModel`` state loaded, then ``unload()``: adapters removed, not merged).
     """
-    from peft import PeftModel
-    from transformers import AutoConfig
-
-    from finetune.config import load_run_config
-    from finetune.engine import load_pretrained
-
     export = run_dir / "export"
     ckpt = Path(json.loads((export / PROVENANCE).read_text())["checkpoint"])
     run_config = ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
@@ -220,10 +215,6 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
     Raises:
         RuntimeError: the difference is not finite, or above 1e-4 in an fp32 run.
     """
-    import math
-
-    from finetune import distributed as dist_utils
-
     rows = [validation[i] for i in range(min(4, len(validation)))]
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -274,9 +265,6 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
     Raises:
         RuntimeError: the export's logits differ from the engine's (:func:`verify_export`).
     """
-    from finetune import distributed as dist_utils
-    from finetune.checkpoint import checkpoints_dir
-
     if dist_utils.is_main():
         export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True)
     dist_utils.barrier()

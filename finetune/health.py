@@ -174,7 +174,7 @@ class RankHealth:
         their main threads are (a hang), and asks those on this host for a stack dump in their logs.
 
         Returns:
-            One line for the log, e.g. ``rank 1 (host node07, pid 4242) died at about 2026-01-05 10:31:21
+            One line for the log, e.g. ``rank 1 (host node07, pid 4242) died at about 10:31:21
             without an exit status (killed by a signal: SIGKILL, the out-of-memory killer, a crash)``.
         """
         t0 = time.time()
@@ -242,10 +242,9 @@ def release_host_memory() -> None:
     """Give freed heap back to the OS: ``gc.collect()``, then glibc's ``malloc_trim(0)``.
 
     Validation, tokenizer loading and (on rank 0) tokenization leave freed but still resident heap behind; the
-    trim hands it back before the model is built (measured on the ``gpt_clm`` bench preset's tokenizing rank:
-    520 -> 503 MiB resident before the model). ``finetune/cli.py`` calls it again after training, when the CPU
-    ranks' allocator settings keep the last step's freed activations resident (same preset, rank 0: 708-728 MiB
-    peak, 578-603 MiB at the end of the run). A no-op where libc has no ``malloc_trim`` (musl, macOS).
+    trim hands it back before the model is built. ``finetune train`` calls it again after training, when the CPU
+    ranks' allocator settings keep the last step's freed activations resident (figures: docs/performance.md). A
+    no-op where libc has no ``malloc_trim`` (musl, macOS).
     """
     import ctypes
     import gc
@@ -264,9 +263,9 @@ def tune_cpu_allocator() -> str:
 
     A CPU training step allocates and frees the same activations and gradient buffers every step. glibc's
     defaults (a dynamic ``mmap`` threshold from 128 KiB, a heap trimmed whenever 128 KiB-256 MiB lie free at
-    its top) return much of that memory at each free, and the next step faults it back in page by page:
-    measured on the ``gpt_clm`` bench preset, ~4,000-7,000 minor page faults per step and rank (HF Trainer on the
-    same work: ~7,700), against ~480 with :data:`CPU_MALLOC_OPTIONS`. The same settings as the environment
+    its top) return much of that memory at each free, and the next step faults it back in page by page, thousands
+    of minor page faults per step and rank, an order of magnitude more than with :data:`CPU_MALLOC_OPTIONS`
+    (docs/performance.md). The same settings as the environment
     variables ``MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=134217728`` (glibc's ``mallopt(3)``;
     PyTorch's CPU performance guide makes the same point with jemalloc/tcmalloc). Blocks above 32 MiB are still
     ``mmap``-ed and returned; the price is a somewhat higher peak resident set (the heap keeps what it reached).
@@ -409,8 +408,7 @@ def exit_process(code: int) -> NoReturn:
     closes its log files, ``multiprocessing`` ends DataLoader workers, wandb finishes its files, ...). Then
     the handler this module registers when it is first imported ends the process with ``os._exit(code)``,
     skipping the interpreter's finalisation: the last garbage collection and the teardown of every module
-    and C++ static (torch, transformers, DeepSpeed), 1.4 s of CPU after a 2-rank CPU launch's last
-    ``atexit`` handler (measured with ``strace``); 1-2.5 s less wall time per launch of a tiny run (two A/B series).
+    and C++ static (torch, transformers, DeepSpeed), which costs a CPU launch more than a second at its end.
     ``finetune/run.py`` imports this module before anything else, so that the handler runs after every
     library's. A process that does not call this function (an exception escapes) exits the usual way.
 

@@ -7,9 +7,7 @@ up-projection output, and autograd keeps three more tensors of that size per lay
 (``tanh``'s output and both operands of the last product). PyTorch's ``F.gelu(approximate="tanh")`` is the same
 function in one kernel that keeps only its input, which the next layer keeps anyway.
 
-Measured on this project's 2-core CPU VM (2026-11-23, the ``gpt_clm`` bench preset, 2 ranks, fp32): peak
-resident memory per rank 666-667 MB against 733-736 MB with transformers' module (one launch each), and 637 MB
-against HF Trainer's 699 MB in a 3-round run side by side (README, "Performance"), with less CPU per step. The
+Peak resident memory per rank falls accordingly, with less CPU per step (figures: docs/performance.md). The
 values agree to fp32 rounding: over 10^7 inputs in [-16, 16] the largest difference is 4.8e-7, and both are
 equally far (4.3e-7) from the float64 formula. In bf16 and fp16 they differ by up to one unit in the last place
 (bf16: 0.0156 at |x| near 8-16), the fused kernel being the closer to the float64 formula
@@ -30,14 +28,13 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from transformers import activations as act
 
 _TANH = "F.gelu(approximate='tanh')"
 
 
 def _replacement(module: torch.nn.Module) -> tuple[str, str, torch.nn.Module] | None:
     """``(what it is, what replaces it, the fused module)`` for a tanh-GELU computed as a Python chain of ops."""
-    from transformers import activations as act
-
     kind = type(module)
     if kind in (act.NewGELUActivation, act.FastGELUActivation, act.AccurateGELUActivation):
         return kind.__name__, _TANH, act.GELUTanh()

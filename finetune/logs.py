@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from loguru import logger
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tqdm import tqdm
 
 from finetune.batch import real_tokens
 
@@ -29,8 +35,6 @@ _FORMAT = "{time:YYYY-MM-DD HH:mm:ss} | {level:<7} | rank {extra[rank]} | {messa
 def setup_logging(run_dir: Path | None, rank: int) -> None:
     """Console sink (INFO on rank 0, WARNING elsewhere; written through tqdm so bars stay intact) and,
     when ``run_dir`` is given, ``run_dir/logs/rank{rank}.log`` at DEBUG."""
-    from tqdm import tqdm
-
     logger.remove()
     logger.configure(extra={"rank": rank})
     logger.add(lambda m: tqdm.write(m, end="", file=sys.stderr), format=_FORMAT,
@@ -56,8 +60,6 @@ def monitor_sections(ds: dict, run_dir: Path) -> dict:
       (``WANDB_MODE=offline`` unless set; air-gapped clusters), files under the run folder (``WANDB_DIR``
       unless set); ``wandb sync run_dir/wandb/offline-run-*`` uploads them later from a machine with internet.
     """
-    import os
-
     ds = dict(ds)
     ds.setdefault("tensorboard", tensorboard_section(run_dir))
     csv = ds.get("csv_monitor")
@@ -166,10 +168,6 @@ class MetricsSink:
 def matrix_image(matrix: list[list[int]], labels: list[str]):
     """RGB image (uint8 ``numpy`` array [height, width, 3]) of a confusion matrix with counts in the cells
     (rows: true class, columns: predicted class), rendered off-screen with matplotlib's Agg backend."""
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     m = np.asarray(matrix)
     size = 1.5 + 0.5 * len(labels)
     fig = Figure(figsize=(size + 1, size), dpi=80)
@@ -207,8 +205,6 @@ PEAK_FLOPS: dict[str, tuple[float, float]] = {
 def peak_flops(device, half_precision: bool) -> float | None:
     """Peak dense FLOP/s of ``device`` (a ``torch.device``) from :data:`PEAK_FLOPS`, bf16/fp16 tensor cores when
     ``half_precision`` else TF32; None on CPUs and unknown GPUs."""
-    import torch
-
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -263,7 +259,6 @@ class StepMeter:
         self.sampling = False
         self.split = dict.fromkeys(self.PHASES, 0.0)
         self._t = 0.0
-        import torch
 
         self.window = torch.zeros(3, dtype=torch.float64, device=device)
         """This rank's [non-pad tokens, positions, rows] since the last log line (the loop all-reduces, zeroes it)."""
@@ -272,8 +267,6 @@ class StepMeter:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            import torch
-
             torch.cuda.synchronize(self.device)
 
     def count(self, batch: dict) -> None:

@@ -17,7 +17,11 @@ classifier head: peft's ``SEQ_CLS`` task type keeps it trainable as a ``modules_
 
 from __future__ import annotations
 
+import warnings
+
+import peft
 import torch
+from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
 from finetune.config import LoraConfig, RunConfig
 from finetune.logs import logger
@@ -32,9 +36,7 @@ _TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassif
 
 
 def peft_config(lora: LoraConfig, model_class):
-    """``peft.LoraConfig`` for ``model.lora`` and the recipe's ``MODEL_CLASS`` (which sets the task type)."""
-    import peft
-
+    """``peft.LoraConfig`` for ``model.lora`` and the recipe's ``model_class`` (which sets the task type)."""
     targets = [str(t) for t in lora.target_modules]
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
@@ -48,10 +50,6 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
     Returns:
         The ``PeftModel`` (base frozen, adapters trainable, fp32 adapters).
     """
-    import warnings
-
-    import peft
-
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     # the global RNG streams (dropout, ...) continue as if no adapters had been drawn
     with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
@@ -117,7 +115,7 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
 
     Args:
         cfg: run config.
-        model_class: the recipe's ``MODEL_CLASS``.
+        model_class: the recipe's ``model_class``.
         model_config: the transformers config (``model.config_overrides`` applied).
         where: how to name the model in messages (its ``config.json`` and model type).
         problems: one line per problem is appended: ``r``/``alpha``/``dropout`` out of range, empty
@@ -139,7 +137,6 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
             return
     if lora is None and not cfg.model.gradient_checkpointing:
         return
-    import warnings
 
     try:
         with torch.device("meta"), warnings.catch_warnings():
@@ -152,7 +149,6 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
                         f"checkpointing in transformers; set model.gradient_checkpointing=false")
     if lora is None:
         return
-    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
 
     names = _module_names(model)
     try:

@@ -51,19 +51,33 @@ CPU Adam and PCIe traffic) and the largest micro batch that still fits it (activ
 micro batch). "Fits" leaves 10% of the GPU memory for the CUDA context and allocator fragmentation.
 
 Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_measured_rss`` (CPU ranks,
-``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50% (measured: 15-30% above);
+``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50%;
 CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 :data:`CPU_RUNTIME_BYTES` is added for the runtime's lazily allocated workspace).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
 
-from finetune.config import RunConfig
+import torch
+
+from finetune.config import RunConfig, deep_merge
+from finetune.ds_config import (
+    choose_precision,
+    load_ds_json,
+    optimizer_offloaded,
+    resolve_ds_config,
+    zero_stage,
+)
+from finetune.engine import load_model_config
 from finetune.errors import ConfigError
+from finetune.kernels import fusable
+from finetune.recipes import get_recipe
+from finetune.recipes.lm_loss import chunk_tokens
 
 GIB = 2**30
 CPU_RUNTIME_BYTES = 200 * 2**20
@@ -150,12 +164,6 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     Raises:
         ConfigError: the model config cannot be read or the recipe's model class cannot build it.
     """
-    import torch
-
-    from finetune.engine import load_model_config
-    from finetune.kernels import fusable
-    from finetune.recipes import get_recipe
-
     recipe = get_recipe(cfg.recipe)
     try:
         config = load_model_config(cfg, recipe)
@@ -208,7 +216,6 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
         layers = shape.layers * layer
     layers += 3 * sbh * act_bytes  # embedding output, final LayerNorm input, head input
     if shape.head_positions_per_row:  # LM heads run at target positions only, in chunks (recipes/lm_loss.py)
-        from finetune.recipes.lm_loss import chunk_tokens
 
         positions = min(math.ceil(s * b * shape.target_fraction), chunk_tokens(shape.head_outputs))
         per_element = act_bytes + (4 if act_bytes == 2 else 0) + 4  # head output (+ fp32 copy), its fp32 gradient
@@ -365,7 +372,6 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                      _fmt(g["activations"] + g["logits"]), _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
                      _fmt(e.cpu_total), _fmt(e.nvme_total) if e.offload else "-", "yes" if fits else "no",
                      str(mb) if mb else "-"))
-    from finetune.ds_config import optimizer_offloaded, zero_stage
 
     current = (zero_stage(ds), optimizer_offloaded(ds), False)
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
@@ -397,8 +403,6 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
 
 def cfg_ds(cfg: RunConfig, world: int, precision: str) -> dict:
     """The run's DeepSpeed dict for ``world`` ranks (bucket sizes), without DeepSpeed's own checks."""
-    from finetune.ds_config import resolve_ds_config
-
     ds, _ = resolve_ds_config(cfg, world, on_cpu=precision == "fp32", accelerator=_Bf16Gpu(),
                               deepspeed_checks=False)
     return ds
@@ -420,11 +424,6 @@ class _Bf16Gpu:
 def run_precision(cfg: RunConfig) -> str:
     """The precision the run trains in on GPUs: the explicit one (run config or DeepSpeed JSON); ``auto`` with
     neither is taken as bf16 (GPUs of the Ampere generation or newer; set train.precision=fp16 for V100/T4)."""
-    import copy
-
-    from finetune.config import deep_merge
-    from finetune.ds_config import choose_precision, load_ds_json
-
     ds = deep_merge(load_ds_json(cfg.deepspeed), copy.deepcopy(cfg.ds))
     precision, _, problems = choose_precision(cfg.train.precision, ds, cfg.deepspeed, False, _Bf16Gpu())
     if problems:

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 from finetune.errors import StopRequested
 from finetune.logs import logger
 
@@ -88,8 +90,6 @@ def rank_processes(root_pid: int) -> list:
     """Processes at or below ``root_pid`` to signal: ranks (``RANK`` and ``LOCAL_RANK`` in their environment, which
     every launcher but ``srun`` and ``mpirun`` sets and no launcher process has) and ``srun``/``mpirun``
     processes, which forward the signal to their tasks. Launchers themselves are left alone."""
-    import psutil
-
     try:
         root = psutil.Process(root_pid)
         below = [root] + root.children(recursive=True)  # the root itself may be srun
@@ -111,8 +111,6 @@ def rank_processes(root_pid: int) -> list:
 
 def forward(signum: int, root_pid: int) -> list[int]:
     """Send ``signum`` to the ranks (and ``srun``/``mpirun``) under ``root_pid``; returns the pids signalled."""
-    import psutil
-
     sent = []
     for p in rank_processes(root_pid):
         try:
@@ -164,8 +162,6 @@ def run_launcher(cmd: list[str], poll_s: float = 60.0) -> int:
     Returns:
         The launcher's exit status (128 + signal when a signal killed it).
     """
-    import psutil
-
     subreaper = _become_subreaper()
     signals: list[int] = []
 

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
 from finetune.errors import ConfigError
 from finetune.logs import logger, read_metrics_file
 
@@ -68,9 +72,6 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
     One axis per :data:`PANELS` entry (``ax.get_title()`` is the panel name); each drawn line's label is
     ``"<run label>"`` or ``"<run label> (<train|eval...>)"``; a panel without data says so in its middle.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(15, 8.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 3)
@@ -95,7 +96,6 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
         if drawn:
             ys = [v for line in ax.get_lines() for v in line.get_ydata()]
             if panel in _LOG and min(ys) > 0 and max(ys) / min(ys) > 20:  # log only where it spans decades
-                from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
                 ax.set_yscale("log")
                 ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 1, 2, 5, 10, 20, ... labelled

@@ -31,6 +31,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from transformers import get_scheduler
+
 from finetune import checkpoint as ckpt_utils
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
@@ -160,8 +162,6 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
     and moved to the restored position (``last_epoch``), so the next step uses the new schedule's value.
     Nothing is touched when nothing changed (resume stays bit-exact).
     """
-    from transformers import get_scheduler
-
     diff = changes(old, cfg)
     groups = engine.optimizer.param_groups
     if any(k in diff for k in _OPTIMIZER_KEYS):

@@ -36,9 +36,13 @@ from pathlib import Path
 
 import deepspeed
 import torch
+import torch.distributed as dist
 import transformers
 
+from finetune import distributed as dist_utils
+from finetune.checkpoint import checkpoints_dir, complete_checkpoints
 from finetune.config import config_to_dict, dump_yaml
+from finetune.errors import ConfigError
 
 LOCK = ".lock"
 LAUNCHES = "launches"
@@ -73,8 +77,6 @@ def runs_under(root: str | Path) -> list[Path]:
 
 
 def _with_checkpoint(runs: list[Path]) -> list[Path]:
-    from finetune.checkpoint import checkpoints_dir, complete_checkpoints
-
     return [r for r in runs if complete_checkpoints(checkpoints_dir(r))]
 
 
@@ -93,8 +95,6 @@ def resolve_output_dir(cfg, resume: str | None) -> tuple[str | None, str | None]
         ``(resume, note)``: the ``--resume`` value to use (``"latest"`` when a restart auto-resumes) and a
         line for the console (or None).
     """
-    from finetune.checkpoint import checkpoints_dir, complete_checkpoints
-
     restarts = restart_counts()
     note = None
     if not cfg.output_dir and cfg.output_root:
@@ -264,9 +264,6 @@ def open_run(cfg) -> OpenRun:
     Raises:
         ConfigError: the folder cannot be created or written, or another live launch holds it.
     """
-    from finetune import distributed as dist_utils
-    from finetune.errors import ConfigError
-
     result: list = [None, None, 0]  # [run_dir, problem, launch number]
     lock = None
     if dist_utils.is_main():
@@ -284,8 +281,6 @@ def open_run(cfg) -> OpenRun:
             result = [None, f"{key}: cannot create or write the run folder under '{where}' ({e.strerror or e}); "
                             f"choose a writable folder", 0]
     if dist_utils.world_size() > 1:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(result, src=0)
     run_dir, problem, launch = result
     if problem:

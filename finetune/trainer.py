@@ -59,8 +59,8 @@ import torch
 from tqdm import tqdm
 
 from finetune import checkpoint as ckpt_utils
-from finetune.batch import to_device
 from finetune import distributed as dist_utils
+from finetune.batch import to_device
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
 from finetune.errors import TrainingDiverged

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
 import re
 import sys
@@ -9,15 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import is_flash_attn_2_available
 
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
+from finetune import lora, run_folder
 from finetune import resume as resume_policy
-from finetune import run_folder
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
-from finetune.errors import ConfigError
 from finetune.data import check_parquet_files, check_utf8, expand_files
 from finetune.ds_config import resolve_ds_config
+from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -68,8 +72,6 @@ def _check_writable(key: str, path: str, problems: list[str]) -> None:
 
 def _check_model(cfg: RunConfig, problems: list[str]) -> None:
     if cfg.model.attn_implementation == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
         if not is_flash_attn_2_available():
             problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
                             "GPU, not available here; use sdpa (default) or eager")
@@ -123,11 +125,6 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     tok_dir = Path(cfg.model.tokenizer_path or cfg.model.path) if (cfg.model.tokenizer_path or cfg.model.path) else None
     if cfg.recipe not in RECIPES or model_dir is None or not (model_dir / "config.json").is_file():
         return
-    import difflib
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from finetune.recipes import get_recipe
 
     recipe = get_recipe(cfg.recipe)
     try:
@@ -158,7 +155,6 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"model.attn_implementation: {mapping[type(config)].__name__} ({where}) does not support "
                         f"'{cfg.model.attn_implementation}'; use eager")
     else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
-        from finetune import lora
 
         lora.check(cfg, recipe.model_class, config, where, problems)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
@@ -225,8 +221,6 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
 
 def _check_trackers(ds: dict) -> list[str]:
     """A DeepSpeed monitor that is enabled needs its package (DeepSpeed would fail after the model is built)."""
-    import importlib.util
-
     for section, package in (("wandb", "wandb"), ("comet", "comet_ml")):
         enabled = isinstance(ds.get(section), dict) and ds[section].get("enabled")
         if enabled and importlib.util.find_spec(package) is None:

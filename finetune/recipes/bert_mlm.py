@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
+from finetune.batch import LossOutput, model_inputs
 from finetune.config import DataConfig
 from finetune.errors import ConfigError
-from finetune.batch import LossOutput, model_inputs
 from finetune.recipes import Recipe
 from finetune.recipes.lm_loss import token_loss_sum
 

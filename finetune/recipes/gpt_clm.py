@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, default_data_collator
+from transformers import (
+    AutoModelForCausalLM,
+    DataCollatorForLanguageModeling,
+    default_data_collator,
+)
 
-from finetune.config import DataConfig, RunConfig
 from finetune.batch import LossOutput, model_inputs
+from finetune.config import DataConfig, RunConfig
 from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
 

@@ -2,7 +2,7 @@
 
 A masked LM takes its loss at the ~15% masked positions, a causal LM at every position whose next
 token is a target; running the output head and a full ``[tokens, vocab]`` softmax everywhere else is
-wasted work (the MLM head plus cross-entropy was ~58% of a BERT step on CPU, issue 11). Here:
+wasted work (for a BERT with the full vocabulary the MLM head plus cross-entropy is most of a CPU step). Here:
 
 * **The head runs at target positions only.** :func:`find_head` finds the module that turns the final
   hidden states into logits: the child of the model (the innermost ``transformers.PreTrainedModel`` on
@@ -52,7 +52,11 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch.utils.checkpoint import checkpoint
+
+from finetune import distributed as dist_utils
+from finetune.logs import logger
 
 LOGITS_CHUNK_ELEMENTS = 2**26
 """Most fp32 logits (rows x vocabulary) one chunk of the cross-entropy materialises: 256 MiB (e.g. 2,198 rows
@@ -63,8 +67,6 @@ _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DeepSpeed engine (``engine.module``); other modules are returned as they are."""
-    import transformers
-
     while not isinstance(model, transformers.PreTrainedModel) and isinstance(getattr(model, "module", None),
                                                                              torch.nn.Module):
         model = model.module
@@ -81,8 +83,6 @@ def find_head(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: the model has no output embeddings (not a masked or causal LM).
     """
-    import transformers
-
     root = unwrap(model)
     if root in _HEADS:
         return _HEADS[root]
@@ -153,7 +153,9 @@ _ANNOUNCED: set = set()
 def _liger_loss_class():
     """``liger_kernel``'s ``LigerFusedLinearCrossEntropyLoss``, or None when it (or Triton) cannot be imported."""
     try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+        from liger_kernel.transformers.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyLoss,
+        )
     except Exception:  # noqa: BLE001  (not installed, no Triton, no CUDA build: the chunked path runs)
         return None
     return LigerFusedLinearCrossEntropyLoss
@@ -204,8 +206,6 @@ def _announce(path: str) -> None:
     """Log, once per path and process (rank 0), which head loss runs."""
     if path not in _ANNOUNCED:
         _ANNOUNCED.add(path)
-        from finetune import distributed as dist_utils
-        from finetune.logs import logger
 
         if dist_utils.is_main():
             logger.info(f"head loss: {path}")

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from finetune.config import DataConfig, RunConfig
-from finetune.errors import ConfigError
 from finetune.batch import LossOutput, model_inputs
+from finetune.config import DataConfig, RunConfig
+from finetune.data import expand_files
+from finetune.errors import ConfigError
 from finetune.recipes import Recipe, pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
@@ -51,8 +55,6 @@ def columns(data_cfg: DataConfig) -> list[str]:
 
 
 def _label_kind(arrow_type) -> str:
-    import pyarrow as pa
-
     if pa.types.is_integer(arrow_type):
         return "int"
     if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type):
@@ -64,15 +66,11 @@ def _label_kind(arrow_type) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _read_labels(path: str, column: str, mtime_ns: int):
-    import pyarrow.parquet as pq
-
     return pq.read_table(path, columns=[column]).column(column)
 
 
 def read_labels(path: str, column: str):
     """The ``column`` of parquet file ``path`` as a ``pyarrow.ChunkedArray`` (cached per file version)."""
-    import os
-
     return _read_labels(os.path.abspath(path), column, os.stat(path).st_mtime_ns)
 
 
@@ -82,8 +80,6 @@ def label_names(data_cfg: DataConfig) -> list:
     Raises:
         ConfigError: no training file matches (checked earlier by :func:`check_labels` in a normal run).
     """
-    from finetune.data import expand_files
-
     problems: list[str] = []
     files = expand_files(data_cfg.train_files, "data.train_files", problems)
     if problems:
@@ -104,8 +100,6 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
     ``id2label``) that disagrees with the number of training labels. Each names the file, the column
     and an example value. Unreadable files are skipped (``check_parquet_files`` reports them).
     """
-    import pyarrow.parquet as pq
-
     train_labels: set = set()
     val_labels: dict[str, list] = {}
     kinds: dict[str, str] = {}  # label kind (int, str) -> first file holding it

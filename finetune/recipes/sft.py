@@ -41,10 +41,12 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from finetune.config import DataConfig, RunConfig
+from finetune.data import string_type
 from finetune.errors import ConfigError
 from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
@@ -356,10 +358,6 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
     ``{role, content}`` strings) is named, training files in which no conversation has an assistant turn, and
     no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file.
     """
-    import pyarrow.parquet as pq
-
-    from finetune.data import _string_type
-
     pair = bool(cfg.data.prompt_column or cfg.data.response_column)
     if cfg.data.messages_column and pair:
         problems.append("data.messages_column: set either data.messages_column (chat) or data.prompt_column and "
@@ -383,7 +381,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 if col not in schema.names:
                     problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); set "
                                     f"data.{what}")
-                elif what != "messages_column" and not _string_type(schema.field(col).type):
+                elif what != "messages_column" and not string_type(schema.field(col).type):
                     problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
                                     f"(string); set data.{what} to a text column")
             if cfg.data.messages_column and cfg.data.messages_column in schema.names:
@@ -410,8 +408,6 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
 
 
 def _tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
-    from transformers import AutoTokenizer
-
     path = cfg.model.tokenizer_path or cfg.model.path
     if not path or not Path(path).is_dir():
         return  # reported by the model checks
