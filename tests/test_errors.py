@@ -100,3 +100,23 @@ def test_two_rank_launch_exits_nonzero_before_training(tmp_path):
     assert proc.returncode != 0
     assert len(errors_of(proc)) == 1 and "model.path" in errors_of(proc)[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("error", "rank", "status", "printed"), [
+    ("config", "0", 2, ["finetune: error: a", "finetune: error: b"]),
+    ("config", "1", 2, []),  # every rank meets the same input: rank 0 prints it
+    ("diverged", "0", 3, ["finetune: error: training diverged"]),
+    ("run", "1", 4, ["finetune: error: rank 1: checkpoint: writing failed"]),  # the failing rank names itself
+    ("stop", "1", 128 + 15, ["finetune: rank 1 stopped by SIGTERM before training started"]),
+])
+def test_each_kind_of_failure_has_its_exit_status_and_printer(error, rank, status, printed, capsys, monkeypatch):
+    from finetune import errors
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(errors, "RANK0_REPORT_GRACE_S", 0.0)
+    e = {"config": errors.ConfigError(["a", "b"]), "diverged": errors.TrainingDiverged("training diverged"),
+         "run": errors.RunFailure("checkpoint: writing failed"), "stop": errors.StopRequested(15)}[error]
+    assert errors.report(e) == status
+    assert capsys.readouterr().err.splitlines() == printed
+    with pytest.raises(TypeError):
+        errors.report(ValueError("a crash is not reported here"))
