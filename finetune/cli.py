@@ -32,7 +32,11 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run ``finetune <command> ...``; returns the process exit status (2 for an unknown command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(usage(), file=sys.stderr if argv[:1] not in (["-h"], ["--help"]) else sys.stdout)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        unknown = f"finetune: error: unknown command '{argv[0]}'\n" if argv else ""
+        print(unknown + usage(), file=sys.stderr)
+        return 2
     return importlib.import_module(f"finetune.commands.{argv[0]}").main(argv[1:])
