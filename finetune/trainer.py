@@ -393,8 +393,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
         _eval_and_log(engine, eval_dl, recipe, cfg, sink, 0, "eval before training, step")
         window.restart()
+    begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (logged steps are timed)
     while state.step < total_steps:
-        begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (timed: logged steps)
         for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, world, resume_from, begin):
             meter.lap("data_wait")
             log_now = cadence.log(state.step + 1)
