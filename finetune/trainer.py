@@ -394,34 +394,33 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         _eval_and_log(engine, eval_dl, recipe, cfg, sink, 0, "eval before training, step")
         window.restart()
     begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (logged steps are timed)
-    while state.step < total_steps:
-        for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, world, resume_from, begin):
-            meter.lap("data_wait")
-            log_now = cadence.log(state.step + 1)
-            targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device)
-            if stop:  # the rows drawn for this step are trained on resume
-                saver.save(state, unless_saved=True)
-                logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
-                pbar.close()
-                return state
-            loss, grad_norm = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
-            state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * world
-            pbar.update(1)
-            if guard.check(engine, state):
-                window.add(loss)
-            if log_now:
-                window.write(state, grad_norm)
-            if cadence.eval(state.step):
-                _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
-                window.restart()
-            if cadence.save(state.step) and guard.in_a_row == 0:  # after a skipped step, the save waits
-                saver.save(state)
-                window.restart()
-        resume_from = None  # the RNG states are restored once, in the first epoch of the launch
-        if state.samples_in_epoch // world + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
-            _log_epoch_padding(meter, state.epoch, "")
-            state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-    pbar.close()
+    with pbar:  # closed however the loop ends (a stop, divergence), so that error lines start a line
+        while state.step < total_steps:
+            for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, world, resume_from, begin):
+                meter.lap("data_wait")
+                log_now = cadence.log(state.step + 1)
+                targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device)
+                if stop:  # the rows drawn for this step are trained on resume
+                    saver.save(state, unless_saved=True)
+                    logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
+                    return state
+                loss, grad_norm = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
+                state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * world
+                pbar.update(1)
+                if guard.check(engine, state):
+                    window.add(loss)
+                if log_now:
+                    window.write(state, grad_norm)
+                if cadence.eval(state.step):
+                    _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
+                    window.restart()
+                if cadence.save(state.step) and guard.in_a_row == 0:  # after a skipped step, the save waits
+                    saver.save(state)
+                    window.restart()
+            resume_from = None  # the RNG states are restored once, in the first epoch of the launch
+            if state.samples_in_epoch // world + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
+                _log_epoch_padding(meter, state.epoch, "")
+                state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)")
     _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
     saver.save(state, unless_saved=True)
