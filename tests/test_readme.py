@@ -59,10 +59,14 @@ def test_readme_main_command_in_fresh_clone(tmp_path):
     assert (run / "export" / "model.safetensors").is_file() and (run / "export" / "config.json").is_file()
     losses = [r["train/loss"] for r in read_metrics(run) if "train/loss" in r]
     assert losses[-1] < losses[0]
-    # It visibly learns: eval before the first step (train.eval_on_start) vs the end, and a greedy sample.
+    # It visibly learns: eval before the first step (train.eval_on_start) vs the end, and a sample of English words.
     evals = [r for r in read_metrics(run) if "eval/perplexity" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] > 0
-    assert evals[-1]["eval/perplexity"] < evals[0]["eval/perplexity"] / 10, evals
+    assert evals[-1]["eval/perplexity"] < evals[0]["eval/perplexity"] / 20, evals
     sample = (run / "sample.txt").read_text()
-    assert sample.startswith("The game ") and len(sample.strip()) > len("The game")
-    assert "greedy sample" in proc.stdout
+    assert sample.startswith("In the ") and len(sample.strip()) > len("In the")
+    assert "sample (sample.txt):" in proc.stdout
+    words = [w.lower() for w in re.findall(r"[A-Za-z]{3,}", sample[len("In the "):])]
+    common = {"the", "and", "was", "for", "that", "with", "his", "her", "from", "which", "are", "were", "first",
+              "most", "more", "may", "second", "film", "game", "time", "after", "also", "has", "had", "not"}
+    assert len(words) >= 10 and len(set(words)) >= 8 and len(set(words) & common) >= 4, sample
