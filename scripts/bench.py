@@ -83,10 +83,12 @@ PRESETS: dict[str, dict] = {
                  "contenders": ["finetune", "bare", "hf", "hf_grouped", "hf_rebalance"],
                  "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
                           "num_attention_heads: 2}", "data.max_seq_len=64", "train.micro_batch_size=4"]},
-    # Packed causal LM: the shipped byte-level GPT-2 (2 layers, hidden 128), 128-token blocks; HF with group_texts.
+    # Packed causal LM: the byte-level GPT-2 of data/models/gpt2-bytes as shipped (2 layers, hidden 128; the default
+    # run config raises n_layer), 128-token blocks; HF with group_texts.
     "gpt_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml",
-                "overrides": ["train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
-                              "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+                "overrides": ["model.config_overrides={}", "train.micro_batch_size=16",
+                              "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
+                              "train.warmup_steps=2"],
                 "contenders": ["finetune", "bare", "hf"],
                 "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
                          "data.max_seq_len=64", "train.micro_batch_size=4"]},
@@ -114,7 +116,8 @@ PRESETS: dict[str, dict] = {
                                 "intermediate_size: 128, num_attention_heads: 2}", "data.max_seq_len=64",
                                 "train.micro_batch_size=4"]},
     "gpt2_medium_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml", "gpu": True,
-                        "overrides": ["model.path=data/models/gpt2-medium-config", "data.max_seq_len=1024",
+                        "overrides": ["model.path=data/models/gpt2-medium-config", "model.config_overrides={}",
+                                      "data.max_seq_len=1024",
                                       "model.tokenizer_path=data/models/gpt2-bytes",  # byte ids, < its vocab
                                       "train.micro_batch_size=16", "train.gradient_accumulation_steps=1",
                                       "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-4"],

@@ -24,8 +24,8 @@ BIG = {  # name -> (run config, overrides, parameters: transformers' own count o
     "bert-large": (REPO / "finetune/recipes/configs/bert_large_mlm_wikitext2_zero3.yaml",
                    ["model.path=data/models/bert-large-config"], 335_174_458),
     "gpt2-medium": (REPO / "finetune/recipes/configs/gpt_clm_wikitext2.yaml",
-                    ["model.path=data/models/gpt2-medium-config", "data.max_seq_len=1024",
-                     "train.micro_batch_size=8"], 354_823_168),
+                    ["model.path=data/models/gpt2-medium-config", "model.config_overrides={}",
+                     "data.max_seq_len=1024", "train.micro_batch_size=8"], 354_823_168),
 }
 
 
