@@ -121,30 +121,37 @@ def write_report(run_dirs: list[Path], out: Path, skipped: dict[str, int] | None
         while label in runs:
             label += "'"
         runs[label] = read_run(Path(d), skipped)
-    fig = build_figure(runs)
+    return save_figure(runs, out)
+
+
+def save_figure(runs: dict[str, dict[str, list[tuple[int, float]]]], out: Path) -> Path:
+    """:func:`build_figure` of ``runs`` (label -> :func:`read_run`) written to the PNG ``out``; returns ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    build_figure(runs).savefig(out)
     return out
 
 
-def write_run_report(run_dir: Path) -> None:
-    """``run_dir/report.png`` at the end of a run (rank 0). A report that cannot be drawn (matplotlib, a damaged
-    ``metrics.jsonl``) is a warning, never a failed run; damaged lines are skipped and counted in the log."""
+def write_run_report(run_dir: Path) -> str:
+    """``run_dir/report.png`` at the end of a run (rank 0); returns :func:`eval_summary` of the same reading of
+    ``metrics.jsonl``. A report that cannot be drawn (matplotlib, a damaged ``metrics.jsonl``) is a warning, never
+    a failed run; damaged lines are skipped and counted in the log."""
     skipped: dict[str, int] = {}
+    series: dict = {}
     try:
-        logger.info(f"report {write_report([run_dir], run_dir / 'report.png', skipped)}")
+        series = read_run(run_dir, skipped)
+        logger.info(f"report {save_figure({Path(run_dir).resolve().name: series}, run_dir / 'report.png')}")
         if skipped.get(str(run_dir)):
             logger.warning(f"metrics.jsonl: {skipped[str(run_dir)]} damaged line(s) skipped in report.png (torn by a "
                            f"kill or a full disk)")
     except Exception as e:  # noqa: BLE001  (a finished run stays finished)
         logger.warning(f"report.png not written (an older one is stale): {type(e).__name__}: {e}")
+    return eval_summary(series)
 
 
-def eval_summary(run_dir: Path) -> str:
+def eval_summary(series: dict[str, list[tuple[int, float]]]) -> str:
     """One line of how the run's evaluation moved: ``eval/loss`` and ``eval/perplexity`` at their first and last
     steps (a resumed run's later launch winning), e.g. ``eval/loss 5.56 (step 0) -> 1.62 (step 300)``; "" when the
-    run has no evaluation."""
-    series = read_run(Path(run_dir))
+    run has no evaluation. ``series`` is :func:`read_run` of the run folder."""
     parts = []
     for key in ("eval/loss", "eval/perplexity"):
         points = series.get(key)

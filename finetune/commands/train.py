@@ -36,7 +36,7 @@ from finetune.generation import write_sample
 from finetune.logs import logger, monitor_sections, setup_logging
 from finetune.preemption import StopSignal
 from finetune.recipes import get_recipe
-from finetune.report import eval_summary, write_run_report
+from finetune.report import write_run_report
 from finetune.resume import restore
 from finetune.run_folder import open_run, write_launch
 from finetune.trainer import fit
@@ -139,8 +139,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         if cfg.export:
             export_and_verify(engine, run_dir, state.step, data.splits.validation, data.collator, ds, recipe)
         if rank == 0:
-            write_run_report(run_dir)
-            summary = eval_summary(run_dir)
+            summary = write_run_report(run_dir)
             if summary:
                 logger.info(f"evaluation: {summary}")
             if cfg.export and cfg.train.sample_prompt and recipe.generates_text:
