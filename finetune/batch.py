@@ -3,6 +3,9 @@
 A batch is a dict of int64 tensors ``[micro_batch, seq]``: ``input_ids``, ``attention_mask`` (or, for packed
 rows, ``position_ids`` that restart per example and a 0-dim ``num_tokens``), and ``labels`` (-100 where no loss is
 taken; ``[micro_batch]`` for sequence classification). Everything but :data:`NOT_MODEL_INPUTS` goes to the model.
+A recipe whose rows hold several sequences stacks them along the batch: ``dpo``'s micro-batch of ``B`` pairs is
+``[2B, seq]``, the chosen responses of rows ``0..B-1`` first, then their rejected ones, with ``reference_logps``
+``[2B]`` (float32) in the same order.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-NOT_MODEL_INPUTS = ("labels", "num_tokens")
-"""Keys of a collated batch that never reach the model: the loss targets and the real-token count of packed rows."""
+NOT_MODEL_INPUTS = ("labels", "num_tokens", "reference_logps")
+"""Keys of a collated batch that never reach the model: the loss targets, the real-token count of packed rows and the
+reference model's log-probabilities of preference pairs."""
 
 
 def model_inputs(batch: dict) -> dict:

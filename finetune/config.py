@@ -36,6 +36,7 @@ Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "c
                     "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 LossWeighting = Literal["token", "micro_batch"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
 
 
 def choices(choice_type: Any) -> tuple[str, ...]:
@@ -100,15 +101,19 @@ class DataConfig:
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
-    """sft only: prompt column (text, no loss), used verbatim: put any separator into it; with ``response_column``."""
+    """sft and dpo: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
     response_column: str = ""
     """sft only: response column (text, trained on, followed by EOS); with ``prompt_column``."""
+    chosen_column: str = "chosen"
+    """dpo only: the preferred response (text, or a list of assistant messages when the prompt is a list of messages)."""
+    rejected_column: str = "rejected"
+    """dpo only: the dispreferred response, in the form of ``chosen_column``."""
     messages_column: str = ""
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
     chat_template: str = ""
-    """sft only: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
+    """sft and dpo: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: Truncation = "truncate"
-    """sft only: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
+    """sft and dpo: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
     group_by_length: bool = True
     """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
     transformers' ``LengthGroupedSampler``): less padding, no rank waiting for a wider one. No effect on packed rows."""
@@ -126,6 +131,22 @@ class DataConfig:
     tokenize_timeout_minutes: float = 1440.0
     """Minutes the other ranks wait for rank 0's first-time tokenization (a limit of its own: a large dataset
     takes longer than ``train.dist_timeout_minutes``, the limit of the training collectives)."""
+
+
+@dataclass
+class DpoConfig:
+    """Preference training (recipe ``dpo``): the loss over chosen/rejected pairs (docs/preference.md)."""
+
+    loss_type: PreferenceLoss = "sigmoid"
+    """``sigmoid``: DPO (Rafailov et al. 2023); ``ipo``: IPO (Azar et al. 2023, length-averaged log-probabilities); ``simpo``: SimPO (Meng et al. 2024, length-averaged, no reference model)."""
+    beta: float = 0.1
+    """Temperature of the implicit reward ``beta * (log pi - log pi_ref)`` (SimPO: ``beta * average log pi``); > 0. TRL's default 0.1; SimPO's paper uses 2 to 2.5."""
+    label_smoothing: float = 0.0
+    """Probability that a pair's preference is flipped (conservative DPO, cDPO); in [0, 0.5). sigmoid and simpo only."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin ``gamma`` (TRL's ``simpo_gamma``; the paper's gamma/beta ratio 0.5 at beta 1)."""
+    rpo_alpha: float = 0.0
+    """Weight of an SFT term: each pair's loss adds ``rpo_alpha`` x the chosen response's mean token negative log-likelihood (RPO, Pang et al. 2024); 0: off."""
 
 
 @dataclass
@@ -186,6 +207,8 @@ class TrainConfig:
     """Collective-operation timeout: a dead rank makes the others fail after this long, not hang."""
     max_bad_steps: int = 3
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference loss of the ``dpo`` recipe."""
 
 
 @dataclass
@@ -193,7 +216,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls`` or ``sft`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft`` or ``dpo`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

@@ -196,11 +196,13 @@ def default_cache_dir(data_cfg: DataConfig) -> Path:
     return Path(data_cfg.cache_dir or os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
 
 
-def _fingerprint(parts: dict) -> str:
+def fingerprint(parts: dict) -> str:
+    """Cache key of ``parts`` (JSON-able settings and file ids): the first 20 hex digits of its sha256."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _file_id(path: str) -> list:
+def file_id(path: str) -> list:
+    """What identifies a file's version in a cache key: ``[absolute path, size in bytes, mtime in ns]``."""
     st = os.stat(path)
     return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
 
@@ -208,7 +210,7 @@ def _file_id(path: str) -> list:
 def _tokenizer_id(tokenizer) -> list:
     folder = Path(tokenizer.name_or_path)
     files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
-    return [_file_id(str(p)) for p in files] + [tokenizer.pad_token, tokenizer.eos_token]
+    return [file_id(str(p)) for p in files] + [tokenizer.pad_token, tokenizer.eos_token]
 
 
 class DropEmptyText:
@@ -349,7 +351,7 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
     tokenized_dir = cache / "tokenized"
 
     def tokenize(ds, split_key: dict, name: str, key_name: str):
-        key = _fingerprint({**base_key, **split_key})
+        key = fingerprint({**base_key, **split_key})
         path = tokenized_dir / f"{recipe.name}-{name}-{key}.arrow"
         if path.exists():
             out = datasets.Dataset.from_file(str(path))
@@ -386,10 +388,10 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
         raw_train = read(train_files)
         if data_cfg.max_train_rows:
             raw_train = raw_train.select(range(min(data_cfg.max_train_rows, len(raw_train))))
-        ids = {"train_files": [_file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
+        ids = {"train_files": [file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
         if val_files:
             raw_val = read(val_files)
-            val_ids = {"val_files": [_file_id(f) for f in val_files]}
+            val_ids = {"val_files": [file_id(f) for f in val_files]}
             train_ids = ids
             val_key = "data.validation_files"
         else:
@@ -590,7 +592,8 @@ def _eval_collate(collator, seed: int):
     def collate(rows):
         filler = torch.tensor([r.pop("_filler") for r in rows])
         batch = seeded(rows)
-        batch["labels"][filler] = -100
+        per_row = batch["labels"].shape[0] // len(rows)  # sequences per row (dpo: chosen, then rejected)
+        batch["labels"][filler.repeat(per_row)] = -100
         return batch
 
     return collate
@@ -667,9 +670,19 @@ def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
         ConfigError: a split has no rows (``data.train_files``/``data.validation_*``), or the training rows do
             not fill one global batch (micro batch x accumulation x world size rows).
     """
-    splits = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
-    collator = recipe.make_collator(tokenizer, cfg.data)
-    train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed, cfg.train.gradient_accumulation_steps)
+    return with_splits(load_splits(recipe, tokenizer, cfg.data, cfg.train.seed),
+                       recipe.make_collator(tokenizer, cfg.data), cfg)
+
+
+def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
+    """:class:`TrainData` of tokenized ``splits``: this rank's loaders with ``collator``, the steps per epoch and of
+    the run (a recipe that adds columns before training, ``dpo``'s reference log-probabilities, rebuilds it here).
+
+    Raises:
+        ConfigError: the training rows do not fill one global batch.
+    """
+    train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
+                            cfg.train.gradient_accumulation_steps)
     eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
     steps_per_epoch = (train_dl.sampler.num_samples // cfg.train.micro_batch_size) // cfg.train.gradient_accumulation_steps
     if steps_per_epoch == 0:

@@ -121,6 +121,10 @@ class ModelShape:
     python_activation: bool = False
     """The MLP activation stays a Python chain of ops (``model.fused_kernels: false`` on a ``gelu_new`` model):
     autograd keeps 3 more ``sbI`` tensors per layer (:mod:`finetune.kernels`)."""
+    sequences_per_row: int = 1
+    """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
+    of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
+    log-probabilities are computed before training)."""
 
 
 @dataclass
@@ -190,7 +194,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
                       dropout=dropout,
                       target_fraction=recipe.target_fraction(cfg.data),
-                      python_activation=not cfg.model.fused_kernels and fusable(model) > 0)
+                      python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
+                      sequences_per_row=recipe.sequences_per_row)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -272,7 +277,7 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
             e.gpu[k] = v
     if offload:
         e.nvme = {k.replace("(offloaded)", "(nvme offload)"): v for k, v in e.cpu.items()}
-    e.gpu.update(activation_bytes(shape, micro_batch, seq_len, w, checkpointing))
+    e.gpu.update(activation_bytes(shape, micro_batch * shape.sequences_per_row, seq_len, w, checkpointing))
     zero = ds.get("zero_optimization", {})
     if stage == 0:
         buffers = n * w

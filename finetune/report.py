@@ -2,7 +2,8 @@
 
 Reads each run folder's ``metrics.jsonl`` (:class:`finetune.logs.MetricsSink`; for a step written by two
 launches, the later launch's row counts) and draws six panels against the optimizer step: train and eval
-loss, eval perplexity, eval accuracy (``eval/accuracy`` or ``eval/masked_accuracy``), learning rate, gradient
+loss, eval perplexity, accuracy (``eval/accuracy``, ``eval/masked_accuracy``, preference ``rewards/accuracies``),
+learning rate, gradient
 norm and training tokens/s (loss, perplexity and gradient norm on a log scale). Rendered off-screen with
 matplotlib's Agg backend, so it works on a login node without a display. ``finetune train`` writes
 ``report.png`` into the run folder at the end of every run (rank 0).
@@ -24,7 +25,9 @@ PANELS = ("loss", "perplexity", "accuracy", "learning rate", "grad norm", "throu
 _SERIES = {  # panel -> (metrics.jsonl key, legend suffix) drawn in it
     "loss": (("train/loss", "train"), ("eval/loss", "eval")),
     "perplexity": (("eval/perplexity", "eval"),),
-    "accuracy": (("eval/accuracy", "eval"), ("eval/masked_accuracy", "eval, masked tokens")),
+    "accuracy": (("eval/accuracy", "eval"), ("eval/masked_accuracy", "eval, masked tokens"),
+                 ("train/rewards/accuracies", "train, reward accuracy"),
+                 ("eval/rewards/accuracies", "eval, reward accuracy")),
     "learning rate": (("train/lr", ""),),
     "grad norm": (("train/grad_norm", ""),),
     "throughput": (("train/tokens_per_s", ""),),
@@ -153,7 +156,7 @@ def eval_summary(series: dict[str, list[tuple[int, float]]]) -> str:
     steps (a resumed run's later launch winning), e.g. ``eval/loss 5.56 (step 0) -> 1.62 (step 300)``; "" when the
     run has no evaluation. ``series`` is :func:`read_run` of the run folder."""
     parts = []
-    for key in ("eval/loss", "eval/perplexity"):
+    for key in ("eval/loss", "eval/perplexity", "eval/rewards/accuracies"):
         points = series.get(key)
         if points:
             (s0, v0), (s1, v1) = points[0], points[-1]

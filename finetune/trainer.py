@@ -85,7 +85,8 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
     their artefacts (name -> JSON-able dict) are put into ``artefacts`` when it is given.
 
     Returns:
-        ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}``.
+        ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}`` (no perplexity for a
+        recipe without ``reports_perplexity``).
     """
     engine.eval()
     device = engine.device
@@ -109,7 +110,9 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
     total = dict(zip(names, totals))
     engine.train()
     loss = total["loss"] / max(total["targets"], 1.0)
-    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 80.0))}
+    metrics = {"eval/loss": loss}
+    if recipe.reports_perplexity:
+        metrics["eval/perplexity"] = math.exp(min(loss, 80.0))
     for n in names:
         if n.endswith("/num"):
             base = n[: -len("/num")]
@@ -185,7 +188,7 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
 
 
 def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, world: int,
-               meter: StepMeter) -> tuple[torch.Tensor, float | None]:
+               meter: StepMeter) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:
     """One optimizer step over the step's micro-batches: forward (the recipe's loss sum), scale, backward, step.
 
     Token weighting divides each micro-batch's loss sum by ``targets / (world * gas)`` (see the module docstring);
@@ -193,14 +196,16 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
     the step a no-op (:func:`_skip_update_stage0`); ZeRO 1-3 skip it themselves.
 
     Returns:
-        ``(loss, grad_norm)``: this rank's share of the step's loss (0-dim float64) and, at stage 0, the global
-        gradient norm (None otherwise: DeepSpeed keeps it).
+        ``(loss, grad_norm, metrics)``: this rank's share of the step's loss (0-dim float64), at stage 0 the global
+        gradient norm (None otherwise: DeepSpeed keeps it), and the sums of the metrics the recipe's ``forward``
+        returned in training (``dpo``'s rewards), ``name -> [numerator, denominator]`` float64.
     """
     gas, device = len(micro), engine.device
     stage0 = engine.zero_optimization_stage() == 0
     denom = targets.clamp(min=1.0) / (world * gas)
     grad_norm = None
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    metrics: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro):
         batch = to_device(batch, device)
         out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
@@ -215,10 +220,12 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
         engine.step()
         meter.lap("optimizer")
         step_loss += loss.detach().double() / gas
+        for name, (num, den) in out.metrics.items():
+            metrics[name] = metrics.get(name, 0) + torch.stack([num.detach(), den.detach()]).double()
         meter.count(batch)  # non-pad tokens (attention mask, or num_tokens of packed rows), positions
     if stage0:
         _end_skip_stage0(engine)
-    return step_loss, grad_norm
+    return step_loss, grad_norm, metrics
 
 
 class Cadence:
@@ -273,39 +280,46 @@ class Guard:
 
 
 class LogWindow:
-    """Running sums since the last train log line (loss of each applied step, applied steps; tokens, positions and
-    rows in the meter), written as one row of scalars every ``train.log_every`` steps (one all-reduce)."""
+    """Running sums since the last train log line (loss of each applied step, applied steps, the recipe's train
+    metrics; tokens, positions and rows in the meter), written as one row of scalars every ``train.log_every`` steps
+    (one all-reduce)."""
 
     def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar):
         self.engine, self.sink, self.meter, self.world, self.epoch_rows, self.pbar = engine, sink, meter, world, \
             epoch_rows, pbar
         self.acc = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        self.metrics: dict[str, torch.Tensor] = {}
         self.restart()
 
     def restart(self) -> None:
         """Start the next window's clock (after a log line, an evaluation or a save)."""
         self.t0 = time.perf_counter()
 
-    def add(self, loss: torch.Tensor) -> None:
-        """An applied step's loss (this rank's share)."""
+    def add(self, loss: torch.Tensor, metrics: dict[str, torch.Tensor]) -> None:
+        """An applied step's loss (this rank's share) and metric sums (the same names on every rank)."""
         self.acc[0] += loss
         self.acc[1] += 1
+        for name, value in metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0) + value
 
     def write(self, state: TrainState, grad_norm: float | None) -> None:
         """All-reduce the window, write the train scalars (rank 0), update the progress bar, start a new window."""
-        totals = dist_utils.all_reduce_sum(torch.cat([self.acc, self.meter.window]))
+        names = sorted(self.metrics)
+        totals = dist_utils.all_reduce_sum(torch.cat([self.acc, self.meter.window, *(self.metrics[n] for n in names)]))
+        recipe_metrics = {f"train/{n}": (totals[5 + 2 * i] / totals[6 + 2 * i].clamp(min=1)).item()
+                          for i, n in enumerate(names)}
         elapsed = time.perf_counter() - self.t0
         steps = totals[1].item() / self.world
         if grad_norm is None:
             gn = self.engine.get_global_grad_norm()
             grad_norm = float(gn) if gn is not None else float("nan")
-        tokens, positions, rows = totals[2:].tolist()
+        tokens, positions, rows = totals[2:5].tolist()
         state.tokens_seen += int(tokens)
         scalars = {"train/loss": totals[0].item() / self.world / steps if steps else float("nan"),
                    "train/lr": self.engine.get_lr()[0], "train/grad_norm": grad_norm,
                    **self.meter.scalars(tokens, positions, rows, elapsed),
                    "train/epoch": state.epoch + state.samples_in_epoch / (self.epoch_rows * self.world),
-                   "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps}
+                   "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps, **recipe_metrics}
         self.sink.write(state.step, scalars)
         self.pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
                               tok_s_dev=f"{scalars['train/tokens_per_s_per_device']:.0f}",
@@ -313,6 +327,7 @@ class LogWindow:
                               refresh=False)  # drawn by the next update (tqdm's 0.1 s minimum interval)
         logger.debug(f"step {state.step}: " + ", ".join(f"{k}={v:.6g}" for k, v in scalars.items()))
         self.acc.zero_()
+        self.metrics.clear()
         self.meter.window.zero_()
         self.restart()
 
@@ -404,11 +419,11 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
                 state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * world
                 pbar.update(1)
                 if guard.check(engine, state):
-                    window.add(loss)
+                    window.add(loss, metrics)
                 if log_now:
                     window.write(state, grad_norm)
                 if cadence.eval(state.step):

@@ -17,7 +17,8 @@ optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
 Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks; HF with ``run_clm.py``'s
 ``group_texts``), ``seq_cls`` (the shipped SST-2 classifier; HF as ``run_glue.py``: ``DataCollatorWithPadding``) and
 ``sft`` (the shipped GSM8K prompt/response SFT; ours packs examples into rows, HF trains one padded example per row
-with the same answer-only labels).
+with the same answer-only labels) and ``dpo`` (the shipped GSM8K DPO against ``trl``: TRL's ``DPOTrainer``,
+``scripts/bench_trl.py``; pairs/s is real tokens/s over the tokens per pair, the same rows on both sides).
 
 Contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
 hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of each launch are warm-up, not timed):
@@ -36,15 +37,18 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
 * MFU (GPUs of the peak table in ``finetune/logs.py``; n/a on CPUs): ``finetune``'s logged ``train/mfu``, median
   over the timed steps; the other contenders' from their real tokens/s (same model, same FLOPs per real token);
+* rows/s: rows of the global batch (pairs for ``dpo``) per second of the timed steps;
 * final loss: mean training loss of the last 5 steps, or of the last ``--log-every`` steps (each step taking its
-  log window's mean) when that is more (the rows differ between contenders, so compare within noise);
+  log window's mean) when that is more (the rows differ between contenders, so compare within noise); ``dpo``:
+  also the final reward accuracy (``rewards/accuracies``, train, same window);
 * ratio: real tokens/s of ``finetune`` over each other contender's, all rounds pooled (``ours/this``), and the
   median over rounds of the same ratio within each round (``by rounds``: a pair launched back to back shares the
   machine's load of the moment, so a slow round does not skew it); ``bare``: the loop overhead, also printed as
   a percentage of step time (``bare``'s tokens/s over ours, minus 1), pooled and round by round.
 
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
-``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires); the package never imports it.
+``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires, and trl); the package never
+imports them.
 
 Usage (from the repository root; CPU ranks unless ``--gpu``)::
 
@@ -104,6 +108,14 @@ PRESETS: dict[str, dict] = {
             "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
             "contenders": ["finetune", "bare", "hf", "hf_grouped"],
+            "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
+    # The shipped GSM8K DPO (Llama 2 layers, hidden 64, pairs up to 256 tokens), sigmoid loss, beta 0.1: ours (reference
+    # log-probabilities computed once before training, cached across rounds) vs TRL's DPOTrainer (reference forward
+    # in every step, its default).
+    "dpo": {"config": "finetune/recipes/configs/dpo_gsm8k.yaml",
+            "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
+                          "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
+            "contenders": ["finetune", "trl"],
             "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
@@ -213,6 +225,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
+    accuracies = [r["train/rewards/accuracies"] for r in rows if "train/rewards/accuracies" in r]
     records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
@@ -230,7 +243,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             mfu.append(r.get("train/mfu"))
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
-            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu}
+            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies}
 
 
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
@@ -247,8 +260,9 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
     logged = sorted((int(k), v) for k, v in ranks[0]["losses"].items())  # (step, loss); HF: mean since its last log
     # each step takes the loss of the log window it belongs to (the first logged step at or after it)
     losses = [next((v for k, v in logged if k >= s), None) for s in range(1, steps + 1)]
+    accuracies = [v for _, v in sorted((int(k), v) for k, v in ranks[0].get("reward_accuracies", {}).items())]
     return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
-            "tokens": tokens, "positions": positions,
+            "tokens": tokens, "positions": positions, "reward_accuracies": accuracies,
             "losses": losses, "peaks": peaks,
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
@@ -263,6 +277,15 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
 
 
+def trl(spec: dict, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_trl.py`` (TRL's ``DPOTrainer``); the same records as :func:`hf`."""
+    out.mkdir(parents=True)
+    (out / "spec.json").write_text(json.dumps({**spec, "out": str(out)}))
+    cmd = deepspeed_cmd(args, "scripts/bench_trl.py", "--spec", str(out / "spec.json"))
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+
+
 def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: int) -> dict:
     """One launch of ``scripts/bench_bare.py``: the toolkit's batches, model and loss in a bare engine loop."""
     cmd = deepspeed_cmd(args, "scripts/bench_bare.py", "--config", preset["config"], "--out", str(out), *overrides)
@@ -271,10 +294,10 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
     return rank_records(out, start, peaks, args.nproc, gas, args.steps)
 
 
-def summarize(name: str, runs: list[dict], skip: int, last: int = 5) -> dict:
+def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_step: int = 0) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
-    mfu, cpu = [], []
+    mfu, cpu, accuracy = [], [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -290,9 +313,12 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5) -> dict:
         if math.isfinite(ends[0]):  # unknown for finetune with --log-every > 1
             first.append(ends[0] - r["start"])
         losses.append(statistics.fmean(r["losses"][-last:]))
+        if r.get("reward_accuracies"):
+            accuracy.append(statistics.fmean(r["reward_accuracies"][-last:]))
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
+            "rows_per_s": rows_per_step * len(step_times) / seconds if rows_per_step else None,
             "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
             "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first) if first else None,
             "peak_rss_per_rank_mb": statistics.median(peaks) if all(peaks) else None,
@@ -300,7 +326,8 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5) -> dict:
             "final_loss": statistics.fmean(losses), "rounds": len(runs), "real_tokens_per_s_per_round": per_round,
             "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks,
             "mfu": statistics.median(mfu) if mfu else None,
-            "rank0_cpu_s_per_step": statistics.median(cpu), "rank0_cpu_s_per_step_per_round": cpu}
+            "rank0_cpu_s_per_step": statistics.median(cpu), "rank0_cpu_s_per_step_per_round": cpu,
+            "final_reward_accuracy": statistics.fmean(accuracy) if accuracy else None}
 
 
 def paired(ours: dict, this: dict) -> float:
@@ -323,6 +350,7 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "config_overrides": m.config_overrides, "train_files": d.train_files, "max_train_rows": d.max_train_rows,
             "max_seq_len": d.max_seq_len, "mlm_probability": d.mlm_probability, "text_column": d.text_column,
             "label_column": d.label_column, "prompt_column": d.prompt_column, "response_column": d.response_column,
+            "chosen_column": d.chosen_column, "rejected_column": d.rejected_column, "dpo_beta": t.dpo.beta,
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "steps": steps, "lr": t.lr,
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
@@ -335,7 +363,8 @@ def table(preset: str, results: list[dict]) -> str:
             ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
             ("r0 CPU s", "{:.3f}", "rank0_cpu_s_per_step"),
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
-            ("final loss", "{:.4f}", "final_loss"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
+            ("rows/s", "{:.1f}", "rows_per_s"), ("final loss", "{:.4f}", "final_loss"),
+            ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
@@ -400,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if c == "finetune":
                             runs[c].append(ours(preset, overrides, args, out, env))
+                        elif c == "trl":
+                            runs[c].append(trl(spec, args, out, env))
                         elif c == "bare":
                             runs[c].append(bare(preset, overrides, args, out, env, t.gradient_accumulation_steps))
                         else:
@@ -407,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         clean_shm(before)
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
-            results = [summarize(c, r, args.skip, max(5, args.log_every)) for c, r in runs.items()]
+            rows = t.micro_batch_size * t.gradient_accumulation_steps * args.nproc  # global batch (dpo: pairs)
+            results = [summarize(c, r, args.skip, max(5, args.log_every), rows) for c, r in runs.items()]
             base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None

@@ -418,7 +418,9 @@ def _golden_note() -> dict:
 
     return {
         "note": "train/loss of steps 1..20 (sft: 1..10) of the parity runs (tests/test_parity.py RUNS), fp32 on CPU "
-                "ranks; compared at rtol 1e-4. Regenerate only for an intended numerical change.",
+                "ranks; compared at rtol 1e-4. Regenerate only for an intended numerical change. dpo-z0: steps 1..4 "
+                "of tests/test_dpo.py's ZeRO-0 run (tests/configs/parity_dpo.yaml, 2 ranks), made with "
+                "PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden.",
         "command": "PARITY_UPDATE_GOLDEN=1 pytest tests/test_parity.py -k golden",
         "runs": {n: {"config": str(RUNS[n][0].relative_to(REPO)), "ranks": RUNS[n][1], "overrides": RUNS[n][2]}
                  for n in GOLDEN_RUNS},

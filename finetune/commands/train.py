@@ -7,6 +7,7 @@ The order of work, one call per step into the module that owns it::
     run folder           finetune.run_folder.open_run / write_launch
     data                 finetune.data.build_train_data      tokenize (rank 0 first), samplers, loaders
     engine               finetune.engine.build_engine        model, LoRA, DeepSpeed
+    before training      recipe.before_training              a pass with the initial weights (dpo's reference)
     resume               finetune.resume.restore             checkpoint (universal copy on a new layout)
     fit                  finetune.trainer.fit                the loop: log, eval, checkpoint
     export + verify      finetune.export.export_and_verify   Hugging Face folder, checked against the engine
@@ -35,7 +36,7 @@ from finetune.export import export_and_verify
 from finetune.generation import write_sample
 from finetune.logs import logger, monitor_sections, setup_logging
 from finetune.preemption import StopSignal
-from finetune.recipes import get_recipe
+from finetune.recipes import recipe_for
 from finetune.report import write_run_report
 from finetune.resume import restore
 from finetune.run_folder import open_run, write_launch
@@ -100,7 +101,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         health.start(run_dir / "launches" / str(opened.launch) / "ranks", run_dir / "logs" / f"rank{rank}.log")
         for note in resolved.resume_notes:
             logger.warning(note)
-        recipe = get_recipe(cfg.recipe)
+        recipe = recipe_for(cfg)
         ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
         tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)
         precision = describe_precision(cfg, dist_utils.on_cpu())
@@ -123,6 +124,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         engine = build_engine(cfg, recipe, model_config, ds, data.total_steps).engine
         ckpt_utils.check_free_space(run_dir, engine)
+        data = recipe.before_training(engine, data, cfg)  # initial weights (dpo: reference log-probabilities)
         state = restore(engine, resolved, cfg, data.total_steps)
 
         stop.defer_to_loop()

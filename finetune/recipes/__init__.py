@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # torch and transformers are not imported by the config check
 
 RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
+    "dpo": "finetune.recipes.dpo",
     "gpt_clm": "finetune.recipes.gpt_clm",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
@@ -51,6 +52,16 @@ def no_problems(*args: Any) -> None:
 def unchanged(model_config, data_cfg: DataConfig):
     """Default ``prepare_model_config``: the config as it is."""
     return model_config
+
+
+def as_is(recipe: Recipe, cfg: RunConfig) -> Recipe:
+    """Default ``configure``: the recipe reads no run settings besides ``data``."""
+    return recipe
+
+
+def no_pass(engine, data, cfg: RunConfig):
+    """Default ``before_training``: the data as it is, no pass over it."""
+    return data
 
 
 def every_target(data_cfg: DataConfig) -> float:
@@ -88,12 +99,21 @@ class Recipe:
     ``labels`` (``BertForMaskedLM`` ignores ``num_items_in_batch``). It returns the loss **summed** over the
     positions :attr:`count_targets` counts (0-dim float32, fp32 logits); the loop divides. The LM recipes run the
     head and the cross-entropy only at target positions, in chunks (:mod:`finetune.recipes.lm_loss`).
-    ``metrics=True`` (evaluation, under ``torch.no_grad``) also fills ``LossOutput.metrics`` (and ``counts``).
+    ``metrics=True`` (evaluation, under ``torch.no_grad``) also fills ``LossOutput.metrics`` (and ``counts``); metrics
+    a recipe returns in training too (``dpo``'s rewards; the same names at every call) are logged as
+    ``train/<name>``.
     Outside this call the model is unchanged (the export check compares full logits)."""
     count_targets: Callable[[torch.Tensor], torch.Tensor]
     """``(labels) -> 0-dim int64``: positions that contribute to the loss (the token-weighting denominator). The
     loop calls it on every micro-batch of a step before any of them runs; it equals ``LossOutput.targets``."""
 
+    configure: Callable[[Recipe, RunConfig], Recipe] = as_is
+    """``(recipe, cfg) -> recipe``: the recipe with the run settings its hooks read bound in (``dpo``: ``train.dpo``
+    into ``forward``); :func:`recipe_for` applies it, and every caller that runs ``forward`` gets its recipe there."""
+    before_training: Callable[[Any, Any, RunConfig], Any] = no_pass
+    """``(engine, data, cfg) -> data``: a pass over the data with the model's initial weights, after the engine is
+    built and before a checkpoint is restored; returns the :class:`finetune.data.TrainData` to train on (``dpo``:
+    the reference log-probabilities of every pair, cached, as a column of both splits). All ranks call it."""
     columns: Callable[[DataConfig], list[str]] = text_column
     """``(data_cfg) -> list[str]``: parquet columns the tokenize function reads; part of the tokenized-cache key,
     checked by ``finetune doctor`` and for valid UTF-8 before any model is built."""
@@ -120,11 +140,16 @@ class Recipe:
     ``LossOutput.counts`` summed over eval batches and ranks; artefacts (name -> JSON-able dict) go to
     ``<run>/eval/step<N>_<name>.json`` and, with ``labels`` and ``matrix``, to TensorBoard as an image. Required
     when ``forward`` returns ``counts``."""
+    reports_perplexity: bool = True
+    """Evaluation also reports ``eval/perplexity`` = exp(``eval/loss``) (false where the loss is no token
+    cross-entropy: ``dpo``)."""
     generates_text: bool = False
     """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.generation`)."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``)."""
+    sequences_per_row: int = 1
+    """Sequences the model runs per data row (``dpo``: chosen and rejected), for the planner's activations."""
     targets_per_row: bool = False
     """True when a row has one target (sequence classification: the planner counts no per-token logits)."""
 
@@ -138,6 +163,16 @@ def get_recipe(name: str) -> Recipe:
     if name not in RECIPES:
         raise KeyError(f"unknown recipe '{name}' (choose one of: {', '.join(RECIPES)})")
     return importlib.import_module(RECIPES[name]).RECIPE
+
+
+def recipe_for(cfg: RunConfig) -> Recipe:
+    """The recipe ``cfg.recipe`` configured for this run (its ``configure`` hook): what the loop runs.
+
+    Raises:
+        KeyError: the recipe is not in :data:`RECIPES`.
+    """
+    recipe = get_recipe(cfg.recipe)
+    return recipe.configure(recipe, cfg)
 
 
 def pad_with_eos(tokenizer, recipe: str):

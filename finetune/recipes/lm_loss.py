@@ -113,8 +113,14 @@ def _ce_sum(head_fn, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(head_fn(hidden).float(), targets, reduction="sum")
 
 
+def _ce_rows(head_fn, hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, n_rows: int) -> torch.Tensor:
+    per = F.cross_entropy(head_fn(hidden).float(), targets, reduction="none")
+    return torch.zeros(n_rows, dtype=per.dtype, device=per.device).index_add(0, rows, per)
+
+
 def chunked_cross_entropy(head_fn, hidden: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          count_correct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          count_correct: bool = False, rows: torch.Tensor | None = None,
+                          n_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed cross-entropy of ``head_fn(hidden)`` against ``targets``, ``chunk`` rows at a time.
 
     Args:
@@ -129,16 +135,24 @@ def chunked_cross_entropy(head_fn, hidden: torch.Tensor, targets: torch.Tensor, 
         ``(loss_sum, correct)``: 0-dim float32 (differentiable; 0 for ``n == 0``, still connected to the
         head so every parameter gets a gradient) and 0-dim int64, or ``None`` without ``count_correct``.
     """
-    pieces = list(zip(hidden.split(chunk), targets.split(chunk))) or [(hidden, targets)]
+    if rows is None:
+        pieces = [(h, y, None) for h, y in zip(hidden.split(chunk), targets.split(chunk))] or [(hidden, targets, None)]
+    else:
+        pieces = list(zip(hidden.split(chunk), targets.split(chunk), rows.split(chunk))) or [(hidden, targets, rows)]
     recompute = torch.is_grad_enabled() and len(pieces) > 1 and not count_correct
     loss = None
     correct = torch.zeros((), dtype=torch.long, device=targets.device) if count_correct else None
-    for h, y in pieces:
+    for h, y, r in pieces:
         if recompute:
-            part = checkpoint(_ce_sum, head_fn, h, y, use_reentrant=False)
+            part = (checkpoint(_ce_sum, head_fn, h, y, use_reentrant=False) if r is None
+                    else checkpoint(_ce_rows, head_fn, h, y, r, n_rows, use_reentrant=False))
         else:
             logits = head_fn(h).float()
-            part = F.cross_entropy(logits, y, reduction="sum")
+            part = (F.cross_entropy(logits, y, reduction="sum") if r is None else
+                    torch.zeros(n_rows, dtype=logits.dtype, device=logits.device).index_add(
+                        0, r, F.cross_entropy(logits, y, reduction="none")))
+            if r is not None and len(y) == 0:  # still connected to the head (every parameter gets a gradient)
+                part = part + logits.sum() * 0
             if count_correct:
                 correct += (logits.argmax(dim=-1) == y).sum()
             del logits
@@ -212,9 +226,11 @@ def _announce(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool):
+def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool,
+                       per_row: bool = False):
     """While active, calling ``head(hidden [batch, seq, hidden])`` returns the summed cross-entropy at ``targets``
-    (``[batch, seq]``, -100 = no loss); the result and the correct count are also kept on the yielded state."""
+    (``[batch, seq]``, -100 = no loss; ``per_row``: ``[batch]`` sums, one per sequence); the result and the correct
+    count are also kept on the yielded state."""
     state = SimpleNamespace(loss=None, correct=None, calls=0)
     own = vars(head).get("forward")  # an instance-level forward someone else set (restored afterwards)
     original = head.forward
@@ -231,6 +247,8 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
         keep = targets != -100
         rows, wanted = hidden[keep], targets[keep]
         why_not = fused_head_loss(head, rows, count_correct, forward_replaced=own is not None)
+        if why_not is None and per_row:
+            why_not = "per-sequence sums"
         if why_not is None and (args or kwargs):
             why_not = "the head takes arguments besides the hidden states"
         if why_not is None:
@@ -239,8 +257,9 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
         else:
             if torch.is_grad_enabled() and why_not != "evaluation":
                 _announce(f"chunked PyTorch cross-entropy at the target positions ({why_not})")
+            row_of = keep.nonzero()[:, 0] if per_row else None
             state.loss, state.correct = chunked_cross_entropy(
-                lambda h: original(h, *args, **kwargs), rows, wanted, chunk, count_correct)
+                lambda h: original(h, *args, **kwargs), rows, wanted, chunk, count_correct, row_of, targets.shape[0])
         return state.loss
 
     head.forward = forward
@@ -258,8 +277,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b) or bool(torch.isnan(a).all() and torch.isnan(b).all())
 
 
-def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
-                   count_correct: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bool = False,
+                   per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model(**inputs)`` with its head and cross-entropy only at the positions where ``targets != -100``.
 
     Args:
@@ -268,11 +287,14 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
         targets: ``[batch, seq]`` int64: the class the logits at each position should predict (for a causal
             LM the labels already shifted by one), -100 where no loss is taken.
         count_correct: also return how many target positions have their target as the argmax (evaluation).
+        per_row: sum per sequence instead: ``[batch]`` float32, the negative log-likelihood of each row's targets
+            (preference losses need one log-probability per sequence); never on the fused kernel.
 
     Returns:
         ``(loss_sum, correct)``: the cross-entropy summed over target positions (0-dim float32, fp32 logits;
-        the tensor the model returned, so a ZeRO-3 backward gathers the head's parameters) and the number of
-        correct argmax predictions (0-dim int64), or ``None`` without ``count_correct``.
+        ``[batch]`` with ``per_row``; the tensor the model returned, so a ZeRO-3 backward gathers the head's
+        parameters) and the number of correct argmax predictions (0-dim int64), or ``None`` without
+        ``count_correct``.
 
     Raises:
         RuntimeError: the model modifies its head's output before returning it (soft-capping, scaling), or
@@ -281,13 +303,13 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor,
     head = find_head(model)
     emb = unwrap(model).get_output_embeddings()
     vocab = getattr(emb, "out_features", None) or getattr(unwrap(model).config, "vocab_size", 32768)
-    with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct) as state:
+    with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct, per_row) as state:
         out = model(**inputs)
     got = out.logits
     if state.loss is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} never called its output head {type(head).__name__}; "
                            f"the target-position loss cannot run on this model")
-    if got.ndim != 0 or not _same(got.detach(), state.loss.detach()):
+    if got.shape != state.loss.shape or not _same(got.detach(), state.loss.detach()):
         raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
                            f"before returning it (e.g. logit soft-capping or scaling); the target-position loss "
                            f"does not support such models")

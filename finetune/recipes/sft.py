@@ -71,7 +71,7 @@ def columns(data_cfg: DataConfig) -> list[str]:
 def cache_key(data_cfg: DataConfig) -> dict:
     """Settings besides the files, columns and tokenizer that decide the tokenized rows (the template's text)."""
     return {"form": form(data_cfg), "truncation": data_cfg.truncation, "packing": data_cfg.packing,
-            "chat_template": _template_from_config(data_cfg) if form(data_cfg) == "chat" else None}
+            "chat_template": template_text(data_cfg) if form(data_cfg) == "chat" else None}
 
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
@@ -101,7 +101,7 @@ def prepare_tokenizer(tokenizer):
     return tokenizer
 
 
-def _template_from_config(data_cfg: DataConfig) -> str | None:
+def template_text(data_cfg: DataConfig) -> str | None:
     """``data.chat_template`` as Jinja text: the string itself when it holds ``{%``/``{{``, else the file it names.
 
     Raises:
@@ -126,7 +126,7 @@ def chat_template(data_cfg: DataConfig, tokenizer) -> str:
     Raises:
         ConfigError: neither exists (nothing is guessed), or the named file is missing.
     """
-    template = _template_from_config(data_cfg) or getattr(tokenizer, "chat_template", None)
+    template = template_text(data_cfg) or getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
     if not template:
@@ -169,6 +169,12 @@ def encode_pair(tokenizer, prompt: str, response: str) -> tuple[list[int], list[
 def _render(tokenizer, messages, template: str, **kwargs) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                               **kwargs)["input_ids"])
+
+
+def prompt_length(tokenizer, messages: list[dict], template: str) -> int:
+    """Tokens of ``messages`` rendered with ``template`` up to where the assistant's reply starts
+    (``add_generation_prompt=True``): the prompt part of a conversation whose answer follows (``dpo``)."""
+    return len(_render(tokenizer, messages, template, add_generation_prompt=True))
 
 
 def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
@@ -401,13 +407,16 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                         f"so there is nothing to train on (sft trains on assistant turns only)")
     if cfg.data.messages_column:
         try:
-            if not _template_from_config(cfg.data):
-                _tokenizer_template_problem(cfg, problems)
+            if not template_text(cfg.data):
+                tokenizer_template_problem(cfg, problems)
         except ConfigError as e:
             problems += e.problems
 
 
-def _tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
+def tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
+    """Append the problem of rendering ``cfg.data``'s conversations with the tokenizer's own chat template (there is
+    none, or ``data.chat_template`` names a missing file); nothing when the tokenizer cannot be loaded (the
+    compatibility checks report that)."""
     path = cfg.model.tokenizer_path or cfg.model.path
     if not path or not Path(path).is_dir():
         return  # reported by the model checks

@@ -1,0 +1,561 @@
+"""Preference training of any ``AutoModelForCausalLM`` on chosen/rejected pairs: DPO, IPO and SimPO.
+
+Data, in TRL's two forms (per row, from the prompt's type):
+
+* **text**: ``data.prompt_column`` (default ``prompt``), ``data.chosen_column`` and ``data.rejected_column``
+  (default ``chosen``/``rejected``), all text. Each response is encoded as ``sft`` encodes a prompt/response pair
+  (:func:`finetune.recipes.sft.encode_pair`): ``tokens(prompt) + tokens(response) + [EOS]``, labels -100 on the
+  prompt.
+* **conversational**: the prompt is a list of ``{role, content}`` messages and each response a list of assistant
+  messages (a plain string is taken as one assistant message); ``prompt + response`` is rendered with
+  ``data.chat_template`` or the tokenizer's own (as ``sft`` does) and only the response's tokens are targets.
+
+A pair whose two responses are identical, or whose responses lose every token to ``data.max_seq_len``
+(``data.truncation: truncate`` cuts the end; ``drop`` leaves out any pair longer than it), is dropped and counted
+(:meth:`PairExamples.summary`). Null or empty responses are refused before any model is built (:func:`check_pairs`).
+
+A tokenized row holds the chosen sequence as ``input_ids``/``labels`` and the rejected one as
+``rejected_input_ids``/``rejected_labels`` (length grouping reads the chosen length). A micro-batch of ``B`` pairs
+is ``[2B, seq]``: the chosen sequences, then the rejected ones, right-padded together, so the policy sees both in
+one forward (TRL's "concatenated forward"). The sequence log-probability ``log pi(y | x)`` is the sum over the
+response's tokens, from the LM head run at target positions only, in chunks
+(:func:`finetune.recipes.lm_loss.token_loss_sum` with ``per_row``): no ``[tokens, vocab]`` logits.
+
+The loss of a pair (``train.dpo``; ``l`` are log-probabilities summed over a response, ``n`` its tokens,
+``sigma`` the logistic function, ``eps`` the label smoothing):
+
+* ``sigmoid`` (DPO; Rafailov et al. 2023, "Direct Preference Optimization", eq. 7; cDPO smoothing as in TRL):
+  ``z = beta * ((l_c - ref_c) - (l_r - ref_r))``, loss ``-(1 - eps) log sigma(z) - eps log sigma(-z)``.
+* ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
+  eq. 17; length-averaged log-probabilities as TRL computes them): ``h = (l_c/n_c - ref_c/n_c) - (l_r/n_r -
+  ref_r/n_r)``, loss ``(h - 1 / (2 beta))^2``.
+* ``simpo`` (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6): no
+  reference, ``z = beta * (l_c/n_c - l_r/n_r) - gamma``, loss as ``sigmoid``'s.
+* ``rpo_alpha > 0`` adds ``rpo_alpha * (-l_c / n_c)``, the chosen response's mean token NLL (Pang et al. 2024,
+  "Iterative Reasoning Preference Optimization"; TRL's ``rpo_alpha``, here per pair so that the pair weighting
+  below stays exact).
+
+Implicit rewards (TRL's metrics): ``beta * (l - ref)`` (IPO: of the averages), SimPO ``beta * l / n``.
+``rewards/accuracies`` is the share of pairs whose chosen reward is higher. Dropout is off (``prepare_model_config``
+sets every ``*dropout``/``*pdrop`` probability of the model config to 0, as TRL's ``disable_dropout`` default), so
+policy and reference log-probabilities are deterministic.
+
+**Reference without a second model.** ``before_training`` computes ``(ref_c, ref_r)`` of every pair of both
+splits once, with the engine's initial weights (no grad, every rank its shard, in lockstep under ZeRO-3), keeps
+them in ``<cache>/reference/`` under a key of the tokenized split and the model (files, overrides, init, seed,
+attention, precision) so that a resume or another run reuses them, and adds them as the ``reference_logps`` column.
+With LoRA the reference is the base model: each step runs a no-grad forward with the adapters disabled (peft's
+``disable_adapter``), no pass. SimPO needs no reference.
+
+Pair weighting: ``count_targets`` counts pairs (rows with a target; eval filler rows have none) and ``forward``
+returns the loss summed over pairs, so the loop's token weighting is pair weighting: the loss is the exact mean
+over the pairs of the global batch whatever the ZeRO stage, ranks and accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import peft
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from finetune import distributed as dist_utils
+from finetune.batch import LossOutput, model_inputs, to_device
+from finetune.config import DataConfig, DpoConfig, RunConfig
+from finetune.data import (
+    TrainData,
+    default_cache_dir,
+    eval_loader,
+    file_id,
+    fingerprint,
+    string_type,
+    with_splits,
+)
+from finetune.errors import ConfigError
+from finetune.logs import logger
+from finetune.recipes import Recipe
+from finetune.recipes.gpt_clm import shift_labels
+from finetune.recipes.lm_loss import token_loss_sum
+from finetune.recipes.sft import (
+    chat_template,
+    encode_messages,
+    encode_pair,
+    message_problem,
+    prepare_tokenizer as sft_tokenizer,
+    prompt_length,
+    template_text,
+    tokenizer_template_problem,
+)
+
+MODEL_CLASS = AutoModelForCausalLM
+REFERENCE_COLUMN = "reference_logps"
+"""Column added by :func:`before_training`: ``[ref_c, ref_r]`` per pair (float64 values of float32 sums)."""
+
+
+def prompt_column(data_cfg: DataConfig) -> str:
+    """``data.prompt_column``, or ``prompt`` when it is empty (TRL's name)."""
+    return data_cfg.prompt_column or "prompt"
+
+
+def columns(data_cfg: DataConfig) -> list[str]:
+    """Parquet columns the tokenize function reads: prompt, chosen, rejected."""
+    return [prompt_column(data_cfg), data_cfg.chosen_column, data_cfg.rejected_column]
+
+
+def cache_key(data_cfg: DataConfig) -> dict:
+    """Settings besides the files, columns and tokenizer that decide the tokenized rows."""
+    return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg)}
+
+
+def prepare_tokenizer(tokenizer):
+    """``sft``'s: EOS as the pad token when there is none, right padding; an EOS token ends every response.
+
+    Raises:
+        ConfigError: the tokenizer has no EOS token.
+    """
+    return sft_tokenizer(tokenizer)
+
+
+def prepare_model_config(model_config, data_cfg: DataConfig):
+    """Dropout off: every float ``*dropout``/``*pdrop`` probability of the config set to 0 (TRL's
+    ``disable_dropout``), so log-probabilities are deterministic (also in the export's ``config.json``)."""
+    for key, value in model_config.to_dict().items():
+        if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            setattr(model_config, key, 0.0)
+    return model_config
+
+
+def _as_messages(response) -> list[dict] | None:
+    """A conversational response: a list of messages as it is, a string as one assistant message."""
+    if isinstance(response, str):
+        return [{"role": "assistant", "content": response}]
+    return list(response) if isinstance(response, (list, tuple)) else None
+
+
+class PairExamples:
+    """Batched map function: rows -> tokenized pairs; counts what it drops.
+
+    Output columns (lists of int): ``input_ids``, ``attention_mask``, ``labels`` (the chosen sequence) and
+    ``rejected_input_ids``, ``rejected_labels``. It gets every row (``counts_rows``) and logs :meth:`summary`.
+
+    Raises:
+        ConfigError: a conversational row is malformed (checked before training by :func:`check_pairs`).
+    """
+
+    def __init__(self, tokenizer, data_cfg: DataConfig):
+        self.tokenizer, self.d = tokenizer, data_cfg
+        self.template = template_text(data_cfg) or None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counts (one split at a time)."""
+        self.counts: Counter = Counter()
+
+    def _template(self) -> str:
+        if self.template is None:
+            self.template = chat_template(self.d, self.tokenizer)
+        return self.template
+
+    def encode(self, prompt, response) -> tuple[list[int], list[int]] | None:
+        """Ids and labels of ``prompt + response`` (labels -100 outside the response); None when the
+        conversational response has no assistant turn."""
+        if isinstance(prompt, str):
+            return encode_pair(self.tokenizer, prompt, response)
+        messages = _as_messages(response)
+        if not messages or not any(m.get("role") == "assistant" for m in messages if isinstance(m, dict)):
+            return None
+        template = self._template()
+        for where, turns in (("prompt", prompt), ("response", messages)):
+            problem = message_problem(turns)
+            if problem:
+                raise ConfigError(f"data.{where}_column: a row's {where} is {problem}")
+        ids, labels = encode_messages(self.tokenizer, list(prompt) + messages, template)
+        start = prompt_length(self.tokenizer, list(prompt), template)
+        labels[:start] = [-100] * min(start, len(labels))
+        return ids, labels
+
+    def _fit(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]] | str:
+        if len(ids) <= self.d.max_seq_len:
+            return ids, labels
+        if self.d.truncation == "drop":
+            return "too_long"
+        ids, labels = ids[: self.d.max_seq_len], labels[: self.d.max_seq_len]
+        return (ids, labels) if any(v != -100 for v in labels[1:]) else "truncated_no_answer"
+
+    def __call__(self, batch: dict) -> dict:
+        d, c = self.d, self.counts
+        out: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", "labels", "rejected_input_ids",
+                                                "rejected_labels")}
+        p_col = prompt_column(d)
+        for prompt, chosen, rejected in zip(batch[p_col], batch[d.chosen_column], batch[d.rejected_column]):
+            c["rows"] += 1
+            if prompt is None or not chosen or not rejected:
+                c["empty"] += 1
+                continue
+            if chosen == rejected:
+                c["identical"] += 1
+                continue
+            pair = [self.encode(prompt, chosen), self.encode(prompt, rejected)]
+            if pair[0] is None or pair[1] is None:
+                c["no_answer"] += 1
+                continue
+            fitted = [self._fit(*p) for p in pair]
+            why = next((f for f in fitted if isinstance(f, str)), None)
+            if why:
+                c[why] += 1
+                continue
+            if any(len(p[0]) > d.max_seq_len for p in pair):
+                c["truncated"] += 1
+            (ids_c, lab_c), (ids_r, lab_r) = fitted
+            out["input_ids"].append(ids_c)
+            out["attention_mask"].append([1] * len(ids_c))
+            out["labels"].append(lab_c)
+            out["rejected_input_ids"].append(ids_r)
+            out["rejected_labels"].append(lab_r)
+            c["pairs"] += 1
+            c["tokens"] += len(ids_c) + len(ids_r)
+        return out
+
+    def summary(self) -> str:
+        """One line: rows read, pairs kept, what was dropped or truncated and why."""
+        c, d = self.counts, self.d
+        dropped = [f"{c[k]:,} {why}" for k, why in (
+            ("identical", "with identical chosen and rejected responses"),
+            ("empty", "with a null prompt or a null or empty response"),
+            ("no_answer", "with a response without an assistant turn"),
+            ("too_long", f"longer than data.max_seq_len={d.max_seq_len} (data.truncation=drop)"),
+            ("truncated_no_answer", f"with no response token within data.max_seq_len={d.max_seq_len}")) if c[k]]
+        text = f"dpo: {c['rows']:,} rows -> {c['pairs']:,} pairs"
+        if dropped:
+            text += f" (dropped {', '.join(dropped)})"
+        if c["truncated"]:
+            text += f"; truncated {c['truncated']:,} pairs to data.max_seq_len={d.max_seq_len}"
+        if c["pairs"]:
+            text += f"; {c['tokens'] / (2 * c['pairs']):.1f} tokens per sequence"
+        return text
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig) -> PairExamples:
+    """The batched map function (:class:`PairExamples`)."""
+    return PairExamples(tokenizer, data_cfg)
+
+
+class PairCollator:
+    """Rows of pairs -> one ``[2B, longest]`` batch: ``input_ids``, ``attention_mask``, ``labels`` (int64; the B
+    chosen sequences, then the B rejected ones; right-padded with the pad token, mask 0, label -100; the length
+    rounded up to ``pad_to_multiple_of``) and, when the rows have it, ``reference_logps`` ``[2B]`` float32."""
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
+        self.pad, self.multiple = pad_token_id, pad_to_multiple_of
+
+    def __call__(self, rows: list[dict]) -> dict:
+        seqs = [(r["input_ids"], r["labels"]) for r in rows] + [(r["rejected_input_ids"], r["rejected_labels"])
+                                                                 for r in rows]
+        longest = max(len(ids) for ids, _ in seqs)
+        if self.multiple:
+            longest = -(-longest // self.multiple) * self.multiple
+        ids = torch.full((len(seqs), longest), self.pad, dtype=torch.long)
+        labels = torch.full((len(seqs), longest), -100, dtype=torch.long)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for i, (s, lab) in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            labels[i, : len(s)] = torch.tensor(lab, dtype=torch.long)
+            mask[i, : len(s)] = 1
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if REFERENCE_COLUMN in rows[0]:
+            ref = [r[REFERENCE_COLUMN] for r in rows]
+            batch[REFERENCE_COLUMN] = torch.tensor([c for c, _ in ref] + [r for _, r in ref], dtype=torch.float32)
+        return batch
+
+
+def make_collator(tokenizer, data_cfg: DataConfig) -> PairCollator:
+    """:class:`PairCollator` with the tokenizer's pad token."""
+    return PairCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
+
+
+def count_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Pairs with a target (the chosen half of ``labels [2B, seq]``; eval filler rows have none); 0-dim int64."""
+    return (labels[: labels.shape[0] // 2, 1:] != -100).any(dim=1).sum()
+
+
+def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of every sequence's targets and their number.
+
+    Args:
+        model: engine or (peft-wrapped) causal LM.
+        batch: ``input_ids``, ``attention_mask``, ``labels`` ``[rows, seq]`` int64.
+
+    Returns:
+        ``(logps, tokens)``: ``[rows]`` float32, ``sum_t log p(labels[t+1] | ...)`` over the row's targets
+        (differentiable when gradients are on), and ``[rows]`` int64 target counts.
+    """
+    targets = shift_labels(batch["labels"])
+    nll, _ = token_loss_sum(model, model_inputs(batch), targets, per_row=True)
+    return -nll, (targets != -100).sum(dim=1)
+
+
+def _peft_model(model):
+    """The ``peft.PeftModel`` in ``model`` (a DeepSpeed engine's ``module``), or None."""
+    while model is not None and not isinstance(model, peft.PeftModel):
+        model = getattr(model, "module", None)
+    return model
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """While active, the LoRA adapters of ``model`` are bypassed: its forward is the frozen base model's.
+
+    Raises:
+        ValueError: ``model`` has no peft adapters.
+    """
+    wrapped = _peft_model(model)
+    if wrapped is None:
+        raise ValueError("adapters_off needs a model with LoRA adapters (peft)")
+    with wrapped.disable_adapter():
+        yield
+
+
+def pair_losses(logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | None,
+                s: DpoConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair loss and implicit rewards (the formulas of the module docstring).
+
+    Args:
+        logps: ``[2B]`` float32 policy log-probabilities, chosen then rejected.
+        tokens: ``[2B]`` int64 response tokens of each sequence.
+        ref: ``[2B]`` float32 reference log-probabilities in the same order (None for ``simpo``).
+        s: ``train.dpo``.
+
+    Returns:
+        ``(losses, reward_chosen, reward_rejected)``, each ``[B]`` float32.
+    """
+    b = logps.shape[0] // 2
+    n = tokens.clamp(min=1).to(logps.dtype)
+    ls = s.label_smoothing
+    if s.loss_type == "simpo":
+        avg = logps / n
+        reward_c, reward_r = s.beta * avg[:b], s.beta * avg[b:]
+        z = reward_c - reward_r - s.simpo_gamma
+        losses = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+    else:
+        ratio = (logps - ref) / n if s.loss_type == "ipo" else logps - ref
+        h = ratio[:b] - ratio[b:]
+        if s.loss_type == "ipo":
+            losses = (h - 1 / (2 * s.beta)) ** 2
+        else:
+            losses = -(1 - ls) * F.logsigmoid(s.beta * h) - ls * F.logsigmoid(-s.beta * h)
+        reward_c, reward_r = s.beta * ratio[:b], s.beta * ratio[b:]
+    if s.rpo_alpha:
+        losses = losses + s.rpo_alpha * (-logps[:b] / n[:b])
+    return losses, reward_c.detach(), reward_r.detach()
+
+
+def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | None = None) -> LossOutput:
+    """The preference loss of one micro-batch of pairs, summed over its pairs (``count_targets``).
+
+    The reference log-probabilities come from the batch (``reference_logps``, computed before training), or from a
+    no-grad forward of the same batch with the LoRA adapters off (:func:`adapters_off`); SimPO uses none.
+    TRL's metrics are returned at every call (train logs and evaluation) as sums over the valid pairs:
+    ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+    ``logps/rejected``.
+
+    Args:
+        model: the engine (or a causal LM, peft-wrapped or not).
+        batch: :class:`PairCollator`'s batch on the model's device.
+        metrics: accepted for the contract (the metrics are always returned).
+        settings: ``train.dpo`` (bound by ``configure``; the defaults when None).
+
+    Returns:
+        :class:`~finetune.batch.LossOutput`: ``loss_sum`` 0-dim float32 over pairs, ``targets`` the pair count.
+
+    Raises:
+        ValueError: a DPO or IPO batch has no ``reference_logps`` and the model no adapters to turn off.
+    """
+    s = settings or DpoConfig()
+    logps, tokens = sequence_logps(model, batch)
+    ref = None
+    if s.loss_type != "simpo":
+        ref = batch.get(REFERENCE_COLUMN)
+        if ref is None:
+            if _peft_model(model) is None:
+                raise ValueError("dpo: the batch has no reference_logps and the model no LoRA adapters to turn off "
+                                 "for the reference; run the reference pass (before_training) first")
+            with torch.no_grad(), adapters_off(model):
+                ref, _ = sequence_logps(model, batch)
+        ref = ref.to(logps.dtype)
+    losses, reward_c, reward_r = pair_losses(logps, tokens, ref, s)
+    b = losses.shape[0]
+    valid = (batch["labels"][:b, 1:] != -100).any(dim=1).to(losses.dtype)
+    pairs = valid.sum()
+    lp = logps.detach()
+    sums = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
+            "rewards/accuracies": (reward_c > reward_r).to(losses.dtype), "rewards/margins": reward_c - reward_r,
+            "logps/chosen": lp[:b], "logps/rejected": lp[b:]}
+    return LossOutput((losses * valid).sum(), count_targets(batch["labels"]),
+                      metrics={k: ((v * valid).sum(), pairs) for k, v in sums.items()})
+
+
+def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
+    """The recipe with ``train.dpo`` bound into ``forward``."""
+    return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
+
+
+def _reference_key(cfg: RunConfig, split, precision: str) -> str:
+    """Cache key of a split's reference log-probabilities: the tokenized split's file and the initial model."""
+    model_dir = Path(cfg.model.path)
+    files = sorted(str(p) for p in model_dir.glob("*") if p.is_file()) if model_dir.is_dir() else []
+    return fingerprint({"tokenized": [file_id(f["filename"]) for f in split.cache_files], "rows": len(split),
+                        "model": [file_id(f) for f in files], "init": cfg.model.init,
+                        "seed": cfg.train.seed if cfg.model.init == "scratch" else None,
+                        "overrides": cfg.model.config_overrides, "attention": cfg.model.attn_implementation,
+                        "fused_kernels": cfg.model.fused_kernels, "precision": precision, "version": 1})
+
+
+@torch.no_grad()
+def reference_logps(engine, split, collator, cfg: RunConfig) -> np.ndarray:
+    """``(ref_c, ref_r)`` of every pair of ``split`` with the engine's current weights; all ranks call it.
+
+    Every rank runs its shard of the rows (``rank::world``, topped up with filler rows so that all ranks run the
+    same number of forwards, as ZeRO-3 needs) in eval mode; the values are summed over ranks (each row is filled
+    by one rank).
+
+    Returns:
+        ``[rows, 2]`` float64 array (float32 sums).
+    """
+    loader = eval_loader(split, collator, cfg.data, cfg.train.micro_batch_size)
+    mine = list(range(dist_utils.rank(), len(split), dist_utils.world_size()))
+    values = torch.zeros((len(split), 2), dtype=torch.float64, device=engine.device)
+    engine.eval()
+    done = 0
+    for batch in loader:
+        logps, _ = sequence_logps(engine, to_device(batch, engine.device))
+        b = logps.shape[0] // 2
+        for j in range(min(b, len(mine) - done)):
+            values[mine[done + j]] = torch.stack([logps[j], logps[b + j]]).double()
+        done += b
+    engine.train()
+    return dist_utils.all_reduce_sum(values).cpu().numpy()
+
+
+def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
+    """Attach the reference log-probabilities of every pair to both splits (``reference_logps``), computed once per
+    tokenized split and initial model and cached in ``<cache>/reference/``; the data as it is for SimPO and LoRA.
+
+    Must run before a checkpoint is restored (the reference is the model's initial weights).
+    """
+    if cfg.train.dpo.loss_type == "simpo":
+        logger.info("dpo: SimPO is reference-free; no reference log-probabilities")
+        return data
+    if cfg.model.lora is not None:
+        logger.info("dpo: reference = the base model (LoRA adapters off), a no-grad forward in each step")
+        return data
+    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    folder = default_cache_dir(cfg.data) / "reference"
+    splits = {}
+    for name in ("train", "validation"):
+        split = getattr(data.splits, name)
+        path = folder / f"dpo-{name}-{_reference_key(cfg, split, precision)}.npy"
+        if not dist_utils.any_rank(not path.is_file(), engine.device):
+            values = np.load(path)
+            logger.info(f"dpo: reference log-probabilities of {len(split):,} {name} pairs reused ({path})")
+        else:
+            start = time.monotonic()
+            values = reference_logps(engine, split, data.collator, cfg)
+            if dist_utils.local_rank() == 0:  # every node's cache (a shared one is written atomically twice)
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, values)
+                os.replace(tmp, path)
+            dist_utils.barrier()
+            logger.info(f"dpo: reference log-probabilities of {len(split):,} {name} pairs computed in "
+                        f"{time.monotonic() - start:.1f} s (saved to {path})")
+        splits[name] = split.add_column(REFERENCE_COLUMN, values.tolist())
+    return with_splits(dataclasses.replace(data.splits, **splits), data.collator, cfg)
+
+
+def _text_or_messages(typ) -> bool:
+    return string_type(typ) or str(typ).startswith(("list", "large_list"))
+
+
+def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """Check the dpo settings and data before any model is built; append one line per problem.
+
+    Problems: ``train.dpo`` values out of range, a file without a needed column or with a column that is neither
+    text nor a list of messages, a null or empty response or a null prompt (the first such row of each file and
+    column, and their number), a conversational row whose prompt is not a list of ``{role, content}`` messages or
+    whose response has no assistant turn, and a conversational file with no chat template to render it.
+    """
+    s, d = cfg.train.dpo, cfg.data
+    if s.beta <= 0:
+        problems.append(f"train.dpo.beta: {s.beta} must be > 0 (TRL's default 0.1)")
+    if not 0 <= s.label_smoothing < 0.5:
+        problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} must be in [0, 0.5)")
+    if s.rpo_alpha < 0:
+        problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} must be >= 0")
+    conversational = False
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                schema = pq.ParquetFile(f).schema_arrow
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            missing = [c for c in columns(d) if c not in schema.names]
+            if missing:
+                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                                f"{', '.join(schema.names)}); dpo reads data.prompt_column (default 'prompt'), "
+                                f"data.chosen_column and data.rejected_column")
+                continue
+            bad = [c for c in columns(d) if not _text_or_messages(schema.field(c).type)]
+            if bad:
+                problems.append(f"{key}: '{f}' column '{bad[0]}' has type {schema.field(bad[0]).type}, neither "
+                                f"text nor a list of {{role, content}} messages")
+                continue
+            table = pq.read_table(f, columns=columns(d))
+            prompts = table.column(prompt_column(d)).to_pylist()
+            for col in columns(d):
+                values = prompts if col == prompt_column(d) else table.column(col).to_pylist()
+                empty = [i for i, v in enumerate(values) if v is None or (col != prompt_column(d) and not v)
+                         or (isinstance(v, str) and col != prompt_column(d) and not v.strip())]
+                if empty:
+                    what = "null" if col == prompt_column(d) else "null or empty"
+                    problems.append(f"{key}: '{f}' row {empty[0]} of column '{col}' is {what} ({len(empty):,} such "
+                                    f"rows); fix or remove them")
+                    continue
+                if col == prompt_column(d):
+                    continue
+                for i, (prompt, response) in enumerate(zip(prompts, values)):
+                    if isinstance(prompt, str):
+                        continue
+                    conversational = True
+                    problem = message_problem(prompt)
+                    messages = _as_messages(response)
+                    if problem is None and messages is not None:
+                        problem = message_problem(messages)
+                        if problem is None and not any(m["role"] == "assistant" for m in messages):
+                            problem = "a response without an assistant turn"
+                    if problem:
+                        problems.append(f"{key}: '{f}' row {i} of column "
+                                        f"'{col if messages is None or 'assistant' in problem else prompt_column(d)}'"
+                                        f" is {problem}; a conversational row is a list of {{role, content}} "
+                                        f"messages (prompt) and assistant messages (chosen, rejected)")
+                        break
+    if conversational and not template_text(d):
+        tokenizer_template_problem(cfg, problems)
+
+
+RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
+                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
+                count_targets=count_targets, configure=configure, before_training=before_training,
+                columns=columns, cache_key=cache_key, checks_columns=True, counts_rows=True, check_data=check_pairs,
+                prepare_model_config=prepare_model_config, reports_perplexity=False, generates_text=True,
+                sequences_per_row=2)

@@ -1,0 +1,312 @@
+"""Preference training (recipe ``dpo``) on real runs, against a plain-PyTorch DPO written from the paper.
+
+Runs (2 CPU ranks, fp32, ``tests/configs/parity_dpo.yaml``: 8 pairs per step = 2 ranks x micro batch 2 x
+accumulation 2, 4 steps, sigmoid loss with label smoothing 0.1 and an RPO term 0.2, so every part of the loss is
+exercised), all sharing one fresh tokenization/reference cache:
+
+* ZeRO-0 (computes the reference log-probabilities: the log says "computed") and ZeRO-3 (the log says "reused"):
+  per-step ``train/loss`` and ``train/grad_norm`` equal :func:`dpo_reference` (one process, full logits, a frozen
+  copy of the initial model as the reference, forwarded at every step) at the parity battery's tolerances (loss
+  1e-5 relative, grad norm 1e-4); golden losses (``tests/parity_golden.json``, ``dpo-z0``; regenerate with
+  ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden``). The cached reference values equal a forward of
+  the initial model at 1e-6.
+* A resume of the ZeRO-0 run from its step-2 checkpoint repeats steps 3-4 exactly and reuses the reference.
+* LoRA at ZeRO-2 and ZeRO-3: the reference is the base model (adapters off), so step 1's loss is exactly
+  ``log 2`` plus the RPO term, and both stages agree.
+
+Checks before any model (``--check``, in process): missing columns, null/empty responses, conversational rows
+without an assistant turn, bad ``train.dpo`` values: one line each, exit 2. Tokenization (in process): the
+conversational form trains on the response only; identical pairs and prompts that leave no response token are
+dropped and counted.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+from transformers import AutoTokenizer, get_scheduler
+from transformers.initialization import no_init_weights
+
+from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics, train_losses
+from finetune.commands.train import main as train_main
+from finetune.config import load_run_config
+from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
+from finetune.engine import load_model_config, load_tokenizer, param_groups
+from finetune.recipes import dpo, get_recipe
+
+pytestmark = pytest.mark.slow
+
+CONFIG = CONFIGS / "parity_dpo.yaml"
+GOLDEN = Path(__file__).with_name("parity_golden.json")
+CHATML = REPO / "data" / "chat_templates" / "chatml.jinja"
+
+
+def _cfg(cache: Path, overrides: list[str] = ()):
+    return load_run_config(CONFIG, [*overrides, f"data.cache_dir={cache}"])
+
+
+def _initial_model(cfg):
+    recipe = get_recipe("dpo")
+    torch.manual_seed(cfg.train.seed)
+    with no_init_weights():  # what the engine builds (finetune.engine.scratch_model)
+        model = recipe.model_class.from_config(load_model_config(cfg, recipe), dtype=torch.float32,
+                                               attn_implementation=cfg.model.attn_implementation)
+    model.init_weights()
+    return model
+
+
+def full_logps(model, batch: dict) -> torch.Tensor:
+    """``[rows]`` sum of log-softmax(full logits) at the next-token labels (the textbook way)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    logp = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    return (logp * mask).sum(-1)
+
+
+def dpo_pair_loss(pc, pr, rc, rr, n_c, beta, eps, alpha):
+    """Rafailov et al. 2023 eq. 7 with cDPO label smoothing, plus the RPO term (chosen mean token NLL)."""
+    z = beta * ((pc - rc) - (pr - rr))
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z) + alpha * (-pc / n_c)
+
+
+def dpo_reference(cfg, world: int, steps: int) -> dict:
+    """One process: the toolkit's global batches (same sampler and collator per simulated rank), the same init,
+    AdamW, schedule and clipping; the loss of a step is the mean over its pairs of :func:`dpo_pair_loss` with the
+    reference log-probabilities from a frozen copy of the initial model."""
+    torch.set_num_threads(1)
+    t, s = cfg.train, cfg.train.dpo
+    recipe = get_recipe("dpo")
+    tokenizer = load_tokenizer(cfg, recipe)
+    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
+    collator = recipe.make_collator(tokenizer, cfg.data)
+    rows = IndexedRows(splits.train)
+    mb, gas = t.micro_batch_size, t.gradient_accumulation_steps
+    samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
+    loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
+                          drop_last=True) for smp in samplers]
+    model = _initial_model(cfg).train()
+    reference = copy.deepcopy(model).eval()
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_eps, fused=True)
+    sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for smp in samplers:
+        smp.set_epoch(0)
+    its = [iter(dl) for dl in loaders]
+    out = {"losses": [], "grad_norms": [], "reference": reference, "splits": splits, "collator": collator}
+    for _ in range(steps):
+        micro = [next(it) for it in its for _ in range(gas)]
+        n_pairs = sum(b["input_ids"].shape[0] // 2 for b in micro)
+        total = 0.0
+        for b in micro:
+            k = b["input_ids"].shape[0] // 2
+            with torch.no_grad():
+                ref = full_logps(reference, b)
+            pol = full_logps(model, b)
+            n = (b["labels"][:, 1:] != -100).sum(-1)
+            loss = dpo_pair_loss(pol[:k], pol[k:], ref[:k], ref[k:], n[:k], s.beta, s.label_smoothing,
+                                 s.rpo_alpha).sum() / n_pairs
+            loss.backward()
+            total += loss.item()
+        norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
+                            if p.grad is not None]).norm()
+        torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm.float())
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(total)
+        out["grad_norms"].append(float(norm))
+    return out
+
+
+def max_rel(got, want) -> float:
+    return max(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want))
+
+
+def grad_norms(run: Path) -> list[float]:
+    return [r["train/grad_norm"] for r in sorted(read_metrics(run), key=lambda r: r["step"]) if "train/grad_norm" in r]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dpo-cache")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache) -> dict[str, tuple[Path, str]]:
+    """The ZeRO-0 run first (fresh cache: computes the reference), then ZeRO-3 (reuses it)."""
+    out = {}
+    for stage in (0, 3):
+        run = tmp_path_factory.mktemp(f"dpo-z{stage}") / "run"
+        proc = ok(launch(CONFIG, [f"output_dir={run}", f"ds.zero_optimization.stage={stage}",
+                                  f"data.cache_dir={cache}"]))
+        out[f"z{stage}"] = (run, proc.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(runs, cache) -> dict:
+    return dpo_reference(_cfg(cache), world=2, steps=4)
+
+
+def test_zero0_and_zero3_equal_the_textbook_dpo(runs, reference):
+    for name, (run, log) in runs.items():
+        losses = train_losses(run)
+        assert sorted(losses) == [1, 2, 3, 4]
+        got = [losses[s] for s in sorted(losses)]
+        assert max_rel(got, reference["losses"]) <= 1e-5, (name, got, reference["losses"])
+        assert max_rel(grad_norms(run), reference["grad_norms"]) <= 1e-4, (name, grad_norms(run))
+        rows: dict[int, dict] = {}
+        for r in read_metrics(run):
+            rows.setdefault(r["step"], {}).update(r)
+        assert 0.0 <= rows[4]["train/rewards/accuracies"] <= 1.0
+        assert "eval/rewards/accuracies" in rows[4] and "eval/perplexity" not in rows[4]
+        assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
+    assert "reference log-probabilities of 32 train pairs computed" in runs["z0"][1]
+    assert "reference log-probabilities of 32 train pairs reused" in runs["z3"][1]
+    assert "validation pairs reused" in runs["z3"][1]
+
+
+def test_cached_reference_equals_a_forward_of_the_initial_model(runs, reference, cache):
+    files = sorted((cache / "reference").glob("dpo-train-*.npy"))
+    assert len(files) == 1, files
+    stored = np.load(files[0])
+    split, collator = reference["splits"].train, reference["collator"]
+    assert stored.shape == (len(split), 2) == (32, 2)
+    with torch.no_grad():
+        batch = collator([split[i] for i in range(len(split))])
+        direct = full_logps(reference["reference"], batch).double().numpy()
+    np.testing.assert_allclose(stored[:, 0], direct[:32], rtol=1e-6)
+    np.testing.assert_allclose(stored[:, 1], direct[32:], rtol=1e-6)
+
+
+def test_golden_losses(runs):
+    losses = train_losses(runs["z0"][0])
+    got = [losses[s] for s in sorted(losses)]
+    golden = json.loads(GOLDEN.read_text())
+    if os.environ.get("PARITY_UPDATE_GOLDEN"):
+        golden["dpo-z0"] = got
+        GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+    assert "dpo-z0" in golden, "no golden losses for dpo-z0 (PARITY_UPDATE_GOLDEN=1 makes them)"
+    assert max_rel(got, golden["dpo-z0"]) <= 1e-4, (got, golden["dpo-z0"])
+
+
+def test_resume_mid_epoch_is_exact_and_reuses_the_reference(runs, cache, tmp_path):
+    full = runs["z0"][0]
+    out = tmp_path / "resumed"
+    proc = ok(launch(CONFIG, [f"output_dir={out}", "ds.zero_optimization.stage=0", f"data.cache_dir={cache}"],
+                     resume=str(full / "checkpoints" / "step2")))
+    assert "resumed from" in proc.stdout and "train pairs reused" in proc.stdout
+    resumed, original = train_losses(out), train_losses(full)
+    assert sorted(resumed) == [3, 4]
+    for step, loss in resumed.items():
+        assert abs(loss - original[step]) <= 1e-6 * abs(original[step]), (step, loss, original[step])
+
+
+def test_lora_reference_is_the_base_model_at_zero2_and_zero3(tmp_path, cache):
+    lora = ["model.lora.r=4", "train.max_steps=2", "train.save_every=0", "train.dpo.rpo_alpha=0",
+            "train.warmup_steps=0", f"data.cache_dir={cache}"]
+    first = {}
+    for stage in (2, 3):
+        run = tmp_path / f"z{stage}"
+        proc = ok(launch(CONFIG, [f"output_dir={run}", f"ds.zero_optimization.stage={stage}", *lora]))
+        assert "reference = the base model (LoRA adapters off)" in proc.stdout
+        assert (run / "export" / "adapter" / "adapter_config.json").is_file()
+        first[stage] = train_losses(run)
+    # step 1: the adapters are zero (peft's B = 0), so policy = reference and every pair's loss is log 2
+    for stage, losses in first.items():
+        assert abs(losses[1] - math.log(2)) <= 1e-6, (stage, losses)
+        assert abs(losses[2] - math.log(2)) > 1e-4, (stage, losses)  # the adapters moved, the reference did not
+    assert abs(first[2][2] - first[3][2]) <= 1e-5 * first[2][2]
+
+
+def test_simpo_and_ipo_losses_from_their_papers():
+    """``pair_losses`` against the formulas written out here (in process, random log-probabilities)."""
+    from finetune.config import DpoConfig
+
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(8, generator=g) * 50
+    ref = -torch.rand(8, generator=g) * 50
+    n = torch.tensor([5, 7, 9, 11, 6, 8, 10, 12])
+    pc, pr, rc, rr, nc, nr = logps[:4], logps[4:], ref[:4], ref[4:], n[:4].float(), n[4:].float()
+    simpo = DpoConfig(loss_type="simpo", beta=2.0, simpo_gamma=1.0, label_smoothing=0.1)
+    z = 2.0 * (pc / nc - pr / nr) - 1.0  # Meng et al. 2024 eq. 6 (TRL: beta * (logits - gamma / beta))
+    want = -0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z)
+    got, rc_, rr_ = dpo.pair_losses(logps, n, None, simpo)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(rc_ - rr_, 2.0 * (pc / nc - pr / nr))
+    ipo = DpoConfig(loss_type="ipo", beta=0.2)
+    h = (pc - rc) / nc - (pr - rr) / nr  # Azar et al. 2023 eq. 17 with length-averaged log-probabilities
+    torch.testing.assert_close(dpo.pair_losses(logps, n, ref, ipo)[0], (h - 1 / (2 * 0.2)) ** 2)
+    sig = DpoConfig(beta=0.1)
+    torch.testing.assert_close(dpo.pair_losses(logps, n, ref, sig)[0],
+                               dpo_pair_loss(pc, pr, rc, rr, nc, 0.1, 0.0, 0.0))
+
+
+def _write(path: Path, rows: dict) -> Path:
+    pq.write_table(pa.table(rows), path)
+    return path
+
+
+def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> tuple[int, str]:
+    code = train_main(["--config", str(CONFIG), "--check", f"output_dir={tmp_path / 'out'}",
+                       f"data.train_files=[{','.join(map(str, files))}]",
+                       f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return code
+
+
+def test_bad_pairs_are_one_line_each_before_any_model(tmp_path, capsys):
+    good = {"prompt": ["a?", "b?"], "chosen": ["yes", "no"], "rejected": ["no", "yes"]}
+    missing = _write(tmp_path / "missing.parquet", {"prompt": ["a?"], "chosen": ["yes"]})
+    null = _write(tmp_path / "null.parquet", {**good, "rejected": ["no", None]})
+    empty = _write(tmp_path / "empty.parquet", {**good, "chosen": ["  ", "no"]})
+    assert _check(tmp_path, [missing, null, empty], ["train.dpo.beta=0", "train.dpo.label_smoothing=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.parquet' has no column 'rejected'" in err
+    assert "null.parquet' row 1 of column 'rejected' is null or empty (1 such rows)" in err
+    assert "empty.parquet' row 0 of column 'chosen' is null or empty" in err
+    assert "train.dpo.beta: 0.0 must be > 0" in err and "train.dpo.label_smoothing: 0.5 must be in [0, 0.5)" in err
+    assert "Traceback" not in err
+
+    user = [{"role": "user", "content": "2+2?"}]
+    chat = _write(tmp_path / "chat.parquet", {"prompt": [user, user],
+                                              "chosen": [[{"role": "assistant", "content": "4"}],
+                                                         [{"role": "user", "content": "5"}]],
+                                              "rejected": [[{"role": "assistant", "content": "5"}]] * 2})
+    assert _check(tmp_path, [chat], [f"data.chat_template={CHATML}"]) == 2
+    err = capsys.readouterr().err
+    assert "chat.parquet' row 1 of column 'chosen' is a response without an assistant turn" in err
+    assert _check(tmp_path, [_write(tmp_path / "ok.parquet", good)]) == 0
+
+
+def test_tokenized_pairs_train_on_the_response_only(tmp_path):
+    tokenizer = dpo.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2"))
+    cfg = load_run_config(CONFIG, [f"data.chat_template={CHATML}", "data.max_seq_len=40"])
+    fn = dpo.tokenize_function(tokenizer, cfg.data)
+    user = [{"role": "user", "content": "What is 2+2?"}]
+    out = fn({"prompt": [user, "Say hi.", "x " * 60, "Same?"],
+              "chosen": ["It is 4.", " hi", " yes", " same"],
+              "rejected": [[{"role": "assistant", "content": "It is 5."}], " bye", " no", " same"]})
+    assert len(out["input_ids"]) == 2, fn.summary()
+    assert "4 rows -> 2 pairs" in fn.summary() and "1 with identical chosen and rejected" in fn.summary()
+    assert "1 with no response token within data.max_seq_len=40" in fn.summary()
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    answer = tokenizer.decode([t for t, lab in zip(ids, labels) if lab != -100])
+    assert answer.startswith("It is 4.") and "What is" not in answer, answer
+    rejected = tokenizer.decode([t for t, lab in zip(out["rejected_input_ids"][0], out["rejected_labels"][0])
+                                 if lab != -100])
+    assert rejected.startswith("It is 5."), rejected
+    batch = dpo.make_collator(tokenizer, cfg.data)([{k: v[i] for k, v in out.items()} for i in range(2)])
+    assert batch["input_ids"].shape[0] == 4 and dpo.count_targets(batch["labels"]).item() == 2
