@@ -2,8 +2,8 @@
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
 columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
-with no ``ref_model`` (TRL then builds the reference as a frozen copy of the model and runs it on every batch, its
-default ``precompute_ref_log_probs=False``) trains with the ``sigmoid`` loss. Model (config + overrides, random
+with the reference a copy of the initial model (what TRL loads from the model's path when given none; TRL runs it
+on every batch, its default ``precompute_ref_log_probs=False``) trains with the ``sigmoid`` loss. Model (config + overrides, random
 init from the seed), ``max_length`` (= our ``data.max_seq_len``, TRL's default ``keep_start`` truncation, as ours
 cuts the end), micro batch x accumulation, ZeRO stage, precision, optimizer (torch AdamW), schedule, ``beta``,
 seed and number of steps come from the same spec as the toolkit's run (``--spec``, written by
@@ -18,6 +18,7 @@ the ``finetune`` package never imports TRL.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -57,6 +58,9 @@ def main() -> None:
         setattr(config, k, v)
     torch.manual_seed(spec["seed"])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # TRL reloads the reference from the model's path when none is given; a model built from a config has none, so
+    # the reference is handed over as TRL would load it: a copy of the initial weights (frozen and run by TRL)
+    reference = copy.deepcopy(model)
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
     step_ends: list[float] = []
@@ -85,7 +89,8 @@ def main() -> None:
         disable_tqdm=True, dataloader_num_workers=0, bf16=half == "bf16", fp16=half == "fp16",
         deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available(), beta=spec["dpo_beta"],
         loss_type=["sigmoid"], max_length=spec["max_seq_len"])
-    trainer = DPOTrainer(model=model, args=dargs, train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()])
+    trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw, processing_class=tokenizer,
+                         callbacks=[Meter()])
     collate = trainer.data_collator
 
     def counting_collate(rows):
