@@ -2,7 +2,8 @@
 
 One smoke run of the packed ``gpt_clm`` preset (its contenders: the toolkit, the bare engine loop on the toolkit's
 batches, and Hugging Face Trainer + DeepSpeed with ``group_texts``), tiny model, 1 CPU rank, 3 steps, 1 round. No
-timed assertions: the numbers are only checked to be there, finite and consistent with each other.
+timed assertions: the numbers are only checked to be there, finite and consistent with each other. And one smoke run
+of the ``dpo`` preset against TRL's ``DPOTrainer`` (``trl`` is in the ``test`` extra for it).
 """
 
 from __future__ import annotations
@@ -45,4 +46,25 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     # the bare loop trains the toolkit's own batches, model and loss: the same losses, to float rounding
     assert bare["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-5)
     assert "gpt_clm: loop overhead of finetune over the bare engine loop on its own batches: " in proc.stdout
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+
+
+def test_dpo_benchmark_against_trl(tmp_path):
+    """The ``dpo`` preset: the toolkit against TRL's ``DPOTrainer`` (``scripts/bench_trl.py``), tiny, 1 rank, 3 steps.
+
+    Both start from a policy equal to its reference, so the first losses are log 2 on both sides; pairs per second
+    are global-batch pairs over the timed steps' wall time."""
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    proc = run_python(["scripts/bench.py", "--preset", "dpo", "--steps", "3", "--skip", "1", "--rounds", "1",
+                       "--nproc", "1", "--tiny", "--keep", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [r["contender"] for r in rows] == ["finetune", "trl"], proc.stdout[-3000:]
+    ours, trl = rows
+    for r in rows:
+        for key in ("real_tokens_per_s", "rows_per_s", "step_time_median_s", "peak_rss_per_rank_mb", "final_loss"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
+        assert 0.0 <= r["final_reward_accuracy"] <= 1.0
+    assert trl["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / trl["real_tokens_per_s"])
+    assert abs(ours["final_loss"] - math.log(2)) < 0.05 and abs(trl["final_loss"] - math.log(2)) < 0.05
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"

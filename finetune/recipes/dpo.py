@@ -409,8 +409,10 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
 
 
-def _reference_key(cfg: RunConfig, split, precision: str) -> str:
-    """Cache key of a split's reference log-probabilities: the tokenized split's file and the initial model."""
+def reference_key(cfg: RunConfig, split, precision: str) -> str:
+    """Cache key of a split's reference log-probabilities (20 hex digits): the tokenized split's file(s) and rows and
+    the initial model (its folder's files, ``init``, the seed of a scratch model, ``config_overrides``, attention,
+    fused kernels) and ``precision`` (``fp32``, ``bf16``, ``fp16``); a change of any gives a new key."""
     model_dir = Path(cfg.model.path)
     files = sorted(str(p) for p in model_dir.glob("*") if p.is_file()) if model_dir.is_dir() else []
     return fingerprint({"tokenized": [file_id(f["filename"]) for f in split.cache_files], "rows": len(split),
@@ -463,7 +465,7 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     splits = {}
     for name in ("train", "validation"):
         split = getattr(data.splits, name)
-        path = folder / f"dpo-{name}-{_reference_key(cfg, split, precision)}.npy"
+        path = folder / f"dpo-{name}-{reference_key(cfg, split, precision)}.npy"
         if not dist_utils.any_rank(not path.is_file(), engine.device):
             values = np.load(path)
             logger.info(f"dpo: reference log-probabilities of {len(split):,} {name} pairs reused ({path})")
