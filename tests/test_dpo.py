@@ -262,11 +262,17 @@ def _write(path: Path, rows: dict) -> Path:
     return path
 
 
-def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> tuple[int, str]:
-    code = train_main(["--config", str(CONFIG), "--check", f"output_dir={tmp_path / 'out'}",
-                       f"data.train_files=[{','.join(map(str, files))}]",
-                       f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
-    return code
+def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> int:
+    """``finetune/run.py --check`` in this process; the rank variables it sets (``RANK``, ``MASTER_PORT``, ...) are
+    removed again, so that later tests' child processes do not look like ranks."""
+    saved = dict(os.environ)
+    try:
+        return train_main(["--config", str(CONFIG), "--check", f"output_dir={tmp_path / 'out'}",
+                           f"data.train_files=[{','.join(map(str, files))}]",
+                           f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def test_bad_pairs_are_one_line_each_before_any_model(tmp_path, capsys):
