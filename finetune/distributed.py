@@ -189,6 +189,39 @@ def is_main() -> bool:
     return rank() == 0
 
 
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                    "SLURM_NTASKS_PER_NODE")
+"""Where launchers put the number of ranks on this node: torchrun, DeepSpeed's launcher, Open MPI, MPICH, Slurm."""
+
+
+def local_world_size() -> int:
+    """Ranks on this node, from the launcher's variables (:data:`_LOCAL_SIZE_VARS`); the world size when none says."""
+    for key in _LOCAL_SIZE_VARS:
+        value = os.environ.get(key, "").split("(")[0]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return world_size()
+
+
+def set_cpu_threads() -> str:
+    """CPU ranks: give each rank its share of this process's cores for torch's intra-op threads.
+
+    ``torch.set_num_threads(max(1, cores // local ranks))``, with ``cores`` the CPUs this process may run on
+    (``os.sched_getaffinity``). Left alone when ``OMP_NUM_THREADS`` is set (the user's or the launcher's choice
+    wins). Without it every rank starts as many threads as the node has cores, so ``n`` ranks oversubscribe the
+    node ``n`` times over and spin against each other (PyTorch's CPU performance guide: one thread pool per core).
+
+    Returns:
+        What was done, for the log.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return f"torch threads per rank: {torch.get_num_threads()} (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // local_world_size())
+    torch.set_num_threads(threads)
+    return f"torch threads per rank: {threads} ({cores} cores / {local_world_size()} ranks on this node)"
+
+
 def on_cpu() -> bool:
     """True when DeepSpeed's accelerator is the CPU (``DS_ACCELERATOR=cpu``, or no GPU found): the ranks train in
     host memory, over gloo."""

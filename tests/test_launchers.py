@@ -410,3 +410,25 @@ print("OK")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cpu_env(), stdin=subprocess.DEVNULL,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-3000:]
+
+
+def test_cpu_threads_are_a_share_of_the_cores(monkeypatch):
+    """CPU ranks: torch threads = cores // ranks on the node, unless OMP_NUM_THREADS says otherwise."""
+    import torch
+
+    from finetune import distributed as dist_utils
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher, 2 ranks on this node
+        assert dist_utils.set_cpu_threads().startswith(f"torch threads per rank: {max(1, cores // 2)} ")
+        assert torch.get_num_threads() == max(1, cores // 2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(3)
+        assert "OMP_NUM_THREADS=3" in dist_utils.set_cpu_threads() and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -120,7 +120,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step
         allocator = health.prepare_host_memory(dist_utils.on_cpu())
         if allocator:
-            logger.info(f"host allocator: {allocator}")
+            logger.info(f"host allocator: {allocator}; {dist_utils.set_cpu_threads()}")
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         engine = build_engine(cfg, recipe, model_config, ds, data.total_steps).engine
         ckpt_utils.check_free_space(run_dir, engine)
