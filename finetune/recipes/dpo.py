@@ -88,6 +88,7 @@ from finetune.recipes.gpt_clm import shift_labels
 from finetune.recipes.lm_loss import token_loss_sum
 from finetune.recipes.sft import (
     chat_template,
+    count_summary,
     encode_messages,
     encode_pair,
     message_problem,
@@ -228,18 +229,11 @@ class PairExamples:
 
     def summary(self) -> str:
         """One line: rows read, pairs kept, what was dropped or truncated and why."""
-        c, d = self.counts, self.d
-        dropped = [f"{c[k]:,} {why}" for k, why in (
-            ("identical", "with identical chosen and rejected responses"),
-            ("empty", "with a null prompt or a null or empty response"),
-            ("no_answer", "with a response without an assistant turn"),
-            ("too_long", f"longer than data.max_seq_len={d.max_seq_len} (data.truncation=drop)"),
-            ("truncated_no_answer", f"with no response token within data.max_seq_len={d.max_seq_len}")) if c[k]]
-        text = f"dpo: {c['rows']:,} rows -> {c['pairs']:,} pairs"
-        if dropped:
-            text += f" (dropped {', '.join(dropped)})"
-        if c["truncated"]:
-            text += f"; truncated {c['truncated']:,} pairs to data.max_seq_len={d.max_seq_len}"
+        c = self.counts
+        text = count_summary("dpo", c, "pairs", [("identical", "with identical chosen and rejected responses"),
+                                                 ("empty", "with a null prompt or a null or empty response"),
+                                                 ("no_answer", "with a response without an assistant turn")],
+                             self.d.max_seq_len, "response")
         if c["pairs"]:
             text += f"; {c['tokens'] / (2 * c['pairs']):.1f} tokens per sequence"
         return text

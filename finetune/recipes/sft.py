@@ -299,20 +299,34 @@ class SftExamples:
     def summary(self) -> str:
         """One line: rows read, examples kept, what was dropped or truncated and why, packing fill ratio."""
         c, d = self.counts, self.d
-        dropped = [f"{c[k]:,} {why}" for k, why in (
-            ("no_answer", "without an assistant turn"), ("empty", "with a null or empty response or null prompt"),
-            ("too_long", f"longer than data.max_seq_len={d.max_seq_len} (data.truncation=drop)"),
-            ("truncated_no_answer", f"with no answer token within data.max_seq_len={d.max_seq_len}")) if c[k]]
-        text = f"sft: {c['rows']:,} rows -> {c['examples']:,} examples"
-        if dropped:
-            text += f" (dropped {', '.join(dropped)})"
-        if c["truncated"]:
-            text += f"; truncated {c['truncated']:,} examples to data.max_seq_len={d.max_seq_len}"
+        text = count_summary("sft", c, "examples", [("no_answer", "without an assistant turn"),
+                                                    ("empty", "with a null or empty response or null prompt")],
+                             d.max_seq_len, "answer")
         if d.packing and c["packed_rows"]:
             positions = c["packed_rows"] * d.max_seq_len
             text += (f"; packed into {c['packed_rows']:,} rows of {d.max_seq_len} positions, fill ratio "
                      f"{c['tokens'] / positions:.3f} (real tokens / positions)")
         return text
+
+
+def count_summary(recipe: str, counts: Counter, kept: str, reasons: list[tuple[str, str]], max_seq_len: int,
+                  target: str) -> str:
+    """The tokenization line of a recipe that drops rows and counts why (``sft``, ``dpo``).
+
+    ``"<recipe>: R rows -> K <kept> (dropped N <reason>, ...); truncated T <kept> to data.max_seq_len=L"`` from
+    ``counts`` (``rows``, ``kept``, ``truncated`` and each reason's key; ``too_long`` and ``truncated_no_answer``
+    are added to ``reasons``), ``target`` naming what a truncated example may lose (``answer``, ``response``).
+    """
+    c = counts
+    reasons = [*reasons, ("too_long", f"longer than data.max_seq_len={max_seq_len} (data.truncation=drop)"),
+               ("truncated_no_answer", f"with no {target} token within data.max_seq_len={max_seq_len}")]
+    dropped = [f"{c[k]:,} {why}" for k, why in reasons if c[k]]
+    text = f"{recipe}: {c['rows']:,} rows -> {c[kept]:,} {kept}"
+    if dropped:
+        text += f" (dropped {', '.join(dropped)})"
+    if c["truncated"]:
+        text += f"; truncated {c['truncated']:,} {kept} to data.max_seq_len={max_seq_len}"
+    return text
 
 
 def tokenize_function(tokenizer, data_cfg: DataConfig) -> SftExamples:
