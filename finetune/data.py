@@ -684,9 +684,10 @@ def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
                             cfg.train.gradient_accumulation_steps)
     eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
-    steps_per_epoch = (train_dl.sampler.num_samples // cfg.train.micro_batch_size) // cfg.train.gradient_accumulation_steps
+    micro, gas = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps
+    steps_per_epoch = (train_dl.sampler.num_samples // micro) // gas
     if steps_per_epoch == 0:
         raise ConfigError(f"data.train_files: {len(splits.train)} training rows give no full global batch of "
-                          f"{cfg.train.micro_batch_size} x {cfg.train.gradient_accumulation_steps} x {dist_utils.world_size()} "
-                          f"rows; lower train.micro_batch_size or add data")
-    return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch, cfg.train.max_steps or cfg.train.epochs * steps_per_epoch)
+                          f"{micro} x {gas} x {dist_utils.world_size()} rows; lower train.micro_batch_size or add data")
+    return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch,
+                     cfg.train.max_steps or cfg.train.epochs * steps_per_epoch)

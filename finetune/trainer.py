@@ -31,8 +31,8 @@ its own mean); the LM recipes run the output head and the cross-entropy at targe
 
 Non-finite steps. A step whose global gradient norm is not finite (a non-finite loss on any rank makes it
 so) is skipped: ZeRO 1-3 skip it themselves (DeepSpeed's check of the global norm; for ZeRO 1/2 in bf16 it
-needs ``check_grad_overflow``, kept on in ``engine.build_engine``); at stage 0 the loop checks the all-reduced gradient norm before ``engine.step`` and
-makes that step a no-op. Either way ``engine.was_step_applied()`` says so, alike on every rank.
+needs ``check_grad_overflow``, kept on in ``engine.build_engine``); at stage 0 the loop checks the all-reduced
+gradient norm before ``engine.step`` and makes that step a no-op. Either way ``engine.was_step_applied()`` says so, alike on every rank.
 Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a row raise
 :class:`TrainingDiverged`. The position in the epoch is counted in rows of the global order
 (``TrainState.samples_in_epoch``), so a resume with another micro-batch split continues at the next row.
@@ -233,7 +233,8 @@ class Cadence:
     and the run's last step."""
 
     def __init__(self, cfg: RunConfig, total_steps: int):
-        self.log_every, self.eval_every, self.save_every = cfg.train.log_every, cfg.train.eval_every, cfg.train.save_every
+        t = cfg.train
+        self.log_every, self.eval_every, self.save_every = t.log_every, t.eval_every, t.save_every
         self.total_steps = total_steps
 
     def log(self, step: int) -> bool:

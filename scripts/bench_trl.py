@@ -1,10 +1,10 @@
-"""The TRL ``DPOTrainer`` + DeepSpeed contender of ``scripts/bench.py --preset dpo`` (launched by it under ``deepspeed``).
+"""The TRL ``DPOTrainer`` + DeepSpeed contender of ``scripts/bench.py --preset dpo`` (run by it under ``deepspeed``).
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
-columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
-with the reference a copy of the initial model (what TRL loads from the model's path when given none; TRL runs it
-on every batch, its default ``precompute_ref_log_probs=False``) trains with the ``sigmoid`` loss. Model (config + overrides, random
-init from the seed), ``max_length`` (= our ``data.max_seq_len``, TRL's default ``keep_start`` truncation, as ours
+columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=...,
+processing_class=tokenizer)`` with the reference a copy of the initial model (what TRL loads from the model's path
+when given none; TRL runs it on every batch, its default ``precompute_ref_log_probs=False``) trains with the
+``sigmoid`` loss. Model (config + overrides, random init from the seed), ``max_length`` (= our ``data.max_seq_len``, TRL's default ``keep_start`` truncation, as ours
 cuts the end), micro batch x accumulation, ZeRO stage, precision, optimizer (torch AdamW), schedule, ``beta``,
 seed and number of steps come from the same spec as the toolkit's run (``--spec``, written by
 ``scripts/bench.py``). TRL's own default ``disable_dropout=True`` matches the recipe's dropout-free policy.

@@ -332,7 +332,8 @@ def test_reference_key_follows_the_model_and_the_data(tmp_path):
     fewer = _cfg(tmp_path / "cache", ["data.max_train_rows=30"])
     fewer_split = load_splits(recipe, tokenizer, fewer.data, fewer.train.seed).train
     changed = [dpo.reference_key(fewer, fewer_split, "fp32"), dpo.reference_key(cfg, split, "bf16")]
-    for override in ("model.config_overrides={num_hidden_layers: 1}", "train.seed=7", "model.attn_implementation=eager"):
+    for override in ("model.config_overrides={num_hidden_layers: 1}", "train.seed=7",
+                     "model.attn_implementation=eager"):
         changed.append(dpo.reference_key(_cfg(tmp_path / "cache", [override]), split, "fp32"))
     assert len(set(changed)) == len(changed) and key not in changed
 
