@@ -1,6 +1,6 @@
 """The ``finetune`` command: parses the verb and hands the rest of the command line to its module.
 
-``finetune <train|export|plan|doctor|report> ...`` (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
+``finetune <train|export|evaluate|plan|doctor|report> ...`` (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
 runs ``train``. Each verb is a module of :mod:`finetune.commands` with ``main(argv) -> int``.
 
 The one lazy import of the package is here: a verb's module is imported only when that verb runs, so that
@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "train": "fine-tune a model with DeepSpeed (what deepspeed finetune/run.py runs)",
     "export": "a Hugging Face folder from a checkpoint",
+    "evaluate": "loss, perplexity and the recipe's metrics of an export on a run config's data",
     "plan": "memory per GPU and node of each ZeRO stage, offload and checkpointing choice",
     "doctor": "pre-flight checks of a run config on the login node",
     "report": "PNG of the training curves of run folders",
@@ -32,6 +33,8 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run ``finetune <command> ...``; returns the process exit status (2 for an unknown command)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # DeepSpeed's launcher puts --local_rank=N first (deepspeed --module finetune <verb> ...); LOCAL_RANK says it too
+    argv = [a for a in argv if not a.startswith(("--local_rank=", "--local-rank="))]
     if argv[:1] in (["-h"], ["--help"]):
         print(usage())
         return 0

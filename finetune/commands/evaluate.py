@@ -1,0 +1,114 @@
+"""``finetune evaluate RUN_OR_EXPORT --config X [key=value ...]``: the evaluation of an export, no training.
+
+Loads the Hugging Face export (``<run>/export`` of a run folder, or an export folder itself) as the run config's
+model (``model.init: pretrained``, its own tokenizer, no LoRA, no ``config_overrides``: the export's
+``config.json`` already has them), reads and tokenizes the run config's data exactly as a launch does (the
+validation files, or the held-out share of the training files) and runs the loop's evaluation
+(:func:`finetune.trainer.evaluate`) on every rank: loss, perplexity and the recipe's metrics (accuracy, F1,
+masked-token accuracy, ...). Rank 0 prints a table and writes the metrics to a new JSON file beside the export
+(``evaluation-<time>.json``, or ``--out``).
+
+Multi-rank like training (every rank evaluates its shard, ZeRO-3 gathers parameters)::
+
+    finetune evaluate runs/sft/export --config finetune/recipes/configs/sft_gsm8k.yaml
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module finetune evaluate runs/sft --config ... data.validation_files=[x]
+    torchrun --nproc_per_node 2 -m finetune evaluate ...
+
+The same model, data and ``train.eval_max_batches`` give the run's own final ``eval/loss`` (the export is checked
+against the engine's logits at the end of every run). Not for ``dpo``: its rewards are measured against the
+reference model, which an export alone does not carry (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist_utils
+from finetune.data import build_train_data
+from finetune.engine import build_engine, load_model_config, load_tokenizer
+from finetune.errors import ConfigError
+from finetune.errors import report as report_error
+from finetune.logs import logger
+from finetune.recipes import recipe_for
+from finetune.trainer import evaluate
+from finetune.validate import check_launch
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``finetune evaluate``."""
+    p = argparse.ArgumentParser(prog="finetune evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("target", help="a run folder (its export/ is evaluated) or a Hugging Face export folder")
+    p.add_argument("--config", required=True, help="run config whose recipe and data to evaluate with")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. data.validation_files=[x.parquet]")
+    p.add_argument("--out", default="", help="JSON file to write (default: <export>/evaluation-<time>.json; an "
+                                             "existing file is never overwritten)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def export_folder(target: str) -> Path:
+    """The export to evaluate: ``target/export`` of a run folder, or ``target`` itself.
+
+    Raises:
+        ConfigError: neither holds a ``config.json``.
+    """
+    path = Path(target)
+    for candidate in (path / "export", path):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ConfigError(f"evaluate: '{target}' is neither a run folder with an export/ nor an export folder (no "
+                      f"config.json); export a checkpoint first with finetune export")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``finetune evaluate``. Returns the process exit status (2: bad input)."""
+    args = parser().parse_args(argv)
+    try:
+        export = export_folder(args.target)
+        out = Path(args.out) if args.out else export / f"evaluation-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        if out.exists():
+            raise ConfigError(f"evaluate: --out '{out}' exists; it is never overwritten, choose another file")
+        with tempfile.TemporaryDirectory(prefix="finetune-evaluate-") as scratch:
+            pinned = [f"model.path={export}", f"model.tokenizer_path={export}", "model.init=pretrained",
+                      "model.lora=null", "model.config_overrides={}", "export=false", "output_root=",
+                      f"output_dir={Path(scratch) / 'run'}"]
+            cfg, resolved, _ = check_launch(args.config, [*args.overrides, *pinned], None, False, announce=False)
+            if cfg.recipe == "dpo":
+                raise ConfigError("evaluate: recipe dpo measures rewards against its reference model, which an "
+                                  "export does not carry; its evaluation is part of the training run (eval/rewards/*)")
+            metrics = run_evaluation(cfg, resolved.ds)
+    except ConfigError as e:
+        return report_error(e)
+    if dist_utils.is_main():
+        width = max(map(len, metrics))
+        print("\n".join(f"{k:<{width}}  {v:.6g}" for k, v in metrics.items()))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"export": str(export), "config": args.config, "overrides": args.overrides,
+                                   "recipe": cfg.recipe, "validation_files": cfg.data.validation_files,
+                                   "world_size": dist_utils.world_size(), "metrics": metrics}, indent=2) + "\n")
+        print(f"finetune: evaluation written to {out}", file=sys.stderr)
+    return 0
+
+
+def run_evaluation(cfg, ds: dict) -> dict[str, float]:
+    """Process group, data, engine (the export's weights, no optimizer state worth keeping) and one evaluation on
+    every rank; returns the metrics (``eval/loss``, ``eval/perplexity``, the recipe's)."""
+    dist_utils.init(cfg.train.dist_timeout_minutes)
+    try:
+        if dist_utils.on_cpu():
+            logger.info(dist_utils.set_cpu_threads())
+        recipe = recipe_for(cfg)
+        tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)
+        data = build_train_data(recipe, cfg, tokenizer)
+        engine = build_engine(cfg, recipe, model_config, ds, total_steps=1).engine
+        return evaluate(engine, data.eval_loader, recipe, cfg)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,54 @@
+"""``finetune evaluate`` on a real export: 2 CPU ranks under DeepSpeed's launcher (``--module finetune``).
+
+One tiny GPT-2 run (4 steps, export) and one evaluation of its run folder with the same config: the evaluation's
+``eval/loss`` and ``eval/perplexity`` equal the run's own final evaluation (1e-4 relative; the export is the
+engine's weights, checked against its logits at the end of the run), rank 0 writes the JSON beside the export. Bad
+input (not a run or export folder, an existing ``--out``, the ``dpo`` recipe) is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
+
+pytestmark = pytest.mark.slow
+
+TINY = CONFIGS / "tiny_gpt.yaml"
+
+
+def evaluate_on_ranks(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """``deepspeed --num_gpus nproc --module finetune evaluate args...`` as DeepSpeed's runner builds it."""
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "--module", "finetune", "evaluate", *args]
+    return subprocess.run(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+
+
+def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
+    run = tmp_path / "run"
+    ok(launch(TINY, [f"output_dir={run}", "train.max_steps=4", "train.eval_every=0", "train.save_every=0"]))
+    final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
+    proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY)]))
+    written = sorted((run / "export").glob("evaluation-*.json"))
+    assert len(written) == 1, proc.stdout[-2000:]
+    result = json.loads(written[0].read_text())
+    assert result["world_size"] == 2 and result["recipe"] == "gpt_clm"
+    for key in ("eval/loss", "eval/perplexity"):
+        assert abs(result["metrics"][key] - final[key]) <= 1e-4 * abs(final[key]), (key, result, final)
+    assert f"eval/loss        {result['metrics']['eval/loss']:.6g}" in proc.stdout
+
+    # bad input: one line each, exit 2, nothing evaluated
+    again = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(TINY), "--out", str(written[0])])
+    assert again.returncode == 2 and "exists; it is never overwritten" in again.stdout
+    nowhere = run_python(["-m", "finetune", "evaluate", str(tmp_path), "--config", str(TINY)])
+    assert nowhere.returncode == 2 and "neither a run folder with an export/ nor an export folder" in nowhere.stdout
+    dpo = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(CONFIGS / "parity_dpo.yaml")])
+    assert dpo.returncode == 2 and "recipe dpo measures rewards against its reference model" in dpo.stdout
+    assert "Traceback" not in again.stdout + nowhere.stdout + dpo.stdout
