@@ -286,6 +286,22 @@ def trl(spec: dict, args, out: Path, env: dict) -> dict:
     return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
 
 
+def reference_agreement(cache: Path, trl_out: Path) -> str:
+    """The ``dpo`` preset's direct check: TRL's reference log-probabilities of the first 4 training pairs against
+    finetune's cached ones (``<cache>/reference/dpo-train-*.npy``, rows in the same file order)."""
+    import numpy as np
+
+    theirs = json.loads((trl_out / "rank0.json").read_text())["reference_logps_first"]
+    files = sorted((cache / "reference").glob("dpo-train-*.npy"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return "dpo: no cached reference log-probabilities of finetune to compare with TRL's"
+    ours = np.load(files[-1])[: len(theirs)]
+    diff = float(np.max(np.abs(ours - np.array(theirs)) / np.abs(np.array(theirs))))
+    return (f"dpo: reference log-probabilities of the first {len(theirs)} pairs, finetune (cached, chunked head) vs "
+            f"TRL (its reference model): max relative difference {diff:.2e}; finetune {ours[0].round(3).tolist()}, "
+            f"TRL {np.round(theirs[0], 3).tolist()} (pair 0)")
+
+
 def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: int) -> dict:
     """One launch of ``scripts/bench_bare.py``: the toolkit's batches, model and loss in a bare engine loop."""
     cmd = deepspeed_cmd(args, "scripts/bench_bare.py", "--config", preset["config"], "--out", str(out), *overrides)
@@ -454,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * (1 / paired(results[0], bare_r) - 1):+.1f}% "
                       f"(round by round, median over rounds); rank 0's CPU time per step "
                       f"{100 * (results[0]['rank0_cpu_s_per_step'] / bare_r['rank0_cpu_s_per_step'] - 1):+.1f}%")
+            if "trl" in runs and "finetune" in runs:
+                print(reference_agreement(Path(env["FINETUNE_CACHE"]), root / f"{name}-trl-0"))
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

@@ -11,7 +11,9 @@ seed and number of steps come from the same spec as the toolkit's run (``--spec`
 
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds), the
 non-pad tokens and positions of each collated micro-batch (chosen and rejected sequences: TRL's collator stacks
-them as ours does), and (rank 0) the logged loss and ``rewards/accuracies`` of each step. Benchmark contender only:
+them as ours does), (rank 0) the logged loss and ``rewards/accuracies`` of each step, and TRL's reference
+log-probabilities of the first 4 pairs. The model starts from the weights ``finetune`` builds for a scratch model
+(``no_init_weights`` + ``init_weights`` after the seed), so both sides have the same reference. Benchmark contender only:
 the ``finetune`` package never imports TRL.
 """
 
@@ -37,6 +39,7 @@ def main() -> None:
     import torch
     import transformers
     from transformers import AutoConfig, TrainerCallback
+    from transformers.initialization import no_init_weights
     from trl import DPOConfig, DPOTrainer
 
     transformers.logging.set_verbosity_error()
@@ -57,7 +60,9 @@ def main() -> None:
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
     torch.manual_seed(spec["seed"])
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with no_init_weights():  # the initial weights of finetune's scratch model (finetune.engine.scratch_model), so
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # both references agree
+    model.init_weights()
     # TRL reloads the reference from the model's path when none is given; a model built from a config has none, so
     # the reference is handed over as TRL would load it: a copy of the initial weights (frozen and run by TRL)
     reference = copy.deepcopy(model)
@@ -99,11 +104,17 @@ def main() -> None:
         counts.append((int(mask.sum()), int(mask.numel())))
         return batch
 
+    # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
+    # for scripts/bench.py to compare with finetune's cached ones
+    first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])
+    chosen, rejected = trainer.compute_ref_log_probs(trainer.ref_model, first)
+    reference_first = [[float(c), float(r)] for c, r in zip(chosen.tolist(), rejected.tolist())]
     trainer.data_collator = counting_collate
     trainer.train()
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "reward_accuracies": accuracies,
+                                                      "reference_logps_first": reference_first,
                                                       "gpu_max_allocated": peak_gpu}))
     # as scripts/bench_hf.py: leave without the interpreter's teardown of gloo's threads, after a last barrier
     if torch.distributed.is_initialized():

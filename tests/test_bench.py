@@ -52,8 +52,8 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
 def test_dpo_benchmark_against_trl(tmp_path):
     """The ``dpo`` preset: the toolkit against TRL's ``DPOTrainer`` (``scripts/bench_trl.py``), tiny, 1 rank, 3 steps.
 
-    Both start from a policy equal to its reference, so the first losses are log 2 on both sides; pairs per second
-    are global-batch pairs over the timed steps' wall time."""
+    Both start from a policy equal to its reference, so the first losses are log 2 on both sides, and from the same
+    weights, so finetune's cached reference log-probabilities equal TRL's reference model's (1e-5 relative)."""
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = run_python(["scripts/bench.py", "--preset", "dpo", "--steps", "3", "--skip", "1", "--rounds", "1",
                        "--nproc", "1", "--tiny", "--keep", str(tmp_path)], timeout=600)
@@ -67,4 +67,7 @@ def test_dpo_benchmark_against_trl(tmp_path):
         assert 0.0 <= r["final_reward_accuracy"] <= 1.0
     assert trl["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / trl["real_tokens_per_s"])
     assert abs(ours["final_loss"] - math.log(2)) < 0.05 and abs(trl["final_loss"] - math.log(2)) < 0.05
+    # the same initial weights on both sides: finetune's cached reference = TRL's reference model's, pair by pair
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("dpo: reference log-probabilities of the first"))
+    assert float(line.split("max relative difference ")[1].split(";")[0]) < 1e-5, line
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
