@@ -1,6 +1,6 @@
 """The ``finetune`` command: parses the verb and hands the rest of the command line to its module.
 
-``finetune <train|export|evaluate|plan|doctor|report> ...`` (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
+``finetune <train|export|evaluate|plan|doctor|report|bundle|verify> ...`` (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
 runs ``train``. Each verb is a module of :mod:`finetune.commands` with ``main(argv) -> int``.
 
 The one lazy import of the package is here: a verb's module is imported only when that verb runs, so that
@@ -19,6 +19,8 @@ COMMANDS = {
     "plan": "memory per GPU and node of each ZeRO stage, offload and checkpointing choice",
     "doctor": "pre-flight checks of a run config on the login node",
     "report": "PNG of the training curves of run folders",
+    "bundle": "models, datasets and wheels in one folder with a manifest, for a cluster without internet",
+    "verify": "offline check of a bundle: every file's SHA-256, models, tokenizers and parquet load",
 }
 """Verb -> one line of help; the verb's code is ``finetune.commands.<verb>.main``."""
 

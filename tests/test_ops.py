@@ -99,12 +99,17 @@ def test_plan_bad_arguments(capsys):
     assert plan.parse_size("80GiB") == 80 * 2**30 and plan.parse_size("512GB") == 512e9
 
 
-def test_doctor_good_config(capsys, tmp_path):
+def test_doctor_good_config(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code = doctor.main([str(CONFIGS / "tiny_gpt.yaml"), f"output_dir={tmp_path / 'run'}"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "no blockers" in out and "FAIL" not in out
-    for area in ("model", "data", "config", "ops", "accelerator", "disk", "folders", "launcher"):
+    assert ["offline", "warn", "HF_DATASETS_OFFLINE not set: export HF_DATASETS_OFFLINE=1 before Python starts"] in [
+        [*line.split(None, 2)[:2], line.split(None, 2)[2].split(" (in the job")[0]] for line in out.splitlines()
+        if line.startswith("offline")]
+    for area in ("model", "data", "config", "ops", "accelerator", "disk", "folders", "launcher", "offline"):
         assert any(line.startswith(area) for line in out.splitlines()), (area, out)
     assert "model.safetensors (403.6 KiB)" in out and "2,891 rows" in out
 

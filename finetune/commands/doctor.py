@@ -14,6 +14,9 @@ Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exi
   built on the meta device, :func:`finetune.plan.model_shape`).
 * ``folders``: output and tokenization cache folders can be written (a file is created and removed).
 * ``launcher``: what the launch would see: Slurm variables, a DeepSpeed hostfile, MASTER_ADDR/PORT.
+* ``offline``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set (a warning when not: transformers and datasets
+  would try the Hub and wait for network timeouts), and the ``finetune bundle`` folder the model or data come
+  from, with the ``finetune verify`` command that checks it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from finetune.recipes import RECIPES, get_recipe
 from finetune.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
-_HOSTFILES = ("/job/hostfile",)  # DeepSpeed's default hostfile (deepspeed.launcher.runner DLTS_HOSTFILE)
+_HOSTFILES = ("/job/hostfile",)
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")  # DeepSpeed's default hostfile (deepspeed.launcher.runner DLTS_HOSTFILE)
 
 
 def _size(n: float) -> str:
@@ -219,12 +223,29 @@ def _launcher_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
+def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    unset = [v for v in _OFFLINE_VARS if os.environ.get(v, "").upper() not in ("1", "ON", "YES", "TRUE")]
+    rows = [("offline", "warn", f"{' and '.join(unset)} not set: export {'=1 '.join(unset)}=1 before Python starts "
+             "(in the job script); without them transformers and datasets try the Hub and wait for network "
+             "timeouts on a cluster without internet")] if unset else \
+        [("offline", "ok", " and ".join(f"{v}=1" for v in _OFFLINE_VARS))]
+    bundles = []
+    for p in [cfg.model.path, cfg.model.tokenizer_path, *cfg.data.train_files, *cfg.data.validation_files]:
+        here = Path(p).expanduser().absolute() if p else None
+        b = next((d for d in ([here, *here.parents] if here else []) if (d / "MANIFEST.json").is_file()), None)
+        if b is not None and b not in bundles:
+            bundles.append(b)
+            rows.append(("offline", "ok", f"from the bundle {b}: check it with  finetune verify {b}"))
+    return rows
+
+
 def diagnose(cfg: RunConfig, world: int = 1) -> list[tuple[str, str, str]]:
     """Every doctor row ``(area, status, detail)`` for ``cfg`` (status ``ok``, ``warn`` or ``FAIL``)."""
     rows = _model_rows(cfg) + _data_rows(cfg)
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
     rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()
+    rows += _offline_rows(cfg)
     return rows
 
 
@@ -242,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     """``finetune doctor <run config> [key=value ...] [--world-size N]``: print the table; exit 2 on a blocker."""
     p = argparse.ArgumentParser(prog="finetune doctor", description="Pre-flight checks of a run config on the "
                                 "login node: model and data files, DeepSpeed ops, accelerators, disk, folders, "
-                                "launcher. Exit status 2 when something blocks the launch.")
+                                "launcher, offline settings. Exit status 2 when something blocks the launch.")
     p.add_argument("config", help="run config (YAML or JSON)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
     p.add_argument("--world-size", type=int, default=None,

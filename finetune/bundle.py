@@ -1,0 +1,581 @@
+"""Making a bundle for a cluster without internet: models, datasets and wheels, with a manifest.
+
+``finetune bundle OUT --model ID_OR_PATH[@REV] --dataset ID_OR_PATH[@REV][:CONFIG] [--wheels]`` runs on a machine
+that reaches the Hugging Face Hub (or only local files) and writes the folder described in
+:mod:`finetune.manifest`; ``finetune verify OUT`` checks it offline on the cluster.
+
+* **Models** from the Hub: the revision (branch, tag or commit) is resolved to its commit once
+  (``HfApi.model_info``) and every file is fetched at that commit with ``huggingface_hub.snapshot_download``
+  into ``OUT/models/<name>/``. Local folders are copied. Never taken unless asked: pickled weights
+  (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``: unpickling runs code; ``allow_pickle``) and Python files
+  (remote code; ``trust_remote_code``, recorded in the manifest); never taken: TensorFlow, Flax, ONNX, GGUF
+  weights (PyTorch training reads none of them).
+* **Datasets**: ``datasets.load_dataset`` on a local parquet/jsonl/json/csv file, a folder of them (splits from
+  the file names), a ``save_to_disk`` folder (``load_from_disk``), or a Hub dataset repo fetched at a resolved
+  commit with ``snapshot_download`` into the Hugging Face cache and loaded from there (its README's
+  ``configs`` select ``:CONFIG``; loading scripts are not run). Each split is written as parquet shards of at
+  most ``max_shard_bytes`` of Arrow data, ``OUT/data/<name>/<split>-NNNNN.parquet``, the form the datasets
+  maintainers recommend for moving data (``to_parquet``); rows and columns go into the manifest.
+* **Wheels** (``wheels=True``): finetune and every dependency as wheels in ``OUT/wheels`` (``pip wheel``:
+  what only exists as a source archive, DeepSpeed among them, is built into a wheel here), so that the
+  cluster installs with ``pip install --no-index --find-links OUT/wheels finetune`` and needs no compiler.
+  For another Python or platform (``for_python``, ``for_platform``), the pure-Python wheels built here are kept
+  and the binary ones are fetched for the target with ``pip download --only-binary=:all:``.
+* ``OUT/run_config.yaml``: a starting run config (recipe guessed from the first model and dataset) whose paths
+  are relative to the bundle folder; ``OUT/ds_configs/``: the DeepSpeed JSON files it names.
+
+Re-running into the same folder is safe and cheap: the manifest is removed first and rewritten last (a partial
+bundle never looks complete), Hub files already fetched are skipped by ``huggingface_hub`` (its metadata in
+``.cache/huggingface/``), and copies, shards and wheels whose SHA-256 already matches are left untouched.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+from loguru import logger
+
+from finetune import __version__
+from finetune.errors import ConfigError
+from finetune.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, write_manifest
+
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
+CODE_PATTERNS = ["*.py"]
+NEVER_PATTERNS = ["*.h5", "*.msgpack", "*.ot", "*.onnx", "*.onnx_data", "*.tflite", "*.gguf", "onnx/*", ".git*"]
+DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+SPLIT_NAMES = ("train", "validation", "valid", "dev", "test")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_WORK = ".finetune-bundle"
+
+
+@dataclass
+class Source:
+    """One model or dataset of a bundle, as recorded in ``MANIFEST.json``'s ``sources``.
+
+    Attributes:
+        kind: ``"model"`` or ``"dataset"``.
+        name: folder name under ``models/`` or ``data/``.
+        spec: what the user asked for (``ID_OR_PATH[@REV][:CONFIG]``).
+        origin: ``"hub"`` or ``"local"``.
+        revision: the revision asked for (``None``: the default branch).
+        resolved_revision: the commit fetched (Hub), or read from a Hugging Face cache path
+            (``.../snapshots/<commit>``); ``None`` for other local sources.
+        license: the ``license`` of the card's YAML header (README.md), ``None`` when not stated.
+        config: the dataset configuration (``:CONFIG``).
+        trust_remote_code: Python files from the source are in the bundle.
+        splits: datasets only: ``{split: {"rows": int, "columns": [names], "types": {name: feature type},
+            "files": [paths]}}``.
+    """
+
+    kind: str
+    name: str
+    spec: str
+    origin: str = "local"
+    revision: str | None = None
+    resolved_revision: str | None = None
+    license: str | None = None
+    config: str | None = None
+    trust_remote_code: bool = False
+    splits: dict = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        """The source's folder inside the bundle (``models/<name>`` or ``data/<name>``)."""
+        return f"{'models' if self.kind == 'model' else 'data'}/{self.name}"
+
+
+def _split_spec(spec: str, with_config: bool) -> tuple[str, str | None, str | None]:
+    """``ID_OR_PATH[@REV][:CONFIG]`` -> (id or path, revision, config); an existing local path is taken whole."""
+    if Path(spec).expanduser().exists():
+        return spec, None, None
+    config = None
+    if with_config and ":" in spec:
+        spec, config = spec.rsplit(":", 1)
+        if Path(spec).expanduser().exists():
+            return spec, None, config or None
+    rev = None
+    if "@" in spec:
+        spec, rev = spec.rsplit("@", 1)
+    return spec, rev or None, config or None
+
+
+def _name(ident: str, config: str | None = None) -> str:
+    p = Path(ident.rstrip("/"))
+    base = p.stem if p.suffix in DATA_SUFFIXES else p.name
+    if re.fullmatch(r"[0-9a-f]{40}", base) and p.parent.name == "snapshots":  # a Hugging Face cache snapshot
+        base = p.parent.parent.name.split("--")[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", base + (f"-{config}" if config else ""))
+
+
+def _card_license(folder: Path) -> str | None:
+    readme = folder / "README.md"
+    if not readme.is_file():
+        return None
+    from huggingface_hub import RepoCard
+
+    try:
+        lic = RepoCard.load(readme).data.to_dict().get("license")
+    except Exception:  # a README without a (valid) YAML header states no licence
+        return None
+    return ", ".join(lic) if isinstance(lic, list) else lic
+
+
+def _cache_commit(path: Path) -> str | None:
+    """The commit of a Hugging Face cache snapshot folder (``.../snapshots/<commit>``), else ``None``."""
+    p = path.resolve()
+    return p.name if p.parent.name == "snapshots" and _COMMIT.fullmatch(p.name) else None
+
+
+def _ignore(allow_pickle: bool, trust_remote_code: bool) -> list[str]:
+    return NEVER_PATTERNS + ([] if allow_pickle else PICKLE_PATTERNS) + ([] if trust_remote_code else CODE_PATTERNS)
+
+
+def _copy_if_changed(src: Path, dst: Path) -> bool:
+    """Copy ``src`` to ``dst`` unless ``dst`` already has the same bytes (size and SHA-256); True if copied."""
+    if dst.is_file() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
+        return False
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".partial")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+    return True
+
+
+def _copy_tree(src: Path, dst: Path, ignore: list[str]) -> tuple[int, int]:
+    copied = kept = 0
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = f.relative_to(src).as_posix()
+        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(f.name, pat) for pat in ignore) or \
+                rel.startswith(".cache/"):
+            continue
+        if _copy_if_changed(f, dst / rel):
+            copied += 1
+        else:
+            kept += 1
+    return copied, kept
+
+
+@contextmanager
+def _hub_errors(what: str):
+    """Turn the Hub client's errors (unknown repo or revision, no connection, HTTP errors) into one line."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, \
+        RevisionNotFoundError
+    from httpx2 import HTTPError  # the client huggingface_hub uses
+
+    try:
+        yield
+    except RevisionNotFoundError as e:
+        raise ConfigError(f"{what}: no such revision on the Hub ({_first_line(e)})") from None
+    except RepositoryNotFoundError as e:
+        raise ConfigError(f"{what}: not a local path, and no such repo on the Hub (or it is private/gated: "
+                          f"run `hf auth login`) ({_first_line(e)})") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, HTTPError, OSError) as e:
+        raise ConfigError(f"{what}: the Hub could not be reached or refused ({_first_line(e)}); bundle runs on "
+                          "a machine with internet (HF_ENDPOINT for a mirror)") from None
+
+
+def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> Source:
+    """Put the model (or tokenizer) ``spec`` (``ID_OR_PATH[@REV]``) into ``out/models/<name>/``.
+
+    Returns:
+        Its :class:`Source`.
+
+    Raises:
+        ConfigError: the folder ends without a ``config.json`` or tokenizer, or with pickled weights only
+            (``--allow-pickle`` takes them).
+    """
+    ident, rev, _ = _split_spec(spec, with_config=False)
+    src = Source("model", _name(ident), spec, revision=rev, trust_remote_code=trust_remote_code)
+    dest = out / src.path
+    ignore = _ignore(allow_pickle, trust_remote_code)
+    local = Path(ident).expanduser()
+    if local.is_dir():
+        copied, kept = _copy_tree(local, dest, ignore)
+        src.resolved_revision = _cache_commit(local)
+        logger.info(f"model {src.name}: {copied} files copied from {local}, {kept} already there")
+    else:
+        from huggingface_hub import HfApi, snapshot_download
+
+        src.origin = "hub"
+        with _hub_errors(f"--model {spec}"):
+            src.resolved_revision = HfApi().model_info(ident, revision=rev).sha
+            snapshot_download(ident, revision=src.resolved_revision, local_dir=dest, ignore_patterns=ignore)
+        logger.info(f"model {src.name}: {ident} at {src.resolved_revision} in {dest}")
+    files = {p.name for p in dest.rglob("*") if p.is_file()} if dest.is_dir() else set()
+    if not files & {"config.json", "tokenizer_config.json", "tokenizer.json"}:
+        raise ConfigError(f"--model {spec}: no config.json or tokenizer files in it: is it a Hugging Face model "
+                          "folder or repo?")
+    if not any(n.endswith(".safetensors") for n in files) and not (allow_pickle and any(
+            fnmatch.fnmatch(n, p) for n in files for p in PICKLE_PATTERNS)):
+        pickled = sorted(n for n in (Path(ident).expanduser().rglob("*") if local.is_dir() else [])
+                         if any(fnmatch.fnmatch(n.name, p) for p in PICKLE_PATTERNS))
+        if pickled:
+            raise ConfigError(f"--model {spec}: only pickled weights ({pickled[0].name}); pickles run code when "
+                              "loaded: convert them to safetensors, or pass --allow-pickle to bundle them")
+        logger.warning(f"model {src.name}: no weights (config/tokenizer only): usable with model.init: scratch "
+                       "or as model.tokenizer_path")
+    src.license = _card_license(dest)
+    return src
+
+
+def _load_local(path: Path, config: str | None):
+    """A ``DatasetDict`` from a local file, folder of data files or ``save_to_disk`` folder."""
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    if path.is_file():
+        builder = DATA_SUFFIXES.get(path.suffix)
+        if builder is None:
+            raise ConfigError(f"--dataset {path}: unknown file type '{path.suffix}' (parquet, jsonl, json, csv)")
+        split = next((s for s in SPLIT_NAMES if path.stem.lower().startswith(s)), "train")
+        return load_dataset(builder, data_files={split: str(path)})
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        loaded = load_from_disk(str(path))
+        return loaded if isinstance(loaded, DatasetDict) else DatasetDict({"train": loaded})
+    return load_dataset(str(path), name=config)
+
+
+def _write_split(ds, folder: Path, split: str, max_shard_bytes: int, tmpdir: Path) -> tuple[list[str], int]:
+    """Write ``ds`` as ``<split>-NNNNN.parquet`` shards; returns (file names, shards rewritten)."""
+    n = max(1, math.ceil(ds.data.nbytes / max_shard_bytes))
+    names, written = [], 0
+    for i in range(n):
+        name = f"{split}-{i:05d}.parquet"
+        tmp = tmpdir / name
+        ds.shard(n, i, contiguous=True).to_parquet(str(tmp))
+        dst = folder / name
+        if dst.is_file() and sha256_file(dst) == sha256_file(tmp):
+            tmp.unlink()
+        else:
+            os.replace(tmp, dst)
+            written += 1
+        names.append(name)
+    return names, written
+
+
+def fetch_dataset(spec: str, out: Path, max_shard_bytes: int = 500 * 2**20) -> Source:
+    """Put the dataset ``spec`` (``ID_OR_PATH[@REV][:CONFIG]``) into ``out/data/<name>/`` as parquet shards.
+
+    Returns:
+        Its :class:`Source`, with ``splits`` (rows, columns, files).
+
+    Raises:
+        ConfigError: an unknown file type, or a dataset without rows.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    ident, rev, config = _split_spec(spec, with_config=True)
+    src = Source("dataset", _name(ident, config), spec, revision=rev, config=config)
+    local = Path(ident).expanduser()
+    if local.exists():
+        try:
+            dd = _load_local(local, config)
+        except ConfigError:
+            raise
+        except Exception as e:  # datasets' own errors (mixed schemas, bad rows): the cause in one line
+            while e.__cause__ is not None:
+                e = e.__cause__
+            raise ConfigError(f"--dataset {spec}: datasets cannot load it: {_first_line(e)} (files of one "
+                              "split must share their columns; give files one by one)") from None
+        src.resolved_revision = _cache_commit(local) if local.is_dir() else None
+        card_dir = local if local.is_dir() else None
+    else:
+        from datasets import load_dataset
+        from huggingface_hub import HfApi, snapshot_download
+
+        src.origin = "hub"
+        with _hub_errors(f"--dataset {spec}"):
+            src.resolved_revision = HfApi().dataset_info(ident, revision=rev).sha
+            snap = Path(snapshot_download(ident, repo_type="dataset", revision=src.resolved_revision,
+                                          ignore_patterns=CODE_PATTERNS))
+        dd = load_dataset(str(snap), name=config)
+        card_dir = snap
+    folder = out / src.path
+    folder.mkdir(parents=True, exist_ok=True)
+    if card_dir is not None and (card_dir / "README.md").is_file():
+        _copy_if_changed(card_dir / "README.md", folder / "README.md")
+        src.license = _card_license(card_dir)
+    keep = {"README.md"}
+    with tempfile.TemporaryDirectory(dir=out / _WORK) as tmp:
+        for split, ds in dd.items():
+            if len(ds) == 0:
+                raise ConfigError(f"--dataset {spec}: split '{split}' has no rows")
+            names, written = _write_split(ds, folder, split, max_shard_bytes, Path(tmp))
+            keep.update(names)
+            src.splits[split] = {"rows": len(ds), "columns": list(ds.column_names),
+                                 "types": {k: str(v) for k, v in ds.features.items()},
+                                 "files": [f"{src.path}/{n}" for n in names]}
+            logger.info(f"dataset {src.name}: split {split}: {len(ds):,} rows in {len(names)} shard(s), "
+                        f"{written} rewritten")
+    for stale in folder.glob("*-[0-9][0-9][0-9][0-9][0-9].parquet"):  # shards of an earlier, other split layout
+        if stale.name not in keep:
+            stale.unlink()
+    return src
+
+
+def _pip(args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    logger.info("$ " + " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ConfigError(f"pip {args[0]} failed (exit {done.returncode}): {' | '.join(tail)}")
+
+
+def _this_platform() -> tuple[str, str]:
+    return f"{sys.version_info.major}.{sys.version_info.minor}", sysconfig.get_platform().replace("-", "_")
+
+
+def fetch_wheels(out: Path, for_python: str | None = None, for_platform: str | None = None,
+                 torch_version: str | None = None, torch_index: str | None = None) -> str:
+    """Wheels of finetune and all its dependencies in ``out/wheels``; returns the cluster's install command.
+
+    finetune's own wheel is built from its source folder (the one this module is imported from). torch is pinned
+    to ``torch_version`` (default: the installed one, without its local ``+cpu``/``+cuXXX`` tag), taken from
+    ``torch_index`` when given (e.g. ``https://download.pytorch.org/whl/cu128``).
+
+    Raises:
+        ConfigError: pip failed (its last lines are in the message), or finetune is not installed from a
+            source folder.
+    """
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").is_file():
+        raise ConfigError("--wheels: finetune's source folder (pyproject.toml) is not beside the installed package; "
+                          "run bundle from a source checkout (pip install -e .)")
+    wheels = out / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    work = out / _WORK / "wheels"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    pin = work / "constraints.txt"
+    pin.write_text(f"torch=={torch_version or torch.__version__.split('+')[0]}\n")
+    index = ["--extra-index-url", torch_index] if torch_index else []
+    _pip(["wheel", "--no-deps", "--wheel-dir", str(work / "own"), str(root)])
+    own = next((work / "own").glob("finetune-*.whl"))
+    _pip(["wheel", "--wheel-dir", str(work / "built"), "--find-links", str(work / "own"), "-c", str(pin), *index,
+          str(own)])
+    here = _this_platform()
+    target = (for_python or here[0], for_platform or here[1])
+    if target == here:
+        found = list((work / "built").glob("*.whl"))
+    else:
+        found = [w for w in (work / "built").glob("*.whl") if w.name.endswith("-none-any.whl")]
+        pure = work / "pure"
+        pure.mkdir()
+        for w in found:
+            shutil.copy2(w, pure / w.name)
+        _pip(["download", "--dest", str(work / "target"), "--only-binary=:all:", "--python-version", target[0],
+              "--platform", target[1], "--find-links", str(pure), "-c", str(pin), *index, str(own)])
+        found = sorted({w.name: w for w in [*found, *(work / "target").glob("*.whl")]}.values())
+    names = {w.name for w in found}
+    for w in found:
+        _copy_if_changed(w, wheels / w.name)
+    for old in wheels.glob("*.whl"):
+        if old.name not in names:
+            old.unlink()
+    shutil.rmtree(work, ignore_errors=True)
+    logger.info(f"wheels: {len(names)} for Python {target[0]} on {target[1]} in {wheels}")
+    return "pip install --no-index --find-links wheels finetune"
+
+
+def _recipe_guess(models: list[Source], datasets: list[Source], out: Path) -> tuple[str, dict]:
+    """(recipe, data keys) for the starting run config, from the dataset's columns and the model's class."""
+    cols = set(next(iter(datasets[0].splits.values()))["columns"]) if datasets else set()
+    masked = False
+    if models and (out / models[0].path / "config.json").is_file():
+        masked = "MaskedLM" in (out / models[0].path / "config.json").read_text()
+    if {"prompt", "chosen", "rejected"} <= cols:
+        return "dpo", {"prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
+    if "messages" in cols:
+        return "sft", {"messages_column": "messages"}
+    for p, r in (("prompt", "response"), ("question", "answer"), ("instruction", "output"), ("prompt", "completion")):
+        if {p, r} <= cols:
+            return "sft", {"prompt_column": p, "response_column": r}
+    if {"text", "label"} <= cols:
+        return "seq_cls", {"text_column": "text", "label_column": "label"}
+    return ("bert_mlm" if masked else "gpt_clm"), {"text_column": "text"}
+
+
+def starting_config(out: Path, models: list[Source], datasets: list[Source]) -> str:
+    """Text of ``run_config.yaml``: the first model and dataset, paths relative to the bundle folder."""
+    recipe, keys = _recipe_guess(models, datasets, out)
+    model = {"path": models[0].path} if models else {"path": "models/<name>"}
+    if models and not any((out / models[0].path).glob("*.safetensors")) and not any(
+            (out / models[0].path).glob("*.bin")):
+        model["init"] = "scratch"
+    data: dict = {}
+    if datasets:
+        splits = datasets[0].splits
+        val = next((s for s in ("validation", "valid", "dev", "test") if s in splits), None)
+        train = "train" if "train" in splits else next(iter(splits))
+        data["train_files"] = [f"{datasets[0].path}/{train}-*.parquet"]
+        if val:
+            data["validation_files"] = [f"{datasets[0].path}/{val}-*.parquet"]
+    cfg = {"recipe": recipe, "output_root": f"runs/{models[0].name if models else 'run'}",
+           "deepspeed": "ds_configs/zero2.json", "model": model, "data": {**data, **keys},
+           "train": {"micro_batch_size": 8, "gradient_accumulation_steps": 1, "epochs": 1, "lr": 2.0e-5,
+                     "eval_every": 200, "save_every": 500, "keep_last_checkpoints": 2}}
+    others = [s.path for s in [*models[1:], *datasets[1:]]]
+    head = ("# Written by finetune bundle: a starting point to edit (not in MANIFEST.json). Paths are relative to\n"
+            "# the bundle folder: run from it, e.g.  deepspeed --module finetune train --config run_config.yaml\n"
+            + (f"# Also in the bundle: {', '.join(others)}\n" if others else ""))
+    return head + yaml.safe_dump(cfg, sort_keys=False)
+
+
+def _recorded(out: Path) -> dict:
+    """What earlier and this run finished: ``{"sources": {"<kind>/<name>": source dict}, "install": str}``, kept in
+    ``.finetune-bundle/sources.json`` so that a re-run adds to the bundle; sources whose folder is gone drop out."""
+    path = out / _WORK / "sources.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {"sources": {}}
+    rec["sources"] = {k: v for k, v in rec["sources"].items() if (out / v["path"]).is_dir()}
+    if rec.get("install") and not (out / "wheels").is_dir():
+        rec["install"] = None
+    return rec
+
+
+def _save_recorded(out: Path, rec: dict) -> None:
+    tmp = out / _WORK / "sources.json.tmp"
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, out / _WORK / "sources.json")
+
+
+def _record(out: Path, src: Source) -> Source:
+    rec = _recorded(out)
+    rec["sources"][f"{src.kind}/{src.name}"] = vars(src) | {"path": src.path}
+    _save_recorded(out, rec)
+    return src
+
+
+def make_bundle(out: Path, models: list[str], datasets: list[str], wheels: bool = False,
+                allow_pickle: bool = False, trust_remote_code: bool = False, max_shard_bytes: int = 500 * 2**20,
+                for_python: str | None = None, for_platform: str | None = None, torch_version: str | None = None,
+                torch_index: str | None = None) -> dict:
+    """Fetch every source into ``out`` and write ``MANIFEST.json`` last; returns the manifest.
+
+    A re-run into the same folder adds its sources to those of earlier runs (a source of the same kind and name
+    is fetched again: unchanged files are kept); the manifest lists them all.
+
+    Raises:
+        ConfigError: ``out`` is a non-empty folder that is not a bundle (nothing of the user's is touched), two
+            sources share a name, or a source fails (see :func:`fetch_model`, :func:`fetch_dataset`,
+            :func:`fetch_wheels`).
+    """
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not (out / _WORK).is_dir():
+        raise ConfigError(f"{out}: a folder that is not a finetune bundle and not empty; give a new or empty folder")
+    if (out / MANIFEST).is_file():
+        (out / MANIFEST).unlink()  # from here until the end, the folder is an unfinished bundle
+    (out / _WORK).mkdir(parents=True, exist_ok=True)
+    names = [_name(*_split_spec(s, False)[:1]) for s in models] + \
+        [_name(i, c) for i, _, c in (_split_spec(s, True) for s in datasets)]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"two sources would share the folder name '{dup[0]}': bundle them into separate folders")
+    model_src = [_record(out, fetch_model(s, out, allow_pickle, trust_remote_code)) for s in models]
+    data_src = [_record(out, fetch_dataset(s, out, max_shard_bytes)) for s in datasets]
+    install = fetch_wheels(out, for_python, for_platform, torch_version, torch_index) if wheels else None
+    if install:
+        _save_recorded(out, _recorded(out) | {"install": install})
+    ds_dir = Path(__file__).resolve().parents[1] / "ds_configs"
+    for f in sorted(ds_dir.glob("*.json")) if ds_dir.is_dir() else []:
+        _copy_if_changed(f, out / "ds_configs" / f.name)
+    if not (out / "run_config.yaml").exists():  # once written, it is the user's to edit
+        (out / "run_config.yaml").write_text(starting_config(out, model_src, data_src))
+    manifest = {"format": FORMAT, "finetune_version": __version__,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "made_on": {"python": platform.python_version(), "platform": sysconfig.get_platform()},
+                "install": install or _recorded(out).get("install"), "sources": list(_recorded(out)["sources"].values()),
+                "files": file_entries(out)}
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def _check_model(root: Path, src: dict) -> list[str]:
+    """Problems loading a bundled model's config and tokenizer offline (``local_files_only=True``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder, problems = root / src["path"], []
+    remote = bool(src.get("trust_remote_code"))
+    if (folder / "config.json").is_file():
+        try:
+            AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
+        except Exception as e:  # any failure is the finding, reported in one line
+            problems.append(f"model {src['name']}: config.json does not load offline: {_first_line(e)}")
+    if any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")):
+        try:
+            AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
+        except Exception as e:
+            problems.append(f"model {src['name']}: the tokenizer does not load offline: {_first_line(e)}")
+    return problems
+
+
+def _check_dataset(root: Path, src: dict) -> list[str]:
+    """Problems reading a bundled dataset's parquet footers: columns and row counts against the manifest."""
+    import pyarrow.parquet as pq
+
+    problems = []
+    for split, info in src.get("splits", {}).items():
+        rows, whole = 0, all((root / rel).is_file() for rel in info["files"])
+        for rel in info["files"]:
+            if not (root / rel).is_file():  # reported by check_files
+                continue
+            try:
+                meta = pq.read_metadata(root / rel)
+            except Exception as e:
+                problems.append(f"dataset {src['name']}: {rel}: parquet footer unreadable: {_first_line(e)}")
+                continue
+            rows += meta.num_rows
+            names = meta.schema.to_arrow_schema().names
+            if names != info["columns"]:
+                problems.append(f"dataset {src['name']}: {rel}: columns {names}, the manifest says "
+                                f"{info['columns']}")
+        if whole and rows != info["rows"]:
+            problems.append(f"dataset {src['name']}: split {split} has {rows:,} rows, the manifest says "
+                            f"{info['rows']:,}")
+    return problems
+
+
+def verify_bundle(root: Path) -> list[str]:
+    """Offline check of a bundle: one line per problem, empty when it is whole.
+
+    Every file's size and SHA-256 against ``MANIFEST.json`` (missing, corrupt, extra: :func:`check_files`), each
+    model's config and tokenizer loaded with ``local_files_only=True``, each dataset's parquet footers read
+    (columns, row counts). Call with ``HF_HUB_OFFLINE=1`` set before transformers is imported (the command does).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return [f"{root}: no such folder"]
+    try:
+        manifest = read_manifest(root)
+    except FileNotFoundError:
+        unfinished = (root / _WORK).is_dir()
+        return [f"{root}: no {MANIFEST}: " + ("an unfinished bundle (finetune bundle stopped before the end: "
+                                              "run it again)" if unfinished else "not a finetune bundle")]
+    except ValueError as e:
+        return [str(e)]
+    problems = check_files(root, manifest)
+    for src in manifest.get("sources", []):
+        if (root / src["path"]).is_dir():
+            problems += _check_model(root, src) if src["kind"] == "model" else _check_dataset(root, src)
+    return problems
