@@ -44,6 +44,17 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
         assert abs(result["metrics"][key] - final[key]) <= 1e-4 * abs(final[key]), (key, result, final)
     assert f"eval/loss        {result['metrics']['eval/loss']:.6g}" in proc.stdout
 
+    # lm-evaluation-harness on the same export, offline, with the shipped local task files (docs/evaluation.md)
+    harness = run_python(["-m", "lm_eval", "--model", "hf", "--model_args",
+                          f"pretrained={run / 'export'},dtype=float32", "--tasks", "gsm8k_local,wikitext2_local",
+                          "--include_path", "scripts/lm_eval_tasks", "--limit", "4", "--num_fewshot", "0",
+                          "--device", "cpu", "--batch_size", "4", "--gen_kwargs", "max_gen_toks=16",
+                          "--output_path", str(tmp_path / "lm_eval")])
+    assert harness.returncode == 0, harness.stdout[-3000:]
+    scores = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
+    assert 0.0 <= scores["gsm8k_local"]["exact_match,strict-match"] <= 1.0
+    assert 1.0 < scores["wikitext2_local"]["byte_perplexity,none"] < 1e4, scores
+
     # bad input: one line each, exit 2, nothing evaluated
     again = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(TINY), "--out", str(written[0])])
     assert again.returncode == 2 and "exists; it is never overwritten" in again.stdout
