@@ -1,6 +1,6 @@
 """The ``finetune`` command: parses the verb and hands the rest of the command line to its module.
 
-``finetune <train|export|evaluate|plan|doctor|report|bundle|verify> ...`` (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
+``finetune <verb> ...`` (``COMMANDS``) (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
 runs ``train``. Each verb is a module of :mod:`finetune.commands` with ``main(argv) -> int``.
 
 The one lazy import of the package is here: a verb's module is imported only when that verb runs, so that
@@ -21,6 +21,7 @@ COMMANDS = {
     "report": "PNG of the training curves of run folders",
     "bundle": "models, datasets and wheels in one folder with a manifest, for a cluster without internet",
     "verify": "offline check of a bundle: every file's SHA-256, models, tokenizers and parquet load",
+    "selftest": "the node's numerics and collectives against fp32 single-device references, one row per check",
 }
 """Verb -> one line of help; the verb's code is ``finetune.commands.<verb>.main``."""
 

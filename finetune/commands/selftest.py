@@ -1,0 +1,61 @@
+"""``finetune selftest [--checks a,b] [--json OUT]``: the node self-test (:mod:`finetune.selftest`), one row per check.
+
+Run it once per cluster on a GPU node, with all its GPUs, and attach its table to a bug report::
+
+    deepspeed --num_gpus 8 --module finetune selftest
+    torchrun --nproc_per_node 8 -m finetune selftest
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module finetune selftest      # the CPU subset, on a laptop
+    finetune selftest                                                           # one process
+
+Exit status 0 when no check failed (skips are fine), 1 when one did, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from finetune import distributed as dist_utils
+from finetune.errors import ConfigError
+from finetune.errors import report as report_error
+from finetune.logs import setup_logging
+from finetune.selftest import CHECKS, as_dicts, render, run_checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``finetune selftest``; rank 0 prints the table (and writes ``--json``)."""
+    p = argparse.ArgumentParser(prog="finetune selftest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checks", default="", help=f"comma-separated subset of: {', '.join(CHECKS)} (default: all)")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file (rank 0)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.checks.split(",") if n.strip()] or None
+    try:
+        unknown = [n for n in names or [] if n not in CHECKS]
+        if unknown:
+            raise ConfigError(f"--checks: unknown check '{unknown[0]}'; choose from {', '.join(CHECKS)}")
+        if args.json and Path(args.json).exists():
+            raise ConfigError(f"--json: '{args.json}' exists; it is never overwritten, choose another file")
+        dist_utils.export_rank_env()
+    except ConfigError as e:
+        return report_error(e)
+    setup_logging(None, dist_utils.rank())
+    dist_utils.init(10.0)
+    try:
+        if dist_utils.on_cpu():
+            dist_utils.set_cpu_threads()
+        rows = run_checks(names)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if dist_utils.is_main():
+        print(render(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"world_size": dist_utils.world_size(), "rows": as_dicts(rows)},
+                                                  indent=2) + "\n")
+            print(f"finetune: self-test rows written to {args.json}", file=sys.stderr)
+    return 1 if any(r.status == "FAIL" for r in rows) else 0

@@ -1,0 +1,318 @@
+"""The node self-test: the numerics and collectives a run relies on, checked on the node it runs on.
+
+Every check runs a tiny model or tensor on this node's accelerator (all its GPUs under a launcher) and compares it
+with a reference computed here in fp32, unfused, on one device, against a stated tolerance. A check that needs what
+the node does not have (a GPU, Liger, flash-attn) is skipped with the reason, so the same command runs on a
+laptop and on a GPU node. Checks (``CHECKS``):
+
+* ``collectives``: all-reduce, all-gather, broadcast and all-to-all over the process group's backend (NCCL on
+  GPUs, gloo on CPU ranks; all-to-all is what Ulysses sequence parallelism uses); small integers, so exact.
+* ``chunked_head``: finetune's chunked output-head cross-entropy (:func:`finetune.recipes.lm_loss.chunked_cross_entropy`,
+  several chunks, recomputed in backward) against the full logits: loss and head gradient, fp32.
+* ``liger_fused_ce``: Liger's fused linear cross-entropy (what causal-LM heads use on CUDA) against the same
+  reference: loss and gradients (CUDA and ``liger-kernel`` only).
+* ``bf16_forward``: a tiny Llama's loss and logits in bf16 against fp32 (bf16 keeps 8 bits of mantissa).
+* ``flash_attention``: ``attn_implementation="flash_attention_2"`` against ``sdpa`` in bf16 (CUDA and flash-attn).
+* ``zero2_step``, ``zero3_step``: three optimizer steps of a DeepSpeed engine (ZeRO 2 / 3, fp32, AdamW, the global
+  batch split over the ranks) against plain PyTorch AdamW on the whole batch in one process: the per-step losses.
+* ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
+  DeepSpeed's CPU accelerator has no fp16).
+* ``sequence_parallel``: skipped until sequence parallelism exists in finetune (its all-to-all is checked above).
+
+Tolerances are relative differences ``|a - b| / max(|b|, 1e-12)`` (max over elements) unless the check is exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from finetune import distributed as dist_utils
+from finetune.recipes.lm_loss import chunked_cross_entropy
+
+
+@dataclass
+class Check:
+    """One row of the self-test.
+
+    Attributes:
+        name: the check (``collectives``, ``zero3_step``, ...).
+        status: ``pass``, ``FAIL`` or ``skip``.
+        measured: the largest difference measured (relative unless ``detail`` says exact), or None when skipped.
+        tolerance: the largest difference that passes.
+        detail: what was compared, or why the check was skipped.
+        seconds: wall time of the check.
+    """
+
+    name: str
+    status: str
+    measured: float | None
+    tolerance: float
+    detail: str
+    seconds: float = 0.0
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max(|b|, 1e-12)`` over the elements, in float64 on the CPU."""
+    a, b = a.detach().double().cpu().flatten(), b.detach().double().cpu().flatten()
+    return float(((a - b).abs() / b.abs().clamp_min(1e-12)).max()) if a.numel() else 0.0
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return torch.device(f"{name}:{dist_utils.local_rank()}" if name == "cuda" else name)
+
+
+def _judge(name: str, measured: float, tolerance: float, detail: str) -> Check:
+    ok = math.isfinite(measured) and measured <= tolerance
+    return Check(name, "pass" if ok else "FAIL", measured, tolerance, detail)
+
+
+def check_collectives() -> Check:
+    """All-reduce, all-gather, broadcast and all-to-all of small integers: exact (tolerance 0)."""
+    import torch.distributed as dist
+
+    dev, w, r = _device(), dist_utils.world_size(), dist_utils.rank()
+    err = 0.0
+    t = torch.full((4,), float(r + 1), device=dev)
+    dist.all_reduce(t)
+    err = max(err, float((t - w * (w + 1) / 2).abs().max()))
+    parts = [torch.zeros(3, device=dev) for _ in range(w)]
+    dist.all_gather(parts, torch.full((3,), float(r), device=dev))
+    err = max(err, max(float((p - i).abs().max()) for i, p in enumerate(parts)))
+    b = torch.full((2,), float(r + 7), device=dev)
+    dist.broadcast(b, src=0)
+    err = max(err, float((b - 7).abs().max()))
+    send = torch.arange(w, device=dev, dtype=torch.float32) + 100 * r  # element j goes to rank j
+    recv = torch.empty(w, device=dev)
+    dist.all_to_all_single(recv, send)
+    err = max(err, float((recv - (torch.arange(w, device=dev) * 100 + r)).abs().max()))
+    return _judge("collectives", err, 0.0, f"{dist.get_backend()}, {w} rank(s): all_reduce, all_gather, broadcast, "
+                                            "all_to_all_single (exact)")
+
+
+def _head_case(dev: torch.device, n: int = 96, hidden: int = 64, vocab: int = 1000):
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 0.05)
+    h = torch.randn(n, hidden, generator=g)
+    y = torch.randint(0, vocab, (n,), generator=g)
+    return head.to(dev), h.to(dev), y.to(dev)
+
+
+def _reference_ce(head: torch.nn.Linear, h: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    head.zero_grad()
+    loss = F.cross_entropy(head(h).float(), y, reduction="sum")
+    loss.backward()
+    return loss.detach(), head.weight.grad.detach().clone()
+
+
+def check_chunked_head() -> Check:
+    """Chunked head cross-entropy (4 chunks, recomputed in backward) vs full logits: loss and weight gradient."""
+    head, h, y = _head_case(_device())
+    ref_loss, ref_grad = _reference_ce(head, h, y)
+    head.zero_grad()
+    loss, _ = chunked_cross_entropy(head, h, y, chunk=24)
+    loss.backward()
+    diff = max(rel_diff(loss, ref_loss), float((head.weight.grad - ref_grad).abs().max() / ref_grad.abs().max()))
+    return _judge("chunked_head", diff, 1e-5, "loss sum and head gradient, 96 rows in 4 chunks vs full logits, fp32")
+
+
+def check_liger() -> Check:
+    """Liger's fused linear cross-entropy vs full logits (CUDA and liger-kernel only)."""
+    dev = _device()
+    if dev.type != "cuda":
+        return Check("liger_fused_ce", "skip", None, 1e-4, "needs a CUDA GPU (causal-LM heads use it only there)")
+    if importlib.util.find_spec("liger_kernel") is None:
+        return Check("liger_fused_ce", "skip", None, 1e-4, "liger-kernel not installed (pip install -e .[gpu])")
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    head, h, y = _head_case(dev)
+    ref_loss, ref_grad = _reference_ce(head, h, y)
+    head.zero_grad()
+    hh = h.clone().requires_grad_(True)  # Liger computes the weight gradient through the input's
+    loss = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)(head.weight, hh, y)
+    loss.backward()
+    diff = max(rel_diff(loss, ref_loss), float((head.weight.grad - ref_grad).abs().max() / ref_grad.abs().max()))
+    return _judge("liger_fused_ce", diff, 1e-4, "loss sum and head gradient vs full logits, fp32")
+
+
+def tiny_llama(attn: str = "sdpa", seed: int = 0):
+    """A 2-layer Llama (hidden 64, 4 heads, 2 key/value heads, vocabulary 512), seeded, fp32, with weights drawn
+    10x wider than transformers' default (``initializer_range`` 0.2) so that its logits are far from uniform and
+    precision differences show."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2, attn_implementation=attn)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _batch(rows: int = 8, seq: int = 32, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, 512, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def scaled_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|``: the largest error relative to the tensor's scale (for logits, where single
+    elements near 0 make element-wise relative errors meaningless)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def check_bf16() -> Check:
+    """A tiny Llama in bf16 vs fp32 on this device: the loss (relative) and the logits (scaled), 1e-1."""
+    dev = _device()
+    ids = _batch().to(dev)
+    model = tiny_llama().to(dev)
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+        low = model.to(torch.bfloat16)(input_ids=ids, labels=ids)
+    diff = max(rel_diff(low.loss.float(), ref.loss), scaled_diff(low.logits.float(), ref.logits))
+    return _judge("bf16_forward", diff, 1e-1, f"tiny Llama loss and logits, bf16 vs fp32 on {dev.type} (a broken "
+                                               "bf16 path is off by O(1))")
+
+
+def check_flash_attention() -> Check:
+    """flash_attention_2 vs sdpa, bf16 forward of a tiny Llama (CUDA and flash-attn only)."""
+    dev = _device()
+    if dev.type != "cuda":
+        return Check("flash_attention", "skip", None, 1e-2, "needs a CUDA GPU")
+    if importlib.util.find_spec("flash_attn") is None:
+        return Check("flash_attention", "skip", None, 1e-2, "flash-attn not installed")
+    ids = _batch().to(dev)
+    with torch.no_grad():
+        ref = tiny_llama("sdpa").to(dev, torch.bfloat16)(input_ids=ids, labels=ids).loss.float()
+        got = tiny_llama("flash_attention_2").to(dev, torch.bfloat16)(input_ids=ids, labels=ids).loss.float()
+    return _judge("flash_attention", rel_diff(got, ref), 1e-2, "tiny Llama loss, flash_attention_2 vs sdpa, bf16")
+
+
+def _plain_losses(steps: int, lr: float) -> list[float]:
+    """Plain PyTorch: AdamW on the whole batch in one process, fp32 on the CPU (the reference)."""
+    model, ids = tiny_llama(), _batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    out = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss))
+    return out
+
+
+def _engine_losses(stage: int, steps: int, lr: float, fp16: bool = False) -> list[float]:
+    """DeepSpeed: the same batch split over the ranks (equal rows, no padding: the mean of the ranks' means is
+    the batch mean), ZeRO ``stage``, fp32 (or fp16 with dynamic loss scaling)."""
+    import deepspeed
+
+    w, r = dist_utils.world_size(), dist_utils.rank()
+    ids = _batch()
+    if ids.shape[0] % w:
+        raise ValueError(f"the self-test's batch of {ids.shape[0]} rows does not split over {w} ranks")
+    mine = ids.chunk(w)[r].to(_device())
+    model = tiny_llama()
+    ds = {"train_micro_batch_size_per_gpu": mine.shape[0], "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+          "fp16": {"enabled": fp16, "initial_scale_power": 8}, "steps_per_print": 10**9,
+          "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    out = []
+    for _ in range(steps):
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        out.append(float(mean) / w)
+    engine.destroy()
+    return out
+
+
+def check_zero_step(stage: int, steps: int = 3, lr: float = 1e-3) -> Check:
+    """``steps`` DeepSpeed ZeRO-``stage`` steps vs plain AdamW on one process: the largest per-step loss difference."""
+    name = f"zero{stage}_step"
+    dev = _device()
+    tol = 1e-5 if dev.type == "cpu" else 1e-4  # GPU kernels (TF32 off) sum in other orders
+    got, ref = _engine_losses(stage, steps, lr), _plain_losses(steps, lr)
+    diff = max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
+    return _judge(name, diff, tol, f"{steps} steps, fp32 AdamW, batch split over {dist_utils.world_size()} rank(s) "
+                                   f"vs one process: losses {', '.join(f'{x:.6f}' for x in got)}")
+
+
+def check_fp16_step(steps: int = 3, lr: float = 1e-3) -> Check:
+    """DeepSpeed fp16 (dynamic loss scaling) vs fp32 engine losses over ``steps`` steps (GPUs only)."""
+    if _device().type != "cuda":
+        return Check("fp16_step", "skip", None, 2e-2, "needs a GPU: DeepSpeed's CPU accelerator has no fp16")
+    got, ref = _engine_losses(2, steps, lr, fp16=True), _engine_losses(2, steps, lr)
+    diff = max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
+    return _judge("fp16_step", diff, 2e-2, f"{steps} ZeRO-2 steps, fp16 with loss scaling vs fp32")
+
+
+def check_sequence_parallel() -> Check:
+    """Placeholder row: sequence parallelism is not part of finetune yet."""
+    return Check("sequence_parallel", "skip", None, 0.0,
+                 "sequence parallelism is not in finetune yet (its all-to-all is in 'collectives')")
+
+
+CHECKS = {
+    "collectives": check_collectives,
+    "chunked_head": check_chunked_head,
+    "liger_fused_ce": check_liger,
+    "bf16_forward": check_bf16,
+    "flash_attention": check_flash_attention,
+    "zero2_step": lambda: check_zero_step(2),
+    "zero3_step": lambda: check_zero_step(3),
+    "fp16_step": check_fp16_step,
+    "sequence_parallel": check_sequence_parallel,
+}
+"""Check name -> function returning a :class:`Check`; run in this order, on every rank in lockstep."""
+
+
+def run_checks(names: list[str] | None = None) -> list[Check]:
+    """Run the named checks (default: all) on every rank; a check that raises is a ``FAIL`` with the error.
+
+    Every rank runs every check (the collectives and engines need all of them); the rows are rank 0's, and a
+    ``FAIL`` on any rank makes the row ``FAIL`` everywhere (the statuses are all-reduced).
+    """
+    rows = []
+    for name in names or list(CHECKS):
+        start = time.perf_counter()
+        try:
+            row = CHECKS[name]()
+        except Exception as e:  # noqa: BLE001  (the self-test reports failures, it does not stop at one)
+            row = Check(name, "FAIL", None, 0.0, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        failed = torch.tensor([1.0 if row.status == "FAIL" else 0.0], device=_device())
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(failed)
+        if failed.item() and row.status != "FAIL":
+            row.status, row.detail = "FAIL", row.detail + " (failed on another rank)"
+        row.seconds = time.perf_counter() - start
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[Check]) -> str:
+    """The rows as a text table, then ``N passed, N failed, N skipped``."""
+    lines = [f"{'check':<18} {'status':<6} {'measured':>10} {'tolerance':>10} {'seconds':>8}  detail"]
+    for r in rows:
+        m = "-" if r.measured is None else f"{r.measured:.2e}"
+        lines.append(f"{r.name:<18} {r.status:<6} {m:>10} {r.tolerance:>10.0e} {r.seconds:>8.1f}  {r.detail}")
+    count = {s: sum(r.status == s for r in rows) for s in ("pass", "FAIL", "skip")}
+    lines.append(f"{count['pass']} passed, {count['FAIL']} failed, {count['skip']} skipped")
+    return "\n".join(lines)
+
+
+def as_dicts(rows: list[Check]) -> list[dict]:
+    """The rows as JSON-ready dicts."""
+    return [asdict(r) for r in rows]

@@ -1,0 +1,67 @@
+"""``finetune selftest``: the CPU subset on 2 CPU ranks under DeepSpeed's launcher (rows, skips with reasons, JSON),
+and the checks' power to fail: a head loss off by 0.1% and a check that raises are ``FAIL`` rows."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO, cpu_env, free_port
+from finetune import selftest
+
+
+def test_selftest_cpu_subset_on_two_ranks(tmp_path):
+    out = tmp_path / "selftest.json"
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "--module", "finetune", "selftest", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == list(selftest.CHECKS)
+    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step"):
+        assert rows[name]["status"] == "pass", rows[name]
+        assert rows[name]["measured"] <= rows[name]["tolerance"]
+    assert "gloo, 2 rank(s)" in rows["collectives"]["detail"]
+    assert rows["bf16_forward"]["measured"] > 1e-4  # bf16 really ran: its error is visible, and bounded
+    for name, why in (("liger_fused_ce", "needs a CUDA GPU"), ("flash_attention", "needs a CUDA GPU"),
+                      ("fp16_step", "DeepSpeed's CPU accelerator has no fp16"),
+                      ("sequence_parallel", "not in finetune yet")):
+        assert rows[name]["status"] == "skip" and why in rows[name]["detail"], rows[name]
+    assert "5 passed, 0 failed, 4 skipped" in proc.stdout
+    assert proc.stdout.count("check              status") == 1  # rank 0 prints the table
+
+
+def test_selftest_checks_can_fail(monkeypatch):
+    real = selftest.chunked_cross_entropy
+
+    def off_by_a_thousandth(*args, **kwargs):
+        loss, correct = real(*args, **kwargs)
+        return loss * 1.001, correct
+
+    monkeypatch.setattr(selftest, "chunked_cross_entropy", off_by_a_thousandth)
+    monkeypatch.setitem(selftest.CHECKS, "broken", lambda: torch.ones(2) @ torch.ones(3))
+    rows = selftest.run_checks(["chunked_head", "broken"])
+    assert [r.status for r in rows] == ["FAIL", "FAIL"]
+    assert 9e-4 < rows[0].measured < 1.1e-3
+    assert rows[1].detail.startswith("RuntimeError: ")
+    table = selftest.render(rows)
+    assert table.splitlines()[-1] == "0 passed, 2 failed, 0 skipped"
+
+
+def test_selftest_bad_arguments(tmp_path, capsys):
+    from finetune.commands.selftest import main
+
+    assert main(["--checks", "collectives,warp_drive"]) == 2
+    assert "--checks: unknown check 'warp_drive'" in capsys.readouterr().err
+    taken = tmp_path / "taken.json"
+    taken.write_text("{}")
+    assert main(["--json", str(taken)]) == 2
+    assert "exists; it is never overwritten" in capsys.readouterr().err
