@@ -7,6 +7,7 @@ The plan's figures are compared with the measured peak memory of real runs in
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -206,3 +207,48 @@ def _port() -> int:
     from conftest import free_port
 
     return free_port()
+
+
+def test_doctor_multinode_rows(capsys, tmp_path, monkeypatch):
+    """--nodes 2: the run folder on a local disk warns, a busy rendezvous port on the head node blocks; several
+    interfaces without NCCL/GLOO_SOCKET_IFNAME warn (a network namespace with a veth pair: two interfaces up)."""
+    import socket
+    import subprocess
+    import sys
+    import uuid
+
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+    code = doctor.main([str(CONFIGS / "tiny_gpt.yaml"), f"output_dir={tmp_path / 'run'}", "--nodes", "2"])
+    port = busy.getsockname()[1]
+    busy.close()
+    rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines() if line.startswith("multinode")]
+    assert code == 2
+    assert rows[0][:2] == ["multinode", "warn"] and "a local file system, but all 2 nodes" in rows[0][2]
+    assert rows[1][:2] == ["multinode", "ok"] and "node-local, each node tokenizes" in rows[1][2]
+    assert rows[2] == ["multinode", "FAIL", f"rendezvous port {port} on the head node 127.0.0.1: in use: set "
+                                            "MASTER_PORT to a free port"]
+    assert doctor.mount_of(Path("/proc/self")) == ("/proc", "proc")
+
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 missing")
+    ns = f"ftdoc{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "add", "d0", "type", "veth", "peer", "name", "d1"], check=True)
+        for dev in ("d0", "d1"):
+            subprocess.run(["ip", "-n", ns, "link", "set", dev, "up"], check=True)
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "finetune", "doctor", str(CONFIGS / "tiny_gpt.yaml"),
+               f"output_dir={tmp_path / 'run'}", "--nodes", "2"]
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME") and k != "MASTER_ADDR"}
+        env.update(DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO))
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO).stdout
+        assert "2 network interfaces up (d0, d1) and NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME not set" in out, out
+        env.update(NCCL_SOCKET_IFNAME="d0", GLOO_SOCKET_IFNAME="d0")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO).stdout
+        assert "network interfaces up: d0, d1; NCCL_SOCKET_IFNAME=d0; GLOO_SOCKET_IFNAME=d0" in out, out
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)

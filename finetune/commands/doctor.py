@@ -14,6 +14,12 @@ Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exi
   built on the meta device, :func:`finetune.plan.model_shape`).
 * ``folders``: output and tokenization cache folders can be written (a file is created and removed).
 * ``launcher``: what the launch would see: Slurm variables, a DeepSpeed hostfile, MASTER_ADDR/PORT.
+* ``multinode`` (with ``--nodes N`` > 1, or inside a multi-node Slurm job): the output and cache folders on a
+  file system every node sees (the mount's type from ``/proc/mounts``: NFS, Lustre, GPFS, BeeGFS, CephFS, ... pass,
+  a local disk or tmpfs warns), the rendezvous port free on this host when it is the head node
+  (``MASTER_PORT``, else the sbatch scripts' ``20000 + job id % 10000``), and ``NCCL_SOCKET_IFNAME`` /
+  ``GLOO_SOCKET_IFNAME`` set when this node has several network interfaces up (NCCL and gloo pick one each,
+  not always the one the other nodes reach).
 * ``offline``: ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set (a warning when not: transformers and datasets
   would try the Hub and wait for network timeouts), and the ``finetune bundle`` folder the model or data come
   from, with the ``finetune verify`` command that checks it.
@@ -34,6 +40,7 @@ from deepspeed.accelerator import get_accelerator
 
 from finetune.config import RunConfig, deep_merge, load_run_config
 from finetune.data import default_cache_dir, expand_files
+from finetune.distributed import slurm_head_node
 from finetune.ds_config import describe_precision, load_ds_json
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
@@ -223,6 +230,92 @@ def _launcher_rows() -> list[tuple[str, str, str]]:
     return rows
 
 
+_LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "vfat", "ramfs"}
+
+
+def mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, file system type) of the mount holding ``path`` (the longest mount point of ``/proc/mounts``
+    that is a prefix of the absolute path); ``("", "unknown")`` where ``/proc/mounts`` cannot be read."""
+    target = str(path.expanduser().absolute())
+    best = ("", "unknown")
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+            best = (point, parts[2])
+    return best
+
+
+def interfaces_up() -> list[str]:
+    """Network interfaces of this host that are up, loopback excluded (from ``/sys/class/net``)."""
+    up = []
+    for d in sorted(Path("/sys/class/net").glob("*")):
+        try:
+            state = (d / "operstate").read_text().strip()
+            flags = int((d / "flags").read_text().strip(), 16)
+        except (OSError, ValueError):
+            continue
+        if d.name != "lo" and (state == "up" or (state == "unknown" and flags & 0x1 and d.name != "lo")):
+            up.append(d.name)
+    return up
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _multinode_rows(cfg: RunConfig, nodes: int) -> list[tuple[str, str, str]]:
+    if nodes <= 1:
+        return []
+    out = cfg.output_dir or cfg.output_root or "."
+    point, fs = mount_of(Path(out))
+    shared = fs not in _LOCAL_FS and fs != "unknown"
+    rows = [("multinode", "ok" if shared else "warn", f"output '{out}' is on {fs} ({point or '?'})" + (
+        "" if shared else f": a local file system, but all {nodes} nodes must write to the same run folder "
+        "(every rank writes its checkpoint shards): use shared storage (NFS, Lustre, GPFS, ...)"))]
+    cache = str(default_cache_dir(cfg.data))
+    point, fs = mount_of(Path(cache))
+    rows.append(("multinode", "ok", f"data.cache_dir '{cache}' is on {fs} ({point or '?'}): " + (
+        "shared, tokenized once" if fs not in _LOCAL_FS else "node-local, each node tokenizes the data itself")))
+    head = os.environ.get("MASTER_ADDR") or (slurm_head_node() if "SLURM_JOB_NODELIST" in os.environ else "")
+    job = os.environ.get("SLURM_JOB_ID")
+    port = int(os.environ.get("MASTER_PORT") or (20000 + int(job) % 10000 if job and job.isdigit() else 29500))
+    import socket
+
+    if head and head in (socket.gethostname(), socket.getfqdn(), "127.0.0.1", "localhost"):
+        free = _port_free(port)
+        rows.append(("multinode", "ok" if free else "FAIL", f"rendezvous port {port} on the head node {head}: " +
+                     ("free" if free else "in use: set MASTER_PORT to a free port")))
+    else:
+        rows.append(("multinode", "ok", f"rendezvous port {port}: checked on the head node only (this is "
+                     f"{socket.gethostname()}{', the head node is ' + head if head else ''}); run doctor in the job"))
+    ifaces = interfaces_up()
+    named = {v: os.environ[v] for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if os.environ.get(v)}
+    if len(ifaces) > 1 and len(named) < 2:
+        unset = [v for v in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME") if v not in named]
+        rows.append(("multinode", "warn", f"{len(ifaces)} network interfaces up ({', '.join(ifaces)}) and "
+                     f"{' and '.join(unset)} not set: NCCL and gloo may pick one the other nodes cannot reach; "
+                     f"export {'='.join([unset[0], ifaces[0]])} (the interface of the nodes' network)"))
+    else:
+        rows.append(("multinode", "ok", f"network interfaces up: {', '.join(ifaces) or 'none'}" +
+                     "".join(f"; {k}={v}" for k, v in named.items())))
+    return rows
+
+
 def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     unset = [v for v in _OFFLINE_VARS if os.environ.get(v, "").upper() not in ("1", "ON", "YES", "TRUE")]
     rows = [("offline", "warn", f"{' and '.join(unset)} not set: export {'=1 '.join(unset)}=1 before Python starts "
@@ -239,13 +332,14 @@ def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
-def diagnose(cfg: RunConfig, world: int = 1) -> list[tuple[str, str, str]]:
-    """Every doctor row ``(area, status, detail)`` for ``cfg`` (status ``ok``, ``warn`` or ``FAIL``)."""
+def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, str, str]]:
+    """Every doctor row ``(area, status, detail)`` for ``cfg`` on ``nodes`` nodes (status ``ok``, ``warn`` or
+    ``FAIL``)."""
     rows = _model_rows(cfg) + _data_rows(cfg)
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
     rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()
-    rows += _offline_rows(cfg)
+    rows += _multinode_rows(cfg, nodes) + _offline_rows(cfg)
     return rows
 
 
@@ -268,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks of the planned launch, for the batch-size checks (default: WORLD_SIZE or 1)")
-    args = p.parse_args(argv)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="nodes of the planned launch, for the multi-node checks (default: SLURM_JOB_NUM_NODES or 1)")
+    args = p.parse_intermixed_args(argv)
 
     try:
         if args.world_size is not None and args.world_size < 1:
@@ -277,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return report_error(e)
     world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    rows = diagnose(cfg, world)
+    nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    rows = diagnose(cfg, world, nodes)
     print(render(rows))
     return 2 if any(s == "FAIL" for _, s, _ in rows) else 0
 
