@@ -14,6 +14,11 @@ JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a 
   Cost: one small file write every few seconds per rank; nothing per step.
 * On the way out the rank writes ``state``: ``exited`` with ``exit_code``, or ``failed`` with ``error``
   (and ``peer_failure: true`` when it only failed because a collective broke under it).
+* Rank 0's heartbeat thread, when it finds the main thread inside a collective at two beats in a row, reads
+  the other records too (and keeps reading them while the wait lasts): a rank found gone (the forms below) is
+  logged at once and kept in rank 0's record as ``waiting_for``, before any collective timeout, so a lost node
+  is named even when the job is killed while the survivors still wait (Slurm ending a job whose node failed).
+  Cost: nothing while the collectives return; while one waits, one read of each record per beat.
 * A rank whose collective broke calls :func:`diagnose`, which reads the other ranks' records and names the
   culprit: ``rank R (host H, pid P) failed at T: <error>``, ``... exited with status S at T``, ``... died
   at about T without an exit status`` (same host: its pid is gone, so it was killed by a signal such as
@@ -110,6 +115,7 @@ class RankHealth:
         self._stop = threading.Event()
         self._main = threading.main_thread().ident
         self._thread: threading.Thread | None = None
+        self._watch_seen: dict[int, tuple[int, float]] = {}
 
     def path(self, rank: int) -> Path:
         """``<folder>/rank<r>.json``."""
@@ -131,11 +137,22 @@ class RankHealth:
         return self
 
     def _beat(self) -> None:
+        in_collective = 0  # consecutive beats that found the main thread inside torch.distributed
+        since = 0.0
         while not self._stop.wait(HEARTBEAT_S):
             with self._lock:
                 if self._stop.is_set():
                     return
-                self.record.update(time=time.time(), beat=self.record["beat"] + 1, where=_where(self._main))
+                where = _where(self._main)
+                if "distributed_c10d" in where:
+                    in_collective, since = in_collective + 1, since if in_collective else time.time()
+                else:
+                    in_collective = 0
+                    self._watch_seen.clear()
+                if in_collective >= 2 and self.rank == 0 and self.world > 1:
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        self._watch(where, since)
+                self.record.update(time=time.time(), beat=self.record["beat"] + 1, where=where)
                 with contextlib.suppress(OSError):  # a full or vanished file system must not kill the rank
                     self._write()
 
@@ -165,6 +182,57 @@ class RankHealth:
             return None
         return rec if rec.get("launch") == self.launch else None
 
+    def _scan(self, seen: dict[int, tuple[int, float]]) -> tuple[list, list, list, list]:
+        """One reading of the other ranks' records: ``(culprits, victims, alive, missing)``.
+
+        ``seen`` (rank -> (beat, when this reader first saw that beat)) carries over between readings: a record
+        whose beat has not changed for :data:`STALE_S` seconds of this reader's clock is a rank that stopped
+        heartbeating (clocks of other nodes are never compared with this one).
+        """
+        now, host = time.time(), socket.gethostname()
+        culprits, victims, alive, missing = [], [], [], []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            rec = self._read(r)
+            if rec is None:
+                missing.append(r)
+                continue
+            who = f"rank {r} (host {rec['host']}, pid {rec['pid']})"
+            if rec["state"] == "failed":
+                line = f"{who} failed at {_when(rec['time'])}: {rec.get('error', '?')}"
+                (victims if rec.get("peer_failure") else culprits).append(line)
+            elif rec["state"] == "exited":
+                culprits.append(f"{who} exited with status {rec.get('exit_code')} at {_when(rec['time'])}")
+            elif rec["host"] == host and not _alive(rec["pid"], rec.get("create_time")):
+                culprits.append(f"{who} died at about {_when(now)} without an exit status (killed by a signal: "
+                                f"SIGKILL, the out-of-memory killer, a crash; last heartbeat "
+                                f"{_when(rec['time'])}{', in ' + rec['where'] if rec.get('where') else ''})")
+            else:
+                beat, since = seen.setdefault(r, (rec["beat"], now))
+                if rec["beat"] != beat:
+                    seen[r] = (rec["beat"], now)
+                elif now - since > STALE_S:
+                    culprits.append(f"{who} stopped heartbeating at {_when(rec['time'])} (no exit status: "
+                                    f"killed, or its node failed)")
+                    continue
+                alive.append((r, who, rec))
+        return culprits, victims, alive, missing
+
+    def _watch(self, where: str, in_collective_since: float) -> None:
+        """Rank 0, while its main thread has waited in a collective for two heartbeats: read the other records
+        (kept between beats) and, once a rank is found gone, log it and write it into this rank's record
+        (``waiting_for``): a lost node is named while the survivors still wait (a collective on a dead peer
+        may block until the timeout, and a job killed before that would otherwise leave no name behind)."""
+        culprits = self._scan(self._watch_seen)[0]
+        line = "; ".join(culprits)
+        if culprits and line != self.record.get("waiting_for"):
+            self.record["waiting_for"] = line
+            from finetune.logs import logger
+
+            logger.warning(f"rank {self.rank} has waited in a collective since {_when(in_collective_since)} "
+                           f"({where}): {line}")
+
     def diagnose(self, wait_s: float = DIAGNOSE_S) -> str:
         """Name the rank(s) whose failure broke this rank's collective, from their records.
 
@@ -181,34 +249,7 @@ class RankHealth:
         seen: dict[int, tuple[int, float]] = {}  # rank -> (beat, when this rank first saw that beat)
         host = socket.gethostname()
         while True:
-            now = time.time()
-            culprits, victims, alive, missing = [], [], [], []
-            for r in range(self.world):
-                if r == self.rank:
-                    continue
-                rec = self._read(r)
-                if rec is None:
-                    missing.append(r)
-                    continue
-                who = f"rank {r} (host {rec['host']}, pid {rec['pid']})"
-                if rec["state"] == "failed":
-                    line = f"{who} failed at {_when(rec['time'])}: {rec.get('error', '?')}"
-                    (victims if rec.get("peer_failure") else culprits).append(line)
-                elif rec["state"] == "exited":
-                    culprits.append(f"{who} exited with status {rec.get('exit_code')} at {_when(rec['time'])}")
-                elif rec["host"] == host and not _alive(rec["pid"], rec.get("create_time")):
-                    culprits.append(f"{who} died at about {_when(now)} without an exit status (killed by a signal: "
-                                    f"SIGKILL, the out-of-memory killer, a crash; last heartbeat "
-                                    f"{_when(rec['time'])}{', in ' + rec['where'] if rec.get('where') else ''})")
-                else:
-                    beat, since = seen.setdefault(r, (rec["beat"], now))
-                    if rec["beat"] != beat:
-                        seen[r] = (rec["beat"], now)
-                    elif now - since > STALE_S:
-                        culprits.append(f"{who} stopped heartbeating at {_when(rec['time'])} (no exit status: "
-                                        f"killed, or its node failed)")
-                        continue
-                    alive.append((r, who, rec))
+            culprits, victims, alive, missing = self._scan(seen)
             if culprits or time.time() - t0 > wait_s:
                 break
             time.sleep(0.2)

@@ -52,15 +52,22 @@ class SlurmCluster:
     pids: dict = field(default_factory=dict)
     gpus: int = 0
     """GPUs the node advertises (0 where no device files could be made: then submit with --gpus-per-node=0)."""
+    prefix: list = field(default_factory=list)
+    """Put before every client command (two-node cluster: ``ip netns exec <first node's namespace>``)."""
+    namespaces: list = field(default_factory=list)
+    """Network namespaces this cluster made (deleted by :meth:`stop`)."""
+    nodes: dict = field(default_factory=dict)
+    """Node name -> address (two-node cluster)."""
 
     def run(self, *args: str, check: bool = True, timeout: int = 60) -> subprocess.CompletedProcess:
         """Run a Slurm client command (``sbatch``, ``scontrol``, ...) against this cluster."""
-        return subprocess.run(list(args), env=self.env, capture_output=True, text=True, check=check, timeout=timeout)
+        return subprocess.run([*self.prefix, *args], env=self.env, capture_output=True, text=True, check=check,
+                              timeout=timeout)
 
     def sbatch(self, script: str | Path | None, *args: str, options: list[str] = (), env: dict | None = None,
                cwd: str | Path | None = None) -> int:
         """Submit ``script args...`` (None: ``--wrap`` in ``options``) with sbatch ``options``; returns the job id."""
-        cmd = ["sbatch", "--parsable", *options] + ([str(script), *args] if script is not None else [])
+        cmd = [*self.prefix, "sbatch", "--parsable", *options] + ([str(script), *args] if script is not None else [])
         out = subprocess.run(cmd, env=env or self.env,
                              capture_output=True, text=True, timeout=60, cwd=cwd)
         if out.returncode != 0:
@@ -92,7 +99,7 @@ class SlurmCluster:
     def logs_tail(self, n: int = 30) -> str:
         """The last lines of both daemons' logs (for assertion messages)."""
         parts = []
-        for name in ("slurmctld.log", "slurmd.log"):
+        for name in ("slurmctld.log", "slurmd.log", *(f"slurmd-{n}.log" for n in self.nodes)):
             p = self.root / name
             if p.exists():
                 parts.append(f"--- {name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-n:]))
@@ -103,7 +110,7 @@ class SlurmCluster:
         import psutil
 
         procs = []
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in sorted(self.pids, key=lambda n: ("slurmd", "slurmctld", "munged").index(n.split("-")[0])):
             pid = self.pids.pop(name, None)
             try:
                 p = psutil.Process(pid) if pid else None
@@ -122,6 +129,9 @@ class SlurmCluster:
             time.sleep(0.1)
         for p in filter(running, procs):
             p.kill()
+        for ns in self.namespaces:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces = []
 
 
 def ensure_slurm() -> None:
@@ -166,6 +176,22 @@ def _fake_gpus(root: Path, count: int) -> int:
         return 0
 
 
+def _start_munge(root: Path, cluster: SlurmCluster) -> Path:
+    """Start this cluster's own ``munged`` on a private socket under ``root/munge``; returns the socket path."""
+    key = root / "munge" / "munge.key"
+    if Path("/etc/munge/munge.key").exists():
+        shutil.copyfile("/etc/munge/munge.key", key)
+    else:
+        key.write_bytes(os.urandom(1024))
+    os.chmod(key, 0o400)
+    sock = root / "munge" / "munge.socket"
+    mungectl = [_which("munged"), "--force", f"--socket={sock}", f"--key-file={key}",
+                f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
+                f"--seed-file={root / 'munge' / 'munged.seed'}"]
+    cluster.pids["munged"] = _daemon(mungectl, root / "munge" / "munged.pid", root / "munge" / "munged.log")
+    return sock
+
+
 def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
     """Install when needed, configure under ``root`` and start a one-node cluster; wait until the node is idle.
 
@@ -184,17 +210,7 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
     node = socket.gethostname()
     cluster = SlurmCluster(root=root, node=node, env={})
     try:
-        key = root / "munge" / "munge.key"
-        if Path("/etc/munge/munge.key").exists():
-            shutil.copyfile("/etc/munge/munge.key", key)
-        else:
-            key.write_bytes(os.urandom(1024))
-        os.chmod(key, 0o400)
-        sock = root / "munge" / "munge.socket"
-        mungectl = [_which("munged"), "--force", f"--socket={sock}", f"--key-file={key}",
-                    f"--pid-file={root / 'munge' / 'munged.pid'}", f"--log-file={root / 'munge' / 'munged.log'}",
-                    f"--seed-file={root / 'munge' / 'munged.seed'}"]
-        cluster.pids["munged"] = _daemon(mungectl, root / "munge" / "munged.pid", root / "munge" / "munged.log")
+        sock = _start_munge(root, cluster)
 
         conf = root / "slurm.conf"
         gpus = _fake_gpus(root, gpus)
@@ -255,6 +271,118 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
                 return cluster
             time.sleep(0.5)
         raise SlurmUnavailable(f"node not idle after 60 s (sinfo: {state!r})\n{cluster.logs_tail()}")
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def start_two_node_cluster(root: Path, cpus: int = 4) -> SlurmCluster:
+    """A two-node cluster on this machine: ``slurmctld`` plus one ``slurmd`` per node, each node in its own network
+    namespace (and UTS namespace: its own host name, ``ftnode1``/``ftnode2``), joined by a veth pair named ``ft0``
+    on both sides, with one CPU "GPU" slot per node. The file system is shared, as a cluster's shared storage.
+
+    The controller and the clients (``sbatch``, ``scontrol``: :attr:`SlurmCluster.prefix`, ``nsenter --net=...``) run in the first node's
+    namespace, which plays the login node; jobs reach each other only over the veth pair (``GLOO_SOCKET_IFNAME=ft0``,
+    ``MASTER_ADDR`` = the first node's address: the node names resolve nowhere). By hand, for debugging::
+
+        python -c "import sys; sys.path.insert(0, 'tests'); from slurm_cluster import *; from pathlib import Path; \
+                   c = start_two_node_cluster(Path('/tmp/slurm2')); print(c.prefix, c.env['SLURM_CONF'])"
+        nsenter --net=/run/netns/<namespace of ftnode1> env SLURM_CONF=/tmp/slurm2/slurm.conf sinfo -N
+        # stop: kill the pids in /tmp/slurm2/*.pid and munge/munged.pid; ip netns del <both namespaces>
+
+    Raises:
+        SlurmUnavailable: packages, namespaces or daemons cannot run here.
+    """
+    ensure_slurm()
+    if os.geteuid() != 0 or not all(_which(b) for b in ("ip", "unshare", "nsenter")):
+        raise SlurmUnavailable("network namespaces need root, ip (iproute2), unshare and nsenter")
+    root.mkdir(parents=True, exist_ok=True)
+    for d in ("state", "spool", "munge"):
+        (root / d).mkdir(exist_ok=True)
+    tag, net = f"{os.getpid() % 100000}", f"10.{random.randrange(200, 250)}.{random.randrange(1, 250)}"
+    names = ["ftnode1", "ftnode2"]
+    cluster = SlurmCluster(root=root, node=names[0], env={}, gpus=1)
+    cluster.nodes = {names[0]: f"{net}.1", names[1]: f"{net}.2"}
+    try:
+        ns = [f"ftsa{tag}", f"ftsb{tag}"]
+        cmds = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+                ["ip", "link", "add", f"fta{tag}", "type", "veth", "peer", "name", f"ftb{tag}"]]
+        for n, link, addr in zip(ns, (f"fta{tag}", f"ftb{tag}"), cluster.nodes.values()):
+            cmds += [["ip", "link", "set", link, "netns", n], ["ip", "-n", n, "link", "set", link, "name", "ft0"],
+                     ["ip", "-n", n, "addr", "add", f"{addr}/24", "dev", "ft0"],
+                     ["ip", "-n", n, "link", "set", "ft0", "up"], ["ip", "-n", n, "link", "set", "lo", "up"]]
+        for i, c in enumerate(cmds):
+            out = subprocess.run(c, capture_output=True, text=True)
+            if i < 2 and out.returncode == 0:
+                cluster.namespaces.append(c[-1])
+            if out.returncode != 0:
+                raise SlurmUnavailable(f"cannot build the namespaces: {' '.join(c)}: {out.stderr.strip()}")
+        # nsenter, not `ip netns exec`: that one remounts /sys for the namespace, hiding the cgroup mounts slurmd needs
+        cluster.prefix = [_which("nsenter"), f"--net=/run/netns/{ns[0]}"]
+        sock = _start_munge(root, cluster)
+        gpus = _fake_gpus(root, 1)
+        cluster.gpus = gpus
+        (root / "gres.conf").write_text(f"NodeName=ftnode[1-2] Name=gpu File={root}/gpu0\n" if gpus else "")
+        conf = root / "slurm.conf"
+        conf.write_text("\n".join([
+            f"ClusterName=ft2n{os.getpid()}",
+            f"FirstJobId={random.randrange(1000, 60000)}",
+            f"SlurmctldHost={socket.gethostname()}({cluster.nodes[names[0]]})",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={sock},cred_expire=8",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_interval=2",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
+            "MpiDefault=none",
+            "JobRequeue=1",
+            "KillWait=30",
+            "MinJobAge=600",
+            "MessageTimeout=30",
+            "SlurmdTimeout=10",  # a node that stops answering is DOWN after 10 s (node-loss test)
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            f"StateSaveLocation={root / 'state'}",
+            f"SlurmdSpoolDir={root / 'spool'}/%n",
+            f"SlurmctldPidFile={root / 'slurmctld.pid'}",
+            f"SlurmdPidFile={root}/slurmd-%n.pid",
+            f"SlurmctldLogFile={root / 'slurmctld.log'}",
+            f"SlurmdLogFile={root}/slurmd-%n.log",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "GresTypes=gpu",
+            *(f"NodeName={n} NodeAddr={a} CPUs={cpus} RealMemory=10000 {'Gres=gpu:1 ' if gpus else ''}State=UNKNOWN"
+              for n, a in cluster.nodes.items()),
+            "PartitionName=test Nodes=ftnode[1-2] Default=YES MaxTime=INFINITE State=UP",
+            "",
+        ]))
+        cluster.env = {**os.environ, "SLURM_CONF": str(conf)}
+        ctld = [*cluster.prefix, "env", f"SLURM_CONF={conf}", _which("slurmctld"), "-f", str(conf),
+                "-c", "-i"]
+        cluster.pids["slurmctld"] = _daemon(ctld, root / "slurmctld.pid", root / "slurmctld.log")
+        for n, name in zip(ns, names):
+            (root / "spool" / name).mkdir(exist_ok=True)
+            cmd = [_which("nsenter"), f"--net=/run/netns/{n}", _which("unshare"), "--uts", "sh", "-c",
+                   f"hostname {name} && exec env SLURM_CONF={conf} {_which('slurmd')} -f {conf}"]
+            cluster.pids[f"slurmd-{name}"] = _daemon(cmd, root / f"slurmd-{name}.pid", root / f"slurmd-{name}.log")
+        deadline = time.time() + 90
+        state = ""
+        while time.time() < deadline:
+            out = cluster.run("sinfo", "-h", "-N", "-o", "%N %t", check=False, timeout=30)
+            state = out.stdout.strip()
+            if out.returncode == 0 and [line.split()[1] for line in state.splitlines()] == ["idle", "idle"]:
+                return cluster
+            time.sleep(0.5)
+        raise SlurmUnavailable(f"nodes not idle after 90 s (sinfo: {state!r})\n{cluster.logs_tail()}")
     except BaseException:
         cluster.stop()
         raise
