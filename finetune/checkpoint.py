@@ -67,6 +67,16 @@ class TrainState:
     """Non-pad tokens trained on, summed over ranks."""
     bad_steps: int = 0
     """Optimizer steps skipped because the loss or the gradient norm was not finite (whole run)."""
+    early_best: float | None = None
+    """``train.early_stopping``: the best value of its metric so far (None before the first evaluation)."""
+    early_waited: int = 0
+    """``train.early_stopping``: evaluations in a row without an improvement."""
+    early_stopped: bool = False
+    """The run ended because ``train.early_stopping`` ran out of patience."""
+    best_value: float | None = None
+    """``train.keep_best``: the best value of its metric so far."""
+    best_step: int = -1
+    """``train.keep_best``: the step of that evaluation (its checkpoint is kept and exported); -1: none yet."""
 
 
 CONFIG_FILE = "run_config.yaml"
@@ -150,13 +160,14 @@ def restore_rng_state(ckpt: Path) -> None:
 
 
 def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None, keep_last: int = 0,
-         protect: Path | None = None) -> Path:
+         protect: list | None = None) -> Path:
     """Save a checkpoint on all ranks; mark it complete after every rank has written.
 
     Must be called by every rank. ``config`` (the resolved run config as a dict) is written to
     ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Once the new checkpoint is complete,
-    rank 0 removes older ones beyond the newest ``keep_last`` (:func:`prune`; 0 keeps all), never
-    ``protect`` (the checkpoint this launch resumed from). Returns the checkpoint folder.
+    rank 0 removes older ones beyond the newest ``keep_last`` (:func:`prune`; 0 keeps all), never those in
+    ``protect`` (the checkpoint this launch resumed from, the best one of ``train.keep_best``). Returns the
+    checkpoint folder.
 
     Raises:
         RunFailure: the disk filled up or the folder cannot be written (the message names the folder and
@@ -334,11 +345,11 @@ def _convert(ckpt: Path, target: Path) -> None:
     logger.info(f"universal checkpoint {target} written ({time.perf_counter() - t0:.1f}s)")
 
 
-def prune(ckdir: Path, keep_last: int, protect: Path | None = None) -> list[Path]:
+def prune(ckdir: Path, keep_last: int, protect: list | Path | None = None) -> list[Path]:
     """Remove complete checkpoints older than the newest ``keep_last`` (``train.keep_last_checkpoints``).
 
     Rank 0 only, right after a new checkpoint got its marker. Never removed: the newest ``keep_last``,
-    ``protect`` (the checkpoint this launch resumed from), the checkpoint the run's export came from
+    ``protect`` (a folder or a list of them: the checkpoint this launch resumed from, the best one), the checkpoint the run's export came from
     (``<run>/export/finetune_export.json``) and any folder without a ``COMPLETE`` marker (one being
     written, or a leftover no resume loads). A removed checkpoint's universal copy goes with it; the
     marker is removed first, so an interrupted removal leaves a folder that no longer counts.
@@ -348,8 +359,9 @@ def prune(ckdir: Path, keep_last: int, protect: Path | None = None) -> list[Path
     """
     found = complete_checkpoints(ckdir)
     keep = {p.resolve() for p in found[-keep_last:]}
-    if protect is not None:
-        keep.add(Path(protect).resolve())
+    for p in [protect] if isinstance(protect, (str, Path)) else protect or []:
+        if p is not None:
+            keep.add(Path(p).resolve())
     provenance = ckdir.parent / "export" / "finetune_export.json"
     if provenance.is_file():
         try:
@@ -377,7 +389,7 @@ def saved_config(ckpt: Path) -> dict | None:
     return None
 
 
-def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
+def load(engine, ckpt: Path, universal: Path | None = None, what: str = "resumed from") -> TrainState:
     """Load model, optimizer, LR-schedule and loop state from ``ckpt`` (all ranks).
 
     ``universal``: load DeepSpeed's files from this universal copy of ``ckpt`` instead (another layout;
@@ -410,7 +422,7 @@ def load(engine, ckpt: Path, universal: Path | None = None) -> TrainState:
         micro = old.get("train", {}).get("micro_batch_size", 0)
         saved["samples_in_epoch"] = saved.pop("batches_in_epoch") * micro * marker(ckpt).get("world_size", 1)
     state = TrainState(**{k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__})
-    logger.info(f"resumed from {ckpt}: step {state.step}, epoch {state.epoch}, "
+    logger.info(f"{what} {ckpt}: step {state.step}, epoch {state.epoch}, "
                 f"{state.samples_in_epoch} rows of the epoch consumed")
     return state
 

@@ -37,6 +37,7 @@ Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "c
 LossWeighting = Literal["token", "micro_batch"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
+Mode = Literal["min", "max"]
 
 
 def choices(choice_type: Any) -> tuple[str, ...]:
@@ -150,6 +151,30 @@ class DpoConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """Stop when an evaluation metric stops improving (as HF Trainer's ``EarlyStoppingCallback``; docs/evaluation.md)."""
+
+    patience: int = 0
+    """Evaluations in a row without an improvement after which the run stops (a complete checkpoint, then the export as at the end); 0: off. Needs ``train.eval_every``."""
+    metric: str = "eval/loss"
+    """The evaluation metric watched: a key of ``metrics.jsonl`` (``eval/loss``, ``eval/perplexity``, ``eval/accuracy``, ``eval/rewards/accuracies``, ...)."""
+    mode: Mode = "min"
+    """``min``: lower is better; ``max``: higher is better."""
+    min_delta: float = 0.0
+    """An evaluation improves only when it beats the best value so far by more than this (>= 0)."""
+
+
+@dataclass
+class KeepBestConfig:
+    """Keep the best checkpoint by an evaluation metric and export it (as HF Trainer's ``load_best_model_at_end``)."""
+
+    metric: str = ""
+    """Evaluation metric that ranks the checkpoints (e.g. ``eval/loss``); a checkpoint is saved at every evaluation, the best one is never pruned by ``train.keep_last_checkpoints`` and the export is made from it; empty: off."""
+    mode: Mode = "min"
+    """``min``: lower is better; ``max``: higher is better."""
+
+
+@dataclass
 class TrainConfig:
     """Batch sizes, optimizer, schedule and the step cadence of eval, logging and checkpoints."""
 
@@ -209,6 +234,10 @@ class TrainConfig:
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference loss of the ``dpo`` recipe."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when an evaluation metric stops improving."""
+    keep_best: KeepBestConfig = field(default_factory=KeepBestConfig)
+    """Keep and export the best checkpoint by an evaluation metric."""
 
 
 @dataclass

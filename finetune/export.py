@@ -202,7 +202,7 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
     return (got - ref).abs().max().item()
 
 
-def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe) -> None:
+def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe, provenance: dict | None = None) -> None:
     """Compare the export's logits with the engine's on a fixed batch; all ranks call it (ZeRO-3 gathers).
 
     The batch is the first 4 validation rows (collated under a fixed seed). Rank 0 reloads
@@ -236,7 +236,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
         def finite(x: float) -> float | None:
             return x if math.isfinite(x) else None
 
-        summary = {"max_abs_logit_diff": finite(diff), "finite": math.isfinite(diff),
+        summary = {**(provenance or {}), "max_abs_logit_diff": finite(diff), "finite": math.isfinite(diff),
                    "inputs": {k: v.tolist() for k, v in inputs.items()}, "logits_shape": list(ref.shape),
                    "engine_logits_mean": finite(ref.mean().item()), "engine_logits_std": finite(ref.std().item()),
                    "engine_logits_head": [finite(v) for v in ref.reshape(-1)[:8].tolist()]}
@@ -255,9 +255,12 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe)
     dist_utils.barrier()
 
 
-def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds: dict, recipe) -> Path:
+def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds: dict, recipe,
+                      chosen_by: dict | None = None) -> Path:
     """End of a run: rank 0 exports checkpoint ``step<step>`` to ``run_dir/export`` (an earlier export is kept aside
-    as ``export-step<N>``), then every rank takes part in :func:`verify_export`. All ranks call it.
+    as ``export-step<N>``), then every rank takes part in :func:`verify_export`. All ranks call it. The engine must
+    hold that checkpoint's weights; ``export_check.json`` records ``checkpoint_step`` and ``chosen_by`` (why this
+    step: the last one, or ``train.keep_best``'s metric and value).
 
     Returns:
         The export folder.
@@ -268,5 +271,6 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
     if dist_utils.is_main():
         export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True)
     dist_utils.barrier()
-    verify_export(engine, validation, collator, run_dir, ds, recipe)
+    verify_export(engine, validation, collator, run_dir, ds, recipe,
+                  {"checkpoint_step": step, "chosen_by": chosen_by or {"last_step": step}})
     return run_dir / "export"

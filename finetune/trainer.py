@@ -43,7 +43,8 @@ per device, non-pad tokens trained so far, the padding ratio (real tokens / posi
 the logged step (data wait, forward, backward, optimizer; timed on that step only, so the others run without
 extra synchronisation) and MFU on known GPUs (:class:`finetune.logs.StepMeter`). The progress bar shows loss,
 tokens/s per device, padding ratio and MFU. Each epoch's padding ratio goes to the log at its end.
-Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``;
+Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``; after each,
+``train.keep_best`` and ``train.early_stopping`` (:class:`Evaluations`);
 checkpoints every ``train.save_every`` steps and at the end, keeping the newest
 ``train.keep_last_checkpoints`` (and the one resumed from).
 """
@@ -63,7 +64,7 @@ from finetune import distributed as dist_utils
 from finetune.batch import to_device
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
-from finetune.errors import TrainingDiverged
+from finetune.errors import ConfigError, TrainingDiverged
 from finetune.logs import MetricsSink, StepMeter, logger
 
 
@@ -126,13 +127,74 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
     return metrics
 
 
-def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, step: int, what: str) -> None:
-    """Evaluate (all ranks), then write scalars and artefacts (rank 0) and one log line."""
+def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, step: int, what: str) -> dict:
+    """Evaluate (all ranks), then write scalars and artefacts (rank 0) and one log line; returns the metrics."""
     artefacts: dict = {}
     metrics = evaluate(engine, eval_dl, recipe, cfg, artefacts)
     sink.write(step, metrics)
     sink.write_artefacts(step, artefacts)
     logger.info(f"{what} {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    return metrics
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    """True when ``value`` beats ``best`` by more than ``min_delta`` (``mode`` ``min``: lower is better; ``max``:
+    higher); the first value (``best`` None) always does, a NaN never does."""
+    if math.isnan(value):
+        return False
+    if best is None:
+        return True
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+class Evaluations:
+    """The run's evaluations and what follows them: ``train.keep_best`` and ``train.early_stopping``.
+
+    Each evaluation's metrics are identical on every rank (all-reduced), so every rank takes the same decision
+    without another collective. The best values, their step and the patience count live in :class:`TrainState`,
+    so a resumed run continues them. With ``keep_best`` a checkpoint is saved at every evaluation during
+    training (the best one is then always a checkpoint); :class:`Saver` never prunes it.
+    """
+
+    def __init__(self, engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, saver: "Saver"):
+        self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, self.saver = engine, eval_dl, recipe, cfg, sink, saver
+        self.es, self.kb = cfg.train.early_stopping, cfg.train.keep_best
+
+    def _metric(self, metrics: dict, key: str, name: str) -> float:
+        if name not in metrics:
+            raise ConfigError(f"{key}.metric: '{name}' is not among this run's evaluation metrics "
+                              f"({', '.join(sorted(metrics))}); choose one of them")
+        return float(metrics[name])
+
+    def run(self, state: TrainState, what: str, during_training: bool = True) -> bool:
+        """Evaluate at ``state.step`` and update the best values; True when early stopping ends the run now.
+
+        Raises:
+            ConfigError: the watched metric is not one this run's evaluation reports (at the first evaluation).
+        """
+        metrics = _eval_and_log(self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, state.step, what)
+        if self.kb.metric:
+            value = self._metric(metrics, "train.keep_best", self.kb.metric)
+            if improved(value, state.best_value, self.kb.mode):
+                state.best_value, state.best_step = value, state.step
+                logger.info(f"train.keep_best: best {self.kb.metric}={value:.6g} at step {state.step}")
+            if during_training and state.step > 0:
+                self.saver.save(state, unless_saved=True)
+        if not (self.es.patience and during_training):
+            return False
+        value = self._metric(metrics, "train.early_stopping", self.es.metric)
+        if improved(value, state.early_best, self.es.mode, self.es.min_delta):
+            state.early_best, state.early_waited = value, 0
+            return False
+        state.early_waited += 1
+        if state.early_waited < self.es.patience:
+            return False
+        state.early_stopped = True
+        logger.warning(f"train.early_stopping: {self.es.metric}={value:.6g} at step {state.step}, no improvement "
+                       f"by more than {self.es.min_delta:g} on the best {state.early_best:.6g} for {state.early_waited} "
+                       f"evaluation(s) (patience {self.es.patience}): stopping with a checkpoint of this step")
+        self.saver.save(state, unless_saved=True)
+        return True
 
 
 def _grad_norm_stage0(engine) -> float:
@@ -339,14 +401,17 @@ class Saver:
 
     def __init__(self, engine, run_dir: Path, cfg: RunConfig, state: TrainState, resume_from: Path | None):
         self.engine, self.run_dir, self.config = engine, run_dir, config_to_dict(cfg)
-        self.keep = {"keep_last": cfg.train.keep_last_checkpoints, "protect": resume_from}
+        self.keep_last, self.resume_from = cfg.train.keep_last_checkpoints, resume_from
         self.last = state.step if resume_from else -1
 
     def save(self, state: TrainState, unless_saved: bool = False) -> None:
-        """Save ``state`` (all ranks); with ``unless_saved`` not when this step is already saved."""
+        """Save ``state`` (all ranks); with ``unless_saved`` not when this step is already saved. Never pruned: the
+        checkpoint resumed from and ``train.keep_best``'s best one (``state.best_step``)."""
         if unless_saved and self.last == state.step:
             return
-        ckpt_utils.save(self.engine, self.run_dir, state, self.config, **self.keep)
+        best = ckpt_utils.checkpoints_dir(self.run_dir) / f"step{state.best_step}" if state.best_step >= 0 else None
+        ckpt_utils.save(self.engine, self.run_dir, state, self.config, keep_last=self.keep_last,
+                        protect=[self.resume_from, best])
         self.last = state.step
 
 
@@ -405,9 +470,10 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
     window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar)
+    evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver)
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
-        _eval_and_log(engine, eval_dl, recipe, cfg, sink, 0, "eval before training, step")
+        evals.run(state, "eval before training, step")
         window.restart()
     begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (logged steps are timed)
     with pbar:  # closed however the loop ends (a stop, divergence), so that error lines start a line
@@ -428,16 +494,17 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 if log_now:
                     window.write(state, grad_norm)
                 if cadence.eval(state.step):
-                    _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "step")
+                    if evals.run(state, "step"):  # train.early_stopping: saved, the end of the run follows
+                        return state
                     window.restart()
                 if cadence.save(state.step) and guard.in_a_row == 0:  # after a skipped step, the save waits
-                    saver.save(state)
+                    saver.save(state, unless_saved=True)
                     window.restart()
             resume_from = None  # the RNG states are restored once, in the first epoch of the launch
             if state.samples_in_epoch // world + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
                 _log_epoch_padding(meter, state.epoch, "")
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)")
-    _eval_and_log(engine, eval_dl, recipe, cfg, sink, state.step, "final eval at step")
+    evals.run(state, "final eval at step", during_training=False)
     saver.save(state, unless_saved=True)
     return state

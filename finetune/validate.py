@@ -210,6 +210,7 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                     "train.keep_last_checkpoints": cfg.train.keep_last_checkpoints, "train.sample_temperature":
                 cfg.train.sample_temperature, "train.sample_top_k": cfg.train.sample_top_k}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+    _check_best(cfg, problems)
     if cfg.train.max_steps == 0 and cfg.train.epochs <= 0:
         problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {cfg.train.epochs}")
     if not 0.0 < cfg.data.mlm_probability < 1.0:
@@ -217,6 +218,28 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     if not cfg.data.validation_files and not 0.0 < cfg.data.validation_fraction < 1.0:
         problems.append(f"data.validation_fraction: must be in (0, 1) when data.validation_files is empty, "
                         f"got {cfg.data.validation_fraction}")
+
+
+def _check_best(cfg: RunConfig, problems: list[str]) -> None:
+    """``train.early_stopping`` and ``train.keep_best``: numbers, an ``eval/`` metric, evaluations to watch."""
+    es, kb = cfg.train.early_stopping, cfg.train.keep_best
+    if es.patience < 0:
+        problems.append(f"train.early_stopping.patience: must be >= 0 (0: off), got {es.patience}")
+    if es.min_delta < 0:
+        problems.append(f"train.early_stopping.min_delta: must be >= 0, got {es.min_delta}")
+    for key, on, metric in (("train.early_stopping", es.patience > 0, es.metric), ("train.keep_best", bool(kb.metric),
+                                                                                    kb.metric)):
+        if not on:
+            continue
+        if not metric.startswith("eval/"):
+            problems.append(f"{key}.metric: '{metric}' is not an evaluation metric; use a key of metrics.jsonl "
+                            f"that starts with eval/ (eval/loss, eval/accuracy, ...)")
+        elif metric == "eval/perplexity" and cfg.recipe in RECIPES and not get_recipe(cfg.recipe).reports_perplexity:
+            problems.append(f"{key}.metric: recipe {cfg.recipe} reports no eval/perplexity; use eval/loss or one "
+                            f"of its metrics")
+        if cfg.train.eval_every <= 0:
+            problems.append(f"{key}: needs evaluations during training; set train.eval_every (steps between "
+                            f"evaluations), e.g. train.eval_every=100")
 
 
 def _check_trackers(ds: dict) -> list[str]:

@@ -69,7 +69,7 @@ def export_folder(target: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``finetune evaluate``. Returns the process exit status (2: bad input)."""
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)
     try:
         export = export_folder(args.target)
         out = Path(args.out) if args.out else export / f"evaluation-{time.strftime('%Y%m%d-%H%M%S')}.json"

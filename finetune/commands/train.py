@@ -89,6 +89,31 @@ def main(argv: list[str] | None = None) -> int:
     return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
 
 
+def export_step(engine, run_dir, state, cfg) -> int:
+    """The step whose checkpoint is exported: ``train.keep_best``'s best one (loaded into the engine, so that the
+    export is checked against its logits) or the last. All ranks call it."""
+    best = state.best_step
+    if not cfg.train.keep_best.metric or best < 0 or best == state.step:
+        return state.step
+    ckpt = ckpt_utils.checkpoints_dir(run_dir) / f"step{best}"
+    if not ckpt_utils.is_complete(ckpt) or ckpt_utils.marker(ckpt).get("world_size") != dist_utils.world_size():
+        logger.warning(f"train.keep_best: the best checkpoint {ckpt} is missing or of another world size; exporting "
+                       f"the last step {state.step} instead")
+        return state.step
+    ckpt_utils.load(engine, ckpt, what="train.keep_best: loaded the best checkpoint")
+    logger.info(f"train.keep_best: exporting step {best} ({cfg.train.keep_best.metric}={state.best_value:.6g}), "
+                f"not the last step {state.step}")
+    return best
+
+
+def _chosen_by(state, cfg) -> dict:
+    kb = cfg.train.keep_best
+    if kb.metric and state.best_step >= 0:
+        return {"keep_best": {"metric": kb.metric, "mode": kb.mode, "value": state.best_value, "step": state.best_step}}
+    return {"last_step": state.step, **({"early_stopping": cfg.train.early_stopping.metric} if state.early_stopped
+                                        else {})}
+
+
 def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
     """One launch after its checks passed, from the process group to the report. Returns the exit status."""
     dist_utils.init(cfg.train.dist_timeout_minutes)
@@ -133,13 +158,14 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         health.memory_mark("trained")
         # what training freed (activations, gradient buckets) goes back to the OS before the export allocates
         health.release_host_memory()
-        if state.step < data.total_steps:  # fit stopped early on a signal; every rank agreed on the step
+        if state.step < data.total_steps and not state.early_stopped:  # a signal stopped it; all ranks agreed
             logger.warning(f"stopped at step {state.step} of {data.total_steps}; resume with --resume (a requeued "
                            f"Slurm job resumes by itself)")
             return stop.exit_code()
 
         if cfg.export:
-            export_and_verify(engine, run_dir, state.step, data.splits.validation, data.collator, ds, recipe)
+            export_and_verify(engine, run_dir, export_step(engine, run_dir, state, cfg), data.splits.validation,
+                              data.collator, ds, recipe, chosen_by=_chosen_by(state, cfg))
         if rank == 0:
             summary = write_run_report(run_dir)
             if summary:
