@@ -151,6 +151,24 @@ class DpoConfig:
 
 
 @dataclass
+class EvalGenerateConfig:
+    """Generation during evaluation (causal-LM recipes): answers to validation prompts, scored (docs/evaluation.md)."""
+
+    prompts: int = 0
+    """Validation examples to generate answers for at every evaluation (the first N of the validation split, shared between the ranks); 0: off."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt at most."""
+    temperature: float = 0.0
+    """0: greedy decoding; > 0: sampling at this temperature, seeded with ``train.seed`` (the same at every evaluation)."""
+    top_p: float = 1.0
+    """With sampling: nucleus sampling's probability mass (1: off)."""
+    stop: list = field(default_factory=list)
+    """Strings that end a generation early (transformers' ``stop_strings``), besides the EOS token."""
+    answer_pattern: str = ""
+    """Regular expression that finds the answer in the reference and in the output (its first group when it has one), for ``eval/generation_exact_match``; e.g. GSM8K's ``#### (-?[0-9.,]+)``; empty: no exact match."""
+
+
+@dataclass
 class EarlyStoppingConfig:
     """Stop when an evaluation metric stops improving (as HF Trainer's ``EarlyStoppingCallback``; docs/evaluation.md)."""
 
@@ -234,6 +252,8 @@ class TrainConfig:
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference loss of the ``dpo`` recipe."""
+    eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
+    """Generation during evaluation: exact match and ROUGE-L of answers to validation prompts."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stop when an evaluation metric stops improving."""
     keep_best: KeepBestConfig = field(default_factory=KeepBestConfig)

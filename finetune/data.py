@@ -311,6 +311,31 @@ def clean_dead_partials(folder: Path, stale_hours: float = 168.0) -> list[Path]:
     return removed
 
 
+def holdout(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train rows, validation rows), each sorted, of ``n_rows`` with ``round(n_rows x fraction)`` (at least 1)
+    held out by a permutation seeded with ``seed`` (``data.validation_fraction``, ``train.seed``)."""
+    perm = np.random.default_rng(seed).permutation(n_rows)
+    n_val = max(1, int(round(n_rows * fraction)))
+    return sorted(perm[n_val:].tolist()), sorted(perm[:n_val].tolist())
+
+
+def validation_rows(data_cfg: DataConfig, columns: list[str], seed: int, n: int) -> list[dict]:
+    """The first ``n`` raw rows (``columns`` only) of the validation split as :func:`load_splits` forms it: the
+    validation files, or the held-out share of the training files (same seed, same rows)."""
+    problems: list[str] = []
+    val_files = expand_files(data_cfg.validation_files, "data.validation_files", problems)
+    files = val_files or expand_files(data_cfg.train_files, "data.train_files", problems)
+    if problems:
+        raise ConfigError(problems)
+    ds = datasets.load_dataset("parquet", data_files=files, split="train", columns=columns,
+                               cache_dir=str(default_cache_dir(data_cfg) / "parquet"))
+    if not val_files:
+        if data_cfg.max_train_rows:
+            ds = ds.select(range(min(data_cfg.max_train_rows, len(ds))))
+        ds = ds.select(holdout(len(ds), data_cfg.validation_fraction, seed)[1])
+    return [ds[i] for i in range(min(n, len(ds)))]
+
+
 @dataclass
 class Splits:
     """Tokenized train and validation datasets (rows of ``input_ids``, ``attention_mask``, ...)."""
@@ -395,10 +420,9 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
             train_ids = ids
             val_key = "data.validation_files"
         else:
-            perm = np.random.default_rng(seed).permutation(len(raw_train))
-            n_val = max(1, int(round(len(raw_train) * data_cfg.validation_fraction)))
-            raw_val = raw_train.select(sorted(perm[:n_val]))
-            raw_train = raw_train.select(sorted(perm[n_val:]))
+            train_idx, val_idx = holdout(len(raw_train), data_cfg.validation_fraction, seed)
+            raw_val = raw_train.select(val_idx)
+            raw_train = raw_train.select(train_idx)
             split = {"holdout": data_cfg.validation_fraction, "seed": seed}
             train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
             val_key = "data.validation_fraction"

@@ -148,6 +148,28 @@ class MetricsSink:
         with open(self.path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
 
+    def write_generations(self, step: int, records: list[dict], shown: int = 3) -> None:
+        """``train.eval_generate``'s records (prompt, reference, output, scores) to ``eval/step<N>_generations.jsonl``,
+        the first ``shown`` to TensorBoard as text ``eval/generations`` (Markdown)."""
+        if not self.enabled:
+            return
+        folder = self.path.parent / "eval"
+        folder.mkdir(exist_ok=True)
+        with open(folder / f"step{step}_generations.jsonl", "w") as f:
+            for r in records:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        tb = getattr(getattr(self.engine, "monitor", None), "tb_monitor", None)
+        writer = getattr(tb, "summary_writer", None)
+        if writer is not None and records:
+            def cell(t) -> str:
+                return str(t).replace("|", "\\|").replace("\n", "<br>")
+            rows = [f"| {cell(r['prompt'][-300:])} | {cell(r['reference'])} | {cell(r['output'])} | "
+                    f"{r['exact_match'] if r['exact_match'] is not None else '-'} | {r['rougeL']:.3f} |"
+                    for r in records[:shown]]
+            writer.add_text("eval/generations", "\n".join(["| prompt (end) | reference | output | exact match | ROUGE-L |",
+                                                          "|---|---|---|---|---|", *rows]), step)
+            writer.flush()
+
     def write_artefacts(self, step: int, artefacts: dict[str, dict]) -> None:
         """Write each artefact (name -> JSON-able dict) to ``eval/step<N>_<name>.json``; one with ``labels`` and
         ``matrix`` also goes to TensorBoard as image ``eval/<name>`` (through DeepSpeed's monitor's writer)."""

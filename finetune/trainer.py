@@ -127,10 +127,16 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
     return metrics
 
 
-def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, step: int, what: str) -> dict:
-    """Evaluate (all ranks), then write scalars and artefacts (rank 0) and one log line; returns the metrics."""
+def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, step: int, what: str,
+                  generation=None) -> dict:
+    """Evaluate (all ranks), generate and score answers when ``generation`` (``train.eval_generate``) is given, then
+    write scalars, artefacts and generations (rank 0) and one log line; returns the metrics."""
     artefacts: dict = {}
     metrics = evaluate(engine, eval_dl, recipe, cfg, artefacts)
+    if generation is not None:
+        scores, records = generation.run(engine)
+        metrics.update(scores)
+        sink.write_generations(step, records)
     sink.write(step, metrics)
     sink.write_artefacts(step, artefacts)
     logger.info(f"{what} {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -156,9 +162,9 @@ class Evaluations:
     training (the best one is then always a checkpoint); :class:`Saver` never prunes it.
     """
 
-    def __init__(self, engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, saver: "Saver"):
+    def __init__(self, engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, saver: "Saver", generation=None):
         self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, self.saver = engine, eval_dl, recipe, cfg, sink, saver
-        self.es, self.kb = cfg.train.early_stopping, cfg.train.keep_best
+        self.es, self.kb, self.generation = cfg.train.early_stopping, cfg.train.keep_best, generation
 
     def _metric(self, metrics: dict, key: str, name: str) -> float:
         if name not in metrics:
@@ -172,7 +178,8 @@ class Evaluations:
         Raises:
             ConfigError: the watched metric is not one this run's evaluation reports (at the first evaluation).
         """
-        metrics = _eval_and_log(self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, state.step, what)
+        metrics = _eval_and_log(self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, state.step, what,
+                                self.generation)
         if self.kb.metric:
             value = self._metric(metrics, "train.keep_best", self.kb.metric)
             if improved(value, state.best_value, self.kb.mode):
@@ -436,7 +443,7 @@ def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_ro
 
 
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
-        run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1) -> TrainState:
+        run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1, generation=None) -> TrainState:
     """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
 
     Args:
@@ -452,6 +459,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         stop_flag: callable returning True when this rank was asked to stop (signal); checked every
             step and agreed on by all ranks, then a checkpoint is saved and the loop returns early.
         launch: this launch's number in the run folder (marks its ``metrics.jsonl`` rows).
+        generation: :class:`finetune.generation.EvalGeneration` for ``train.eval_generate`` (None: off).
 
     Returns:
         The final :class:`TrainState`.
@@ -470,7 +478,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
     window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar)
-    evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver)
+    evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
         evals.run(state, "eval before training, step")

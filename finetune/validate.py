@@ -211,6 +211,7 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                 cfg.train.sample_temperature, "train.sample_top_k": cfg.train.sample_top_k}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     _check_best(cfg, problems)
+    _check_eval_generate(cfg, problems)
     if cfg.train.max_steps == 0 and cfg.train.epochs <= 0:
         problems.append(f"train.epochs: must be > 0 when train.max_steps is 0, got {cfg.train.epochs}")
     if not 0.0 < cfg.data.mlm_probability < 1.0:
@@ -218,6 +219,32 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     if not cfg.data.validation_files and not 0.0 < cfg.data.validation_fraction < 1.0:
         problems.append(f"data.validation_fraction: must be in (0, 1) when data.validation_files is empty, "
                         f"got {cfg.data.validation_fraction}")
+
+
+def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
+    """``train.eval_generate``: a recipe that generates, sane decoding settings, a pattern that compiles."""
+    g = cfg.train.eval_generate
+    if g.prompts < 0:
+        problems.append(f"train.eval_generate.prompts: must be >= 0 (0: off), got {g.prompts}")
+    if g.prompts <= 0:
+        return
+    if cfg.recipe in RECIPES and not get_recipe(cfg.recipe).generates_text:
+        problems.append(f"train.eval_generate: recipe {cfg.recipe} does not generate text (gpt_clm, sft and dpo do); "
+                        f"set train.eval_generate.prompts=0")
+    if g.max_new_tokens <= 0:
+        problems.append(f"train.eval_generate.max_new_tokens: must be > 0, got {g.max_new_tokens}")
+    if g.temperature < 0:
+        problems.append(f"train.eval_generate.temperature: must be >= 0 (0: greedy), got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        problems.append(f"train.eval_generate.top_p: must be in (0, 1], got {g.top_p}")
+    if not isinstance(g.stop, list) or not all(isinstance(s, str) and s for s in g.stop):
+        problems.append(f"train.eval_generate.stop: must be a list of non-empty strings, got {g.stop!r}")
+    if g.answer_pattern:
+        try:
+            re.compile(g.answer_pattern)
+        except re.error as e:
+            problems.append(f"train.eval_generate.answer_pattern: '{g.answer_pattern}' is not a regular expression "
+                            f"({e})")
 
 
 def _check_best(cfg: RunConfig, problems: list[str]) -> None:

@@ -33,7 +33,7 @@ from finetune.engine import build_engine, load_model_config, load_tokenizer
 from finetune.errors import ConfigError, RunFailure, StopRequested, TrainingDiverged
 from finetune.errors import report as report_error
 from finetune.export import export_and_verify
-from finetune.generation import write_sample
+from finetune.generation import EvalGeneration, write_sample
 from finetune.logs import logger, monitor_sections, setup_logging
 from finetune.preemption import StopSignal
 from finetune.recipes import recipe_for
@@ -153,8 +153,10 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         state = restore(engine, resolved, cfg, data.total_steps)
 
         stop.defer_to_loop()
+        generation = EvalGeneration(tokenizer, recipe, cfg) if cfg.train.eval_generate.prompts else None
         state = fit(cfg, engine, recipe, data.train_loader, data.eval_loader, state, data.total_steps, run_dir,
-                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch)
+                    resume_from=resolved.resume_ckpt, stop_flag=stop.requested, launch=opened.launch,
+                    generation=generation)
         health.memory_mark("trained")
         # what training freed (activations, gradient buckets) goes back to the OS before the export allocates
         health.release_host_memory()

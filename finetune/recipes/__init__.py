@@ -64,6 +64,11 @@ def no_pass(engine, data, cfg: RunConfig):
     return data
 
 
+def no_generation(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """Default ``generation_pairs``: the recipe does not generate text (no prompts)."""
+    return []
+
+
 def every_target(data_cfg: DataConfig) -> float:
     """Default ``target_fraction``: every position is a target."""
     return 1.0
@@ -145,6 +150,10 @@ class Recipe:
     cross-entropy: ``dpo``)."""
     generates_text: bool = False
     """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.generation`)."""
+    generation_pairs: Callable = no_generation
+    """``(tokenizer, rows, data_cfg) -> [(prompt token ids, reference text)]``: what ``train.eval_generate`` asks the
+    model to continue and the answer it is scored against, from raw validation rows (:attr:`columns`); rows
+    without a prompt or a reference are left out. Default: none (the recipe does not generate)."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``)."""

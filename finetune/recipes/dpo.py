@@ -93,6 +93,7 @@ from finetune.recipes.sft import (
     encode_pair,
     message_problem,
     prepare_tokenizer as sft_tokenizer,
+    prompt_ids,
     prompt_length,
     template_text,
     tokenizer_template_problem,
@@ -141,6 +142,25 @@ def _as_messages(response) -> list[dict] | None:
     if isinstance(response, str):
         return [{"role": "assistant", "content": response}]
     return list(response) if isinstance(response, (list, tuple)) else None
+
+
+def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """``train.eval_generate``'s prompts and references: the prompt (text, or conversation rendered with the
+    assistant's turn opened) and the chosen response's text."""
+    pairs = []
+    for row in rows:
+        prompt, chosen = row.get(prompt_column(data_cfg)), row.get(data_cfg.chosen_column)
+        if isinstance(prompt, str):
+            if prompt.strip() and isinstance(chosen, str) and chosen.strip():
+                pairs.append((tokenizer(prompt, add_special_tokens=True)["input_ids"], chosen))
+            continue
+        messages = _as_messages(chosen)
+        if prompt is None or message_problem(prompt) or not messages:
+            continue
+        answer = " ".join(m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+        if answer.strip():
+            pairs.append((prompt_ids(tokenizer, list(prompt), chat_template(data_cfg, tokenizer)), answer))
+    return pairs
 
 
 class PairExamples:
@@ -554,4 +574,4 @@ RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS, prepare_tokenizer=prepare_t
                 count_targets=count_targets, configure=configure, before_training=before_training,
                 columns=columns, cache_key=cache_key, checks_columns=True, counts_rows=True, check_data=check_pairs,
                 prepare_model_config=prepare_model_config, reports_perplexity=False, generates_text=True,
-                sequences_per_row=2)
+                sequences_per_row=2, generation_pairs=generation_pairs)

@@ -56,6 +56,19 @@ def tokenize_function(tokenizer, data_cfg: DataConfig):
     return packed if data_cfg.packing else unpacked
 
 
+def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """``train.eval_generate``'s prompts and references for plain text: the first half of each text's words is the
+    prompt, the rest the reference continuation. Texts of fewer than 4 words are left out."""
+    pairs = []
+    for row in rows:
+        words = (row.get(data_cfg.text_column) or "").split()
+        if len(words) >= 4:
+            half = len(words) // 2
+            pairs.append((tokenizer(" ".join(words[:half]), add_special_tokens=False)["input_ids"],
+                          " ".join(words[half:])))
+    return pairs
+
+
 def make_collator(tokenizer, data_cfg: DataConfig):
     """Packed: stack equal-length blocks. Unpacked: pad per batch, labels -100 on pad positions."""
     if data_cfg.packing:
@@ -114,4 +127,4 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
-                generates_text=True)
+                generates_text=True, generation_pairs=generation_pairs)

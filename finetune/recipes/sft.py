@@ -171,6 +171,33 @@ def _render(tokenizer, messages, template: str, **kwargs) -> list[int]:
                                               **kwargs)["input_ids"])
 
 
+def prompt_ids(tokenizer, messages: list[dict], template: str) -> list[int]:
+    """Token ids of ``messages`` rendered with ``template`` and the assistant's turn opened
+    (``add_generation_prompt=True``): what a model continues to answer them."""
+    return _render(tokenizer, messages, template, add_generation_prompt=True)
+
+
+def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """``train.eval_generate``'s prompts and references: the prompt (as training tokenizes it) and the response;
+    for conversations, the turns before the last assistant turn (rendered, the assistant's turn opened) and that
+    turn's content. Rows with an empty prompt or reference, or no assistant turn, are left out."""
+    pairs = []
+    for row in rows:
+        if form(data_cfg) == "pair":
+            prompt, response = row.get(data_cfg.prompt_column), row.get(data_cfg.response_column)
+            if isinstance(prompt, str) and isinstance(response, str) and prompt.strip() and response.strip():
+                pairs.append((tokenizer(prompt, add_special_tokens=True)["input_ids"], response))
+            continue
+        messages = row.get(data_cfg.messages_column)
+        if message_problem(messages) or not has_answer(messages):
+            continue
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        if last > 0:
+            pairs.append((prompt_ids(tokenizer, list(messages[:last]), chat_template(data_cfg, tokenizer)),
+                          messages[last]["content"]))
+    return pairs
+
+
 def prompt_length(tokenizer, messages: list[dict], template: str) -> int:
     """Tokens of ``messages`` rendered with ``template`` up to where the assistant's reply starts
     (``add_generation_prompt=True``): the prompt part of a conversation whose answer follows (``dpo``)."""
@@ -448,4 +475,4 @@ RECIPE = Recipe(name="sft", model_class=MODEL_CLASS, prepare_tokenizer=prepare_t
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, columns=columns, cache_key=cache_key, checks_columns=True,
                 counts_rows=True, check_data=check_labels, prepare_model_config=prepare_model_config,
-                generates_text=True)
+                generates_text=True, generation_pairs=generation_pairs)
