@@ -5,7 +5,8 @@ model (``model.init: pretrained``, its own tokenizer, no LoRA, no ``config_overr
 ``config.json`` already has them), reads and tokenizes the run config's data exactly as a launch does (the
 validation files, or the held-out share of the training files) and runs the loop's evaluation
 (:func:`finetune.trainer.evaluate`) on every rank: loss, perplexity and the recipe's metrics (accuracy, F1,
-masked-token accuracy, ...). Rank 0 prints a table and writes the metrics to a new JSON file beside the export
+masked-token accuracy, ...), and with ``train.eval_generate`` the generated answers and their scores (exact match,
+ROUGE-L; the answers go into the JSON). Rank 0 prints a table and writes the metrics to a new JSON file beside the export
 (``evaluation-<time>.json``, or ``--out``).
 
 Multi-rank like training (every rank evaluates its shard, ZeRO-3 gathers parameters)::
@@ -33,6 +34,7 @@ import torch
 from finetune import distributed as dist_utils
 from finetune.data import build_train_data
 from finetune.engine import build_engine, load_model_config, load_tokenizer
+from finetune.generation import EvalGeneration
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import logger
@@ -87,19 +89,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return report_error(e)
     if dist_utils.is_main():
+        generations = metrics.pop("generations", None)
         width = max(map(len, metrics))
         print("\n".join(f"{k:<{width}}  {v:.6g}" for k, v in metrics.items()))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"export": str(export), "config": args.config, "overrides": args.overrides,
                                    "recipe": cfg.recipe, "validation_files": cfg.data.validation_files,
-                                   "world_size": dist_utils.world_size(), "metrics": metrics}, indent=2) + "\n")
+                                   "world_size": dist_utils.world_size(), "metrics": metrics,
+                                   **({"generations": generations} if generations else {})}, indent=2) + "\n")
         print(f"finetune: evaluation written to {out}", file=sys.stderr)
     return 0
 
 
-def run_evaluation(cfg, ds: dict) -> dict[str, float]:
+def run_evaluation(cfg, ds: dict) -> dict:
     """Process group, data, engine (the export's weights, no optimizer state worth keeping) and one evaluation on
-    every rank; returns the metrics (``eval/loss``, ``eval/perplexity``, the recipe's)."""
+    every rank; returns the metrics (``eval/loss``, ``eval/perplexity``, the recipe's; with ``train.eval_generate``
+    also ``eval/rougeL``, ``eval/generation_exact_match`` and the records under ``generations``)."""
     dist_utils.init(cfg.train.dist_timeout_minutes)
     try:
         if dist_utils.on_cpu():
@@ -108,7 +113,12 @@ def run_evaluation(cfg, ds: dict) -> dict[str, float]:
         tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)
         data = build_train_data(recipe, cfg, tokenizer)
         engine = build_engine(cfg, recipe, model_config, ds, total_steps=1).engine
-        return evaluate(engine, data.eval_loader, recipe, cfg)
+        metrics = evaluate(engine, data.eval_loader, recipe, cfg)
+        if cfg.train.eval_generate.prompts:  # answers generated and scored as during training
+            scores, records = EvalGeneration(tokenizer, recipe, cfg).run(engine)
+            metrics.update(scores)
+            metrics["generations"] = records
+        return metrics
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
