@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, get_scheduler
 from transformers.initialization import no_init_weights
 
-from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics, train_losses
+from conftest import CONFIGS, REPO, launch, ok, read_metrics, train_losses
 from finetune.commands.train import main as train_main
 from finetune.config import load_run_config
 from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler

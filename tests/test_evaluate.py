@@ -35,13 +35,16 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
     run = tmp_path / "run"
     ok(launch(TINY, [f"output_dir={run}", "train.max_steps=4", "train.eval_every=0", "train.save_every=0"]))
     final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
-    proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY)]))
+    proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY), "train.eval_generate.prompts=3",
+                                 "train.eval_generate.max_new_tokens=8"]))
     written = sorted((run / "export").glob("evaluation-*.json"))
     assert len(written) == 1, proc.stdout[-2000:]
     result = json.loads(written[0].read_text())
     assert result["world_size"] == 2 and result["recipe"] == "gpt_clm"
     for key in ("eval/loss", "eval/perplexity"):
         assert abs(result["metrics"][key] - final[key]) <= 1e-4 * abs(final[key]), (key, result, final)
+    # train.eval_generate: gpt_clm continues the first half of 3 validation texts; scored against the second half
+    assert [g["index"] for g in result["generations"]] == [0, 1, 2] and 0 <= result["metrics"]["eval/rougeL"] <= 1
     assert f"eval/loss        {result['metrics']['eval/loss']:.6g}" in proc.stdout
 
     # lm-evaluation-harness on the same export, offline, with the shipped local task files (docs/evaluation.md)
