@@ -192,6 +192,33 @@ def _start_munge(root: Path, cluster: SlurmCluster) -> Path:
     return sock
 
 
+def _common_settings(sock: Path) -> list[str]:
+    """slurm.conf lines both test clusters share: MUNGE on this cluster's socket, no cgroups, fast scheduling."""
+    return [
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        # cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+        f"AuthInfo=socket={sock},cred_expire=8",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "SchedulerType=sched/builtin",
+        "SchedulerParameters=sched_interval=2",  # look at pending jobs (a requeued one) every 2 s, not 60
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "SlurmdParameters=config_overrides",
+        "ReturnToService=2",
+        "MpiDefault=none",
+        "JobRequeue=1",
+        "KillWait=30",
+        "MinJobAge=600",
+        "MessageTimeout=30",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+    ]
+
+
 def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
     """Install when needed, configure under ``root`` and start a one-node cluster; wait until the node is idle.
 
@@ -223,27 +250,7 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
             f"SlurmctldHost={node}(127.0.0.1)",  # no name resolution needed for the daemons
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            # cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
-            f"AuthInfo=socket={sock},cred_expire=8",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_interval=2",  # look at pending jobs (a requeued one) every 2 s, not 60
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
-            "MpiDefault=none",
-            "JobRequeue=1",
-            "KillWait=30",
-            "MinJobAge=600",
-            "MessageTimeout=30",
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
+            *_common_settings(sock),
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}",
             f"SlurmctldPidFile={root / 'slurmctld.pid'}",
@@ -330,27 +337,8 @@ def start_two_node_cluster(root: Path, cpus: int = 4) -> SlurmCluster:
             f"SlurmctldHost={socket.gethostname()}({cluster.nodes[names[0]]})",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
-            "AuthType=auth/munge",
-            "CredType=cred/munge",
-            f"AuthInfo=socket={sock},cred_expire=8",
-            "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
-            "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
-            "SchedulerType=sched/builtin",
-            "SchedulerParameters=sched_interval=2",
-            "SlurmUser=root",
-            "SlurmdUser=root",
-            "SlurmdParameters=config_overrides",
-            "ReturnToService=2",
-            "MpiDefault=none",
-            "JobRequeue=1",
-            "KillWait=30",
-            "MinJobAge=600",
-            "MessageTimeout=30",
+            *_common_settings(sock),
             "SlurmdTimeout=10",  # a node that stops answering is DOWN after 10 s (node-loss test)
-            "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}/%n",
             f"SlurmctldPidFile={root / 'slurmctld.pid'}",
