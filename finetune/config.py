@@ -127,6 +127,9 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (0: collate in the training process). Resume is exact with any value:
     MLM masks are seeded per row from ``(train.seed, epoch, row index)``, not from the RNG state."""
+    num_proc: int = 0
+    """Processes that tokenize on each node (its local rank 0 forks them; the node's other ranks wait meanwhile);
+    0: the CPUs that rank may use, at most 32. The tokenized rows are the same for any value."""
     max_train_rows: int = 0
     """Use only the first N training rows (0: all); for smoke tests."""
     tokenize_timeout_minutes: float = 1440.0

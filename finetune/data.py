@@ -3,15 +3,13 @@
 * Files are checked before anything heavy runs (:func:`check_parquet_files`, footers only): a glob that
   matches nothing, an unreadable or empty file, a missing text column (the error lists the columns), a
   text column that is not of a string type (its type is named), or one whose statistics show no text.
-* Tokenization is ``Dataset.map(batched=True)`` into a cache file whose name hashes everything
-  that decides its content (files with size and mtime, tokenizer files, recipe, lengths, split), so a
-  second run with the same inputs loads it instead of tokenizing. Rows with a null, empty or whitespace
-  text are dropped and counted (:class:`DropEmptyText`); a split left without rows is an error. The file
-  is written in a private ``.partial-*`` folder and renamed into place when complete, so a killed
-  tokenization never leaves an entry a later run could read (:func:`clean_dead_partials` removes what
-  dead runs left). Rank 0 tokenizes first; the other ranks wait for it on their own process group whose
-  timeout is ``data.tokenize_timeout_minutes``, not ``train.dist_timeout_minutes``
-  (:func:`finetune.distributed.main_process_first`), then read the same cache file.
+* Tokenization (:func:`load_splits`, run by :mod:`finetune.tokenization`) goes into a cache entry whose name
+  hashes everything that decides its content (files with size and mtime, tokenizer files, recipe, lengths,
+  split), so a second run with the same inputs loads it instead of tokenizing. Rows with a null, empty or
+  whitespace text are dropped and counted (:class:`DropEmptyText`); a split left without rows is an error. Each
+  node's local rank 0 tokenizes with ``data.num_proc`` processes (the nodes share the work when they share the
+  cache folder) while the other ranks wait on their own process group whose timeout is
+  ``data.tokenize_timeout_minutes``, not ``train.dist_timeout_minutes``; then every rank reads the same entry.
 * Training uses :class:`ResumableDistributedSampler` (``DistributedSampler`` + skip of the batches
   already consumed when resuming mid-epoch) with ``set_epoch`` every epoch; batches are padded per
   batch by the recipe's collator, never to a global maximum. With ``data.group_by_length`` (default, for
@@ -38,10 +36,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import socket
-import tempfile
-import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +50,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from finetune import distributed as dist_utils
+from finetune import tokenization
 from finetune.config import DataConfig, RunConfig
 from finetune.errors import ConfigError
 from finetune.logs import logger
@@ -241,76 +237,6 @@ class DropEmptyText:
         return self.fn({k: [v[i] for i in keep] for k, v in batch.items()})
 
 
-PARTIAL_PREFIX = ".partial-"
-"""Tokenization in progress writes ``<cache>/tokenized/.partial-<random>/`` (with ``owner.json``), never the entry."""
-
-
-def _tokenize_atomically(ds, fn, path: Path, desc: str, fingerprint: str) -> None:
-    """``ds.map(fn, batched=True)`` into ``path``, which appears only once complete (``os.replace``).
-
-    The map writes inside a private folder ``PARTIAL_PREFIX...`` next to ``path`` (``datasets`` puts its own
-    temp file there too), marked with this host and pid; a killed process leaves only that folder, which no
-    run reads and :func:`clean_dead_partials` removes. ``fingerprint`` (our cache key) spares ``datasets``
-    hashing ``fn`` with its tokenizer (seconds for a large vocabulary).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, dir=path.parent))
-    try:
-        (partial / "owner.json").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                        "pid_namespace": _pid_namespace(), "entry": path.name}))
-        ds.map(fn, batched=True, remove_columns=ds.column_names, cache_file_name=str(partial / path.name),
-               load_from_cache_file=False, desc=desc, new_fingerprint=fingerprint)
-        os.replace(partial / path.name, path)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-
-
-def _pid_namespace() -> int | None:
-    """Inode of this process's PID namespace (containers on one host may share a host name, not pids)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def clean_dead_partials(folder: Path, stale_hours: float = 168.0) -> list[Path]:
-    """Remove partial tokenizations of dead processes from ``folder`` (``<cache>/tokenized``).
-
-    A ``.partial-*`` folder is removed when its ``owner.json`` names this host (and PID namespace) and a pid
-    that no longer runs, or when it is older than ``stale_hours`` (a live run on another host cannot be told
-    from a dead one, so those stay until then). Every node's local rank 0 calls it before tokenizing.
-    Returns the removed folders.
-    """
-    removed = []
-    now = time.time()
-    for p in sorted(folder.glob(PARTIAL_PREFIX + "*")) if folder.is_dir() else []:
-        try:
-            owner = json.loads((p / "owner.json").read_text())
-            dead = (owner["host"] == socket.gethostname() and owner.get("pid_namespace") == _pid_namespace()
-                    and not _pid_alive(int(owner["pid"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            dead = False
-        try:
-            stale = now - p.stat().st_mtime > stale_hours * 3600
-        except OSError:
-            continue
-        if dead or stale:
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-            logger.info(f"removed the partial tokenization of a dead run: {p}")
-    return removed
-
-
 def holdout(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """(train rows, validation rows), each sorted, of ``n_rows`` with ``round(n_rows x fraction)`` (at least 1)
     held out by a permutation seeded with ``seed`` (``data.validation_fraction``, ``train.seed``)."""
@@ -327,13 +253,14 @@ def validation_rows(data_cfg: DataConfig, columns: list[str], seed: int, n: int)
     files = val_files or expand_files(data_cfg.train_files, "data.train_files", problems)
     if problems:
         raise ConfigError(problems)
-    ds = datasets.load_dataset("parquet", data_files=files, split="train", columns=columns,
-                               cache_dir=str(default_cache_dir(data_cfg) / "parquet"))
+    source = tokenization.ParquetRows(files, columns)
+    rows = np.arange(len(source))
     if not val_files:
         if data_cfg.max_train_rows:
-            ds = ds.select(range(min(data_cfg.max_train_rows, len(ds))))
-        ds = ds.select(holdout(len(ds), data_cfg.validation_fraction, seed)[1])
-    return [ds[i] for i in range(min(n, len(ds)))]
+            rows = rows[:data_cfg.max_train_rows]
+        rows = np.asarray(holdout(len(rows), data_cfg.validation_fraction, seed)[1], np.int64)
+    picked = source.take(rows[:n])
+    return [{c: picked[c][i] for c in columns} for i in range(len(rows[:n]))]
 
 
 @dataclass
@@ -344,90 +271,107 @@ class Splits:
     validation: "datasets.Dataset"  # noqa: F821
 
 
-def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int) -> Splits:
-    """Read the parquet files, split off validation if needed, tokenize (cached), rank 0 first.
+def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: int = 0) -> Splits:
+    """Read the parquet files lazily, hold out validation if needed, tokenize (cached) on every core of every node.
+
+    Each node's local rank 0 tokenizes with ``num_proc`` (else ``data.num_proc``, else
+    :func:`~finetune.tokenization.default_num_proc`) processes; with a cache folder shared by the nodes the shards
+    are split between them, with a node-local one each node tokenizes all. The other ranks wait on a group whose
+    timeout is ``data.tokenize_timeout_minutes``, then every rank memory-maps the same entry.
 
     Args:
         recipe: the recipe module (its ``tokenize_function``).
         tokenizer: a prepared ``PreTrainedTokenizerBase``.
         data_cfg: the ``data`` section.
         seed: seed of the held-out validation split.
+        num_proc: processes per node (0: ``data.num_proc``).
 
     Returns:
         :class:`Splits` with only model-input columns.
+
+    Raises:
+        ConfigError: a split has no rows left after tokenization (every text empty, ...), or the recipe's map
+            function rejected a row (on any rank: every rank raises it).
     """
     problems: list[str] = []
     train_files = expand_files(data_cfg.train_files, "data.train_files", problems)
     val_files = expand_files(data_cfg.validation_files, "data.validation_files", problems)
+    if problems:
+        raise ConfigError(problems)
     cache = default_cache_dir(data_cfg)
-    cache.mkdir(parents=True, exist_ok=True)
+    tokenized_dir = cache / "tokenized"
     col = data_cfg.text_column
     cols = recipe.columns(data_cfg)
-
-    def read(files):
-        return datasets.load_dataset("parquet", data_files=files, split="train",
-                                     cache_dir=str(cache / "parquet"), columns=cols)
-
     base_key = {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
                 "max_seq_len": data_cfg.max_seq_len, "recipe_settings": recipe.cache_key(data_cfg),
-                "datasets": datasets.__version__, "version": 1}
+                "datasets": datasets.__version__, "version": 2}
     fn = recipe.tokenize_function(tokenizer, data_cfg)
-    counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft)
-    tokenized_dir = cache / "tokenized"
+    counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
+    mapper = fn if counts_rows else DropEmptyText(fn, col)
+    procs = num_proc or data_cfg.num_proc or tokenization.default_num_proc()
+    group = dist_utils.data_group(data_cfg.tokenize_timeout_minutes)
+    leader = dist_utils.local_rank() == 0
+    me = dist_utils.rank()
 
-    def tokenize(ds, split_key: dict, name: str, key_name: str):
+    def setup():
+        if leader:
+            tokenized_dir.mkdir(parents=True, exist_ok=True)
+            tokenization.clean_dead_partials(tokenized_dir)
+        return leader
+
+    leaders = [r for r, lead in enumerate(dist_utils.checked_step(group, setup)) if lead]
+    shared = len(leaders) == 1 or tokenization.shared_between_leaders(group, tokenized_dir, leaders)
+
+    def tokenize(source: tokenization.ParquetRows, rows: np.ndarray, split_key: dict, name: str, key_name: str):
         key = fingerprint({**base_key, **split_key})
-        path = tokenized_dir / f"{recipe.name}-{name}-{key}.arrow"
-        if path.exists():
-            out = datasets.Dataset.from_file(str(path))
-            logger.info(f"{name}: {len(out):,} rows (cache hit: {path})")
-            dropped = None
-            summary = path.with_name(path.name + ".summary")  # what the recipe counted when it tokenized (sft)
-            if counts_rows and summary.is_file():
-                logger.info(f"{name}: {summary.read_text()} (when tokenized)")
+        entry = tokenized_dir / f"{recipe.name}-{name}-{key}"
+        have = dist_utils.checked_step(group, lambda: tokenization.is_entry(entry) if leader else True)
+        if all(have):
+            out, info = tokenization.load_entry(entry)
+            logger.info(f"{name}: {len(out):,} rows (cache hit: {entry})")
         else:
-            start = time.monotonic()
-            if counts_rows:
-                fn.reset()
-            rows = fn if counts_rows else DropEmptyText(fn, col)
-            _tokenize_atomically(ds, rows, path, f"tokenizing {name}", key)
-            out = datasets.Dataset.from_file(str(path))
-            dropped = None if counts_rows else rows.dropped
-            logger.info(f"{name}: {len(out):,} rows (tokenized {len(ds):,} texts in {time.monotonic() - start:.1f} s"
-                        f"{f'; dropped {dropped:,} empty or null texts' if dropped else ''}: {path})")
-            if counts_rows:
-                logger.info(f"{name}: {fn.summary()}")
-                path.with_name(path.name + ".summary").write_text(fn.summary())  # logged again on a cache hit
+            job = tokenization.ShardJob(source, rows, mapper)
+            if shared and len(leaders) > 1:
+                info = tokenization.tokenize_across_nodes(group, job, entry, leaders, procs)
+            else:
+                job.bounds = tokenization.shard_bounds(len(rows), procs)
+                infos = dist_utils.checked_step(group, lambda: tokenization.tokenize_here(job, entry, procs)
+                                                if leader and not have[me] else None)
+                info = next(i for i in infos if i is not None)
+            out, info = tokenization.load_entry(entry)
+            c = info["counts"]
+            dropped = f"; dropped {c['dropped']:,} empty or null texts" if c.get("dropped") else ""
+            logger.info(f"{name}: {len(out):,} rows (tokenized {c['rows_in']:,} texts in {info['seconds']:.1f} s by "
+                        f"{info['nodes']} node(s) x {info['num_proc']} process(es){dropped}: {entry})")
+        counts = info["counts"]
+        if counts_rows:
+            fn.counts = Counter({k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")})
+            logger.info(f"{name}: {fn.summary()}")
         if len(out) == 0:
-            why = (f"every one of its {len(ds):,} texts in column '{col}' is empty or null" if dropped == len(ds)
-                   else f"{len(ds):,} rows gave no example ({fn.summary()})" if counts_rows and dropped is None
-                   else f"{len(ds):,} texts in column '{col}' gave no row (empty, null, or shorter than one "
+            n_in, dropped = counts["rows_in"], counts.get("dropped", 0)
+            why = (f"every one of its {n_in:,} texts in column '{col}' is empty or null" if dropped == n_in
+                   else f"{n_in:,} rows gave no example ({fn.summary()})" if counts_rows
+                   else f"{n_in:,} texts in column '{col}' gave no row (empty, null, or shorter than one "
                         f"data.max_seq_len block when packing)")
             use = "to evaluate on" if name == "validation" else "to train on"
             raise ConfigError(f"{key_name}: the {name} split has no rows {use}: {why}")
         return out
 
-    with dist_utils.main_process_first(data_cfg.tokenize_timeout_minutes):
-        if dist_utils.local_rank() == 0:
-            clean_dead_partials(tokenized_dir)
-        raw_train = read(train_files)
-        if data_cfg.max_train_rows:
-            raw_train = raw_train.select(range(min(data_cfg.max_train_rows, len(raw_train))))
-        ids = {"train_files": [file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
-        if val_files:
-            raw_val = read(val_files)
-            val_ids = {"val_files": [file_id(f) for f in val_files]}
-            train_ids = ids
-            val_key = "data.validation_files"
-        else:
-            train_idx, val_idx = holdout(len(raw_train), data_cfg.validation_fraction, seed)
-            raw_val = raw_train.select(val_idx)
-            raw_train = raw_train.select(train_idx)
-            split = {"holdout": data_cfg.validation_fraction, "seed": seed}
-            train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
-            val_key = "data.validation_fraction"
-        train = tokenize(raw_train, train_ids, "train", "data.train_files")
-        validation = tokenize(raw_val, val_ids, "validation", val_key)
+    train_source = tokenization.ParquetRows(train_files, cols)
+    n_train = min(data_cfg.max_train_rows, len(train_source)) if data_cfg.max_train_rows else len(train_source)
+    ids = {"train_files": [file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
+    if val_files:
+        train_rows, val_source = np.arange(n_train), tokenization.ParquetRows(val_files, cols)
+        val_rows, train_ids = np.arange(len(val_source)), ids
+        val_ids, val_key = {"val_files": [file_id(f) for f in val_files]}, "data.validation_files"
+    else:
+        train_idx, val_idx = holdout(n_train, data_cfg.validation_fraction, seed)
+        train_rows, val_rows, val_source = np.asarray(train_idx, np.int64), np.asarray(val_idx, np.int64), train_source
+        split = {"holdout": data_cfg.validation_fraction, "seed": seed}
+        train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
+        val_key = "data.validation_fraction"
+    train = tokenize(train_source, train_rows, train_ids, "train", "data.train_files")
+    validation = tokenize(val_source, val_rows, val_ids, "validation", val_key)
     return Splits(train=train, validation=validation)
 
 

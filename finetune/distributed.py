@@ -273,42 +273,50 @@ def barrier() -> None:
         dist.barrier()
 
 
-@contextlib.contextmanager
-def main_process_first(timeout_minutes: float = 1440.0):
-    """Rank 0 runs the body first (e.g. tokenizes and writes the cache); the others wait, then run it (cache hit).
+def data_group(timeout_minutes: float):
+    """A gloo process group of every rank for the data preparation's exchanges, whose timeout is
+    ``timeout_minutes`` (``data.tokenize_timeout_minutes``): a long first-time tokenization is not cut short by
+    ``train.dist_timeout_minutes``, the timeout of the training collectives. None without a process group or
+    with one rank. Every rank must call it (``new_group`` is collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
 
-    The others wait on a separate gloo process group whose timeout is ``timeout_minutes``
-    (``data.tokenize_timeout_minutes``), so a long first-time tokenization is not cut short by
-    ``train.dist_timeout_minutes``, the timeout of the training collectives. A rank 0 that dies still
-    ends the wait at once (its connections close). Rank 0 then tells the others how its body ended: when it
-    raised a :class:`ConfigError` they raise the same one (only rank 0 prints it), any other exception
-    becomes a ``RuntimeError`` on the others that points to rank 0's log.
+
+def checked_step(group, fn):
+    """Run ``fn()`` on this rank, then tell every rank of ``group`` how it ended everywhere.
+
+    The ranks meet after the step (``all_gather_object``), so a rank whose work is long (tokenizing) keeps the
+    others waiting on ``group``'s timeout, and a rank that dies ends the wait at once (its connections close).
+    When ``fn`` raised on any rank, every rank raises: the failing rank its own exception, the others the
+    same :class:`ConfigError` (only rank 0 prints it) or a ``RuntimeError`` naming the failed rank and its log.
 
     Args:
-        timeout_minutes: the waiting ranks' limit, in minutes.
+        group: a group from :func:`data_group`, or None (one process: ``fn`` runs alone).
+        fn: the step, without arguments; its result must be picklable.
+
+    Returns:
+        Every rank's result (list indexed by rank; ``[fn()]`` without a group).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        yield
-        return
-    group = dist.new_group(backend="gloo", timeout=timedelta(minutes=timeout_minutes))
-    if not is_main():
-        status = [None]
-        dist.broadcast_object_list(status, src=0, group=group)
-        if status[0] is not None:
-            kind, detail = status[0]
-            if kind == "config":
-                raise ConfigError(detail)
-            raise RuntimeError(f"rank 0 failed while preparing the data ({detail}); see logs/rank0.log")
-        yield
-        return
+    if group is None:
+        return [fn()]
+    error = None
     try:
-        yield
-    except BaseException as e:
-        status = ("config", e.problems) if isinstance(e, ConfigError) else ("error", f"{type(e).__name__}: {e}")
-        with contextlib.suppress(Exception):  # best effort: the others also end when this rank exits
-            dist.broadcast_object_list([status], src=0, group=group)
-        raise
-    dist.broadcast_object_list([None], src=0, group=group)
+        outcome = ("ok", fn())
+    except ConfigError as e:
+        error, outcome = e, ("config", e.problems)
+    except Exception as e:  # noqa: BLE001  (told to the others, then raised again below)
+        error, outcome = e, ("error", f"{type(e).__name__}: {e}")
+    outcomes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, outcome, group=group)
+    if error is not None:
+        raise error
+    for r, (kind, detail) in enumerate(outcomes):
+        if kind == "config":
+            raise ConfigError(detail)
+        if kind == "error":
+            raise RuntimeError(f"rank {r} failed while preparing the data ({detail}); see logs/rank{r}.log")
+    return [detail for _, detail in outcomes]
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

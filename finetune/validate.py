@@ -205,6 +205,7 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     non_negative = {"train.max_steps": cfg.train.max_steps, "train.warmup_steps": cfg.train.warmup_steps, "train.eval_every":
                     cfg.train.eval_every, "train.save_every": cfg.train.save_every, "train.weight_decay": cfg.train.weight_decay,
                     "train.max_grad_norm": cfg.train.max_grad_norm, "data.num_workers": cfg.data.num_workers,
+                    "data.num_proc": cfg.data.num_proc,
                     "train.eval_max_batches": cfg.train.eval_max_batches, "data.max_train_rows": cfg.data.max_train_rows,
                     "data.pad_to_multiple_of": cfg.data.pad_to_multiple_of,
                     "train.keep_last_checkpoints": cfg.train.keep_last_checkpoints, "train.sample_temperature":
@@ -280,6 +281,38 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
+def check_inputs(cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """The checks of the run's inputs, a part of :func:`validate_run` that needs neither a world size nor an output
+    folder (``finetune prepare`` runs them alone): recipe, model and tokenizer files, data files and columns, the
+    recipe's data checks, model/tokenizer/data compatibility, numbers.
+
+    Returns:
+        ``(problems, number_problems)``: every problem (one line each), and those of them about numbers.
+    """
+    problems: list[str] = []
+    if cfg.recipe not in RECIPES:
+        problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
+    _check_model(cfg, problems)
+    if not cfg.data.train_files:
+        problems.append("data.train_files: no training files given")
+    recipe = get_recipe(cfg.recipe) if cfg.recipe in RECIPES else None
+    files = {}
+    for key, patterns in (("data.train_files", cfg.data.train_files),
+                          ("data.validation_files", cfg.data.validation_files)):
+        files[key] = expand_files(patterns, key, problems)
+        own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
+        check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
+        if recipe is not None:
+            check_utf8(files[key], key, recipe.columns(cfg.data), problems)
+    if recipe is not None:
+        recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
+    _check_compatibility(cfg, problems)
+    number_problems: list[str] = []
+    _check_numbers(cfg, number_problems)
+    problems += number_problems
+    return problems, number_problems
+
+
 def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
                  allow_changes: bool = False) -> Resolved:
     """Check everything that can be checked before a model is built; raise all problems together.
@@ -308,30 +341,10 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             size the accumulation may be changed in ``cfg`` to keep the checkpoint's global batch
             (:func:`finetune.resume.keep_global_batch`).
     """
-    problems: list[str] = []
-    if cfg.recipe not in RECIPES:
-        problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
-    if not cfg.output_dir and not cfg.output_root:
-        problems.append("output_dir: not set (the run folder for logs, checkpoints and the export; or set "
+    problems, number_problems = check_inputs(cfg)
+    if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
+        problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
-    _check_model(cfg, problems)
-    if not cfg.data.train_files:
-        problems.append("data.train_files: no training files given")
-    recipe = get_recipe(cfg.recipe) if cfg.recipe in RECIPES else None
-    files = {}
-    for key, patterns in (("data.train_files", cfg.data.train_files),
-                          ("data.validation_files", cfg.data.validation_files)):
-        files[key] = expand_files(patterns, key, problems)
-        own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
-        check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
-        if recipe is not None:
-            check_utf8(files[key], key, recipe.columns(cfg.data), problems)
-    if recipe is not None:
-        recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
-    _check_compatibility(cfg, problems)
-    number_problems: list[str] = []
-    _check_numbers(cfg, number_problems)
-    problems += number_problems
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
         resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)

@@ -290,7 +290,7 @@ def _multinode_rows(cfg: RunConfig, nodes: int) -> list[tuple[str, str, str]]:
     cache = str(default_cache_dir(cfg.data))
     point, fs = mount_of(Path(cache))
     rows.append(("multinode", "ok", f"data.cache_dir '{cache}' is on {fs} ({point or '?'}): " + (
-        "shared, tokenized once" if fs not in _LOCAL_FS else "node-local, each node tokenizes the data itself")))
+        "shared, each node tokenizes a share of the data" if fs not in _LOCAL_FS else "node-local, each node tokenizes the data itself")))
     head = os.environ.get("MASTER_ADDR") or (slurm_head_node() if "SLURM_JOB_NODELIST" in os.environ else "")
     job = os.environ.get("SLURM_JOB_ID")
     port = int(os.environ.get("MASTER_PORT") or (20000 + int(job) % 10000 if job and job.isdigit() else 29500))
