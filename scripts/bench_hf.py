@@ -50,60 +50,74 @@ def main() -> None:
         tokenizer.pad_token = tokenizer.eos_token
     max_len = spec["max_seq_len"]
 
-    raw = datasets.load_dataset("parquet", data_files=spec["train_files"], split="train",
-                                cache_dir=str(out.parent / "hf-datasets"))
-    if spec.get("max_train_rows"):
-        raw = raw.select(range(min(spec["max_train_rows"], len(raw))))
-    text = spec["text_column"]
-    config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
-    for k, v in spec["config_overrides"].items():
-        setattr(config, k, v)
-    if recipe == "bert_mlm":
-        raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
-        train = raw.map(lambda b: tokenizer(b[text], truncation=True, max_length=max_len,
-                                            return_special_tokens_mask=True),
-                        batched=True, remove_columns=raw.column_names)
-        collate = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=spec["mlm_probability"])
-        model_class = transformers.AutoModelForMaskedLM
-    elif recipe == "gpt_clm":
-        raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
+    half = spec["precision"]
+    targs = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=spec["micro_batch_size"],
+        gradient_accumulation_steps=spec["gradient_accumulation_steps"], max_steps=spec["steps"],
+        learning_rate=spec["lr"], weight_decay=spec["weight_decay"], warmup_steps=spec["warmup_steps"],
+        lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
+        logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
+        dataloader_num_workers=0, train_sampling_strategy=spec["sampling"], bf16=half == "bf16",
+        fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available())
+    data_start = time.time()
+    # as transformers' examples (run_clm.py, run_mlm.py, run_glue.py): rank 0 maps first, the others read its cache
+    with targs.main_process_first(desc="dataset map pre-processing"):
+        raw = datasets.load_dataset("parquet", data_files=spec["train_files"], split="train",
+                                    cache_dir=spec.get("hf_cache") or str(out.parent / "hf-datasets"))
+        if spec.get("max_train_rows"):
+            raw = raw.select(range(min(spec["max_train_rows"], len(raw))))
+        text = spec["text_column"]
+        config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
+        for k, v in spec["config_overrides"].items():
+            setattr(config, k, v)
+        if recipe == "bert_mlm":
+            raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
+            train = raw.map(lambda b: tokenizer(b[text], truncation=True, max_length=max_len,
+                                                return_special_tokens_mask=True),
+                            batched=True, remove_columns=raw.column_names)
+            collate = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=spec["mlm_probability"])
+            model_class = transformers.AutoModelForMaskedLM
+        elif recipe == "gpt_clm":
+            raw = raw.filter(lambda b: [bool(t and t.strip()) for t in b[text]], batched=True)
 
-        def group_texts(batch):  # transformers examples/pytorch/language-modeling/run_clm.py, EOS between texts
-            ids = tokenizer(batch[text], add_special_tokens=False)["input_ids"]
-            stream = [t for row in ids for t in row + [tokenizer.eos_token_id]]
-            n = len(stream) // max_len * max_len
-            blocks = [stream[i:i + max_len] for i in range(0, n, max_len)]
-            return {"input_ids": blocks, "attention_mask": [[1] * max_len for _ in blocks],
-                    "labels": [list(b) for b in blocks]}
+            def group_texts(batch):  # transformers examples/pytorch/language-modeling/run_clm.py, EOS between texts
+                ids = tokenizer(batch[text], add_special_tokens=False)["input_ids"]
+                stream = [t for row in ids for t in row + [tokenizer.eos_token_id]]
+                n = len(stream) // max_len * max_len
+                blocks = [stream[i:i + max_len] for i in range(0, n, max_len)]
+                return {"input_ids": blocks, "attention_mask": [[1] * max_len for _ in blocks],
+                        "labels": [list(b) for b in blocks]}
 
-        train = raw.map(group_texts, batched=True, remove_columns=raw.column_names)
-        collate = default_data_collator
-        model_class = transformers.AutoModelForCausalLM
-    elif recipe == "seq_cls":  # transformers examples/pytorch/text-classification/run_glue.py, sorted label set
-        names = sorted(set(raw[spec["label_column"]]))
-        class_id = {n: i for i, n in enumerate(names)}
-        config.num_labels = len(names)
-        train = raw.map(lambda b: {**tokenizer(b[text], truncation=True, max_length=max_len),
-                                   "labels": [class_id[v] for v in b[spec["label_column"]]]},
-                        batched=True, remove_columns=raw.column_names)
-        collate = DataCollatorWithPadding(tokenizer)
-        model_class = transformers.AutoModelForSequenceClassification
-    elif recipe == "sft":  # prompt/response: loss on the response + EOS only, one example per row, padded
-        def encode(batch):
-            ids, labels = [], []
-            for prompt, response in zip(batch[spec["prompt_column"]], batch[spec["response_column"]]):
-                p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-                r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                ids.append((p + r)[:max_len])
-                labels.append(([-100] * len(p) + r)[:max_len])
-            return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}
+            train = raw.map(group_texts, batched=True, remove_columns=raw.column_names)
+            collate = default_data_collator
+            model_class = transformers.AutoModelForCausalLM
+        elif recipe == "seq_cls":  # transformers examples/pytorch/text-classification/run_glue.py, sorted label set
+            names = sorted(set(raw[spec["label_column"]]))
+            class_id = {n: i for i, n in enumerate(names)}
+            config.num_labels = len(names)
+            train = raw.map(lambda b: {**tokenizer(b[text], truncation=True, max_length=max_len),
+                                       "labels": [class_id[v] for v in b[spec["label_column"]]]},
+                            batched=True, remove_columns=raw.column_names)
+            collate = DataCollatorWithPadding(tokenizer)
+            model_class = transformers.AutoModelForSequenceClassification
+        elif recipe == "sft":  # prompt/response: loss on the response + EOS only, one example per row, padded
+            def encode(batch):
+                ids, labels = [], []
+                for prompt, response in zip(batch[spec["prompt_column"]], batch[spec["response_column"]]):
+                    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+                    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                    ids.append((p + r)[:max_len])
+                    labels.append(([-100] * len(p) + r)[:max_len])
+                return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}
 
-        train = raw.map(encode, batched=True, remove_columns=raw.column_names)
-        train = train.filter(lambda b: [any(v != -100 for v in lab) for lab in b["labels"]], batched=True)
-        collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-        model_class = transformers.AutoModelForCausalLM
-    else:
-        raise SystemExit(f"bench_hf.py: no Hugging Face contender for recipe {recipe!r}")
+            train = raw.map(encode, batched=True, remove_columns=raw.column_names)
+            train = train.filter(lambda b: [any(v != -100 for v in lab) for lab in b["labels"]], batched=True)
+            collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+            model_class = transformers.AutoModelForCausalLM
+        else:
+            raise SystemExit(f"bench_hf.py: no Hugging Face contender for recipe {recipe!r}")
+
+    data_seconds = time.time() - data_start
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
 
@@ -130,21 +144,13 @@ def main() -> None:
     model = model_class.from_config(config, dtype=torch.float32)
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
-    half = spec["precision"]
-    targs = TrainingArguments(
-        output_dir=str(out / "trainer"), per_device_train_batch_size=spec["micro_batch_size"],
-        gradient_accumulation_steps=spec["gradient_accumulation_steps"], max_steps=spec["steps"],
-        learning_rate=spec["lr"], weight_decay=spec["weight_decay"], warmup_steps=spec["warmup_steps"],
-        lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
-        logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
-        dataloader_num_workers=0, train_sampling_strategy=spec["sampling"], bf16=half == "bf16",
-        fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available())
     trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=counting_collate,
                       processing_class=tokenizer, callbacks=[Meter()])
     trainer.train()
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
-                                                      "losses": losses, "gpu_max_allocated": peak_gpu}))
+                                                      "losses": losses, "gpu_max_allocated": peak_gpu,
+                                                      "data_seconds": data_seconds}))
     # Leave without the interpreter's teardown: with Trainer's process group still up, gloo's threads torn down at
     # exit aborted a finished launch ("terminate called without an active exception", 1 launch in ~30), and
     # destroy_process_group() first did not prevent it. Every rank is past its last collective after the barrier.

@@ -34,7 +34,7 @@ from finetune.errors import ConfigError, RunFailure, StopRequested, TrainingDive
 from finetune.errors import report as report_error
 from finetune.export import export_and_verify
 from finetune.generation import EvalGeneration, write_sample
-from finetune.logs import logger, monitor_sections, setup_logging
+from finetune.logs import StartupClock, logger, monitor_sections, setup_logging
 from finetune.preemption import StopSignal
 from finetune.recipes import recipe_for
 from finetune.report import write_run_report
@@ -116,7 +116,10 @@ def _chosen_by(state, cfg) -> dict:
 
 def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
     """One launch after its checks passed, from the process group to the report. Returns the exit status."""
+    clock = StartupClock()
+    clock.mark("imports and checks")
     dist_utils.init(cfg.train.dist_timeout_minutes)
+    clock.mark("process group")
     opened = open_run(cfg)  # rank 0 creates/locks the folder; refused launches raise here, having written nothing
     run_dir, rank = opened.run_dir, dist_utils.rank()
     try:
@@ -138,7 +141,9 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
                     f"({launcher}); recipe {cfg.recipe}; DeepSpeed config {cfg.deepspeed}")
         logger.info("precision {precision} ({why})".format(**precision))
 
+        clock.mark("run folder, tokenizer")
         data = build_train_data(recipe, cfg, tokenizer)
+        clock.mark("data")
         logger.info(f"global batch {ds['train_batch_size']} rows = micro batch {cfg.train.micro_batch_size} x "
                     f"accumulation {cfg.train.gradient_accumulation_steps} x world size {dist_utils.world_size()}; "
                     f"{data.steps_per_epoch} steps/epoch; {data.total_steps} steps")
@@ -149,8 +154,11 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         health.memory_mark("before_model")  # host memory before/after: what `finetune plan` is checked against
         engine = build_engine(cfg, recipe, model_config, ds, data.total_steps).engine
         ckpt_utils.check_free_space(run_dir, engine)
+        clock.mark("model and engine")
         data = recipe.before_training(engine, data, cfg)  # initial weights (dpo: reference log-probabilities)
         state = restore(engine, resolved, cfg, data.total_steps)
+        clock.mark("before training and resume")
+        logger.info(clock.summary())
 
         stop.defer_to_loop()
         generation = EvalGeneration(tokenizer, recipe, cfg) if cfg.train.eval_generate.prompts else None
