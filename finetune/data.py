@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -159,15 +160,28 @@ def _bad_utf8_row(column) -> int | None:
     return None
 
 
-def check_utf8(files: list[str], key: str, columns: list[str], problems: list[str]) -> None:
+def check_utf8(files: list[str], key: str, columns: list[str], problems: list[str], checked: Path | None = None) -> None:
     """Every string in ``columns`` (nested ones too: chat messages) of each file is valid UTF-8.
 
     Parquet stores strings as bytes and does not check them, so a file written by another tool can hold a
     cell such as ``b"\\xff\\xfe"`` that only fails when the rows become Python strings during tokenization.
     Reads the columns (one record batch at a time) and appends one line per file with such a cell, naming the
     file, the row and the column. Unreadable files and absent columns are skipped (reported elsewhere).
+
+    With ``checked`` (a folder, ``<cache>/checked``), a file found valid leaves a mark there named by its
+    :func:`file_id` and the columns, and a later check of the same file version skips it: reading every string of
+    a gigabyte corpus costs seconds at every launch otherwise.
     """
     for f in files:
+        mark = None
+        if checked is not None:
+            try:
+                mark = checked / f"utf8-{fingerprint({'file': file_id(f), 'columns': sorted(columns)})}"
+            except OSError:  # a missing file is reported elsewhere
+                continue
+            if mark.exists():
+                continue
+        found = len(problems)
         try:
             pf = pq.ParquetFile(f)
             present = [c for c in columns if c in pf.schema_arrow.names]
@@ -185,6 +199,10 @@ def check_utf8(files: list[str], key: str, columns: list[str], problems: list[st
                 start += batch.num_rows
         except Exception:  # noqa: BLE001  (an unreadable file is reported by check_parquet_files)
             continue
+        if mark is not None and len(problems) == found:
+            with contextlib.suppress(OSError):  # a read-only cache: the check runs again next time
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.touch()
 
 
 def default_cache_dir(data_cfg: DataConfig) -> Path:

@@ -19,7 +19,7 @@ from finetune import distributed as dist_utils
 from finetune import lora, run_folder
 from finetune import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
-from finetune.data import check_parquet_files, check_utf8, expand_files
+from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files
 from finetune.ds_config import resolve_ds_config
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe
@@ -303,7 +303,8 @@ def check_inputs(cfg: RunConfig) -> tuple[list[str], list[str]]:
         own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
         check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
         if recipe is not None:
-            check_utf8(files[key], key, recipe.columns(cfg.data), problems)
+            check_utf8(files[key], key, recipe.columns(cfg.data), problems,
+                       checked=default_cache_dir(cfg.data) / "checked")
     if recipe is not None:
         recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
