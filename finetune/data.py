@@ -160,7 +160,8 @@ def _bad_utf8_row(column) -> int | None:
     return None
 
 
-def check_utf8(files: list[str], key: str, columns: list[str], problems: list[str], checked: Path | None = None) -> None:
+def check_utf8(files: list[str], key: str, columns: list[str], problems: list[str], checked: Path | None = None,
+               marks: list[Path] | None = None) -> None:
     """Every string in ``columns`` (nested ones too: chat messages) of each file is valid UTF-8.
 
     Parquet stores strings as bytes and does not check them, so a file written by another tool can hold a
@@ -168,9 +169,11 @@ def check_utf8(files: list[str], key: str, columns: list[str], problems: list[st
     Reads the columns (one record batch at a time) and appends one line per file with such a cell, naming the
     file, the row and the column. Unreadable files and absent columns are skipped (reported elsewhere).
 
-    With ``checked`` (a folder, ``<cache>/checked``), a file found valid leaves a mark there named by its
+    With ``checked`` (a folder, ``<cache>/checked``), a file found valid gets a mark there named by its
     :func:`file_id` and the columns, and a later check of the same file version skips it: reading every string of
-    a gigabyte corpus costs seconds at every launch otherwise.
+    a gigabyte corpus costs seconds at every launch otherwise. The marks are appended to ``marks`` rather than
+    written: the caller writes them with :func:`remember_checked` once the whole input check passed, so a
+    launch refused for bad input leaves nothing behind, not even in the cache.
     """
     for f in files:
         mark = None
@@ -199,10 +202,17 @@ def check_utf8(files: list[str], key: str, columns: list[str], problems: list[st
                 start += batch.num_rows
         except Exception:  # noqa: BLE001  (an unreadable file is reported by check_parquet_files)
             continue
-        if mark is not None and len(problems) == found:
-            with contextlib.suppress(OSError):  # a read-only cache: the check runs again next time
-                mark.parent.mkdir(parents=True, exist_ok=True)
-                mark.touch()
+        if mark is not None and marks is not None and len(problems) == found:
+            marks.append(mark)
+
+
+def remember_checked(marks: list[Path]) -> None:
+    """Write the marks :func:`check_utf8` collected (empty files); a read-only cache is no error (the check
+    simply runs again at the next launch)."""
+    for mark in marks:
+        with contextlib.suppress(OSError):
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
 
 
 def default_cache_dir(data_cfg: DataConfig) -> Path:

@@ -19,7 +19,7 @@ from finetune import distributed as dist_utils
 from finetune import lora, run_folder
 from finetune import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
-from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files
+from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
 from finetune.ds_config import resolve_ds_config
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe
@@ -281,10 +281,14 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
-def check_inputs(cfg: RunConfig) -> tuple[list[str], list[str]]:
+def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[str], list[str]]:
     """The checks of the run's inputs, a part of :func:`validate_run` that needs neither a world size nor an output
     folder (``finetune prepare`` runs them alone): recipe, model and tokenizer files, data files and columns, the
     recipe's data checks, model/tokenizer/data compatibility, numbers.
+
+    ``marks`` collects the cache marks of files whose text was found valid UTF-8
+    (:func:`finetune.data.check_utf8`); write them with :func:`finetune.data.remember_checked` once every check
+    passed.
 
     Returns:
         ``(problems, number_problems)``: every problem (one line each), and those of them about numbers.
@@ -304,7 +308,7 @@ def check_inputs(cfg: RunConfig) -> tuple[list[str], list[str]]:
         check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
         if recipe is not None:
             check_utf8(files[key], key, recipe.columns(cfg.data), problems,
-                       checked=default_cache_dir(cfg.data) / "checked")
+                       checked=default_cache_dir(cfg.data) / "checked", marks=marks)
     if recipe is not None:
         recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
     _check_compatibility(cfg, problems)
@@ -342,7 +346,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             size the accumulation may be changed in ``cfg`` to keep the checkpoint's global batch
             (:func:`finetune.resume.keep_global_batch`).
     """
-    problems, number_problems = check_inputs(cfg)
+    marks: list[Path] = []
+    problems, number_problems = check_inputs(cfg, marks)
     if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
@@ -396,6 +401,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
                             f"to start a new run")
     if problems:
         raise ConfigError(problems)
+    remember_checked(marks)
     return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal)
 
 

@@ -20,7 +20,8 @@ Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks;
 with the same answer-only labels) and ``dpo`` (the shipped GSM8K DPO against ``trl``: TRL's ``DPOTrainer``,
 ``scripts/bench_trl.py``; pairs/s is real tokens/s over the tokens per pair, the same rows on both sides).
 
-Contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
+An untimed warm-up launch comes first (:func:`warm_up`: DeepSpeed's one-time builds of its CPU ops), then the
+contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
 hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of each launch are warm-up, not timed):
 
 * real tokens/s: non-pad tokens of all ranks over the wall time of the timed steps; positions/s likewise with pad;
@@ -389,6 +390,21 @@ def table(preset: str, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def warm_up(preset: dict, overrides: list[str], args, out: Path, env: dict) -> None:
+    """One untimed launch of the toolkit before the timed rounds (1 step, its own cache): DeepSpeed builds its CPU
+    ops (``deepspeed_shm_comm``, ``cpu_adam``) on the first launch after an install, some 20 s that would otherwise
+    be charged to whichever contender runs first; the page cache also warms up for all contenders alike."""
+    t0 = time.perf_counter()
+    before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides, "train.max_steps=1",
+                        "data.max_train_rows=400", f"output_dir={out}")
+    try:
+        run_launch(cmd, {**env, "FINETUNE_CACHE": str(out.with_suffix(".cache"))}, out.with_suffix(".log"), args.timeout)
+    finally:
+        clean_shm(before)
+    print(f"  warm-up launch (untimed): {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bert_mlm", choices=[*PRESETS, "all"])
@@ -435,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps} x {args.nproc} ranks, "
                   f"{cfg.deepspeed}, {precision}, seed {t.seed}, {args.steps} steps x {args.rounds} rounds "
                   f"(first {args.skip} per launch not timed)", flush=True)
+            warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
             runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
             for rnd in range(args.rounds):

@@ -154,6 +154,7 @@ def test_prepare_then_launch_hits_and_a_killed_prepare_leaves_nothing(tmp_path):
     assert "removed the partial tokenization of a dead run" in prepare.stdout
     assert "by 1 node(s) x 2 process(es)" in prepare.stdout and "prepared: " in prepare.stdout
     assert sorted(p.name.split("-")[1] for p in tokenized.iterdir()) == ["train", "validation"]
+    assert len(list((cache / "checked").glob("utf8-*"))) == 1, "the UTF-8 check passed but left no mark"
 
     run = tmp_path / "run"
     launch = subprocess.run([str(BIN / "python"), "finetune/run.py", "--config", "tests/configs/tiny_gpt.yaml",

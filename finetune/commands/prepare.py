@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizing processes (default: data.num_proc, else the CPUs this process may use, at most 32)")
     args = p.parse_intermixed_args(argv)
     from finetune.config import load_run_config
-    from finetune.data import default_cache_dir, load_splits
+    from finetune.data import default_cache_dir, load_splits, remember_checked
     from finetune.engine import load_tokenizer
     from finetune.recipes import recipe_for
     from finetune.validate import check_inputs
@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--num-proc: must be >= 0, got {args.num_proc}")
         load_problems: list[str] = []
         cfg = load_run_config(args.config, args.overrides, problems=load_problems)
-        problems = load_problems + check_inputs(cfg)[0]
+        marks: list = []
+        problems = load_problems + check_inputs(cfg, marks)[0]
         if problems:
             raise ConfigError(problems)
+        remember_checked(marks)
         start = time.monotonic()
         recipe = recipe_for(cfg)
         splits = load_splits(recipe, load_tokenizer(cfg, recipe), cfg.data, cfg.train.seed, args.num_proc)
