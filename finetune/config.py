@@ -127,6 +127,8 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank (0: collate in the training process). Resume is exact with any value:
     MLM masks are seeded per row from ``(train.seed, epoch, row index)``, not from the RNG state."""
+    sources: list = field(default_factory=list)
+    """A weighted mixture instead of ``train_files``: a list of ``{name, train_files, weight}`` mappings, each optionally with its own ``validation_files``, ``validation_fraction``, ``max_train_rows`` and columns (``text_column``, ``prompt_column``, ``messages_column``, ...); each epoch draws rows from the sources in proportion to their weights (docs/data.md, mixtures)."""
     num_proc: int = 0
     """Processes that tokenize on each node (its local rank 0 forks them; the node's other ranks wait meanwhile);
     0: the CPUs that rank may use, at most 32. The tokenized rows are the same for any value."""

@@ -38,7 +38,7 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from finetune import distributed as dist_utils
+from finetune import mixture as mixture_lib
 from finetune import tokenization
 from finetune.config import DataConfig, RunConfig
 from finetune.errors import ConfigError
@@ -265,12 +266,12 @@ class DropEmptyText:
         return self.fn({k: [v[i] for i in keep] for k, v in batch.items()})
 
 
-def holdout(n_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train rows, validation rows), each sorted, of ``n_rows`` with ``round(n_rows x fraction)`` (at least 1)
-    held out by a permutation seeded with ``seed`` (``data.validation_fraction``, ``train.seed``)."""
-    perm = np.random.default_rng(seed).permutation(n_rows)
+def holdout(n_rows: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train rows, validation rows), each sorted (int64 arrays), of ``n_rows`` with ``round(n_rows x fraction)``
+    (at least 1) held out by a permutation seeded with ``seed`` (``data.validation_fraction``, ``train.seed``)."""
+    perm = np.random.default_rng(seed).permutation(n_rows).astype(np.int64)
     n_val = max(1, int(round(n_rows * fraction)))
-    return sorted(perm[n_val:].tolist()), sorted(perm[:n_val].tolist())
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
 def validation_rows(data_cfg: DataConfig, columns: list[str], seed: int, n: int) -> list[dict]:
@@ -292,11 +293,23 @@ def validation_rows(data_cfg: DataConfig, columns: list[str], seed: int, n: int)
 
 
 @dataclass
+class SourceSplit:
+    """One source of a mixture in :class:`Splits`: its name, weight and rows in the concatenated splits."""
+
+    name: str
+    weight: float
+    train_rows: int  # its training rows (they follow the previous sources' in ``Splits.train``)
+    validation_rows: int  # likewise in ``Splits.validation``
+
+
+@dataclass
 class Splits:
-    """Tokenized train and validation datasets (rows of ``input_ids``, ``attention_mask``, ...)."""
+    """Tokenized train and validation datasets (rows of ``input_ids``, ``attention_mask``, ...); with ``data.sources``
+    each split is the sources' rows concatenated in order, and ``sources`` says which rows are whose."""
 
     train: "datasets.Dataset"  # noqa: F821
     validation: "datasets.Dataset"  # noqa: F821
+    sources: list[SourceSplit] = field(default_factory=list)
 
 
 def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: int = 0) -> Splits:
@@ -305,7 +318,8 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
     Each node's local rank 0 tokenizes with ``num_proc`` (else ``data.num_proc``, else
     :func:`~finetune.tokenization.default_num_proc`) processes; with a cache folder shared by the nodes the shards
     are split between them, with a node-local one each node tokenizes all. The other ranks wait on a group whose
-    timeout is ``data.tokenize_timeout_minutes``, then every rank memory-maps the same entry.
+    timeout is ``data.tokenize_timeout_minutes``, then every rank memory-maps the same entry. With ``data.sources``
+    each source is read, held out and tokenized with its own files, columns and ``max_train_rows``.
 
     Args:
         recipe: the recipe module (its ``tokenize_function``).
@@ -318,24 +332,11 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
         :class:`Splits` with only model-input columns.
 
     Raises:
-        ConfigError: a split has no rows left after tokenization (every text empty, ...), or the recipe's map
-            function rejected a row (on any rank: every rank raises it).
+        ConfigError: a split (of a source) has no rows left after tokenization (every text empty, ...), or the
+            recipe's map function rejected a row (on any rank: every rank raises it).
     """
-    problems: list[str] = []
-    train_files = expand_files(data_cfg.train_files, "data.train_files", problems)
-    val_files = expand_files(data_cfg.validation_files, "data.validation_files", problems)
-    if problems:
-        raise ConfigError(problems)
-    cache = default_cache_dir(data_cfg)
-    tokenized_dir = cache / "tokenized"
-    col = data_cfg.text_column
-    cols = recipe.columns(data_cfg)
-    base_key = {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
-                "max_seq_len": data_cfg.max_seq_len, "recipe_settings": recipe.cache_key(data_cfg),
-                "datasets": datasets.__version__, "version": 2}
-    fn = recipe.tokenize_function(tokenizer, data_cfg)
-    counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
-    mapper = fn if counts_rows else DropEmptyText(fn, col)
+    sources = mixture_lib.sources_of(data_cfg)
+    tokenized_dir = default_cache_dir(data_cfg) / "tokenized"
     procs = num_proc or data_cfg.num_proc or tokenization.default_num_proc()
     group = dist_utils.data_group(data_cfg.tokenize_timeout_minutes)
     leader = dist_utils.local_rank() == 0
@@ -350,57 +351,82 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
     leaders = [r for r, lead in enumerate(dist_utils.checked_step(group, setup)) if lead]
     shared = len(leaders) == 1 or tokenization.shared_between_leaders(group, tokenized_dir, leaders)
 
-    def tokenize(source: tokenization.ParquetRows, rows: np.ndarray, split_key: dict, name: str, key_name: str):
-        key = fingerprint({**base_key, **split_key})
-        entry = tokenized_dir / f"{recipe.name}-{name}-{key}"
-        have = dist_utils.checked_step(group, lambda: tokenization.is_entry(entry) if leader else True)
-        if all(have):
-            out, info = tokenization.load_entry(entry)
-            logger.info(f"{name}: {len(out):,} rows (cache hit: {entry})")
-        else:
-            job = tokenization.ShardJob(source, rows, mapper)
-            if shared and len(leaders) > 1:
-                info = tokenization.tokenize_across_nodes(group, job, entry, leaders, procs)
-            else:
-                job.bounds = tokenization.shard_bounds(len(rows), procs)
-                infos = dist_utils.checked_step(group, lambda: tokenization.tokenize_here(job, entry, procs)
-                                                if leader and not have[me] else None)
-                info = next(i for i in infos if i is not None)
-            out, info = tokenization.load_entry(entry)
-            c = info["counts"]
-            dropped = f"; dropped {c['dropped']:,} empty or null texts" if c.get("dropped") else ""
-            logger.info(f"{name}: {len(out):,} rows (tokenized {c['rows_in']:,} texts in {info['seconds']:.1f} s by "
-                        f"{info['nodes']} node(s) x {info['num_proc']} process(es){dropped}: {entry})")
-        counts = info["counts"]
-        if counts_rows:
-            fn.counts = Counter({k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")})
-            logger.info(f"{name}: {fn.summary()}")
-        if len(out) == 0:
-            n_in, dropped = counts["rows_in"], counts.get("dropped", 0)
-            why = (f"every one of its {n_in:,} texts in column '{col}' is empty or null" if dropped == n_in
-                   else f"{n_in:,} rows gave no example ({fn.summary()})" if counts_rows
-                   else f"{n_in:,} texts in column '{col}' gave no row (empty, null, or shorter than one "
-                        f"data.max_seq_len block when packing)")
-            use = "to evaluate on" if name == "validation" else "to train on"
-            raise ConfigError(f"{key_name}: the {name} split has no rows {use}: {why}")
-        return out
+    def one(d: DataConfig, label: str, where: str):
+        """The (train, validation) datasets of the files and columns of ``d``; ``label`` prefixes the log lines,
+        ``where`` the keys named in errors."""
+        problems: list[str] = []
+        train_files = expand_files(d.train_files, where + "data.train_files", problems)
+        val_files = expand_files(d.validation_files, where + "data.validation_files", problems)
+        if problems:
+            raise ConfigError(problems)
+        col = d.text_column
+        cols = recipe.columns(d)
+        base_key = {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
+                    "max_seq_len": d.max_seq_len, "recipe_settings": recipe.cache_key(d),
+                    "datasets": datasets.__version__, "version": 2}
+        fn = recipe.tokenize_function(tokenizer, d)
+        counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
+        mapper = fn if counts_rows else DropEmptyText(fn, col)
 
-    train_source = tokenization.ParquetRows(train_files, cols)
-    n_train = min(data_cfg.max_train_rows, len(train_source)) if data_cfg.max_train_rows else len(train_source)
-    ids = {"train_files": [file_id(f) for f in train_files], "max_rows": data_cfg.max_train_rows}
-    if val_files:
-        train_rows, val_source = np.arange(n_train), tokenization.ParquetRows(val_files, cols)
-        val_rows, train_ids = np.arange(len(val_source)), ids
-        val_ids, val_key = {"val_files": [file_id(f) for f in val_files]}, "data.validation_files"
-    else:
-        train_idx, val_idx = holdout(n_train, data_cfg.validation_fraction, seed)
-        train_rows, val_rows, val_source = np.asarray(train_idx, np.int64), np.asarray(val_idx, np.int64), train_source
-        split = {"holdout": data_cfg.validation_fraction, "seed": seed}
-        train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
-        val_key = "data.validation_fraction"
-    train = tokenize(train_source, train_rows, train_ids, "train", "data.train_files")
-    validation = tokenize(val_source, val_rows, val_ids, "validation", val_key)
-    return Splits(train=train, validation=validation)
+        def tokenize(source: tokenization.ParquetRows, rows: np.ndarray, split_key: dict, name: str, key_name: str):
+            key = fingerprint({**base_key, **split_key})
+            entry = tokenized_dir / f"{recipe.name}-{name}-{key}"
+            have = dist_utils.checked_step(group, lambda: tokenization.is_entry(entry) if leader else True)
+            if all(have):
+                out, info = tokenization.load_entry(entry)
+                logger.info(f"{label}{name}: {len(out):,} rows (cache hit: {entry})")
+            else:
+                job = tokenization.ShardJob(source, rows, mapper)
+                if shared and len(leaders) > 1:
+                    tokenization.tokenize_across_nodes(group, job, entry, leaders, procs)
+                else:
+                    job.bounds = tokenization.shard_bounds(len(rows), procs)
+                    dist_utils.checked_step(group, lambda: tokenization.tokenize_here(job, entry, procs)
+                                            if leader and not have[me] else None)
+                out, info = tokenization.load_entry(entry)
+                c = info["counts"]
+                dropped = f"; dropped {c['dropped']:,} empty or null texts" if c.get("dropped") else ""
+                logger.info(f"{label}{name}: {len(out):,} rows (tokenized {c.get('rows_in', 0):,} texts in "
+                            f"{info['seconds']:.1f} s by {info['nodes']} node(s) x {info['num_proc']} process(es)"
+                            f"{dropped}: {entry})")
+            counts = info["counts"]
+            if counts_rows:
+                fn.counts = Counter({k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")})
+                logger.info(f"{label}{name}: {fn.summary()}")
+            if len(out) == 0:
+                n_in, dropped = counts.get("rows_in", 0), counts.get("dropped", 0)
+                why = (f"every one of its {n_in:,} texts in column '{col}' is empty or null" if dropped == n_in
+                       else f"{n_in:,} rows gave no example ({fn.summary()})" if counts_rows
+                       else f"{n_in:,} texts in column '{col}' gave no row (empty, null, or shorter than one "
+                            f"data.max_seq_len block when packing)")
+                use = "to evaluate on" if name == "validation" else "to train on"
+                key = key_name.removeprefix("data.") if where else key_name  # a source's own key
+                raise ConfigError(f"{where}{key}: the {name} split has no rows {use}: {why}")
+            return out
+
+        train_source = tokenization.ParquetRows(train_files, cols)
+        n_train = min(d.max_train_rows, len(train_source)) if d.max_train_rows else len(train_source)
+        ids = {"train_files": [file_id(f) for f in train_files], "max_rows": d.max_train_rows}
+        if val_files:
+            train_rows, val_source = np.arange(n_train), tokenization.ParquetRows(val_files, cols)
+            val_rows, train_ids = np.arange(len(val_source)), ids
+            val_ids, val_key = {"val_files": [file_id(f) for f in val_files]}, "data.validation_files"
+        else:
+            train_idx, val_idx = holdout(n_train, d.validation_fraction, seed)
+            train_rows, val_rows = np.asarray(train_idx, np.int64), np.asarray(val_idx, np.int64)
+            val_source = train_source
+            split = {"holdout": d.validation_fraction, "seed": seed}
+            train_ids, val_ids = {**ids, **split, "part": "train"}, {**ids, **split, "part": "val"}
+            val_key = "data.validation_fraction"
+        return (tokenize(train_source, train_rows, train_ids, "train", "data.train_files"),
+                tokenize(val_source, val_rows, val_ids, "validation", val_key))
+
+    if not sources:
+        return Splits(*one(data_cfg, "", ""))
+    parts = [one(s.data, f"{s.name}/", f"{s.where}: ") for s in sources]
+    return Splits(train=datasets.concatenate_datasets([t for t, _ in parts]),
+                  validation=datasets.concatenate_datasets([v for _, v in parts]),
+                  sources=[SourceSplit(s.name, s.weight, len(t), len(v)) for s, (t, v) in zip(sources, parts)])
 
 
 def row_seed(seed: int, epoch: int, index: int) -> int:
@@ -526,37 +552,74 @@ class ResumableDistributedSampler(DistributedSampler):
         lengths: tokens per row (``[rows]``); with ``global_batch`` > 0 the epoch's order is
             :func:`grouped_order`, otherwise ``DistributedSampler``'s plain shuffle.
         global_batch: rows per optimizer step of all ranks (micro batch x accumulation x world size).
+        mixture: with ``data.sources``, the :class:`~finetune.mixture.Mixture` that draws each epoch's rows.
+        row_tokens: tokens per row (``[rows]``), for the mixture's shares of tokens.
 
     In both cases rank ``r`` takes every ``num_replicas``-th row of the global order from ``r`` on, over the
     first ``len(dataset) // num_replicas * num_replicas`` rows (``drop_last``).
     """
 
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, lengths: np.ndarray | None = None,
-                 global_batch: int = 0):
+                 global_batch: int = 0, mixture: "mixture_lib.Mixture | None" = None, row_tokens: np.ndarray | None = None):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.skip = 0
         self.lengths = lengths if global_batch > 0 else None
         self.global_batch = global_batch
+        self.mixture, self.row_tokens = mixture, row_tokens
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's permutation and skip its first ``skip`` samples (on this rank)."""
         super().set_epoch(epoch)
         self.skip = skip
 
-    def global_order(self) -> list[int]:
-        """The epoch's order of all rows (before the split over ranks)."""
+    def global_order(self) -> np.ndarray:
+        """The epoch's order of all rows (before the split over ranks; int64 ``[rows]``, 8 bytes a row where a
+        Python list takes ~36); with a mixture, of the epoch's rows drawn from the sources
+        (:meth:`finetune.mixture.Mixture.epoch_rows`), shuffled or length-grouped likewise."""
+        if self.mixture is not None:
+            rows = self.mixture.epoch_rows(self.epoch)
+            if self.lengths is None:
+                g = torch.Generator()
+                g.manual_seed(self.seed + self.epoch)
+                return rows[torch.randperm(len(rows), generator=g).numpy()]
+            return rows[grouped_order(self.lengths[rows], self.global_batch, self.seed, self.epoch)]
         if self.lengths is None:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(len(self.dataset), generator=g).tolist()  # DistributedSampler's own shuffle
-        return grouped_order(self.lengths, self.global_batch, self.seed, self.epoch)
+            return torch.randperm(len(self.dataset), generator=g).numpy()  # DistributedSampler's own shuffle
+        return np.asarray(grouped_order(self.lengths, self.global_batch, self.seed, self.epoch), np.int64)
 
     def __iter__(self):
         mine = self.global_order()[self.rank:self.total_size:self.num_replicas]
-        return iter(mine[self.skip:])
+        return map(int, mine[self.skip:])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
+
+    def epoch_shares(self) -> str | None:
+        """With a mixture: each source's share of rows and tokens in the current epoch (one line); else None."""
+        if self.mixture is None:
+            return None
+        return self.mixture.shares(self.mixture.epoch_rows(self.epoch), self.row_tokens)
+
+    def trained_shares(self, epoch: int, samples_in_epoch: int, rows_per_epoch: int) -> str | None:
+        """With a mixture: each source's share of the rows and tokens trained on from the start of the run to
+        ``samples_in_epoch`` rows into ``epoch`` (one line); else None.
+
+        Args:
+            epoch: the current epoch.
+            samples_in_epoch: rows of its global order trained on (all ranks).
+            rows_per_epoch: rows of a finished epoch trained on (whole optimizer steps; the rest is dropped).
+        """
+        if self.mixture is None:
+            return None
+        current = self.epoch
+        trained = []
+        for e in range(epoch + 1):
+            super().set_epoch(e)
+            trained.append(self.global_order()[: rows_per_epoch if e < epoch else samples_in_epoch])
+        super().set_epoch(current)
+        return self.mixture.shares(np.concatenate(trained).astype(np.int64), self.row_tokens)
 
 
 class _EvalShard(Dataset):
@@ -596,7 +659,7 @@ def _eval_collate(collator, seed: int):
 
 
 def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, rank: int,
-                  seed: int) -> ResumableDistributedSampler:
+                  seed: int, mixture: "mixture_lib.Mixture | None" = None) -> ResumableDistributedSampler:
     """The training sampler of ``rank``: rows grouped by length per global batch when ``data.group_by_length``
     is on and the rows do not all have one length (packed CLM blocks keep the plain shuffle).
 
@@ -607,15 +670,17 @@ def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, 
         world: world size.
         rank: this rank.
         seed: ``train.seed``.
+        mixture: the mixture of ``data.sources`` (each epoch's rows drawn from the sources), or None.
     """
     base = dataset.dataset if isinstance(dataset, IndexedRows) else dataset
-    lengths = row_lengths(base) if data_cfg.group_by_length else None
-    grouped = lengths is not None and len(lengths) > 0 and lengths.min() != lengths.max()
-    return ResumableDistributedSampler(dataset, world, rank, seed, lengths, global_batch if grouped else 0)
+    lengths = row_lengths(base) if data_cfg.group_by_length or mixture is not None else None
+    grouped = data_cfg.group_by_length and lengths is not None and len(lengths) > 0 and lengths.min() != lengths.max()
+    return ResumableDistributedSampler(dataset, world, rank, seed, lengths, global_batch if grouped else 0, mixture,
+                                       lengths)
 
 
 def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int,
-                 gradient_accumulation_steps: int = 1) -> DataLoader:
+                 gradient_accumulation_steps: int = 1, mixture: "mixture_lib.Mixture | None" = None) -> DataLoader:
     """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`
     (from :func:`train_sampler`).
 
@@ -625,7 +690,7 @@ def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed
     rows = IndexedRows(dataset)
     world = dist_utils.world_size()
     sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * world, world,
-                            dist_utils.rank(), seed)
+                            dist_utils.rank(), seed, mixture)
     return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=RowSeededCollate(collator, seed),
                       drop_last=True, num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
@@ -649,7 +714,7 @@ class TrainData:
     splits: Splits
     collator: object  # the recipe's collator (rows -> batch of tensors)
     train_loader: DataLoader  # :func:`train_loader`: this rank's micro-batches, sampler a ResumableDistributedSampler
-    eval_loader: DataLoader  # :func:`eval_loader`
+    eval_loader: DataLoader | dict  # :func:`eval_loader`; with ``data.sources``: source name -> its loader
     steps_per_epoch: int  # optimizer steps per epoch (whole global batches)
     total_steps: int  # ``train.max_steps``, or ``train.epochs`` x steps_per_epoch
 
@@ -677,9 +742,18 @@ def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
     Raises:
         ConfigError: the training rows do not fill one global batch.
     """
+    mix = None
+    if splits.sources:
+        mix = mixture_lib.Mixture([s.name for s in splits.sources], [s.train_rows for s in splits.sources],
+                                  [s.weight for s in splits.sources], cfg.train.seed)
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
-                            cfg.train.gradient_accumulation_steps)
-    eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
+                            cfg.train.gradient_accumulation_steps, mix)
+    if splits.sources:
+        starts = np.cumsum([0] + [s.validation_rows for s in splits.sources]).tolist()
+        eval_dl = {s.name: eval_loader(splits.validation.select(range(a, b)), collator, cfg.data,
+                                       cfg.train.micro_batch_size) for s, a, b in zip(splits.sources, starts, starts[1:])}
+    else:
+        eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
     micro, gas = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps
     steps_per_epoch = (train_dl.sampler.num_samples // micro) // gas
     if steps_per_epoch == 0:

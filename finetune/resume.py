@@ -42,7 +42,7 @@ _REFUSED_PREFIXES = ("model.", "data.")
 # Keys that change how the same numbers are computed, not which: gradient checkpointing recomputes the forward
 # pass bit-identically in fp32 (a resume may switch it on to save memory, or read a checkpoint older than it).
 # model.fused_kernels swaps a module for a kernel of the same function (equal up to the precision's rounding).
-_FREE_DATA = {"data.cache_dir", "data.num_workers", "data.pad_to_multiple_of", "model.gradient_checkpointing",
+_FREE_DATA = {"data.cache_dir", "data.num_workers", "data.num_proc", "data.pad_to_multiple_of", "model.gradient_checkpointing",
               "model.fused_kernels"}
 _NOT_COMPARED = {"output_dir", "output_root"}
 # Keys whose change gives the model other parameters (names or shapes) than the checkpoint holds: its state dict

@@ -74,22 +74,9 @@ def _rng_fork(device):
 
 
 @torch.no_grad()
-def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = None) -> dict[str, float]:
-    """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
-
-    MLM masks are seeded per validation row (``finetune.data.eval_loader``), so they are the same at every
-    evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
-    untouched. All ranks must call it (ZeRO-3 gathers parameters).
-
-    The recipe's ``forward(..., metrics=True)`` gives the loss sum, target count and extra metric sums; recipes
-    returning ``counts`` (seq_cls: confusion matrix) turn their total into metrics with ``eval_report``, and
-    their artefacts (name -> JSON-able dict) are put into ``artefacts`` when it is given.
-
-    Returns:
-        ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}`` (no perplexity for a
-        recipe without ``reports_perplexity``).
-    """
-    engine.eval()
+def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Sums over ``loader`` on all ranks (all-reduced): loss, targets and each metric's ``/num`` and ``/den``, and the
+    recipe's ``counts`` (or None)."""
     device = engine.device
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
     counts = None
@@ -108,22 +95,62 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
                 counts = out.counts.double() if counts is None else counts + out.counts.double()
     names = sorted(sums)
     totals = dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()
-    total = dict(zip(names, totals))
-    engine.train()
+    return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() if counts is not None else None)
+
+
+def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, artefacts: dict | None) -> dict:
     loss = total["loss"] / max(total["targets"], 1.0)
-    metrics = {"eval/loss": loss}
+    metrics = {f"{prefix}loss": loss}
     if recipe.reports_perplexity:
-        metrics["eval/perplexity"] = math.exp(min(loss, 80.0))
-    for n in names:
+        metrics[f"{prefix}perplexity"] = math.exp(min(loss, 80.0))
+    for n in sorted(total):
         if n.endswith("/num"):
             base = n[: -len("/num")]
-            metrics[f"eval/{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
+            metrics[f"{prefix}{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
     if counts is not None:
-        model_config = getattr(engine.module, "config", None)
-        extra, made = recipe.eval_report(dist_utils.all_reduce_sum(counts).cpu(), model_config)
-        metrics.update({f"eval/{k}": v for k, v in extra.items()})
+        extra, made = recipe.eval_report(counts, getattr(engine.module, "config", None))
+        metrics.update({f"{prefix}{k}": v for k, v in extra.items()})
         if artefacts is not None:
             artefacts.update(made)
+    return metrics
+
+
+def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = None) -> dict[str, float]:
+    """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
+
+    MLM masks are seeded per validation row (``finetune.data.eval_loader``), so they are the same at every
+    evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
+    untouched. All ranks must call it (ZeRO-3 gathers parameters).
+
+    The recipe's ``forward(..., metrics=True)`` gives the loss sum, target count and extra metric sums; recipes
+    returning ``counts`` (seq_cls: confusion matrix) turn their total into metrics with ``eval_report``, and
+    their artefacts (name -> JSON-able dict) are put into ``artefacts`` when it is given.
+
+    ``loader`` may be a mapping of source name -> loader (``data.sources``): each source is evaluated on its own
+    (``eval/<source>/loss``, ...; ``train.eval_max_batches`` per source) and the overall metrics are those of the
+    sources' sums together (the token-weighted mean over every validation row, as one split would give).
+
+    Returns:
+        ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}`` (no perplexity for a
+        recipe without ``reports_perplexity``), and ``eval/<source>/...`` for each source.
+    """
+    engine.eval()
+    metrics: dict[str, float] = {}
+    if isinstance(loader, dict):
+        total: dict[str, float] = defaultdict(float)
+        counts = None
+        for name, source_loader in loader.items():
+            mine, mine_counts = _eval_totals(engine, source_loader, recipe, cfg)
+            metrics.update(_eval_metrics(engine, recipe, mine, mine_counts, f"eval/{name}/", None))
+            for k, v in mine.items():
+                total[k] += v
+            if mine_counts is not None:
+                counts = mine_counts if counts is None else counts + mine_counts
+        metrics = {**_eval_metrics(engine, recipe, total, counts, "eval/", artefacts), **metrics}
+    else:
+        total, counts = _eval_totals(engine, loader, recipe, cfg)
+        metrics = _eval_metrics(engine, recipe, total, counts, "eval/", artefacts)
+    engine.train()
     return metrics
 
 
@@ -422,6 +449,14 @@ class Saver:
         self.last = state.step
 
 
+def _log_trained_shares(sampler, state: TrainState, step_rows: int, world: int) -> None:
+    """With a mixture: log each source's share of the rows trained on since the run's first step."""
+    per_epoch = sampler.num_samples // step_rows * step_rows * world  # rows of a finished epoch trained on
+    shares = getattr(sampler, "trained_shares", lambda *a: None)(state.epoch, state.samples_in_epoch, per_epoch)
+    if shares:
+        logger.info(f"mixture, rows trained on since the run began: {shares}")
+
+
 def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_rows: int, world: int,
                 resume_from: Path | None, begin):
     """The micro-batches of each optimizer step left in the current epoch: lists of ``gas`` collated batches.
@@ -433,6 +468,9 @@ def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_ro
     """
     sampler = train_dl.sampler
     sampler.set_epoch(state.epoch, skip=state.samples_in_epoch // world)
+    shares = getattr(sampler, "epoch_shares", lambda: None)()
+    if shares:
+        logger.info(f"mixture, epoch {state.epoch}: {shares}")
     getattr(train_dl.collate_fn, "set_epoch", lambda epoch: None)(state.epoch)
     batches = iter(train_dl)
     if resume_from is not None:  # after the iterator draws its seed, exactly as in the original run
@@ -513,6 +551,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 _log_epoch_padding(meter, state.epoch, "")
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)")
+    _log_trained_shares(train_dl.sampler, state, step_rows, world)
     evals.run(state, "final eval at step", during_training=False)
     saver.save(state, unless_saved=True)
     return state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
@@ -16,7 +17,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
-from finetune import lora, run_folder
+from finetune import lora, mixture, run_folder
 from finetune import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
@@ -297,20 +298,33 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
     if cfg.recipe not in RECIPES:
         problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
     _check_model(cfg, problems)
-    if not cfg.data.train_files:
+    if not cfg.data.train_files and not cfg.data.sources:
         problems.append("data.train_files: no training files given")
     recipe = get_recipe(cfg.recipe) if cfg.recipe in RECIPES else None
-    files = {}
-    for key, patterns in (("data.train_files", cfg.data.train_files),
-                          ("data.validation_files", cfg.data.validation_files)):
-        files[key] = expand_files(patterns, key, problems)
-        own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
-        check_parquet_files(files[key], key, None if own_checks else cfg.data.text_column, problems)
+    sources = mixture.sources_of(cfg.data, problems)
+    if sources and cfg.recipe == "seq_cls":
+        problems.append("data.sources: recipe seq_cls takes one dataset (its classes come from data.train_files); "
+                        "use data.train_files")
+    if sources and cfg.train.eval_generate.prompts:
+        problems.append("train.eval_generate: not available with data.sources yet; set train.eval_generate.prompts=0 "
+                        "or train on one dataset")
+    for source, data in [(s, s.data) for s in sources] or [(None, cfg.data)]:
+        found: list[str] = []
+        files = {}
+        for key, patterns in (("data.train_files", data.train_files), ("data.validation_files", data.validation_files)):
+            files[key] = expand_files(patterns, key, found)
+            own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
+            check_parquet_files(files[key], key, None if own_checks else data.text_column, found)
+            if recipe is not None:
+                check_utf8(files[key], key, recipe.columns(data), found,
+                           checked=default_cache_dir(cfg.data) / "checked", marks=marks)
         if recipe is not None:
-            check_utf8(files[key], key, recipe.columns(cfg.data), problems,
-                       checked=default_cache_dir(cfg.data) / "checked", marks=marks)
-    if recipe is not None:
-        recipe.check_data(cfg, files["data.train_files"], files["data.validation_files"], problems)
+            recipe.check_data(dataclasses.replace(cfg, data=data), files["data.train_files"],
+                              files["data.validation_files"], found)
+        if source and not data.validation_files and not 0.0 < data.validation_fraction < 1.0:
+            found.append(f"validation_fraction: must be in (0, 1) when the source has no validation_files, got "
+                         f"{data.validation_fraction}")
+        problems += [mixture.in_source(source, p) for p in found] if source else found
     _check_compatibility(cfg, problems)
     number_problems: list[str] = []
     _check_numbers(cfg, number_problems)

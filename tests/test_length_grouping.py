@@ -92,7 +92,7 @@ def test_plain_order_is_distributed_samplers_and_packed_rows_are_not_grouped(dat
         plain.set_epoch(4)
         reference.set_epoch(4)
         assert list(plain) == list(reference)
-        assert plain.global_order()[r:plain.total_size:2] == list(reference)
+        assert plain.global_order()[r:plain.total_size:2].tolist() == list(reference)
     packed = datasets.Dataset.from_dict({"input_ids": [[1] * 16] * 40})
     assert train_sampler(packed, DataConfig(), GLOBAL_BATCH, 2, 0, 1).lengths is None
     assert train_sampler(dataset, DataConfig(), GLOBAL_BATCH, 2, 0, 1).lengths is not None
