@@ -160,11 +160,15 @@ def free_port() -> int:
 
 
 class PeakRSS(threading.Thread):
-    """Largest ``VmHWM`` (kB) of each rank process (a descendant with ``--local_rank`` in its command line)."""
+    """Largest ``VmHWM`` (kB) of each rank process (a descendant with ``--local_rank`` in its command line), or with
+    ``every_process`` of the root and each of its descendants; ``anon``: the largest ``RssAnon`` sampled (kB), the
+    part of the resident set that is the process's own memory, without the file pages (a memory-mapped dataset's
+    pages that were read) the kernel can drop at any time."""
 
-    def __init__(self, root_pid: int):
+    def __init__(self, root_pid: int, every_process: bool = False):
         super().__init__(daemon=True)
-        self.root, self.peaks, self.done = root_pid, {}, threading.Event()
+        self.root, self.peaks, self.anon, self.done = root_pid, {}, {}, threading.Event()
+        self.every = every_process
 
     def run(self) -> None:
         import psutil
@@ -172,11 +176,12 @@ class PeakRSS(threading.Thread):
         while not self.done.is_set():
             try:
                 kids = psutil.Process(self.root).children(recursive=True)
+                kids += [psutil.Process(self.root)] if self.every else []
             except psutil.Error:
                 kids = []
             for kid in kids:
                 try:
-                    if not any(a.startswith("--local_rank") for a in kid.cmdline()):
+                    if not self.every and not any(a.startswith("--local_rank") for a in kid.cmdline()):
                         continue
                     status = Path(f"/proc/{kid.pid}/status").read_text()
                 except (OSError, psutil.Error):
@@ -184,6 +189,8 @@ class PeakRSS(threading.Thread):
                 for line in status.splitlines():
                     if line.startswith("VmHWM:"):
                         self.peaks[kid.pid] = max(self.peaks.get(kid.pid, 0), int(line.split()[1]))
+                    elif line.startswith("RssAnon:"):
+                        self.anon[kid.pid] = max(self.anon.get(kid.pid, 0), int(line.split()[1]))
             self.done.wait(0.2)
 
 
@@ -193,8 +200,10 @@ def deepspeed_cmd(args, script: str, *script_args: str) -> list[str]:
             str(free_port()), script, *script_args]
 
 
-def run_launch(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[float, dict[int, int]]:
-    """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid)."""
+def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
+               anon: dict | None = None) -> tuple[float, dict[int, int]]:
+    """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid). With
+    ``anon``, fills it with the largest sampled ``RssAnon`` kB per rank pid (:class:`PeakRSS`)."""
     start = time.time()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -208,6 +217,8 @@ def run_launch(cmd: list[str], env: dict, log: Path, timeout: float) -> tuple[fl
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (exit {code}); its output: {log}\n"
                            + log.read_text()[-3000:])
+    if anon is not None:
+        anon.update(meter.anon)
     return start, meter.peaks
 
 

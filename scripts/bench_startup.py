@@ -21,7 +21,10 @@ An untimed warm-up launch on the shipped data comes first (DeepSpeed's one-time 
 printed: the data phase's seconds (finetune: the ``info.json`` of its entry; HF: load and map, timed in the
 script), tokenization throughput per process (MB of text per second per process; finetune's multiplied by the
 node's cores gives what a node would do), and the peak resident memory of each launch's largest process (``VmHWM``
-of the rank processes and finetune's forked tokenizers, sampled every 0.2 s).
+of the rank processes and finetune's forked tokenizers, sampled every 0.2 s; for ``finetune prepare``, alone in the
+JSON line as ``prepare_peak_mb``: its process and its tokenizers, the memory of tokenization alone). ``anon MB``:
+the largest sampled ``RssAnon`` (finetune only), the resident memory without the file pages of memory-mapped
+caches, which the kernel can drop and which grow with the corpus whenever a reader touches a cache file's pages.
 
 Usage (from the repository root)::
 
@@ -78,20 +81,43 @@ def first_step(out: Path, start: float) -> float:
 def ours(args, overrides: list[str], out: Path, env: dict) -> dict:
     cmd = bench.deepspeed_cmd(args, "finetune/run.py", "--config", bench.PRESETS["gpt_clm"]["config"], *overrides,
                               f"output_dir={out}")
-    start, peaks = bench.run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    anon: dict = {}
+    start, peaks = bench.run_launch(cmd, env, out.with_suffix(".log"), args.timeout, anon)
     entry = next(Path(env["FINETUNE_CACHE"]).glob("tokenized/gpt_clm-train-*"))
     info = json.loads((entry / "info.json").read_text())
     log = (out / "logs" / "rank0.log").read_text()
     return {"first_step_s": first_step(out, start), "peak_mb": max(peaks.values()) / 1024,
+            "peak_anon_mb": max(anon.values()) / 1024,
             "data_s": info["seconds"] if "cache hit" not in log.split("validation:")[0] else None,
             "num_proc": info["num_proc"], "startup": next((line.split("| ")[-1] for line in log.splitlines()
                                                            if "start-up " in line), "")}
+
+
+def prepare(args, overrides: list[str], env: dict, log: Path) -> tuple[float, float, float]:
+    """``finetune prepare`` on ``env``'s cache: (seconds, peak MB of its largest process, itself or a tokenizer, peak
+    anonymous MB likewise)."""
+    t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "finetune", "prepare", "--config",
+                                 bench.PRESETS["gpt_clm"]["config"], *overrides, "--num-proc", str(args.num_proc)],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        meter = bench.PeakRSS(proc.pid, every_process=True)
+        meter.start()
+        try:
+            code = proc.wait(timeout=args.timeout)
+        finally:
+            meter.done.set()
+            meter.join()
+    if code:
+        raise RuntimeError(log.read_text()[-3000:])
+    return time.time() - t0, max(meter.peaks.values(), default=0) / 1024, max(meter.anon.values(), default=0) / 1024
 
 
 def hf(args, spec: dict, out: Path, env: dict, cache: Path) -> dict:
     record = bench.hf({**spec, "hf_cache": str(cache)}, "random", args, out, env)
     rank0 = json.loads((out / "rank0.json").read_text())
     return {"first_step_s": record["ends"][0] - record["start"], "peak_mb": max(record["peaks"].values()) / 1024,
+            "peak_anon_mb": None,
             "data_s": rank0["data_seconds"], "num_proc": 1}
 
 
@@ -131,27 +157,23 @@ def main(argv: list[str] | None = None) -> int:
                 results["finetune cold"] = ours(args, overrides, root / "ft-cold", cache)
                 results["finetune warm"] = ours(args, overrides, root / "ft-warm", cache)
                 prepared = {**env, "FINETUNE_CACHE": str(root / "cache-prepare")}
-                t0 = time.time()
-                proc = subprocess.run([sys.executable, "-m", "finetune", "prepare", "--config",
-                                       bench.PRESETS["gpt_clm"]["config"], *overrides, "--num-proc", str(args.num_proc)],
-                                      cwd=REPO, env=prepared, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                if proc.returncode:
-                    raise RuntimeError(proc.stdout[-3000:])
-                seconds = time.time() - t0
+                seconds, prepare_peak, prepare_anon = prepare(args, overrides, prepared, root / "prepare.log")
                 launch = ours(args, overrides, root / "ft-prepared", prepared)
                 results["prepare + launch"] = {**launch, "first_step_s": seconds + launch["first_step_s"],
-                                               "data_s": None, "prepare_s": seconds}
+                                               "data_s": None, "prepare_s": seconds, "prepare_peak_mb": prepare_peak,
+                                               "prepare_peak_anon_mb": prepare_anon}
             if args.only in (None, "hf"):
                 results["hf cold"] = hf(args, spec, root / "hf-cold", env, root / "hf-cache")
                 results["hf warm"] = hf(args, spec, root / "hf-warm", env, root / "hf-cache")
         finally:
             bench.clean_shm(before)
     print(f"\nstartup: gpt_clm packed, {size / 1e6:,.0f} MB corpus, {args.nproc} CPU ranks, finetune data.num_proc="
-          f"{args.num_proc}\n{'contender':<18}{'1st step s':>11}{'data s':>9}{'MB/s/proc':>10}{'peak MB':>9}")
+          f"{args.num_proc}\n{'contender':<18}{'1st step s':>11}{'data s':>9}{'MB/s/proc':>10}{'peak MB':>9}"
+          f"{'anon MB':>9}")
     for name, r in results.items():
         rate = size / 1e6 / r["data_s"] / r["num_proc"] if r.get("data_s") else None
         print(f"{name:<18}{r['first_step_s']:>11.1f}{r['data_s'] or float('nan'):>9.1f}"
-              f"{rate or float('nan'):>10.2f}{r['peak_mb']:>9.0f}")
+              f"{rate or float('nan'):>10.2f}{r['peak_mb']:>9.0f}{r['peak_anon_mb'] or float('nan'):>9.0f}")
     if "finetune cold" in results and "hf cold" in results:
         for phase in ("cold", "warm"):
             print(f"time to first step, hf {phase} / finetune {phase}: "

@@ -71,3 +71,30 @@ def test_dpo_benchmark_against_trl(tmp_path):
     line = next(x for x in proc.stdout.splitlines() if x.startswith("dpo: reference log-probabilities of the first"))
     assert float(line.split("max relative difference ")[1].split(";")[0]) < 1e-5, line
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+
+
+def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
+    """``scripts/bench_startup.py`` on a 1 MB corpus, 1 rank, 2 steps: every contender's time to its first step;
+    finetune's second launch and the launch after ``finetune prepare`` hit the cache (no data phase of their own);
+    the anonymous peak is at most the resident peak; the ratio lines are printed; no /dev/shm buffer is left."""
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    proc = run_python(["scripts/bench_startup.py", "--corpus-mb", "1", "--nproc", "1", "--steps", "2",
+                       "--keep", str(tmp_path)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = {r["contender"]: r for r in (json.loads(line) for line in proc.stdout.splitlines()
+                                        if line.startswith('{"bench": "startup"'))}
+    assert list(rows) == ["finetune cold", "finetune warm", "prepare + launch", "hf cold", "hf warm"], proc.stdout[-3000:]
+    for name, r in rows.items():
+        assert math.isfinite(r["first_step_s"]) and r["first_step_s"] > 0 and r["peak_mb"] > 0, (name, r)
+    cold, warm, prepared = rows["finetune cold"], rows["finetune warm"], rows["prepare + launch"]
+    assert cold["data_s"] > 0 and warm["data_s"] is None and prepared["data_s"] is None
+    assert "cache hit" in (tmp_path / "ft-warm" / "logs" / "rank0.log").read_text()
+    assert "cache hit" in (tmp_path / "ft-prepared" / "logs" / "rank0.log").read_text()
+    assert cold["startup"].startswith("start-up ") and " data " in cold["startup"]
+    for r in (cold, warm):
+        assert 0 < r["peak_anon_mb"] <= r["peak_mb"]
+    assert 0 < prepared["prepare_s"] < prepared["first_step_s"]
+    assert 0 < prepared["prepare_peak_anon_mb"] <= prepared["prepare_peak_mb"]
+    assert rows["hf cold"]["data_s"] > 0
+    assert "time to first step, hf cold / finetune cold: " in proc.stdout
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
