@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from finetune import mixture
 from finetune.config import RunConfig, deep_merge, load_run_config
 from finetune.data import default_cache_dir, expand_files
 from finetune.distributed import slurm_head_node
@@ -87,22 +88,24 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def _data_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    # the columns the recipe reads (sft: prompt/response or messages; seq_cls: text, pair, label)
-    needed = get_recipe(cfg.recipe).columns(cfg.data) if cfg.recipe in RECIPES else [cfg.data.text_column]
     rows = []
-    for key, patterns in (("data.train_files", cfg.data.train_files),
-                          ("data.validation_files", cfg.data.validation_files)):
-        for f in expand_files(patterns, key, []):
-            try:
-                pf = pq.ParquetFile(f)
-                cols = pf.schema_arrow.names
-                missing = [c for c in needed if c not in cols]
-                rows.append(("data", "FAIL" if missing else "ok",
-                             f"{key} '{f}': {pf.metadata.num_rows:,} rows, {_size(os.path.getsize(f))}, columns "
-                             f"{', '.join(cols)}" + (f" (no column {', '.join(map(repr, missing))}, which recipe "
-                                                     f"{cfg.recipe} reads)" if missing else "")))
-            except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a bad file)
-                rows.append(("data", "FAIL", f"{key} '{f}': unreadable: {type(e).__name__}: {e}"[:300]))
+    sources = mixture.sources_of(cfg.data, [])
+    for where, data in [(f"{s.where}: ", s.data) for s in sources] or [("", cfg.data)]:
+        # the columns the recipe reads (sft: prompt/response or messages; seq_cls: text, pair, label)
+        needed = get_recipe(cfg.recipe).columns(data) if cfg.recipe in RECIPES else [data.text_column]
+        for key, patterns in (("data.train_files", data.train_files), ("data.validation_files", data.validation_files)):
+            key = where + key.removeprefix("data.") if where else key  # a source's own key
+            for f in expand_files(patterns, key, []):
+                try:
+                    pf = pq.ParquetFile(f)
+                    cols = pf.schema_arrow.names
+                    missing = [c for c in needed if c not in cols]
+                    rows.append(("data", "FAIL" if missing else "ok",
+                                 f"{key} '{f}': {pf.metadata.num_rows:,} rows, {_size(os.path.getsize(f))}, columns "
+                                 f"{', '.join(cols)}" + (f" (no column {', '.join(map(repr, missing))}, which recipe "
+                                                         f"{cfg.recipe} reads)" if missing else "")))
+                except Exception as e:  # noqa: BLE001  (pyarrow raises several types for a bad file)
+                    rows.append(("data", "FAIL", f"{key} '{f}': unreadable: {type(e).__name__}: {e}"[:300]))
     return rows
 
 
@@ -323,7 +326,9 @@ def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
              "timeouts on a cluster without internet")] if unset else \
         [("offline", "ok", " and ".join(f"{v}=1" for v in _OFFLINE_VARS))]
     bundles = []
-    for p in [cfg.model.path, cfg.model.tokenizer_path, *cfg.data.train_files, *cfg.data.validation_files]:
+    source_files = [f for s in mixture.sources_of(cfg.data, []) for f in [*s.data.train_files, *s.data.validation_files]]
+    for p in [cfg.model.path, cfg.model.tokenizer_path, *cfg.data.train_files, *cfg.data.validation_files,
+              *source_files]:
         here = Path(p).expanduser().absolute() if p else None
         b = next((d for d in ([here, *here.parents] if here else []) if (d / "MANIFEST.json").is_file()), None)
         if b is not None and b not in bundles:
