@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-NOT_MODEL_INPUTS = ("labels", "num_tokens", "reference_logps")
-"""Keys of a collated batch that never reach the model: the loss targets, the real-token count of packed rows and the
-reference model's log-probabilities of preference pairs."""
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_tokens", "reference_logps")
+"""Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
+sequence-parallel slice, :mod:`finetune.parallel`), the real-token count of packed rows and the reference model's
+log-probabilities of preference pairs."""
 
 
 def model_inputs(batch: dict) -> dict:
@@ -46,7 +47,7 @@ class LossOutput:
     loss_sum: torch.Tensor
     """Loss summed over the micro-batch's targets: 0-dim float32, differentiable (the loop divides it)."""
     targets: torch.Tensor
-    """Targets it sums over (0-dim int64), equal to ``count_targets(labels)``."""
+    """Targets it sums over (0-dim int64), equal to ``count_targets(batch)``."""
     metrics: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """With ``metrics=True``: extra eval metrics as ``name -> (numerator, denominator)`` sums (0-dim tensors),
     reduced over batches and ranks and logged as ``eval/<name>`` = numerator / denominator."""

@@ -266,6 +266,16 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the ranks split the work besides data parallelism (:mod:`finetune.parallel`)."""
+
+    sequence_parallel_size: int = 1
+    """Ranks that share each sequence (DeepSpeed Ulysses / ALST: each holds ``seq / size`` tokens of every row and
+    attention exchanges heads for sequence with all-to-all); causal-LM recipes ``gpt_clm`` and ``sft``; 1: off.
+    Data-parallel size = world size / this."""
+
+
+@dataclass
 class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
@@ -287,6 +297,8 @@ class RunConfig:
     """Data files and tokenization."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimization and cadence."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Sequence parallelism (the data-parallel size is what is left of the world size)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from finetune import distributed as dist_utils
 from finetune import mixture as mixture_lib
+from finetune import parallel
 from finetune import tokenization
 from finetune.config import DataConfig, RunConfig
 from finetune.errors import ConfigError
@@ -623,15 +624,16 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class _EvalShard(Dataset):
-    """This rank's validation rows (``rank::world``), topped up to an equal length with flagged filler rows.
+    """This rank's validation rows (``rank::world``), topped up to an equal length (a multiple of ``multiple``) with
+    flagged filler rows.
 
     Rows carry ``"_index"`` (their index in the validation dataset; 0 for fillers) and ``"_filler"`` (bool).
     """
 
-    def __init__(self, dataset, rank: int, world: int):
+    def __init__(self, dataset, rank: int, world: int, multiple: int = 1):
         self.dataset = dataset
         self.indices = list(range(rank, len(dataset), world))
-        self.length = math.ceil(len(dataset) / world)
+        self.length = math.ceil(math.ceil(len(dataset) / world) / multiple) * multiple
 
     def __len__(self):
         return self.length
@@ -680,29 +682,39 @@ def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, 
 
 
 def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int,
-                 gradient_accumulation_steps: int = 1, mixture: "mixture_lib.Mixture | None" = None) -> DataLoader:
+                 gradient_accumulation_steps: int = 1, mixture: "mixture_lib.Mixture | None" = None,
+                 lay: parallel.Layout | None = None) -> DataLoader:
     """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`
-    (from :func:`train_sampler`).
+    (from :func:`train_sampler`) over the data-parallel ranks of ``lay`` (default: every rank data-parallel).
 
     Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
-    ``seed`` (call its ``set_epoch`` with the sampler's).
+    ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.SequenceShard`
+    under sequence parallelism (the ranks of an SP group draw the same rows and keep one slice of each sequence).
     """
     rows = IndexedRows(dataset)
-    world = dist_utils.world_size()
-    sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * world, world,
-                            dist_utils.rank(), seed, mixture)
-    return DataLoader(rows, batch_size=micro_batch, sampler=sampler, collate_fn=RowSeededCollate(collator, seed),
+    lay = lay or parallel.Layout(dist_utils.world_size(), 1, dist_utils.rank())
+    sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * lay.dp, lay.dp,
+                            lay.dp_rank, seed, mixture)
+    collate = RowSeededCollate(collator, seed)
+    return DataLoader(rows, batch_size=micro_batch, sampler=sampler,
+                      collate_fn=parallel.SequenceShard(collate, lay) if lay.sp > 1 else collate,
                       drop_last=True, num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
-def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int = 0) -> DataLoader:
+def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int = 0,
+                lay: parallel.Layout | None = None) -> DataLoader:
     """Per-rank validation loader; every rank yields the same number of batches; filler rows have no labels.
 
     Row seeds (MLM masks) are ``row_seed(seed, 0, validation row index)``: the same at every evaluation and
     for any world size or micro batch. The CLI keeps ``seed=0``, so every run scores the same masked positions.
+    Rows are sharded over the data-parallel ranks of ``lay``; under sequence parallelism every batch is full
+    (Ulysses reshapes by the micro batch size; filler rows top it up) and cut like the training batches.
     """
-    shard = _EvalShard(dataset, dist_utils.rank(), dist_utils.world_size())
-    return DataLoader(shard, batch_size=micro_batch, shuffle=False, collate_fn=_eval_collate(collator, seed),
+    lay = lay or parallel.Layout(dist_utils.world_size(), 1, dist_utils.rank())
+    shard = _EvalShard(dataset, lay.dp_rank, lay.dp, micro_batch if lay.sp > 1 else 1)
+    collate = _eval_collate(collator, seed)
+    return DataLoader(shard, batch_size=micro_batch, shuffle=False,
+                      collate_fn=parallel.SequenceShard(collate, lay) if lay.sp > 1 else collate,
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
@@ -746,18 +758,20 @@ def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
     if splits.sources:
         mix = mixture_lib.Mixture([s.name for s in splits.sources], [s.train_rows for s in splits.sources],
                                   [s.weight for s in splits.sources], cfg.train.seed)
+    lay = parallel.layout(cfg)
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
-                            cfg.train.gradient_accumulation_steps, mix)
+                            cfg.train.gradient_accumulation_steps, mix, lay)
     if splits.sources:
         starts = np.cumsum([0] + [s.validation_rows for s in splits.sources]).tolist()
         eval_dl = {s.name: eval_loader(splits.validation.select(range(a, b)), collator, cfg.data,
-                                       cfg.train.micro_batch_size) for s, a, b in zip(splits.sources, starts, starts[1:])}
+                                       cfg.train.micro_batch_size, lay=lay)
+                   for s, a, b in zip(splits.sources, starts, starts[1:])}
     else:
-        eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size)
+        eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size, lay=lay)
     micro, gas = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps
     steps_per_epoch = (train_dl.sampler.num_samples // micro) // gas
     if steps_per_epoch == 0:
         raise ConfigError(f"data.train_files: {len(splits.train)} training rows give no full global batch of "
-                          f"{micro} x {gas} x {dist_utils.world_size()} rows; lower train.micro_batch_size or add data")
+                          f"{micro} x {gas} x {lay.dp} (data-parallel size) rows; lower train.micro_batch_size or add data")
     return TrainData(splits, collator, train_dl, eval_dl, steps_per_epoch,
                      cfg.train.max_steps or cfg.train.epochs * steps_per_epoch)

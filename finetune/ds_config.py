@@ -29,6 +29,7 @@ from finetune.errors import ConfigError
 _EXTRA_TOP_LEVEL_KEYS = {
     "optimizer", "scheduler", "aio", "activation_checkpointing", "flops_profiler", "autotuning",
     "zero_allow_untested_optimizer", "mics_shard_size", "mics_hierarchical_params_gather",
+    "sequence_parallel_size",
 }
 
 
@@ -236,7 +237,7 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
         if have != "auto" and have != want:
             problems.append(
                 f"deepspeed: batch-size contradiction: {cfg.deepspeed} has {key}={have}, but the run config gives "
-                f"train.micro_batch_size={mb} x train.gradient_accumulation_steps={gas} x world size={world_size} "
+                f"train.micro_batch_size={mb} x train.gradient_accumulation_steps={gas} x data-parallel size={world_size} "
                 f"= train_batch_size {expected}; remove '{key}' from the JSON (the run config is the source of truth)")
     ds["train_micro_batch_size_per_gpu"] = mb
     ds["gradient_accumulation_steps"] = gas
@@ -245,6 +246,8 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
         problems.append(f"deepspeed: {cfg.deepspeed} has gradient_clipping={ds['gradient_clipping']} but "
                         f"train.max_grad_norm={cfg.train.max_grad_norm}; remove it from the JSON")
     ds["gradient_clipping"] = cfg.train.max_grad_norm
+    if cfg.parallel.sequence_parallel_size > 1:  # zero.Init (ZeRO-3) reads it for the data-parallel size
+        ds["sequence_parallel_size"] = cfg.parallel.sequence_parallel_size
     ds.setdefault("steps_per_print", 10**9)  # our own loop logs; keep DeepSpeed's periodic prints quiet
     if "optimizer" not in ds and "scheduler" not in ds:
         params = {"lr": cfg.train.lr, "betas": [cfg.train.adam_beta1, cfg.train.adam_beta2], "eps": cfg.train.adam_eps,

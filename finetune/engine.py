@@ -17,6 +17,8 @@
   function (:func:`finetune.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
   ``deepspeed.initialize`` (:func:`finetune.lora.apply`); only trainable parameters reach the optimizer.
+* ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention is registered for the built model and its
+  groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from transformers.initialization import no_init_weights
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.utils import logging as hf_logging
 
-from finetune import kernels, lora
+from finetune import kernels, lora, parallel
 from finetune.config import RunConfig
 from finetune.ds_config import zero_stage
 from finetune.logs import logger
@@ -139,14 +141,21 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if cfg.model.fused_kernels:
         logger.info(f"fused kernels: {kernels.fuse(model)}")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
-
+    lay = parallel.layout(cfg)
+    mpu = parallel.start_sequence_parallel(model, cfg, lay)  # Ulysses attention and the SP groups (sp > 1)
+    if mpu is not None:
+        logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "
+                    f"{lay.describe()}")
 
     def scheduler(optimizer):
         return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                              num_training_steps=total_steps)
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-                                           config=ds, lr_scheduler=scheduler, dist_init_required=False)
+                                           config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
+    if parallel.fix_zero3_average(engine, lay):
+        logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
+                    "(finetune.parallel.fix_zero3_average)")
     if engine.bfloat16_enabled() and hasattr(engine.optimizer, "check_grad_overflow"):
         # ZeRO 1/2 in bf16 skip a non-finite step only with this on (DeepSpeed's default, a JSON may turn it off);
         # in fp32 and fp16 they skip on a non-finite global gradient norm anyway, and this on would add a scan of

@@ -3,11 +3,11 @@
 Per optimizer step, on every rank::
 
     micro = [next(batches) for _ in range(gradient_accumulation_steps)]
-    N, stop = all_reduce([sum(count_targets(b.labels) for b in micro), stop signal here?])  # the step's collective
+    N, stop = all_reduce([sum(count_targets(b) for b in micro), stop signal here?])  # the step's collective
     if stop: save a checkpoint of the last step, return
     for b in micro:
         out = recipe.forward(engine, b)                                 # batch -> loss sum (recipe runs the model)
-        loss = out.loss_sum * world * gas / N                           # summed token loss, token-weighted
+        loss = out.loss_sum * dp * gas / N                              # summed token loss, token-weighted
         engine.backward(loss)                                           # DeepSpeed divides by gas ...
         engine.step()                                                   # ... and averages over ranks
     bad = not engine.was_step_applied()                                 # the same on every rank, no collective
@@ -20,9 +20,11 @@ Token-weighted loss (``train.loss_weighting: token``, default). DeepSpeed averag
 weight per micro-batch and per rank, which is not the gradient of the mean over all target tokens when
 micro-batches hold different numbers of targets (padding, MLM masking): the gradient-accumulation loss
 bug transformers fixed in 2024 (``num_items_in_batch``). Here each micro-batch loss is
-``sum_i l_i * (W * G) / N`` (``W`` ranks, ``G`` accumulation steps, ``N`` targets in the whole global
-batch); after DeepSpeed's ``1/G`` scaling and ``1/W`` averaging the gradient is exactly
-``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch.
+``sum_i l_i * (D * G) / N`` (``D`` data-parallel ranks, ``G`` accumulation steps, ``N`` targets in the whole
+global batch); after DeepSpeed's ``1/G`` scaling and ``1/D`` averaging the gradient is exactly
+``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch. Under sequence
+parallelism (:mod:`finetune.parallel`) each rank sums its slice of every sequence, ``N`` counts every slice's
+targets once, and DeepSpeed sums the gradients of all ``D x SP`` ranks and divides by ``D``: the same gradient.
 ``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
 The loss sum comes from the recipe (``forward``: "batch -> loss sum", see :mod:`finetune.recipes`), never from
@@ -61,6 +63,7 @@ from tqdm import tqdm
 
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
+from finetune import parallel
 from finetune.batch import to_device
 from finetune.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
@@ -275,7 +278,7 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
     """
     head = torch.zeros(2, dtype=torch.float32, device=device)
     if token_weighted:
-        head[0] = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).sum()
+        head[0] = torch.stack([recipe.count_targets(b) for b in micro]).sum()
     if stop_flag is not None:
         head[1] = float(stop_flag())
     if token_weighted or stop_flag is not None:
@@ -283,11 +286,12 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
     return head[0], stop_flag is not None and head[1].item() > 0
 
 
-def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, world: int,
+def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, dp: int,
                meter: StepMeter) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:
     """One optimizer step over the step's micro-batches: forward (the recipe's loss sum), scale, backward, step.
 
-    Token weighting divides each micro-batch's loss sum by ``targets / (world * gas)`` (see the module docstring);
+    Token weighting divides each micro-batch's loss sum by ``targets / (dp * gas)`` (``dp``: the data-parallel size;
+    see the module docstring);
     ``micro_batch`` weighting by its own target count. At ZeRO stage 0 a non-finite global gradient norm makes
     the step a no-op (:func:`_skip_update_stage0`); ZeRO 1-3 skip it themselves.
 
@@ -298,7 +302,7 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
     """
     gas, device = len(micro), engine.device
     stage0 = engine.zero_optimization_stage() == 0
-    denom = targets.clamp(min=1.0) / (world * gas)
+    denom = targets.clamp(min=1.0) / (dp * gas)
     grad_norm = None
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
     metrics: dict[str, torch.Tensor] = {}
@@ -381,9 +385,10 @@ class LogWindow:
     metrics; tokens, positions and rows in the meter), written as one row of scalars every ``train.log_every`` steps
     (one all-reduce)."""
 
-    def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar):
+    def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar, dp: int = 0):
         self.engine, self.sink, self.meter, self.world, self.epoch_rows, self.pbar = engine, sink, meter, world, \
             epoch_rows, pbar
+        self.dp = dp or world  # data-parallel size: the ranks' loss shares sum to dp x the step's loss
         self.acc = torch.zeros(2, dtype=torch.float64, device=engine.device)
         self.metrics: dict[str, torch.Tensor] = {}
         self.restart()
@@ -412,10 +417,10 @@ class LogWindow:
             grad_norm = float(gn) if gn is not None else float("nan")
         tokens, positions, rows = totals[2:5].tolist()
         state.tokens_seen += int(tokens)
-        scalars = {"train/loss": totals[0].item() / self.world / steps if steps else float("nan"),
+        scalars = {"train/loss": totals[0].item() / self.dp / steps if steps else float("nan"),
                    "train/lr": self.engine.get_lr()[0], "train/grad_norm": grad_norm,
                    **self.meter.scalars(tokens, positions, rows, elapsed),
-                   "train/epoch": state.epoch + state.samples_in_epoch / (self.epoch_rows * self.world),
+                   "train/epoch": state.epoch + state.samples_in_epoch / (self.epoch_rows * self.dp),
                    "train/tokens_seen": state.tokens_seen, "train/bad_steps": state.bad_steps, **recipe_metrics}
         self.sink.write(state.step, scalars)
         self.pbar.set_postfix(loss=f"{scalars['train/loss']:.4f}",
@@ -506,7 +511,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
             (:class:`Guard`).
     """
-    world, token_weighted = dist_utils.world_size(), cfg.train.loss_weighting == "token"
+    # dp: ranks that see different rows (world / sequence-parallel size): rows, loss scaling and epochs count in it
+    world, dp, token_weighted = dist_utils.world_size(), parallel.layout(cfg).dp, cfg.train.loss_weighting == "token"
     gas = cfg.train.gradient_accumulation_steps
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
@@ -515,7 +521,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
-    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar)
+    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar, dp)
     evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
@@ -524,7 +530,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (logged steps are timed)
     with pbar:  # closed however the loop ends (a stop, divergence), so that error lines start a line
         while state.step < total_steps:
-            for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, world, resume_from, begin):
+            for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, dp, resume_from, begin):
                 meter.lap("data_wait")
                 log_now = cadence.log(state.step + 1)
                 targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device)
@@ -532,8 +538,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, world, meter)
-                state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * world
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter)
+                state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * dp
                 pbar.update(1)
                 if guard.check(engine, state):
                     window.add(loss, metrics)
@@ -547,11 +553,11 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     window.restart()
             resume_from = None  # the RNG states are restored once, in the first epoch of the launch
-            if state.samples_in_epoch // world + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
+            if state.samples_in_epoch // dp + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
                 _log_epoch_padding(meter, state.epoch, "")
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)")
-    _log_trained_shares(train_dl.sampler, state, step_rows, world)
+    _log_trained_shares(train_dl.sampler, state, step_rows, dp)
     evals.run(state, "final eval at step", during_training=False)
     saver.save(state, unless_saved=True)
     return state

@@ -17,7 +17,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
-from finetune import lora, mixture, run_folder
+from finetune import lora, mixture, parallel, run_folder
 from finetune import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
@@ -173,6 +173,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
+    parallel.check(cfg, config, None, recipe.sequence_parallel, problems)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
@@ -365,6 +366,11 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
+    sp = cfg.parallel.sequence_parallel_size
+    if sp > 1 and world_size % sp:
+        problems.append(f"parallel.sequence_parallel_size: {sp} does not divide the world size {world_size}; launch a "
+                        f"multiple of {sp} ranks or choose a divisor of {world_size}")
+    dp = world_size // sp if sp > 0 and world_size % sp == 0 else world_size  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
         resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
@@ -372,13 +378,12 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         if old is not None and not number_problems:  # before the DeepSpeed config: it has the accumulation
             first_file = resume_ckpt.parent.parent / ckpt_utils.CONFIG_FILE  # the run's first launch's config
             first = yaml.safe_load(first_file.read_text()) if first_file.is_file() else None
-            note = resume_policy.keep_global_batch(old, ckpt_utils.marker(resume_ckpt).get("world_size", world_size),
-                                                   cfg, world_size, first)
+            note = resume_policy.keep_global_batch(old, _old_dp(old, resume_ckpt, world_size), cfg, dp, first)
             notes += [note] if note else []
     ds: dict = {}
     try:
         # DeepSpeed's own parser sees only numbers we accept, so it never repeats one of our problems in its words
-        ds, ds_problems = resolve_ds_config(cfg, world_size, on_cpu, deepspeed_checks=not number_problems)
+        ds, ds_problems = resolve_ds_config(cfg, dp, on_cpu, deepspeed_checks=not number_problems)
         problems += ds_problems
         problems += _check_trackers(ds)
     except ConfigError as e:
@@ -397,8 +402,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
                     ds.setdefault("checkpoint", {})["load_universal"] = True
                 old = ckpt_utils.saved_config(resume_ckpt)
                 if old is not None:
-                    refused, changed = resume_policy.review(old, ckpt_utils.marker(resume_ckpt).get("world_size", 1),
-                                                            cfg, world_size, allow_changes)
+                    refused, changed = resume_policy.review(old, _old_dp(old, resume_ckpt, 1), cfg, dp, allow_changes)
                     problems += refused
                     notes += changed
         elif ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(cfg.output_dir)):
@@ -417,6 +421,13 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         raise ConfigError(problems)
     remember_checked(marks)
     return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal)
+
+
+def _old_dp(old: dict, ckpt: Path, default_world: int) -> int:
+    """The data-parallel size a checkpoint was trained with: its world size (``COMPLETE`` marker) over its
+    config's ``parallel.sequence_parallel_size``."""
+    world = ckpt_utils.marker(ckpt).get("world_size", default_world)
+    return max(1, world // max(1, int((old.get("parallel") or {}).get("sequence_parallel_size", 1))))
 
 
 def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:

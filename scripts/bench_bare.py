@@ -77,7 +77,7 @@ def main() -> None:
     it = iter(loader)  # after the engine, as the toolkit's loop does (the same global RNG draws: dropout)
     micro = [to_device(next(it), device) for _ in range(steps * gas)]  # one epoch covers the bench's steps
     counts = [(int(real_tokens(b)), b["input_ids"].numel()) for b in micro]  # (non-pad tokens, positions)
-    targets = torch.stack([recipe.count_targets(b["labels"]) for b in micro]).view(steps, gas).sum(1)
+    targets = torch.stack([recipe.count_targets(b) for b in micro]).view(steps, gas).sum(1)
     denominators = dist_utils.all_reduce_sum(targets.to(device, torch.float32)).clamp(min=1.0) / (world * gas)
     losses = torch.zeros(steps, dtype=torch.float64, device=device)
     dist_utils.barrier()

@@ -87,7 +87,7 @@ def main(out_path: str) -> None:
             head_weight = engine.module.get_output_embeddings().weight
             partitioned = head_weight.data.numel() == 0  # ZeRO-3: released until a module hook gathers it
             lm_loss.LOGITS_CHUNK_ELEMENTS = 3 * base.config.vocab_size  # 3 rows per chunk
-            n = int(recipe.count_targets(b["labels"]))
+            n = int(recipe.count_targets(b))
             out = recipe.forward(engine, dict(b))
             engine.backward(out.loss_sum)
             grads = {n_: safe_get_full_grad(p).detach().float().clone() for n_, p in engine.module.named_parameters()}

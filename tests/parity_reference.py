@@ -148,13 +148,13 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
             its = [iter(dl) for dl in loaders]
         micro = [next(it) for it in its for _ in range(gas)]  # rank 0's micro-batches, then rank 1's, ...
         used += gas
-        n_targets = int(sum(recipe.count_targets(b["labels"]) for b in micro))
+        n_targets = int(sum(recipe.count_targets(b) for b in micro))
         token_loss = micro_loss = 0.0
         for b in micro:
             labels = b["labels"]
             summed = full_logits_loss_sum(cfg.recipe, model(**model_inputs(b)).logits, labels)
             token = summed / max(n_targets, 1)
-            micro_mean = summed / recipe.count_targets(labels).clamp(min=1) / len(micro)
+            micro_mean = summed / recipe.count_targets(b).clamp(min=1) / len(micro)
             (token if weighting == "token" else micro_mean).backward()
             token_loss += token.item()
             micro_loss += micro_mean.item()

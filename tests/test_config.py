@@ -79,7 +79,7 @@ def test_unknown_deepspeed_key_and_batch_contradiction(tmp_path):
     assert "unknown top-level key 'zero_optimisation'" in text and "did you mean 'zero_optimization'" in text
     # All four numbers named: micro batch, accumulation, world size, and the JSON's value.
     assert "train_batch_size=64" in text and "train.micro_batch_size=4" in text
-    assert "train.gradient_accumulation_steps=2" in text and "world size=2" in text and "= train_batch_size 16" in text
+    assert "train.gradient_accumulation_steps=2" in text and "data-parallel size=2" in text and "= train_batch_size 16" in text
 
 
 def test_ds_override_inside_section_checked_by_deepspeed(tmp_path):

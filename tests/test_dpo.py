@@ -317,7 +317,7 @@ def test_tokenized_pairs_train_on_the_response_only(tmp_path):
                                  if lab != -100])
     assert rejected.startswith("It is 5."), rejected
     batch = dpo.make_collator(tokenizer, cfg.data)([{k: v[i] for k, v in out.items()} for i in range(2)])
-    assert batch["input_ids"].shape[0] == 4 and dpo.count_targets(batch["labels"]).item() == 2
+    assert batch["input_ids"].shape[0] == 4 and dpo.count_targets(batch).item() == 2
 
 
 def test_reference_key_follows_the_model_and_the_data(tmp_path):

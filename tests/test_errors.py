@@ -71,7 +71,7 @@ def test_unknown_key_suggests_nearest(tmp_path):
 def test_batch_size_contradiction(tmp_path):
     expect_one_error(["ds.train_batch_size=100", "train.micro_batch_size=4", "train.gradient_accumulation_steps=3"],
                      "train_batch_size=100", "train.micro_batch_size=4", "train.gradient_accumulation_steps=3",
-                     "world size=1", out=tmp_path / "run")
+                     "data-parallel size=1", out=tmp_path / "run")
 
 
 def test_resume_with_nothing_to_resume(tmp_path):

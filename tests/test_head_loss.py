@@ -89,7 +89,7 @@ def test_target_positions_only_equal_full_head(monkeypatch):
             seen.clear()
             got = _loss_and_grads(lambda: recipe.forward(model, batch).loss_sum, model)
             _assert_same(got, want, f"{name}, chunk={rows or 'default'}")
-            n = int(recipe.count_targets(batch["labels"]))
+            n = int(recipe.count_targets(batch))
             # forward + (with several chunks) the recomputation in backward; never a row that is not a target
             assert sum(seen) == n * (2 if rows else 1) and max(seen) <= (rows or n), seen
         monkeypatch.setattr(lm_loss, "chunked_cross_entropy", chunked)
@@ -98,7 +98,7 @@ def test_target_positions_only_equal_full_head(monkeypatch):
             out = recipe.forward(model, batch, metrics=True)
             full_loss, logits = _full_head(model, batch, causal)
         assert out.loss_sum.item() == pytest.approx(full_loss.item(), rel=1e-6)
-        assert int(out.targets) == int(recipe.count_targets(batch["labels"]))
+        assert int(out.targets) == int(recipe.count_targets(batch))
         assert logits.shape == (*batch["input_ids"].shape, model.config.vocab_size), "hook left active"
         if not causal:
             mask = batch["labels"] != -100

@@ -26,7 +26,7 @@ import torch
 
 from finetune import checkpoint as ckpt_utils
 from finetune import distributed as dist_utils
-from finetune import health
+from finetune import health, parallel
 from finetune.data import build_train_data
 from finetune.ds_config import describe_precision
 from finetune.engine import build_engine, load_model_config, load_tokenizer
@@ -144,9 +144,10 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         clock.mark("run folder, tokenizer")
         data = build_train_data(recipe, cfg, tokenizer)
         clock.mark("data")
+        lay = parallel.layout(cfg)
         logger.info(f"global batch {ds['train_batch_size']} rows = micro batch {cfg.train.micro_batch_size} x "
-                    f"accumulation {cfg.train.gradient_accumulation_steps} x world size {dist_utils.world_size()}; "
-                    f"{data.steps_per_epoch} steps/epoch; {data.total_steps} steps")
+                    f"accumulation {cfg.train.gradient_accumulation_steps} x data-parallel size {lay.dp}; "
+                    f"{data.steps_per_epoch} steps/epoch; {data.total_steps} steps; {lay.describe()}")
         # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step
         allocator = health.prepare_host_memory(dist_utils.on_cpu())
         if allocator:
@@ -174,14 +175,16 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
             return stop.exit_code()
 
         if cfg.export:
-            export_and_verify(engine, run_dir, export_step(engine, run_dir, state, cfg), data.splits.validation,
-                              data.collator, ds, recipe, chosen_by=_chosen_by(state, cfg))
+            with parallel.sequence_parallel_off():  # whole sequences on every rank, checked against the export
+                export_and_verify(engine, run_dir, export_step(engine, run_dir, state, cfg), data.splits.validation,
+                                  data.collator, ds, recipe, chosen_by=_chosen_by(state, cfg))
         if rank == 0:
             summary = write_run_report(run_dir)
             if summary:
                 logger.info(f"evaluation: {summary}")
             if cfg.export and cfg.train.sample_prompt and recipe.generates_text:
-                sample = write_sample(run_dir, cfg)
+                with parallel.sequence_parallel_off():
+                    sample = write_sample(run_dir, cfg)
                 logger.info(f"{'sample' if cfg.train.sample_temperature > 0 else 'greedy sample'} (sample.txt): "
                             f"{sample!r}")
         logger.info(f"done: {state.step} steps; run folder {run_dir}")

@@ -108,9 +108,10 @@ class Recipe:
     a recipe returns in training too (``dpo``'s rewards; the same names at every call) are logged as
     ``train/<name>``.
     Outside this call the model is unchanged (the export check compares full logits)."""
-    count_targets: Callable[[torch.Tensor], torch.Tensor]
-    """``(labels) -> 0-dim int64``: positions that contribute to the loss (the token-weighting denominator). The
-    loop calls it on every micro-batch of a step before any of them runs; it equals ``LossOutput.targets``."""
+    count_targets: Callable[[dict], torch.Tensor]
+    """``(batch) -> 0-dim int64``: positions of the collated micro-batch that contribute to the loss (the
+    token-weighting denominator; from its ``labels``, or ``shift_labels`` in a sequence-parallel slice). The loop
+    calls it on every micro-batch of a step before any of them runs; it equals ``LossOutput.targets``."""
 
     configure: Callable[[Recipe, RunConfig], Recipe] = as_is
     """``(recipe, cfg) -> recipe``: the recipe with the run settings its hooks read bound in (``dpo``: ``train.dpo``
@@ -161,6 +162,10 @@ class Recipe:
     """Sequences the model runs per data row (``dpo``: chosen and rejected), for the planner's activations."""
     targets_per_row: bool = False
     """True when a row has one target (sequence classification: the planner counts no per-token logits)."""
+    sequence_parallel: bool = False
+    """True when ``forward`` and ``count_targets`` take sequence-parallel slices (:mod:`finetune.parallel`:
+    ``shift_labels`` instead of ``labels``, ``position_ids``, no ``attention_mask``) and their sums over the SP
+    group equal those of the whole batch: the causal LMs ``gpt_clm`` and ``sft``."""
 
 
 def get_recipe(name: str) -> Recipe:

@@ -121,13 +121,13 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     labels = batch["labels"]
     inputs = model_inputs(batch)
     loss, correct = token_loss_sum(model, inputs, labels, count_correct=metrics)
-    n = count_targets(labels)
+    n = count_targets(batch)
     return LossOutput(loss, n, {"masked_accuracy": (correct, n)} if metrics else {})
 
 
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Masked positions (``labels != -100``) in ``labels`` [batch, seq]; 0-dim int64."""
-    return (labels != -100).sum()
+def count_targets(batch: dict) -> torch.Tensor:
+    """Masked positions (``labels != -100``) in the batch's ``labels`` [batch, seq]; 0-dim int64."""
+    return (batch["labels"] != -100).sum()
 
 
 def target_fraction(data_cfg: DataConfig) -> float:

@@ -297,8 +297,9 @@ def make_collator(tokenizer, data_cfg: DataConfig) -> PairCollator:
     return PairCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
 
 
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
+def count_targets(batch: dict) -> torch.Tensor:
     """Pairs with a target (the chosen half of ``labels [2B, seq]``; eval filler rows have none); 0-dim int64."""
+    labels = batch["labels"]
     return (labels[: labels.shape[0] // 2, 1:] != -100).any(dim=1).sum()
 
 
@@ -414,7 +415,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
     sums = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
             "rewards/accuracies": (reward_c > reward_r).to(losses.dtype), "rewards/margins": reward_c - reward_r,
             "logps/chosen": lp[:b], "logps/rejected": lp[b:]}
-    return LossOutput((losses * valid).sum(), count_targets(batch["labels"]),
+    return LossOutput((losses * valid).sum(), count_targets(batch),
                       metrics={k: ((v * valid).sum(), pairs) for k, v in sums.items()})
 
 

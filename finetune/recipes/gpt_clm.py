@@ -93,22 +93,31 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     Args:
         model: the engine (or a transformers causal LM, peft-wrapped or not); called with
             :func:`~finetune.recipes.model_inputs` of ``batch`` (``position_ids`` of packed rows pass through).
-        batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]).
+        batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]); or a
+            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel`).
         metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
 
     Returns:
         :class:`~finetune.recipes.LossOutput` with the cross-entropy summed over targets (0-dim float32, as
         transformers' ``ForCausalLMLoss`` with a sum).
     """
-    labels = batch["labels"]
-    inputs = model_inputs(batch)
-    loss, _ = token_loss_sum(model, inputs, shift_labels(labels))
-    return LossOutput(loss, count_targets(labels))
+    loss, _ = token_loss_sum(model, model_inputs(batch), next_token_targets(batch))
+    return LossOutput(loss, count_targets(batch))
 
 
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Positions predicted after the one-token shift (``labels[:, 1:] != -100``); 0-dim int64."""
-    return (labels[:, 1:] != -100).sum()
+def next_token_targets(batch: dict) -> torch.Tensor:
+    """``[batch, seq]`` int64: what each position predicts: the batch's ``shift_labels`` when it has them (a
+    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel`), else :func:`shift_labels` of its
+    ``labels``."""
+    return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
+
+
+def count_targets(batch: dict) -> torch.Tensor:
+    """Positions predicted after the one-token shift (``labels[:, 1:] != -100``, or ``shift_labels != -100`` in a
+    sequence-parallel slice); 0-dim int64."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != -100).sum()
+    return (batch["labels"][:, 1:] != -100).sum()
 
 
 def cache_key(data_cfg: DataConfig) -> dict:
@@ -127,4 +136,4 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
-                generates_text=True, generation_pairs=generation_pairs)
+                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True)

@@ -218,7 +218,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     labels = batch["labels"]
     logits = model(**model_inputs(batch)).logits.float()
     loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    n = count_targets(labels)
+    n = count_targets(batch)
     if not metrics:
         return LossOutput(loss, n)
     mask = labels != -100
@@ -226,9 +226,9 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
     return LossOutput(loss, n, {"accuracy": (correct, n)}, confusion_counts(logits, labels))
 
 
-def count_targets(labels: torch.Tensor) -> torch.Tensor:
-    """Examples with a label (``labels != -100``) in ``labels`` [batch]; 0-dim int64."""
-    return (labels != -100).sum()
+def count_targets(batch: dict) -> torch.Tensor:
+    """Examples with a label (``labels != -100``) in the batch's ``labels`` [batch]; 0-dim int64."""
+    return (batch["labels"] != -100).sum()
 
 
 def confusion_counts(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,345 @@
+"""The layout of the ranks (data and sequence parallelism) and DeepSpeed's Ulysses sequence parallelism for
+Hugging Face causal LMs.
+
+**Layout** (:class:`Layout`, in the spirit of torchtitan's ``ParallelDims``): ``world = dp x sp``. The sequence-
+parallel (SP) groups are runs of consecutive ranks, as DeepSpeed's ``parallel_state_sp`` builds them: ranks
+``[i * sp, (i + 1) * sp)`` share the rows of data-parallel rank ``i`` and each holds ``1 / sp`` of every sequence.
+The samplers, the evaluation shards, the global batch (``micro x accumulation x dp``), the loss scaling and the
+logs use the data-parallel rank and size, never the global ones.
+
+**Sequence parallelism** (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509; Bekman et al. 2025, "Arctic
+Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``):
+
+* :func:`start_sequence_parallel` registers ``UlyssesSPAttentionHF`` with transformers for the model's attention
+  implementation (``sdpa`` or ``flash_attention_2``; DeepSpeed refuses ``eager``) and creates the SP groups; the
+  returned ``mpu`` goes to ``deepspeed.initialize``. Each attention layer then trades sequence for heads with an
+  all-to-all, attends over the whole sequence with ``heads / sp`` heads, and trades back.
+* :class:`SequenceShard` cuts every collated micro-batch along the sequence in the data path (the collator), an
+  equivalent of DeepSpeed's ``UlyssesSPDataLoaderAdapter`` for loaders whose SP ranks already hold the same rows:
+  labels are shifted by one **before** the cut (``shift_labels``: the last token of a shard predicts the first of
+  the next), the length is padded to a multiple of ``sp`` (pad positions come after every real token, take no
+  loss, and causal attention never lets a real token see them), ``position_ids`` are made explicit (Ulysses gathers
+  them to mask causally), and ``attention_mask`` is replaced by the shard's real-token count (Ulysses discards
+  masks: right padding under causal attention needs none).
+* Packed rows whose ``position_ids`` restart per example (``sft`` packing) keep examples apart under ``sdpa``:
+  :func:`start_sequence_parallel` wraps the core ``sdpa`` so that, given the gathered ``position_ids`` and no mask,
+  it builds the block-diagonal causal mask transformers builds without SP (``find_packed_sequence_indices``);
+  ``flash_attention_2`` does the same from ``position_ids`` itself (varlen).
+* Loss: each rank sums the token losses of its shard and counts its shard's targets; the loop's target count is
+  the sum over all ranks (every target counted once), and DeepSpeed divides the gradient sum over all ranks by the
+  data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.trainer`): SP=2 trains
+  the same model as SP=1.
+* :func:`sequence_parallel_off` restores the plain attention for work on whole sequences (the export check, text
+  generation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from finetune import distributed as dist_utils
+from finetune.config import RunConfig
+from finetune.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of the parallel dimensions and this rank's coordinates in them."""
+
+    world: int
+    """Ranks in the job."""
+    sp: int = 1
+    """Sequence-parallel size (``parallel.sequence_parallel_size``)."""
+    rank: int = 0
+    """Global rank."""
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: ``world / sp`` (ranks that see different rows)."""
+        return self.world // self.sp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: the index of its SP group (``rank // sp``)."""
+        return self.rank // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its SP group (``rank % sp``): which slice of each sequence it holds."""
+        return self.rank % self.sp
+
+    def describe(self) -> str:
+        """``layout: world 4 = data-parallel 2 x sequence-parallel 2; this rank: dp 1, sp 0`` (for the logs)."""
+        return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp}; this rank "
+                f"(global {self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank {self.sp_rank}")
+
+
+def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) -> Layout:
+    """The layout of ``cfg`` for this process (world size and rank from the launcher, or as given).
+
+    Raises:
+        ConfigError: the world size is not a multiple of ``parallel.sequence_parallel_size``.
+    """
+    world = dist_utils.world_size() if world is None else world
+    rank = dist_utils.rank() if rank is None else rank
+    sp = cfg.parallel.sequence_parallel_size
+    if sp < 1 or world % sp:
+        raise ConfigError(f"parallel.sequence_parallel_size: {sp} does not divide the world size {world}; use a "
+                          f"divisor of it (data-parallel size = world size / sequence-parallel size)")
+    return Layout(world=world, sp=sp, rank=rank)
+
+
+def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool, problems: list[str]) -> None:
+    """What sequence parallelism needs of the run, one problem line each, before any model is built.
+
+    Args:
+        cfg: the run config.
+        model_config: the transformers config (``num_attention_heads``, ``num_key_value_heads``), or None.
+        world: the world size of the launch, or None when unknown (``finetune doctor`` without ``--world-size``).
+        recipe_supports: the recipe's ``sequence_parallel`` flag.
+        problems: where the lines go.
+    """
+    sp = cfg.parallel.sequence_parallel_size
+    key = "parallel.sequence_parallel_size"
+    if sp < 1:
+        problems.append(f"{key}: {sp} must be 1 (off) or more")
+        return
+    if world is not None and world % sp:
+        problems.append(f"{key}: {sp} does not divide the world size {world}; launch a multiple of {sp} ranks or "
+                        f"choose a divisor of {world}")
+    if sp == 1:
+        return
+    if not recipe_supports:
+        problems.append(f"{key}: recipe {cfg.recipe} does not support sequence parallelism (causal-LM recipes "
+                        f"gpt_clm and sft do); set {key}=1")
+    if cfg.model.attn_implementation == "eager":
+        problems.append(f"{key}: model.attn_implementation=eager cannot be sequence-parallel (DeepSpeed's Ulysses "
+                        f"needs an implementation that masks causally without a 4D mask); use sdpa or "
+                        f"flash_attention_2")
+    if cfg.train.loss_weighting != "token":
+        problems.append(f"{key}: train.loss_weighting={cfg.train.loss_weighting} averages each micro-batch on its own, "
+                        f"but a sequence-parallel rank holds only a slice of it; use train.loss_weighting=token")
+    if cfg.train.eval_generate.prompts:
+        problems.append(f"{key}: train.eval_generate generates token by token on whole sequences, which Ulysses "
+                        f"does not shard; set train.eval_generate.prompts=0 (finetune evaluate on the export "
+                        f"generates without sequence parallelism)")
+    if model_config is not None:
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        if isinstance(heads, int) and heads % sp:
+            problems.append(f"{key}: the model's {heads} attention heads are not divisible by {sp} (each "
+                            f"sequence-parallel rank attends with heads / {sp}); choose a divisor of {heads}")
+        if isinstance(kv, int) and kv % sp and sp % kv:
+            problems.append(f"{key}: the model's {kv} key/value heads and {sp} divide neither way (DeepSpeed "
+                            f"replicates key/value heads only when {sp} is a multiple of them); choose a divisor or "
+                            f"a multiple of {kv}")
+    if cfg.data.max_seq_len % sp and cfg.recipe == "gpt_clm" and cfg.data.packing:
+        problems.append(f"data.max_seq_len: packed blocks of {cfg.data.max_seq_len} tokens do not split into "
+                        f"{sp} equal shards; use a multiple of {sp} (other rows are padded to one)")
+
+
+def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
+    """Register DeepSpeed's Ulysses attention for ``model``'s attention implementation and create the SP groups.
+
+    All ranks call it, after the model is built and before ``deepspeed.initialize`` (which takes the returned
+    ``mpu``). The core ``sdpa`` is first wrapped with :func:`_packed_sdpa` so that packed rows keep their examples
+    apart.
+
+    Args:
+        model: the built transformers model (its ``config`` names the heads and the attention implementation).
+        cfg: the run config (``model.attn_implementation``, ``train.micro_batch_size``).
+        lay: the layout (``sp`` > 1).
+
+    Returns:
+        DeepSpeed's ``parallel_state_sp`` module (the ``mpu``), or None when ``lay.sp`` is 1.
+    """
+    if lay.sp == 1:
+        return None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attn = cfg.model.attn_implementation
+    _PLAIN[attn] = ALL_ATTENTION_FUNCTIONS[attn]
+    if attn == "sdpa":
+        ALL_ATTENTION_FUNCTIONS[attn] = _packed_sdpa(_PLAIN[attn])
+    config = copy.deepcopy(unwrap_config(model))
+    text = config.get_text_config()
+    if getattr(text, "num_key_value_heads", None) is None:  # GPT-2 and other MHA configs name no KV heads
+        text.num_key_value_heads = text.num_attention_heads
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=SimpleNamespace(config=config), core_attn_implementation=attn, sequence_parallel_size=lay.sp,
+        micro_batch_size=cfg.train.micro_batch_size, seq_length_is_variable=True)
+    ALL_ATTENTION_FUNCTIONS[attn] = _heads_out(ALL_ATTENTION_FUNCTIONS[attn])
+    _ULYSSES[attn] = ALL_ATTENTION_FUNCTIONS[attn]
+    return mpu
+
+
+def fix_zero3_average(engine, lay: Layout) -> bool:
+    """Make ZeRO-3's reduce-scatter of gradients average over the data-parallel ranks under sequence parallelism.
+
+    DeepSpeed 0.19.8's ZeRO-3 reduces gradients over all ranks (data x sequence parallel) in two ways: a contiguous
+    bucket is divided by ``world / sp`` (the data-parallel size, as ZeRO 0-2 do), but the reduce-scatter path
+    (``reduce_scatter: true``, ZeRO-3's default, and any bucket larger than ``reduce_bucket_size``) goes through
+    ``reduce_scatter_coalesced``, which divides by ``world``: gradients ``sp`` times too small, and so the gradient
+    norm and clipping (found by ``tests/test_sequence_parallel.py``: the grad norm was exactly half the
+    single-device one at SP=2). The optimizer's ``__avg_scatter_grads`` is wrapped on the instance to multiply its
+    partitions by ``sp``.
+
+    Returns:
+        True when the engine is a ZeRO-3 engine under SP and was patched.
+    """
+    opt = getattr(engine, "optimizer", None)
+    name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+    if lay.sp == 1 or not hasattr(opt, name):
+        return False
+    reduce_scatter = getattr(opt, name)
+
+    def average_over_data_parallel(params, communication_data_type):
+        return [g.mul(lay.sp) for g in reduce_scatter(params, communication_data_type)]
+
+    setattr(opt, name, average_over_data_parallel)
+    return True
+
+
+def _heads_out(ulysses):
+    """The Ulysses attention returning ``[batch, seq, heads, head_dim]``, as transformers' attention functions do.
+
+    DeepSpeed's returns ``[batch, seq, heads x head_dim]``: models that reshape with ``reshape(*input_shape, -1)``
+    (Llama, Qwen) accept both, GPT-2 (``reshape(*shape[:-2], -1)``) only the former.
+    """
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        out, weights = ulysses(module, query, key, value, attention_mask, *args, **kwargs)
+        return out.view(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), weights
+
+    return attention
+
+
+def unwrap_config(model):
+    """The transformers config of ``model`` (a transformers model, or a peft wrapper around one)."""
+    return model.config if hasattr(model, "config") else model.get_base_model().config
+
+
+_PLAIN: dict = {}  # attention implementation -> transformers' own function, before Ulysses replaced it
+_ULYSSES: dict = {}  # attention implementation -> the Ulysses wrapper registered for this process
+
+
+@contextlib.contextmanager
+def sequence_parallel_off():
+    """Within the block, attention is transformers' own again (whole sequences on every rank): the export check and
+    text generation. No-op without sequence parallelism."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, fn in _PLAIN.items():
+        ALL_ATTENTION_FUNCTIONS[name] = fn
+    try:
+        yield
+    finally:
+        for name, fn in _ULYSSES.items():
+            ALL_ATTENTION_FUNCTIONS[name] = fn
+
+
+def _packed_sdpa(sdpa):
+    """``sdpa`` that keeps packed examples apart when it gets no mask but ``position_ids`` that restart.
+
+    Ulysses discards the mask transformers made for the local shard and passes the gathered ``position_ids``
+    ``[batch, seq]`` instead; a row whose positions restart holds several examples (``sft`` packing), and each
+    token may attend only to earlier tokens of its own example: the block-diagonal causal mask
+    (``transformers.masking_utils``' packed-sequence mask, as a boolean ``[batch, 1, seq, seq]``).
+    """
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        pos = kwargs.get("position_ids")
+        if attention_mask is None and pos is not None and pos.shape[-1] == query.shape[-2] and pos.shape[-1] > 1 \
+                and bool((pos[:, 1:] <= pos[:, :-1]).any()):
+            doc = torch.cumsum(F.pad((pos[:, 1:] <= pos[:, :-1]).long(), (1, 0)), dim=1)  # example index per token
+            n = pos.shape[-1]
+            causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
+            attention_mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+            if pos.shape[0] != query.shape[0]:
+                attention_mask = attention_mask.expand(query.shape[0], -1, -1, -1)
+        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attention
+
+
+class SequenceShard:
+    """Collator wrapper: the full micro-batch of the SP group's rows -> this rank's slice of every sequence.
+
+    Input (the recipe's collated batch, :mod:`finetune.batch`): ``input_ids`` and ``labels`` ``[B, S]``, and
+    ``attention_mask`` ``[B, S]`` (right padding) or packed rows' ``position_ids`` ``[B, S]`` and ``num_tokens``.
+    Output: ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S' / sp]`` (int64, ``S'`` = ``S`` rounded up
+    to a multiple of ``sp``) and ``num_tokens`` (0-dim int64: real tokens in this slice; for packed rows an equal
+    share of the micro-batch's count, so that the sum over the SP group is exact); no ``labels`` and no
+    ``attention_mask`` (see the module docstring). Keeps ``row_seeded`` and ``set_epoch`` of the wrapped collator.
+
+    Raises:
+        ValueError: (when called) a row is padded on the left (a real token after a pad), which causal attention
+            without a mask cannot ignore.
+    """
+
+    def __init__(self, collator, lay: Layout, pad_id: int = 0):
+        self.collator, self.lay, self.pad_id = collator, lay, pad_id
+        self.row_seeded = getattr(collator, "row_seeded", False)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped collator (MLM-style per-row seeds)."""
+        getattr(self.collator, "set_epoch", lambda e: None)(epoch)
+
+    def __call__(self, rows):
+        return shard_batch(self.collator(rows), self.lay.sp, self.lay.sp_rank, self.pad_id)
+
+
+def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
+    """Slice ``sp_rank`` of ``sp`` of a collated causal-LM batch (:class:`SequenceShard` describes both sides)."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    rows, seq = ids.shape
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        if bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError("sequence parallelism needs right-padded rows (real tokens first); this batch is padded "
+                             "on the left: set the tokenizer's padding_side to 'right'")
+        real = mask.bool()
+    else:
+        real = torch.ones_like(ids, dtype=torch.bool)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, dtype=torch.long).expand(rows, seq)
+    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    pad = -seq % sp
+    if pad:
+        ids = F.pad(ids, (0, pad), value=pad_id)
+        shift = F.pad(shift, (0, pad), value=-100)
+        real = F.pad(real, (0, pad), value=False)
+        # the padding is an example of its own (positions from 0): within the model's positions whatever its length
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype).expand(rows, pad)], dim=1)
+    chunk = (seq + pad) // sp
+    part = slice(chunk * sp_rank, chunk * (sp_rank + 1))
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids",
+                                                        "num_tokens")}
+    if "num_tokens" in batch and mask is None:  # packed rows: the whole micro-batch's count, split (sums exactly)
+        out["num_tokens"] = _share(batch["num_tokens"], sp, sp_rank)
+    else:
+        out["num_tokens"] = real[:, part].sum()
+    out.update(input_ids=ids[:, part].contiguous(), position_ids=pos[:, part].contiguous(),
+               shift_labels=shift[:, part].contiguous())
+    return out
+
+
+def _share(total: torch.Tensor, sp: int, sp_rank: int) -> torch.Tensor:
+    """``sp_rank``'s part of ``total`` split into ``sp`` near-equal integer parts (they sum to ``total``)."""
+    t = int(total)
+    return torch.tensor(t // sp + (1 if sp_rank < t % sp else 0))
+
+
+def require_divisible(seq: int, sp: int, what: str) -> None:
+    """Raise a ConfigError when ``seq`` is not a multiple of ``sp`` (``what`` names the setting)."""
+    if seq % sp:
+        raise ConfigError(f"{what}: {seq} tokens do not split into {sp} equal shards; use a multiple of {sp}")
