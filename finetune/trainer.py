@@ -490,7 +490,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
 
     Args:
-        cfg: run config.
+        cfg: run config (``parallel``: rows, loss scaling and epochs count in data-parallel ranks, ``dp``).
         engine: DeepSpeed engine.
         recipe: the task's :class:`~finetune.recipes.Recipe`.
         train_dl: training loader whose sampler is a ``ResumableDistributedSampler``.
@@ -511,7 +511,6 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
             (:class:`Guard`).
     """
-    # dp: ranks that see different rows (world / sequence-parallel size): rows, loss scaling and epochs count in it
     world, dp, token_weighted = dist_utils.world_size(), parallel.layout(cfg).dp, cfg.train.loss_weighting == "token"
     gas = cfg.train.gradient_accumulation_steps
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step

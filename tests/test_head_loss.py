@@ -61,7 +61,9 @@ def _assert_same(got: tuple[float, dict], want: tuple[float, dict], what: str) -
     assert got[1].keys() == want[1].keys(), what
     scale = max(g.abs().max().item() for g in want[1].values())
     worst = max((got[1][k] - want[1][k]).abs().max().item() for k in want[1])
-    assert worst <= 1e-6 * scale, f"{what}: gradients differ by {worst:.2e} (scale {scale:.2e})"
+    # 1e-5 of the largest gradient: chunks sum the head weight's gradient in another order (fp32 rounding; up to
+    # 3.8e-6 of the scale for BERT's MLM head in chunks of 3 rows, depending on the CPU's kernels)
+    assert worst <= 1e-5 * scale, f"{what}: gradients differ by {worst:.2e} (scale {scale:.2e})"
 
 
 def test_target_positions_only_equal_full_head(monkeypatch):
@@ -226,5 +228,5 @@ def test_zero0_and_zero3_equal_full_head(tmp_path):
     for case, r in results.items():
         assert r["targets"][0] == r["targets"][1] and r["chunks"] >= 3, (case, r)
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6, abs=0), (case, r)
-        assert r["grad_diff"] <= 1e-6 * r["grad_scale"], (case, r)
+        assert r["grad_diff"] <= 1e-5 * r["grad_scale"], (case, r)
         assert r["partitioned"] == case.endswith("z3"), (case, r)
