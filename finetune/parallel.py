@@ -178,7 +178,13 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
         micro_batch_size=cfg.train.micro_batch_size, seq_length_is_variable=True)
     ALL_ATTENTION_FUNCTIONS[attn] = _heads_out(ALL_ATTENTION_FUNCTIONS[attn])
     _ULYSSES[attn] = ALL_ATTENTION_FUNCTIONS[attn]
-    return mpu
+    # DeepSpeed's groups module aliases the model-parallel queries to the SP group, and its checkpoints then record
+    # a tensor-parallel degree of sp, which ds_to_universal cannot convert ("model-state file count 1 does not match
+    # tp_degree=2"): the same groups, with a tensor-parallel size of 1 said explicitly
+    groups = SimpleNamespace(**{k: v for k, v in vars(mpu).items() if callable(v) and not k.startswith("_")})
+    groups.get_tensor_model_parallel_world_size = lambda: 1
+    groups.get_tensor_model_parallel_rank = lambda: 0
+    return groups
 
 
 def fix_zero3_average(engine, lay: Layout) -> bool:
