@@ -79,6 +79,8 @@ class ModelConfig:
     """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (transformers' non-reentrant gradient checkpointing): less memory, about a third more compute."""
+    offload_activations: bool = False
+    """With ``gradient_checkpointing``: keep the checkpointed hidden states (each layer's input, ``[micro_batch, seq, hidden]``) in pinned host memory instead of on the GPU, copied back for the backward pass (``torch.autograd.graph.save_on_cpu``; ALST's activation-checkpoint offload). Exact; costs host-device transfers. No effect on CPU ranks."""
 
 
 @dataclass
@@ -273,6 +275,11 @@ class ParallelConfig:
     """Ranks that share each sequence (DeepSpeed Ulysses / ALST: each holds ``seq / size`` tokens of every row and
     attention exchanges heads for sequence with all-to-all); causal-LM recipes ``gpt_clm`` and ``sft``; 1: off.
     Data-parallel size = world size / this."""
+    tiled_mlp: bool = False
+    """Compute each layer's MLP (modules named ``*.mlp``: Llama, Qwen, Mistral, GPT-2) in tiles of about
+    ``hidden_size`` tokens along the sequence, recomputed in backward (DeepSpeed's ``TiledMLP``, from ALST): its
+    ``[seq, intermediate]`` activations never exist whole. Exact (the MLP is position-wise), a second MLP forward
+    per step; for long sequences, with or without sequence parallelism."""
 
 
 @dataclass

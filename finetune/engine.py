@@ -142,6 +142,8 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(f"fused kernels: {kernels.fuse(model)}")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
     lay = parallel.layout(cfg)
+    if cfg.parallel.tiled_mlp:
+        logger.info(f"tiled MLP (DeepSpeed TiledMLP): {parallel.tile_mlps(model)} modules")
     mpu = parallel.start_sequence_parallel(model, cfg, lay)  # Ulysses attention and the SP groups (sp > 1)
     if mpu is not None:
         logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "

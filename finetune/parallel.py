@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -96,7 +97,8 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
 
 
 def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool, problems: list[str]) -> None:
-    """What sequence parallelism needs of the run, one problem line each, before any model is built.
+    """What sequence parallelism and the long-sequence memory levers (``parallel.tiled_mlp``,
+    ``model.offload_activations``) need of the run, one problem line each, before any model is built.
 
     Args:
         cfg: the run config.
@@ -105,6 +107,12 @@ def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool
         recipe_supports: the recipe's ``sequence_parallel`` flag.
         problems: where the lines go.
     """
+    if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
+        problems.append("model.offload_activations: offloads the hidden states that gradient checkpointing keeps; set "
+                        "model.gradient_checkpointing=true too (or model.offload_activations=false)")
+    if cfg.parallel.tiled_mlp and not recipe_supports:
+        problems.append(f"parallel.tiled_mlp: recipe {cfg.recipe} is not a causal LM (gpt_clm and sft tile their "
+                        f"decoder's MLPs); set parallel.tiled_mlp=false")
     sp = cfg.parallel.sequence_parallel_size
     key = "parallel.sequence_parallel_size"
     if sp < 1:
@@ -212,6 +220,40 @@ def fix_zero3_average(engine, lay: Layout) -> bool:
 
     setattr(opt, name, average_over_data_parallel)
     return True
+
+
+def tile_mlps(model) -> int:
+    """Replace the forward of every MLP (modules named ``mlp``) by DeepSpeed's ``TiledMLP``: the sequence is cut into
+    ``ceil(seq / hidden)`` tiles (the same count on every rank: an all-reduce of the maximum, so that ZeRO-3 gathers
+    the same parameters everywhere), each tile's MLP runs without keeping activations, and backward recomputes it
+    tile by tile (Bekman et al. 2025, ALST).
+
+    Args:
+        model: the built transformers model (peft-wrapped or not).
+
+    Returns:
+        How many modules were tiled.
+
+    Raises:
+        ConfigError: the model has no module named ``mlp``.
+    """
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    mlps = [m for name, m in model.named_modules() if name.split(".")[-1] == "mlp"]
+    if not mlps:
+        raise ConfigError(f"parallel.tiled_mlp: {type(model).__name__} has no module named 'mlp' to tile (Llama, "
+                          f"Qwen, Mistral and GPT-2 layers have one); set parallel.tiled_mlp=false")
+    for mlp in mlps:
+        original = type(mlp).forward
+
+        def forward(x, _mlp=mlp, _original=original):
+            shards = torch.tensor(max(1, math.ceil(x.shape[-2] / x.shape[-1])), device=x.device)
+            if dist_utils.world_size() > 1:
+                torch.distributed.all_reduce(shards, op=torch.distributed.ReduceOp.MAX)
+            return TiledMLP.apply(_original, _mlp, x, int(shards), list(_mlp.parameters()))
+
+        mlp.forward = forward
+    return len(mlps)
 
 
 def _heads_out(ulysses):

@@ -53,6 +53,7 @@ checkpoints every ``train.save_every`` steps and at the end, keeping the newest
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
@@ -287,13 +288,14 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
 
 
 def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, dp: int,
-               meter: StepMeter) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:
+               meter: StepMeter, offload: bool = False) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:
     """One optimizer step over the step's micro-batches: forward (the recipe's loss sum), scale, backward, step.
 
     Token weighting divides each micro-batch's loss sum by ``targets / (dp * gas)`` (``dp``: the data-parallel size;
     see the module docstring);
     ``micro_batch`` weighting by its own target count. At ZeRO stage 0 a non-finite global gradient norm makes
-    the step a no-op (:func:`_skip_update_stage0`); ZeRO 1-3 skip it themselves.
+    the step a no-op (:func:`_skip_update_stage0`); ZeRO 1-3 skip it themselves. ``offload``
+    (``model.offload_activations``): the forward runs under ``torch.autograd.graph.save_on_cpu``.
 
     Returns:
         ``(loss, grad_norm, metrics)``: this rank's share of the step's loss (0-dim float64), at stage 0 the global
@@ -308,7 +310,9 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
     metrics: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro):
         batch = to_device(batch, device)
-        out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload \
+                else contextlib.nullcontext():  # model.offload_activations: what checkpointing keeps goes to the host
+            out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
         loss = out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1))
         meter.lap("forward")
         engine.backward(loss)
@@ -537,7 +541,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter)
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter,
+                                                      cfg.model.offload_activations)
                 state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * dp
                 pbar.update(1)
                 if guard.check(engine, state):

@@ -9,8 +9,9 @@ Real launches on 2 CPU ranks (gloo's all-to-all), each rank holding half of ever
   checkpoint then resumes on 1 rank without SP (universal checkpoint): steps 11-20 equal the reference, and the
   final evaluation (sharded along the sequence in the SP run) equals the 1-rank one.
 * ``sft`` packed rows (``position_ids`` restart per example: the packed ``sdpa`` mask of
-  :func:`finetune.parallel._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3:
-  losses 1e-5 and grad norms 1e-4 (this test found ZeRO-3's reduce-scatter dividing by the world size:
+  :func:`finetune.parallel._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
+  with the memory levers on (tiled MLP, gradient checkpointing with the checkpointed hidden states offloaded):
+  losses 1e-5 and grad norms 1e-4 against the reference, which has none of them (this test found ZeRO-3's reduce-scatter dividing by the world size:
   :func:`finetune.parallel.fix_zero3_average`).
 
 Measured when written (DeepSpeed 0.19.8, torch 2.13 CPU): gpt_clm losses 1.4e-7, grad norms 1.2e-6, weights 6e-6;
@@ -35,7 +36,8 @@ GPT, SFT = CONFIGS / "parity_gpt.yaml", CONFIGS / "parity_sft.yaml"
 GPT_SP = ["parallel.sequence_parallel_size=2", "train.micro_batch_size=8", "ds.zero_optimization.stage=2",
           "train.save_every=10", "export=true"]
 SFT_SP = ["parallel.sequence_parallel_size=2", "train.micro_batch_size=4", "deepspeed=ds_configs/zero3.json",
-          "train.max_steps=6", "export=true"]
+          "train.max_steps=6", "export=true", "parallel.tiled_mlp=true", "model.gradient_checkpointing=true",
+          "model.offload_activations=true"]
 
 
 def _config(path: Path, overrides: list[str]):
@@ -95,6 +97,7 @@ def test_sft_packed_sp2_zero3_equals_one_device(tmp_path):
     run = tmp_path / "sft"
     proc = ok(launch(SFT, [f"output_dir={run}", *SFT_SP]))
     assert "ZeRO-3's reduce-scatter averages over the data-parallel ranks" in proc.stdout
+    assert "tiled MLP (DeepSpeed TiledMLP): 2 modules" in proc.stdout
     assert "export check: max |logits(export) - logits(engine)|" in proc.stdout
     ref = reference_run(_config(SFT, SFT_SP[1:4]), 1, 6)
     losses, norms = _per_step(run, "train/loss"), _per_step(run, "train/grad_norm")
