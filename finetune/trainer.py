@@ -495,8 +495,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
 
     Args:
         cfg: run config (``parallel``: rows, loss scaling and epochs count in data-parallel ranks, ``dp``).
-        engine: DeepSpeed engine.
-        recipe: the task's :class:`~finetune.recipes.Recipe`.
+        engine, recipe: the DeepSpeed engine and the task's :class:`~finetune.recipes.Recipe`.
         train_dl: training loader whose sampler is a ``ResumableDistributedSampler``.
         eval_dl: validation loader.
         state: where to start (from a checkpoint or fresh).
@@ -515,7 +514,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
             (:class:`Guard`).
     """
-    world, dp, token_weighted = dist_utils.world_size(), parallel.layout(cfg).dp, cfg.train.loss_weighting == "token"
+    world, dp, offload = dist_utils.world_size(), parallel.layout(cfg).dp, cfg.model.offload_activations
+    token_weighted = cfg.train.loss_weighting == "token"
     gas = cfg.train.gradient_accumulation_steps
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
@@ -541,8 +541,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter,
-                                                      cfg.model.offload_activations)
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter, offload)
                 state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * dp
                 pbar.update(1)
                 if guard.check(engine, state):
