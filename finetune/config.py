@@ -271,6 +271,11 @@ class TrainConfig:
 class ParallelConfig:
     """How the ranks split the work besides data parallelism (:mod:`finetune.parallel`)."""
 
+    tensor_parallel_size: int = 1
+    """Ranks that share each layer's weights (DeepSpeed AutoTP training: attention and MLP projections split by
+    columns/rows, the same rows on every rank of a group); models AutoTP partitions (Llama, Qwen2/3, Mistral, BERT;
+    not GPT-2), ZeRO 0-2, without LoRA; 1: off. Data-parallel size = world size / this."""
+
     sequence_parallel_size: int = 1
     """Ranks that share each sequence (DeepSpeed Ulysses / ALST: each holds ``seq / size`` tokens of every row and
     attention exchanges heads for sequence with all-to-all); causal-LM recipes ``gpt_clm`` and ``sft``; 1: off.
@@ -305,7 +310,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimization and cadence."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Sequence parallelism (the data-parallel size is what is left of the world size)."""
+    """Sequence and tensor parallelism (the data-parallel size is what is left of the world size)."""
 
 
 # ---------------------------------------------------------------------------------------------

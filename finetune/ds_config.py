@@ -248,6 +248,13 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
     ds["gradient_clipping"] = cfg.train.max_grad_norm
     if cfg.parallel.sequence_parallel_size > 1:  # zero.Init (ZeRO-3) reads it for the data-parallel size
         ds["sequence_parallel_size"] = cfg.parallel.sequence_parallel_size
+    tp = cfg.parallel.tensor_parallel_size
+    if tp > 1:
+        # AutoTP training; the lm_head's output is gathered (full logits: finetune's head loss and the export check
+        # read them). DeepSpeed checks train_batch_size against every rank (its config exists before the TP groups),
+        # so it gets micro x accumulation x world; the rows of a step are still micro x accumulation x dp.
+        ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}), "autotp_size": tp, "vocab_parallel_lm_head": False}
+        ds["train_batch_size"] = expected * tp
     ds.setdefault("steps_per_print", 10**9)  # our own loop logs; keep DeepSpeed's periodic prints quiet
     if "optimizer" not in ds and "scheduler" not in ds:
         params = {"lr": cfg.train.lr, "betas": [cfg.train.adam_beta1, cfg.train.adam_beta2], "eps": cfg.train.adam_eps,

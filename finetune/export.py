@@ -61,6 +61,10 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     Raises:
         ConfigError: ``ckpt`` holds no DeepSpeed model states.
     """
+    if (ckpt / "mp_rank_01_model_states.pt").is_file():
+        raise ConfigError(f"export: '{ckpt}' is a tensor-parallel checkpoint (one file per tensor-parallel rank); the "
+                          f"training launch exports it at its end; to export this step, resume it for 0 more steps "
+                          f"(--resume {ckpt} train.max_steps=<its step>)")
     if list(ckpt.glob("*zero_pp_rank_*optim_states.pt")) and not list(ckpt.glob("bf16_zero_*")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     states = ckpt / "mp_rank_00_model_states.pt"
@@ -102,7 +106,7 @@ def _step_of(ckpt: Path) -> int | None:
 
 
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path | None = None,
-                      keep_previous: bool = False) -> Path:
+                      keep_previous: bool = False, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a Hugging Face folder for checkpoint ``ckpt`` that ``from_pretrained`` loads.
 
     Args:
@@ -111,6 +115,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         run_dir: the run folder (default: ``ckpt/../..``), for the model config, tokenizer and recipe.
         keep_previous: when ``out_dir`` holds an earlier export (a resumed run finishing again), move it
             to ``<out_dir>-step<N>`` once the new export is complete instead of refusing.
+        state: the full state dict to write instead of the checkpoint's (a tensor-parallel engine's, gathered by
+            :func:`engine_state_dict`; the checkpoint holds one file per tensor-parallel rank).
 
     Returns:
         ``out_dir``.
@@ -139,7 +145,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     run_cfg = load_run_config(run_config)
     recipe = get_recipe(run_cfg.recipe)
 
-    state = consolidated_state_dict(ckpt)
+    state = consolidated_state_dict(ckpt) if state is None else state
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     with plain_model_construction():
         model = recipe.model_class.from_config(config, dtype=torch.float32)
@@ -255,6 +261,18 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
     dist_utils.barrier()
 
 
+def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Under tensor parallelism (AutoTP): the engine's full state dict on rank 0 (fp32 CPU tensors of the original
+    shapes; DeepSpeed's ``_consolidated_16bit_state_dict`` gathers the split layers, in the training dtype), None on
+    the other ranks. None without tensor parallelism (the export reads the checkpoint). All ranks call it."""
+    if getattr(engine, "autotp_size", lambda: 0)() <= 1:
+        return None
+    state = engine._consolidated_16bit_state_dict()
+    if not dist_utils.is_main():
+        return None
+    return {k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu() for k, v in state.items()}
+
+
 def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds: dict, recipe,
                       chosen_by: dict | None = None) -> Path:
     """End of a run: rank 0 exports checkpoint ``step<step>`` to ``run_dir/export`` (an earlier export is kept aside
@@ -268,8 +286,9 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
     Raises:
         RuntimeError: the export's logits differ from the engine's (:func:`verify_export`).
     """
+    state = engine_state_dict(engine)
     if dist_utils.is_main():
-        export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True)
+        export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True, state=state)
     dist_utils.barrier()
     verify_export(engine, validation, collator, run_dir, ds, recipe,
                   {"checkpoint_step": step, "chosen_by": chosen_by or {"last_step": step}})

@@ -51,7 +51,9 @@ from finetune.errors import ConfigError
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the parallel dimensions and this rank's coordinates in them."""
+    """Sizes of the parallel dimensions and this rank's coordinates in them (``world = dp x sp x tp``; sp and tp are
+    not combined). SP and TP groups are runs of consecutive ranks, as DeepSpeed builds them (``parallel_state_sp``;
+    AutoTP's ``(data_parallel, tensor_parallel)`` mesh with TP inner)."""
 
     world: int
     """Ranks in the job."""
@@ -59,26 +61,40 @@ class Layout:
     """Sequence-parallel size (``parallel.sequence_parallel_size``)."""
     rank: int = 0
     """Global rank."""
+    tp: int = 1
+    """Tensor-parallel size (``parallel.tensor_parallel_size``)."""
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: ``world / sp`` (ranks that see different rows)."""
-        return self.world // self.sp
+        """Data-parallel size: ``world / (sp x tp)`` (ranks that see different rows)."""
+        return self.world // (self.sp * self.tp)
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank: the index of its SP group (``rank // sp``)."""
-        return self.rank // self.sp
+        """This rank's data-parallel rank: the index of its SP or TP group (``rank // (sp x tp)``)."""
+        return self.rank // (self.sp * self.tp)
 
     @property
     def sp_rank(self) -> int:
         """This rank's place in its SP group (``rank % sp``): which slice of each sequence it holds."""
         return self.rank % self.sp
 
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its TP group (``rank % tp``): which slice of each split weight it holds."""
+        return self.rank % self.tp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same rows and so compute the same sums (target counts, losses, tokens): ``tp``. Sums
+        all-reduced over every rank are divided by it; SP ranks hold disjoint slices and count once each."""
+        return self.tp
+
     def describe(self) -> str:
-        """``layout: world 4 = data-parallel 2 x sequence-parallel 2; this rank: dp 1, sp 0`` (for the logs)."""
-        return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp}; this rank "
-                f"(global {self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank {self.sp_rank}")
+        """``layout: world 4 = data-parallel 2 x sequence-parallel 2 x tensor-parallel 1; this rank ...`` (logs)."""
+        return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp} x tensor-parallel "
+                f"{self.tp}; this rank (global {self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank "
+                f"{self.sp_rank}, tensor-parallel rank {self.tp_rank}")
 
 
 def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) -> Layout:
@@ -89,11 +105,69 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
     """
     world = dist_utils.world_size() if world is None else world
     rank = dist_utils.rank() if rank is None else rank
-    sp = cfg.parallel.sequence_parallel_size
-    if sp < 1 or world % sp:
-        raise ConfigError(f"parallel.sequence_parallel_size: {sp} does not divide the world size {world}; use a "
-                          f"divisor of it (data-parallel size = world size / sequence-parallel size)")
-    return Layout(world=world, sp=sp, rank=rank)
+    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
+    if sp < 1 or tp < 1 or world % (sp * tp):
+        raise ConfigError(f"parallel: sequence-parallel size {sp} x tensor-parallel size {tp} does not divide the world "
+                          f"size {world}; use divisors of it (data-parallel size = world size / (sp x tp))")
+    return Layout(world=world, sp=sp, rank=rank, tp=tp)
+
+
+AUTOTP_UNSUPPORTED = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "xlm", "xlnet")
+"""Model types DeepSpeed's AutoTP refuses (``AutoTP.supported``, DeepSpeed 0.19.8)."""
+
+
+def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool,
+                          problems: list[str]) -> None:
+    """What tensor parallelism needs of the run, one problem line each, before any model is built (the ZeRO stage is
+    checked with the DeepSpeed config, :func:`check_zero_stage`).
+
+    Args:
+        cfg: the run config.
+        model_config: the transformers config, or None.
+        world: the world size, or None when unknown.
+        recipe_supports: the recipe's ``tensor_parallel`` flag.
+        problems: where the lines go.
+    """
+    tp, key = cfg.parallel.tensor_parallel_size, "parallel.tensor_parallel_size"
+    if tp < 1:
+        problems.append(f"{key}: {tp} must be 1 (off) or more")
+        return
+    if tp == 1:
+        return
+    if world is not None and world % tp:
+        problems.append(f"{key}: {tp} does not divide the world size {world}; launch a multiple of {tp} ranks")
+    if cfg.parallel.sequence_parallel_size > 1:
+        problems.append(f"{key}: tensor and sequence parallelism are not combined here; set one of "
+                        f"parallel.tensor_parallel_size and parallel.sequence_parallel_size to 1")
+    if not recipe_supports:
+        problems.append(f"{key}: recipe {cfg.recipe} is not tested with tensor parallelism (gpt_clm and sft are); "
+                        f"set {key}=1")
+    if cfg.train.eval_generate.prompts:
+        problems.append(f"{key}: train.eval_generate shares prompts among all ranks, but a tensor-parallel group must "
+                        f"run the same ones; set train.eval_generate.prompts=0 (finetune evaluate on the export "
+                        f"generates without tensor parallelism)")
+    if cfg.model.lora is not None:
+        problems.append(f"{key}: LoRA does not combine with AutoTP (it replaces the adapted layers, so the adapters "
+                        f"are lost); train without model.lora or set {key}=1")
+    if model_config is not None:
+        mtype = getattr(model_config, "model_type", "")
+        if mtype in AUTOTP_UNSUPPORTED:
+            problems.append(f"{key}: DeepSpeed's AutoTP does not partition model type '{mtype}' (it refuses "
+                            f"{', '.join(AUTOTP_UNSUPPORTED)}); Llama, Qwen2/3, Mistral and BERT-style models work")
+        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        heads = getattr(text, "num_attention_heads", None)
+        kv = getattr(text, "num_key_value_heads", None) or heads
+        for what, n in (("attention heads", heads), ("key/value heads", kv)):
+            if isinstance(n, int) and n % tp:
+                problems.append(f"{key}: the model's {n} {what} are not divisible by {tp} (each tensor-parallel rank "
+                                f"holds {what} / {tp}); choose a divisor of {n}")
+
+
+def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:
+    """Tensor parallelism runs with ZeRO 0-2 here (AutoTP training's tested stages); one line for stage 3."""
+    if cfg.parallel.tensor_parallel_size > 1 and stage == 3:
+        problems.append(f"parallel.tensor_parallel_size: {cfg.parallel.tensor_parallel_size} with ZeRO stage 3; "
+                        f"tensor parallelism runs with ZeRO 0-2 (ds.zero_optimization.stage=2, or a zero2 JSON)")
 
 
 def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool, problems: list[str]) -> None:

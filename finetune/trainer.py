@@ -98,8 +98,9 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
             if out.counts is not None:
                 counts = out.counts.double() if counts is None else counts + out.counts.double()
     names = sorted(sums)
-    totals = dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])).tolist()
-    return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() if counts is not None else None)
+    replicas = parallel.layout(cfg).replicas  # tensor-parallel ranks evaluate the same rows
+    totals = (dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])) / replicas).tolist()
+    return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() / replicas if counts is not None else None)
 
 
 def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, artefacts: dict | None) -> dict:
@@ -261,18 +262,21 @@ def _end_skip_stage0(engine) -> None:
             delattr(engine.optimizer, name)
 
 
-def _log_epoch_padding(meter: StepMeter, epoch: int, note: str) -> None:
-    """Log the padding ratio of the epoch's steps trained in this launch (all ranks: one all-reduce)."""
-    tokens, positions = dist_utils.all_reduce_sum(meter.epoch.clone()).tolist()
+def _log_epoch_padding(meter: StepMeter, epoch: int, note: str, replicas: int = 1) -> None:
+    """Log the padding ratio of the epoch's steps trained in this launch (all ranks: one all-reduce; ``replicas``:
+    ranks that counted the same rows, :attr:`finetune.parallel.Layout.replicas`)."""
+    tokens, positions = (dist_utils.all_reduce_sum(meter.epoch.clone()) / replicas).tolist()
     meter.epoch.zero_()
     if positions:
         logger.info(f"epoch {epoch}{note}: padding ratio {tokens / positions:.3f} (real tokens / positions: "
                     f"{tokens:,.0f} / {positions:,.0f})")
 
 
-def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, device) -> tuple[torch.Tensor, bool]:
-    """The step's one all-reduce: the targets of this step's micro-batches on all ranks, and whether any rank was
-    asked to stop. None at all with ``loss_weighting: micro_batch`` and no stop signal to watch.
+def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, device,
+                    replicas: int = 1) -> tuple[torch.Tensor, bool]:
+    """The step's one all-reduce: the targets of this step's micro-batches on all ranks (divided by ``replicas``, the
+    ranks that hold the same rows: tensor parallelism), and whether any rank was asked to stop. None at all with
+    ``loss_weighting: micro_batch`` and no stop signal to watch.
 
     Returns:
         ``(targets, stop)``: the global target count (0-dim float32; 0 when not token-weighted) and the stop flag.
@@ -284,7 +288,7 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
         head[1] = float(stop_flag())
     if token_weighted or stop_flag is not None:
         head = dist_utils.all_reduce_sum(head)
-    return head[0], stop_flag is not None and head[1].item() > 0
+    return head[0] / replicas, stop_flag is not None and head[1].item() > 0
 
 
 def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, dp: int,
@@ -389,10 +393,12 @@ class LogWindow:
     metrics; tokens, positions and rows in the meter), written as one row of scalars every ``train.log_every`` steps
     (one all-reduce)."""
 
-    def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar, dp: int = 0):
+    def __init__(self, engine, sink: MetricsSink, meter: StepMeter, world: int, epoch_rows: int, pbar, dp: int = 0,
+                 replicas: int = 1):
         self.engine, self.sink, self.meter, self.world, self.epoch_rows, self.pbar = engine, sink, meter, world, \
             epoch_rows, pbar
-        self.dp = dp or world  # data-parallel size: the ranks' loss shares sum to dp x the step's loss
+        self.dp = dp or world  # data-parallel size: the ranks' loss shares sum to dp x replicas x the step's loss
+        self.replicas = replicas  # ranks that hold the same rows (tensor parallelism): every sum counts them so often
         self.acc = torch.zeros(2, dtype=torch.float64, device=engine.device)
         self.metrics: dict[str, torch.Tensor] = {}
         self.restart()
@@ -412,10 +418,11 @@ class LogWindow:
         """All-reduce the window, write the train scalars (rank 0), update the progress bar, start a new window."""
         names = sorted(self.metrics)
         totals = dist_utils.all_reduce_sum(torch.cat([self.acc, self.meter.window, *(self.metrics[n] for n in names)]))
+        steps = totals[1].item() / self.world
+        totals = totals / self.replicas
         recipe_metrics = {f"train/{n}": (totals[5 + 2 * i] / totals[6 + 2 * i].clamp(min=1)).item()
                           for i, n in enumerate(names)}
         elapsed = time.perf_counter() - self.t0
-        steps = totals[1].item() / self.world
         if grad_norm is None:
             gn = self.engine.get_global_grad_norm()
             grad_norm = float(gn) if gn is not None else float("nan")
@@ -514,8 +521,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
             (:class:`Guard`).
     """
-    world, dp, offload = dist_utils.world_size(), parallel.layout(cfg).dp, cfg.model.offload_activations
-    token_weighted = cfg.train.loss_weighting == "token"
+    lay, token_weighted, offload = parallel.layout(cfg), cfg.train.loss_weighting == "token", cfg.model.offload_activations
+    world, dp = lay.world, lay.dp
     gas = cfg.train.gradient_accumulation_steps
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
@@ -524,7 +531,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
-    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar, dp)
+    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar, dp, lay.replicas)
     evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
@@ -536,7 +543,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, dp, resume_from, begin):
                 meter.lap("data_wait")
                 log_now = cadence.log(state.step + 1)
-                targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device)
+                targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device, lay.replicas)
                 if stop:  # the rows drawn for this step are trained on resume
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
@@ -557,9 +564,9 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     window.restart()
             resume_from = None  # the RNG states are restored once, in the first epoch of the launch
             if state.samples_in_epoch // dp + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
-                _log_epoch_padding(meter, state.epoch, "")
+                _log_epoch_padding(meter, state.epoch, "", lay.replicas)
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-    _log_epoch_padding(meter, state.epoch, " (up to the last step)")
+    _log_epoch_padding(meter, state.epoch, " (up to the last step)", lay.replicas)
     _log_trained_shares(train_dl.sampler, state, step_rows, dp)
     evals.run(state, "final eval at step", during_training=False)
     saver.save(state, unless_saved=True)

@@ -21,7 +21,7 @@ from finetune import lora, mixture, parallel, run_folder
 from finetune import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
-from finetune.ds_config import resolve_ds_config
+from finetune.ds_config import resolve_ds_config, zero_stage
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe
 
@@ -174,6 +174,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
     parallel.check(cfg, config, None, recipe.sequence_parallel, problems)
+    parallel.check_tensor_parallel(cfg, config, None, recipe.tensor_parallel, problems)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
@@ -366,11 +367,15 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
-    sp = cfg.parallel.sequence_parallel_size
+    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
     if sp > 1 and world_size % sp:
         problems.append(f"parallel.sequence_parallel_size: {sp} does not divide the world size {world_size}; launch a "
                         f"multiple of {sp} ranks or choose a divisor of {world_size}")
-    dp = world_size // sp if sp > 0 and world_size % sp == 0 else world_size  # global batch = micro x accumulation x dp
+    if tp > 1 and world_size % tp:
+        problems.append(f"parallel.tensor_parallel_size: {tp} does not divide the world size {world_size}; launch a "
+                        f"multiple of {tp} ranks or choose a divisor of {world_size}")
+    split = sp * tp if sp > 0 and tp > 0 and world_size % (sp * tp) == 0 else 1
+    dp = world_size // split  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
         resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
@@ -386,6 +391,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         ds, ds_problems = resolve_ds_config(cfg, dp, on_cpu, deepspeed_checks=not number_problems)
         problems += ds_problems
         problems += _check_trackers(ds)
+        parallel.check_zero_stage(cfg, zero_stage(ds), problems)
     except ConfigError as e:
         problems += e.problems
     universal = False
@@ -425,9 +431,10 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
 
 def _old_dp(old: dict, ckpt: Path, default_world: int) -> int:
     """The data-parallel size a checkpoint was trained with: its world size (``COMPLETE`` marker) over its
-    config's ``parallel.sequence_parallel_size``."""
+    config's ``parallel.sequence_parallel_size`` x ``parallel.tensor_parallel_size``."""
     world = ckpt_utils.marker(ckpt).get("world_size", default_world)
-    return max(1, world // max(1, int((old.get("parallel") or {}).get("sequence_parallel_size", 1))))
+    split = (old.get("parallel") or {})
+    return max(1, world // max(1, int(split.get("sequence_parallel_size", 1)) * int(split.get("tensor_parallel_size", 1))))
 
 
 def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:

@@ -145,7 +145,8 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         data = build_train_data(recipe, cfg, tokenizer)
         clock.mark("data")
         lay = parallel.layout(cfg)
-        logger.info(f"global batch {ds['train_batch_size']} rows = micro batch {cfg.train.micro_batch_size} x "
+        global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * lay.dp
+        logger.info(f"global batch {global_batch} rows = micro batch {cfg.train.micro_batch_size} x "
                     f"accumulation {cfg.train.gradient_accumulation_steps} x data-parallel size {lay.dp}; "
                     f"{data.steps_per_epoch} steps/epoch; {data.total_steps} steps; {lay.describe()}")
         # start-up's freed heap (validation, tokenization) back to the OS; CPU ranks: no page-fault churn per step

@@ -166,6 +166,9 @@ class Recipe:
     """True when ``forward`` and ``count_targets`` take sequence-parallel slices (:mod:`finetune.parallel`:
     ``shift_labels`` instead of ``labels``, ``position_ids``, no ``attention_mask``) and their sums over the SP
     group equal those of the whole batch: the causal LMs ``gpt_clm`` and ``sft``."""
+    tensor_parallel: bool = False
+    """True when the recipe is tested under DeepSpeed's AutoTP (its head loss runs on the gathered lm_head output):
+    ``gpt_clm`` and ``sft``."""
 
 
 def get_recipe(name: str) -> Recipe:

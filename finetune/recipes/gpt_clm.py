@@ -136,4 +136,5 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
-                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True)
+                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True,
+                tensor_parallel=True)

@@ -475,4 +475,5 @@ RECIPE = Recipe(name="sft", model_class=MODEL_CLASS, prepare_tokenizer=prepare_t
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, columns=columns, cache_key=cache_key, checks_columns=True,
                 counts_rows=True, check_data=check_labels, prepare_model_config=prepare_model_config,
-                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True)
+                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True,
+                tensor_parallel=True)
