@@ -273,8 +273,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     """Ranks that share each layer's weights (DeepSpeed AutoTP training: attention and MLP projections split by
-    columns/rows, the same rows on every rank of a group); models AutoTP partitions (Llama, Qwen2/3, Mistral, BERT;
-    not GPT-2), ZeRO 0-2, without LoRA; 1: off. Data-parallel size = world size / this."""
+    columns/rows, the same rows on every rank of a group); causal-LM recipes ``gpt_clm`` and ``sft`` on models AutoTP
+    partitions (Llama, Qwen2, Qwen3; not GPT-2), ZeRO 0-2, without LoRA; 1: off. Data-parallel size = world size /
+    this."""
 
     sequence_parallel_size: int = 1
     """Ranks that share each sequence (DeepSpeed Ulysses / ALST: each holds ``seq / size`` tokens of every row and
