@@ -30,7 +30,7 @@ Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.seque
   data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.trainer`): SP=2 trains
   the same model as SP=1.
 * :func:`sequence_parallel_off` restores the plain attention for work on whole sequences (the export check, text
-  generation).
+  generation during evaluation and at the end: every rank generates its own prompts, as without SP).
 """
 
 from __future__ import annotations
@@ -207,10 +207,6 @@ def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool
     if cfg.train.loss_weighting != "token":
         problems.append(f"{key}: train.loss_weighting={cfg.train.loss_weighting} averages each micro-batch on its own, "
                         f"but a sequence-parallel rank holds only a slice of it; use train.loss_weighting=token")
-    if cfg.train.eval_generate.prompts:
-        problems.append(f"{key}: train.eval_generate generates token by token on whole sequences, which Ulysses "
-                        f"does not shard; set train.eval_generate.prompts=0 (finetune evaluate on the export "
-                        f"generates without sequence parallelism)")
     if model_config is not None:
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         heads = getattr(text, "num_attention_heads", None)

@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from finetune import parallel
 from finetune.config import RunConfig, deep_merge
 from finetune.ds_config import (
     choose_precision,
@@ -359,8 +360,15 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
-             + (f", CPU RAM {_fmt(cpu_bytes)} per node" if cpu_bytes is not None else ""),
-             ""]
+             + (f", CPU RAM {_fmt(cpu_bytes)} per node" if cpu_bytes is not None else "")]
+    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
+    if sp > 1:
+        lines.append(f"sequence parallelism {sp}: activations of {math.ceil(cfg.data.max_seq_len / sp)} tokens per row "
+                     f"and rank (Ulysses' all-to-all trades sequence for heads at the same size)")
+    if tp > 1:
+        lines.append(f"tensor parallelism {tp}: not modelled; the table is for tensor-parallel size 1 (AutoTP splits "
+                     f"the layers' weights and most activations by about {tp})")
+    lines.append("")
     head = ("option", "params", "grads", "optim", "activ.", "buffers", "GPU/rank", "CPU/node", "NVMe/node*",
             "fits", "max micro")
     now = None
@@ -442,13 +450,13 @@ def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, 
     shape = model_shape(cfg)
     precision = run_precision(cfg)
     world = gpus_per_node * nodes
-    ds = cfg_ds(cfg, world, precision)
-    options = plan_options(shape, ds, cfg.train.micro_batch_size, cfg.data.max_seq_len, gpus_per_node, nodes,
-                           precision)
+    lay = parallel.layout(cfg, world=world, rank=0)
+    ds = cfg_ds(cfg, lay.dp, precision)
+    seq = math.ceil(cfg.data.max_seq_len / lay.sp)  # Ulysses: every activation holds seq / sp tokens' worth per rank
+    options = plan_options(shape, ds, cfg.train.micro_batch_size, seq, gpus_per_node, nodes, precision)
     best = None
     for e in options:
-        mb = largest_micro_batch(e, shape, ds, cfg.data.max_seq_len, gpus_per_node, nodes, precision, gpu_bytes,
-                                 cpu_bytes)
+        mb = largest_micro_batch(e, shape, ds, seq, gpus_per_node, nodes, precision, gpu_bytes, cpu_bytes)
         if mb:
             best = (e, mb)
             break

@@ -166,7 +166,8 @@ def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, st
     artefacts: dict = {}
     metrics = evaluate(engine, eval_dl, recipe, cfg, artefacts)
     if generation is not None:
-        scores, records = generation.run(engine)
+        with parallel.sequence_parallel_off():  # whole sequences, each rank its own prompts, as without SP
+            scores, records = generation.run(engine)
         metrics.update(scores)
         sink.write_generations(step, records)
     sink.write(step, metrics)

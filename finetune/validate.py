@@ -48,7 +48,10 @@ class Resolved:
             if print_config:
                 print(dump_yaml({**config_to_dict(cfg), "resolved_deepspeed": self.ds}))
             else:
-                print(f"finetune: {config_path}: no problems found (world size {dist_utils.world_size()}"
+                lay = parallel.layout(cfg)
+                split = (f" = data-parallel {lay.dp} x sequence-parallel {lay.sp} x tensor-parallel {lay.tp}"
+                         if lay.sp * lay.tp > 1 else "")
+                print(f"finetune: {config_path}: no problems found (world size {dist_utils.world_size()}{split}"
                       f"{f'; resume from {self.resume_ckpt}' if self.resume_ckpt else ''})")
             for note in self.resume_notes:
                 print(f"finetune: {note}")
