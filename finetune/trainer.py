@@ -503,7 +503,8 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
 
     Args:
         cfg: run config (``parallel``: rows, loss scaling and epochs count in data-parallel ranks, ``dp``).
-        engine, recipe: the DeepSpeed engine and the task's :class:`~finetune.recipes.Recipe`.
+        engine: DeepSpeed engine.
+        recipe: the task's :class:`~finetune.recipes.Recipe`.
         train_dl: training loader whose sampler is a ``ResumableDistributedSampler``.
         eval_dl: validation loader.
         state: where to start (from a checkpoint or fresh).
@@ -522,17 +523,16 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
             (:class:`Guard`).
     """
-    lay, token_weighted, offload = parallel.layout(cfg), cfg.train.loss_weighting == "token", cfg.model.offload_activations
-    world, dp = lay.world, lay.dp
-    gas = cfg.train.gradient_accumulation_steps
+    lay, offload = parallel.layout(cfg), cfg.model.offload_activations  # rows and loss scaling count in lay.dp
+    gas, by_token = cfg.train.gradient_accumulation_steps, cfg.train.loss_weighting == "token"
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
-    meter = StepMeter(engine.module, engine.device, world, engine.bfloat16_enabled() or engine.fp16_enabled())
+    meter = StepMeter(engine.module, engine.device, lay.world, engine.bfloat16_enabled() or engine.fp16_enabled())
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
                 dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
-    window = LogWindow(engine, sink, meter, world, train_dl.sampler.num_samples, pbar, dp, lay.replicas)
+    window = LogWindow(engine, sink, meter, lay.world, train_dl.sampler.num_samples, pbar, lay.dp, lay.replicas)
     evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
@@ -541,16 +541,16 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     begin = lambda: meter.begin(sample=cadence.log(state.step + 1))  # noqa: E731  (logged steps are timed)
     with pbar:  # closed however the loop ends (a stop, divergence), so that error lines start a line
         while state.step < total_steps:
-            for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, dp, resume_from, begin):
+            for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, lay.dp, resume_from, begin):
                 meter.lap("data_wait")
                 log_now = cadence.log(state.step + 1)
-                targets, stop = step_collective(recipe, micro, token_weighted, stop_flag, engine.device, lay.replicas)
+                targets, stop = step_collective(recipe, micro, by_token, stop_flag, engine.device, lay.replicas)
                 if stop:  # the rows drawn for this step are trained on resume
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, token_weighted, dp, meter, offload)
-                state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * dp
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, by_token, lay.dp, meter, offload)
+                state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * lay.dp
                 pbar.update(1)
                 if guard.check(engine, state):
                     window.add(loss, metrics)
@@ -564,11 +564,11 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     window.restart()
             resume_from = None  # the RNG states are restored once, in the first epoch of the launch
-            if state.samples_in_epoch // dp + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
+            if state.samples_in_epoch // lay.dp + step_rows > train_dl.sampler.num_samples:  # the epoch is used up
                 _log_epoch_padding(meter, state.epoch, "", lay.replicas)
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)", lay.replicas)
-    _log_trained_shares(train_dl.sampler, state, step_rows, dp)
+    _log_trained_shares(train_dl.sampler, state, step_rows, lay.dp)
     evals.run(state, "final eval at step", during_training=False)
     saver.save(state, unless_saved=True)
     return state
