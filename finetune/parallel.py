@@ -101,7 +101,8 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
     """The layout of ``cfg`` for this process (world size and rank from the launcher, or as given).
 
     Raises:
-        ConfigError: the world size is not a multiple of ``parallel.sequence_parallel_size``.
+        ConfigError: the world size is not a multiple of ``parallel.sequence_parallel_size`` x
+            ``parallel.tensor_parallel_size``.
     """
     world = dist_utils.world_size() if world is None else world
     rank = dist_utils.rank() if rank is None else rank
@@ -153,7 +154,7 @@ def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recip
         mtype = getattr(model_config, "model_type", "")
         if mtype in AUTOTP_UNSUPPORTED:
             problems.append(f"{key}: DeepSpeed's AutoTP does not partition model type '{mtype}' (it refuses "
-                            f"{', '.join(AUTOTP_UNSUPPORTED)}); Llama, Qwen2/3, Mistral and BERT-style models work")
+                            f"{', '.join(AUTOTP_UNSUPPORTED)}); Llama, Qwen2 and Qwen3 train exactly with it")
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         heads = getattr(text, "num_attention_heads", None)
         kv = getattr(text, "num_key_value_heads", None) or heads

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from finetune import distributed as dist_utils
+from finetune import parallel
 from finetune.data import build_train_data
 from finetune.engine import build_engine, load_model_config, load_tokenizer
 from finetune.generation import EvalGeneration
@@ -115,7 +116,8 @@ def run_evaluation(cfg, ds: dict) -> dict:
         engine = build_engine(cfg, recipe, model_config, ds, total_steps=1).engine
         metrics = evaluate(engine, data.eval_loader, recipe, cfg)
         if cfg.train.eval_generate.prompts:  # answers generated and scored as during training
-            scores, records = EvalGeneration(tokenizer, recipe, cfg).run(engine)
+            with parallel.sequence_parallel_off():  # whole sequences, each rank its own prompts
+                scores, records = EvalGeneration(tokenizer, recipe, cfg).run(engine)
             metrics.update(scores)
             metrics["generations"] = records
         return metrics
