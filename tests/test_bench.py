@@ -3,7 +3,8 @@
 One smoke run of the packed ``gpt_clm`` preset (its contenders: the toolkit, the bare engine loop on the toolkit's
 batches, and Hugging Face Trainer + DeepSpeed with ``group_texts``), tiny model, 1 CPU rank, 3 steps, 1 round. No
 timed assertions: the numbers are only checked to be there, finite and consistent with each other. And one smoke run
-of the ``dpo`` preset against TRL's ``DPOTrainer`` (``trl`` is in the ``test`` extra for it).
+of the ``dpo`` preset against TRL's ``DPOTrainer`` (``trl`` is in the ``test`` extra for it) and one of
+``scripts/bench_startup.py``: both extended (about a minute each), the ``gpt_clm`` smoke run stays in the suite.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
 
 
+@pytest.mark.extended
 def test_dpo_benchmark_against_trl(tmp_path):
     """The ``dpo`` preset: the toolkit against TRL's ``DPOTrainer`` (``scripts/bench_trl.py``), tiny, 1 rank, 3 steps.
 
@@ -73,6 +75,7 @@ def test_dpo_benchmark_against_trl(tmp_path):
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
 
 
+@pytest.mark.extended
 def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     """``scripts/bench_startup.py`` on a 1 MB corpus, 1 rank, 2 steps: every contender's time to its first step;
     finetune's second launch and the launch after ``finetune prepare`` hit the cache (no data phase of their own);
