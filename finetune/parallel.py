@@ -457,8 +457,3 @@ def _share(total: torch.Tensor, sp: int, sp_rank: int) -> torch.Tensor:
     t = int(total)
     return torch.tensor(t // sp + (1 if sp_rank < t % sp else 0))
 
-
-def require_divisible(seq: int, sp: int, what: str) -> None:
-    """Raise a ConfigError when ``seq`` is not a multiple of ``sp`` (``what`` names the setting)."""
-    if seq % sp:
-        raise ConfigError(f"{what}: {seq} tokens do not split into {sp} equal shards; use a multiple of {sp}")
