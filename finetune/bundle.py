@@ -6,7 +6,10 @@ that reaches the Hugging Face Hub (or only local files) and writes the folder de
 
 * **Models** from the Hub: the revision (branch, tag or commit) is resolved to its commit once
   (``HfApi.model_info``) and every file is fetched at that commit with ``huggingface_hub.snapshot_download``
-  into ``OUT/models/<name>/``. Local folders are copied. Never taken unless asked: pickled weights
+  into ``OUT/models/<name>/``. Local folders are copied, named after their real folder (``--model ..`` too);
+  inside them a link to a file is copied by content and a link to a folder followed, each said in a log line. Every
+  safetensors header and shard index is read (:func:`finetune.manifest.weights_problems`): a truncated or damaged
+  weights file is refused. Never taken unless asked: pickled weights
   (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``: unpickling runs code; ``allow_pickle``) and Python files
   (remote code; ``trust_remote_code``, recorded in the manifest); never taken: TensorFlow, Flax, ONNX, GGUF
   weights (PyTorch training reads none of them).
@@ -25,12 +28,14 @@ that reaches the Hugging Face Hub (or only local files) and writes the folder de
   are relative to the bundle folder; ``OUT/ds_configs/``: the DeepSpeed JSON files it names.
 
 Re-running into the same folder is safe and cheap: the manifest is removed first and rewritten last (a partial
-bundle never looks complete), Hub files already fetched are skipped by ``huggingface_hub`` (its metadata in
-``.cache/huggingface/``), and copies, shards and wheels whose SHA-256 already matches are left untouched.
+bundle never looks complete: a failed write, e.g. a full disk, ends in one line naming the file and no manifest),
+Hub files already fetched are skipped by ``huggingface_hub`` (its metadata in ``.cache/huggingface/``), and
+copies, shards and wheels whose SHA-256 already matches are left untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import json
 import math
@@ -52,7 +57,8 @@ from loguru import logger
 
 from finetune import __version__
 from finetune.errors import ConfigError
-from finetune.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, write_manifest
+from finetune.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, \
+    weights_problems, write_manifest
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
 CODE_PATTERNS = ["*.py"]
@@ -114,12 +120,28 @@ def _split_spec(spec: str, with_config: bool) -> tuple[str, str | None, str | No
     return spec, rev or None, config or None
 
 
+def _local(ident: str) -> Path:
+    """A local source as a real path: a folder resolved (``..``, links: named after the real folder), a file made
+    absolute without following its link (a Hugging Face cache file links to a blob named by its hash)."""
+    p = Path(ident).expanduser()
+    return p.resolve() if p.is_dir() else Path(os.path.abspath(p))
+
+
 def _name(ident: str, config: str | None = None) -> str:
-    p = Path(ident.rstrip("/"))
+    """The folder name of a source in the bundle: a local path's real name (a cache snapshot: its repo's name), a
+    Hub id's last part, ``-CONFIG`` appended.
+
+    Raises:
+        ConfigError: no usable name (``--model /``).
+    """
+    p = _local(ident) if Path(ident).expanduser().exists() else Path(ident.rstrip("/"))
     base = p.stem if p.suffix in DATA_SUFFIXES else p.name
     if re.fullmatch(r"[0-9a-f]{40}", base) and p.parent.name == "snapshots":  # a Hugging Face cache snapshot
         base = p.parent.parent.name.split("--")[-1]
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", base + (f"-{config}" if config else ""))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", base + (f"-{config}" if config else ""))
+    if name.strip(".-") == "":
+        raise ConfigError(f"{ident}: no folder name to give it in the bundle; name a model or dataset folder")
+    return name
 
 
 def _card_license(folder: Path) -> str | None:
@@ -145,28 +167,85 @@ def _ignore(allow_pickle: bool, trust_remote_code: bool) -> list[str]:
     return NEVER_PATTERNS + ([] if allow_pickle else PICKLE_PATTERNS) + ([] if trust_remote_code else CODE_PATTERNS)
 
 
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _write_failed(path: Path | str, e: OSError) -> ConfigError:
+    """One line for a write into the bundle that failed (disk full, file-size limit, read-only, ...)."""
+    hint = "free space (or raise the file-size limit: ulimit -f)" if e.errno in _FULL else \
+        "give a folder you can write to"
+    return ConfigError(f"{path}: could not be written ({e.strerror or e}): {hint}, then run finetune bundle again "
+                       f"(until then the bundle has no {MANIFEST}: unfinished)")
+
+
 def _copy_if_changed(src: Path, dst: Path) -> bool:
-    """Copy ``src`` to ``dst`` unless ``dst`` already has the same bytes (size and SHA-256); True if copied."""
+    """Copy ``src`` (a link: what it points to) to ``dst`` unless ``dst`` already has the same bytes (size and
+    SHA-256); True if copied. The copy goes to ``dst.partial`` first, renamed when whole.
+
+    Raises:
+        ConfigError: the copy failed (one line naming ``dst``; the partial file is removed).
+    """
     if dst.is_file() and dst.stat().st_size == src.stat().st_size and sha256_file(dst) == sha256_file(src):
         return False
-    dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(dst.name + ".partial")
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not os.access(src, os.R_OK):
+            raise ConfigError(f"{src}: cannot be read ({e.strerror or e}); make it readable") from None
+        raise _write_failed(dst, e) from None
     return True
 
 
-def _copy_tree(src: Path, dst: Path, ignore: list[str]) -> tuple[int, int]:
-    copied = kept = 0
-    for f in sorted(p for p in src.rglob("*") if p.is_file()):
-        rel = f.relative_to(src).as_posix()
-        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(f.name, pat) for pat in ignore) or \
-                rel.startswith(".cache/"):
-            continue
-        if _copy_if_changed(f, dst / rel):
-            copied += 1
-        else:
-            kept += 1
+def _copy_tree(src: Path, dst: Path, ignore: list[str], what: str) -> tuple[int, int]:
+    """Copy the files of the folder ``src`` into ``dst`` (skipping ``ignore`` patterns and ``.cache/``); returns
+    (copied, already there).
+
+    Symbolic links are never dropped silently: a link to a file is copied by content, a link to a folder is
+    followed (its files copied), a link back to a folder above it (a loop) or to nothing is skipped with a warning;
+    each says so in a log line starting with ``what``. The links of a Hugging Face cache snapshot (every file links
+    to a blob) get one line.
+    """
+    copied = kept = blobs = 0
+    cache = _cache_commit(src) is not None
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
+        here = Path(dirpath)
+        followed = []
+        for name in sorted(dirnames):
+            p = here / name
+            rel = p.relative_to(src).as_posix()
+            if rel == ".cache":
+                continue
+            if p.is_symlink():
+                real = p.resolve()
+                if real == here.resolve() or real in here.resolve().parents:
+                    logger.warning(f"{what}: link {rel} -> {real}: a folder above it (a loop), skipped")
+                    continue
+                logger.info(f"{what}: link {rel} -> {real}: folder followed, its files copied")
+            followed.append(name)
+        dirnames[:] = followed
+        for name in sorted(filenames):
+            f = here / name
+            rel = f.relative_to(src).as_posix()
+            if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(name, pat) for pat in ignore):
+                continue
+            if f.is_symlink():
+                if not f.exists():
+                    logger.warning(f"{what}: link {rel} -> {os.readlink(f)}: points to nothing, skipped")
+                    continue
+                if cache and f.resolve().parent.name == "blobs":
+                    blobs += 1
+                else:
+                    logger.info(f"{what}: link {rel} -> {f.resolve()}: copied by content")
+            if _copy_if_changed(f, dst / rel):
+                copied += 1
+            else:
+                kept += 1
+    if blobs:
+        logger.info(f"{what}: {blobs} files are links into the Hugging Face cache's blobs: copied by content")
     return copied, kept
 
 
@@ -184,7 +263,12 @@ def _hub_errors(what: str):
     except RepositoryNotFoundError as e:
         raise ConfigError(f"{what}: not a local path, and no such repo on the Hub (or it is private/gated: "
                           f"run `hf auth login`) ({_first_line(e)})") from None
-    except (HfHubHTTPError, LocalEntryNotFoundError, HTTPError, OSError) as e:
+    except OSError as e:
+        if e.errno in _FULL:  # writing what was fetched failed, not the Hub
+            raise _write_failed(e.filename or what, e) from None
+        raise ConfigError(f"{what}: the Hub could not be reached or refused ({_first_line(e)}); bundle runs on "
+                          "a machine with internet (HF_ENDPOINT for a mirror)") from None
+    except (HfHubHTTPError, LocalEntryNotFoundError, HTTPError) as e:
         raise ConfigError(f"{what}: the Hub could not be reached or refused ({_first_line(e)}); bundle runs on "
                           "a machine with internet (HF_ENDPOINT for a mirror)") from None
 
@@ -196,16 +280,17 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
         Its :class:`Source`.
 
     Raises:
-        ConfigError: the folder ends without a ``config.json`` or tokenizer, or with pickled weights only
-            (``--allow-pickle`` takes them).
+        ConfigError: the folder ends without a ``config.json`` or tokenizer, with pickled weights only
+            (``--allow-pickle`` takes them), or with a damaged safetensors file or shard index (truncated, a shard
+            missing: :func:`finetune.manifest.weights_problems`), or a copy failed (disk full).
     """
     ident, rev, _ = _split_spec(spec, with_config=False)
     src = Source("model", _name(ident), spec, revision=rev, trust_remote_code=trust_remote_code)
     dest = out / src.path
     ignore = _ignore(allow_pickle, trust_remote_code)
-    local = Path(ident).expanduser()
+    local = _local(ident)
     if local.is_dir():
-        copied, kept = _copy_tree(local, dest, ignore)
+        copied, kept = _copy_tree(local, dest, ignore, f"model {src.name}")
         src.resolved_revision = _cache_commit(local)
         logger.info(f"model {src.name}: {copied} files copied from {local}, {kept} already there")
     else:
@@ -229,6 +314,9 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
                               "loaded: convert them to safetensors, or pass --allow-pickle to bundle them")
         logger.warning(f"model {src.name}: no weights (config/tokenizer only): usable with model.init: scratch "
                        "or as model.tokenizer_path")
+    damaged = weights_problems(dest)
+    if damaged:
+        raise ConfigError([f"--model {spec}: {p}" for p in damaged])
     src.license = _card_license(dest)
     return src
 
@@ -473,38 +561,68 @@ def make_bundle(out: Path, models: list[str], datasets: list[str], wheels: bool 
     is fetched again: unchanged files are kept); the manifest lists them all.
 
     Raises:
-        ConfigError: ``out`` is a non-empty folder that is not a bundle (nothing of the user's is touched), two
-            sources share a name, or a source fails (see :func:`fetch_model`, :func:`fetch_dataset`,
-            :func:`fetch_wheels`).
+        ConfigError: ``out`` is a file, cannot be written, or is a non-empty folder that is not a bundle (nothing
+            of the user's is touched), two sources share a name, a source fails (see :func:`fetch_model`,
+            :func:`fetch_dataset`, :func:`fetch_wheels`), or a write fails (disk full, file-size limit: one line
+            naming the file; the folder is then an unfinished bundle, without ``MANIFEST.json``).
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not (out / _WORK).is_dir():
-        raise ConfigError(f"{out}: a folder that is not a finetune bundle and not empty; give a new or empty folder")
-    if (out / MANIFEST).is_file():
-        (out / MANIFEST).unlink()  # from here until the end, the folder is an unfinished bundle
-    (out / _WORK).mkdir(parents=True, exist_ok=True)
+    _check_out(out)
     names = [_name(*_split_spec(s, False)[:1]) for s in models] + \
         [_name(i, c) for i, _, c in (_split_spec(s, True) for s in datasets)]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ConfigError(f"two sources would share the folder name '{dup[0]}': bundle them into separate folders")
-    model_src = [_record(out, fetch_model(s, out, allow_pickle, trust_remote_code)) for s in models]
-    data_src = [_record(out, fetch_dataset(s, out, max_shard_bytes)) for s in datasets]
-    install = fetch_wheels(out, for_python, for_platform, torch_version, torch_index) if wheels else None
-    if install:
-        _save_recorded(out, _recorded(out) | {"install": install})
-    ds_dir = Path(__file__).resolve().parents[1] / "ds_configs"
-    for f in sorted(ds_dir.glob("*.json")) if ds_dir.is_dir() else []:
-        _copy_if_changed(f, out / "ds_configs" / f.name)
-    if not (out / "run_config.yaml").exists():  # once written, it is the user's to edit
-        (out / "run_config.yaml").write_text(starting_config(out, model_src, data_src))
-    manifest = {"format": FORMAT, "finetune_version": __version__,
-                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "made_on": {"python": platform.python_version(), "platform": sysconfig.get_platform()},
-                "install": install or _recorded(out).get("install"), "sources": list(_recorded(out)["sources"].values()),
-                "files": file_entries(out)}
-    write_manifest(out, manifest)
+    try:
+        if (out / MANIFEST).is_file():
+            (out / MANIFEST).unlink()  # from here until the end, the folder is an unfinished bundle
+        model_src = [_record(out, fetch_model(s, out, allow_pickle, trust_remote_code)) for s in models]
+        data_src = [_record(out, fetch_dataset(s, out, max_shard_bytes)) for s in datasets]
+        install = fetch_wheels(out, for_python, for_platform, torch_version, torch_index) if wheels else None
+        if install:
+            _save_recorded(out, _recorded(out) | {"install": install})
+        ds_dir = Path(__file__).resolve().parents[1] / "ds_configs"
+        for f in sorted(ds_dir.glob("*.json")) if ds_dir.is_dir() else []:
+            _copy_if_changed(f, out / "ds_configs" / f.name)
+        if not (out / "run_config.yaml").exists():  # once written, it is the user's to edit
+            tmp = out / _WORK / "run_config.yaml.tmp"
+            tmp.write_text(starting_config(out, model_src, data_src))
+            os.replace(tmp, out / "run_config.yaml")
+        manifest = {"format": FORMAT, "finetune_version": __version__,
+                    "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "made_on": {"python": platform.python_version(), "platform": sysconfig.get_platform()},
+                    "install": install or _recorded(out).get("install"),
+                    "sources": list(_recorded(out)["sources"].values()), "files": file_entries(out)}
+        write_manifest(out, manifest)
+    except OSError as e:  # a write into the bundle that failed (shards, records, the manifest)
+        if e.errno not in _FULL | {errno.EROFS}:
+            raise
+        raise _write_failed(e.filename or out, e) from None
     return manifest
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output ``out`` that is (or lies under) a file, cannot be written, or is a non-empty folder that is
+    not a bundle; leaves ``out/.finetune-bundle/`` in place (the mark of a bundle folder).
+
+    Raises:
+        ConfigError: one line naming ``out`` and what is wrong.
+    """
+    try:
+        above = out.absolute()
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir():
+            raise ConfigError(f"{out}: {'it' if above == out.absolute() else above} is a file, not a folder; give a "
+                              "new or empty folder")
+        if above == out.absolute() and any(out.iterdir()) and not (out / _WORK).is_dir():
+            raise ConfigError(f"{out}: a folder that is not a finetune bundle and not empty; give a new or empty "
+                              "folder")
+        (out / _WORK).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out / _WORK, prefix="probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{out}: cannot be written ({e.strerror or e}); give a folder you can write to") from None
 
 
 def _first_line(e: Exception) -> str:
@@ -512,21 +630,44 @@ def _first_line(e: Exception) -> str:
 
 
 def _check_model(root: Path, src: dict) -> list[str]:
-    """Problems loading a bundled model's config and tokenizer offline (``local_files_only=True``)."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Problems of a bundled model, found without running any of its code, whatever the manifest's
+    ``trust_remote_code`` says: ``config.json`` and ``tokenizer_config.json`` parsed as JSON objects (never
+    ``AutoConfig``), the safetensors headers and shard indexes (:func:`finetune.manifest.weights_problems`), and
+    the tokenizer loaded offline with ``trust_remote_code=False``; a model whose configs name custom code
+    (``auto_map``) has its ``tokenizer.json`` parsed instead."""
+    from transformers import AutoTokenizer
 
-    folder, problems = root / src["path"], []
-    remote = bool(src.get("trust_remote_code"))
-    if (folder / "config.json").is_file():
+    folder, problems, custom = root / src["path"], [], False
+    for name in ("config.json", "tokenizer_config.json"):
+        if not (folder / name).is_file():
+            continue
         try:
-            AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
-        except Exception as e:  # any failure is the finding, reported in one line
-            problems.append(f"model {src['name']}: config.json does not load offline: {_first_line(e)}")
-    if any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt")):
-        try:
-            AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=remote)
-        except Exception as e:
-            problems.append(f"model {src['name']}: the tokenizer does not load offline: {_first_line(e)}")
+            data = json.loads((folder / name).read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"model {src['name']}: {name} is not valid JSON ({e})")
+            continue
+        if not isinstance(data, dict):
+            problems.append(f"model {src['name']}: {name} is not a JSON object (a Hugging Face config is one)")
+        elif name == "config.json" and not isinstance(data.get("model_type"), str):
+            problems.append(f"model {src['name']}: config.json has no model_type (transformers cannot tell the "
+                            "architecture)")
+        else:
+            custom = custom or "auto_map" in data
+    problems += [f"model {src['name']}: {p}" for p in weights_problems(folder)]
+    if problems or not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json",
+                                                             "vocab.json", "vocab.txt")):
+        return problems
+    if custom:
+        if (folder / "tokenizer.json").is_file():
+            try:
+                json.loads((folder / "tokenizer.json").read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                problems.append(f"model {src['name']}: tokenizer.json is not valid JSON ({e})")
+        return problems
+    try:
+        AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # any failure is the finding, reported in one line
+        problems.append(f"model {src['name']}: the tokenizer does not load offline: {_first_line(e)}")
     return problems
 
 
@@ -559,9 +700,14 @@ def _check_dataset(root: Path, src: dict) -> list[str]:
 def verify_bundle(root: Path) -> list[str]:
     """Offline check of a bundle: one line per problem, empty when it is whole.
 
-    Every file's size and SHA-256 against ``MANIFEST.json`` (missing, corrupt, extra: :func:`check_files`), each
-    model's config and tokenizer loaded with ``local_files_only=True``, each dataset's parquet footers read
-    (columns, row counts). Call with ``HF_HUB_OFFLINE=1`` set before transformers is imported (the command does).
+    Every file's size and SHA-256 against ``MANIFEST.json`` (missing, corrupt, extra, links: :func:`check_files`);
+    only when they all match, each model's configs, weights headers and tokenizer (:func:`_check_model`, no code
+    of the bundle run) and each dataset's parquet footers (columns, row counts). Call with ``HF_HUB_OFFLINE=1`` set
+    before transformers is imported (the command does).
+
+    Raises:
+        ConfigError: ``MANIFEST.json`` is not a manifest: not JSON, entries of the wrong shape or paths outside the
+            bundle (:func:`finetune.manifest.read_manifest`).
     """
     root = Path(root)
     if not root.is_dir():
@@ -572,9 +718,9 @@ def verify_bundle(root: Path) -> list[str]:
         unfinished = (root / _WORK).is_dir()
         return [f"{root}: no {MANIFEST}: " + ("an unfinished bundle (finetune bundle stopped before the end: "
                                               "run it again)" if unfinished else "not a finetune bundle")]
-    except ValueError as e:
-        return [str(e)]
     problems = check_files(root, manifest)
+    if problems:  # nothing of a bundle whose files do not match is loaded
+        return problems
     for src in manifest.get("sources", []):
         if (root / src["path"]).is_dir():
             problems += _check_model(root, src) if src["kind"] == "model" else _check_dataset(root, src)

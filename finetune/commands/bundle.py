@@ -13,6 +13,7 @@ from finetune.bundle import make_bundle
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import setup_logging
+from finetune.manifest import MANIFEST, manifest_sha256
 
 
 def _bytes(text: str) -> int:
@@ -24,7 +25,8 @@ def _bytes(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Make or complete a bundle; exit 2 with one line on a problem (the manifest is then absent)."""
+    """Make or complete a bundle and print the SHA-256 of its ``MANIFEST.json``; exit 2 with one line on a problem
+    (the manifest is then absent)."""
     p = argparse.ArgumentParser(prog="finetune bundle", description="Fetch models, datasets and wheels into one "
                                 "folder with a SHA-256 manifest, for a cluster without internet (then: finetune verify).")
     p.add_argument("out", help="bundle folder (new, empty, or an earlier bundle to complete)")
@@ -57,4 +59,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(manifest['sources'])} sources; copy it to the cluster, then: finetune verify <folder>")
     if manifest["install"]:
         logger.info(f"install on the cluster, from the bundle folder: {manifest['install']}")
+    logger.info(f"{MANIFEST} SHA-256 {manifest_sha256(Path(args.out))} (finetune verify prints it too: compare "
+                "the two across the gap)")
     return 0

@@ -2,7 +2,9 @@
 
 Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exit status is 2):
 
-* ``model``: the model folder's files (config, weights, tokenizer) and their sizes.
+* ``model``: the model folder's files (config, weights, tokenizer) and their sizes; every safetensors header and
+  shard index read (:func:`finetune.manifest.weights_problems`): a truncated or damaged weights file, a missing
+  shard, each a blocker naming the file.
 * ``data``: every data file's rows and columns (parquet footers only).
 * ``config``: every problem the launch's own validation finds (:func:`finetune.validate.validate_run`: missing
   files, missing or non-text columns, model/tokenizer/data compatibility, DeepSpeed JSON, output folder).
@@ -45,8 +47,10 @@ from finetune.distributed import slurm_head_node
 from finetune.ds_config import describe_precision, load_ds_json
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
+from finetune.manifest import weights_problems
 from finetune.plan import model_shape, run_precision
 from finetune.recipes import RECIPES, get_recipe
+from finetune.recipes.dpo import doctor_rows as dpo_rows
 from finetune.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
@@ -84,6 +88,8 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
             what.append("tokenizer" + ("" if has_tok else " MISSING"))
         bad = any("MISSING" in w for w in what)
         rows.append(("model", "FAIL" if bad else "ok", f"{key} '{p}': {'; '.join(what)}; files: {listing}"))
+        if key == "model.path":  # a truncated or damaged safetensors file or shard index (headers only)
+            rows += [("model", "FAIL", f"{key} '{p}': {problem}") for problem in weights_problems(p)]
     return rows
 
 
@@ -340,7 +346,7 @@ def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, str, str]]:
     """Every doctor row ``(area, status, detail)`` for ``cfg`` on ``nodes`` nodes (status ``ok``, ``warn`` or
     ``FAIL``)."""
-    rows = _model_rows(cfg) + _data_rows(cfg)
+    rows = _model_rows(cfg) + _data_rows(cfg) + (dpo_rows(cfg) if cfg.recipe == "dpo" else [])
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
     rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()
@@ -374,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.world_size is not None and args.world_size < 1:
             raise ConfigError(f"--world-size: must be >= 1 (the ranks of the planned launch), got {args.world_size}")
+        if args.nodes is not None and args.nodes < 1:
+            raise ConfigError(f"--nodes: must be >= 1 (the nodes of the planned launch), got {args.nodes}")
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:
         return report_error(e)

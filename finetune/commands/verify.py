@@ -1,6 +1,7 @@
 """``finetune verify BUNDLE``: offline check of a folder made by ``finetune bundle`` (:func:`finetune.bundle.verify_bundle`):
-every file's SHA-256, models and tokenizers loaded with ``local_files_only=True``, parquet footers. Exit 0, or 1
-with one line per problem."""
+every file's SHA-256 (no links, nothing outside the bundle), then, when they all match, model configs (as JSON),
+safetensors headers, tokenizers (``local_files_only=True``, never the bundle's code) and parquet footers. Exit 0
+with the SHA-256 of ``MANIFEST.json``, 1 with one line per problem, 2 with one line when the manifest is not one."""
 
 from __future__ import annotations
 
@@ -9,18 +10,26 @@ import os
 import sys
 from pathlib import Path
 
+from finetune.errors import ConfigError
+from finetune.errors import report as report_error
+from finetune.manifest import MANIFEST, manifest_sha256, read_manifest
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Verify a bundle; prints ``bundle ok: ...`` and returns 0, or one line per problem and returns 1."""
+    """Verify a bundle; prints ``bundle ok: ...`` and the manifest's SHA-256 and returns 0, one line per problem
+    and returns 1, or one line and returns 2 for a manifest that is not one (not JSON, entries of the wrong shape,
+    paths outside the bundle)."""
     p = argparse.ArgumentParser(prog="finetune verify", description="Check a bundle offline against its manifest.")
     p.add_argument("bundle", help="folder made by finetune bundle (with MANIFEST.json)")
     args = p.parse_args(argv)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before transformers is imported
         os.environ.setdefault(var, "1")
-    from finetune.bundle import verify_bundle
-    from finetune.manifest import read_manifest
+    from finetune.bundle import verify_bundle  # after the offline variables: it may import transformers
 
-    problems = verify_bundle(Path(args.bundle))
+    try:
+        problems = verify_bundle(Path(args.bundle))
+    except ConfigError as e:
+        return report_error(e)
     for line in problems:
         print(line, file=sys.stderr)
     if problems:
@@ -32,4 +41,5 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bundle ok: {len(m['files'])} files ({size / 2**20:,.1f} MiB) match MANIFEST.json; "
           f"{kinds.count('model')} model(s) and {kinds.count('dataset')} dataset(s) load offline"
           + (f"; install: {m['install']}" if m.get("install") else ""))
+    print(f"{MANIFEST} SHA-256 {manifest_sha256(Path(args.bundle))} (compare with the one finetune bundle printed)")
     return 0
