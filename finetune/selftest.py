@@ -17,7 +17,11 @@ laptop and on a GPU node. Checks (``CHECKS``):
   batch split over the ranks) against plain PyTorch AdamW on the whole batch in one process: the per-step losses.
 * ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
   DeepSpeed's CPU accelerator has no fp16).
-* ``sequence_parallel``: skipped until sequence parallelism exists in finetune (its all-to-all is checked above).
+* ``sequence_parallel``: one step of DeepSpeed Ulysses over all the ranks (SP = world size, finetune's own path:
+  :func:`finetune.parallel.start_sequence_parallel`, :func:`~finetune.parallel.shard_batch` and
+  :func:`~finetune.parallel.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
+  process: the loss and the global gradient norm (a reduce-scatter that divides by the world size instead of the
+  data-parallel size halves the norm at SP = 2). Needs 2 or more ranks.
 
 Tolerances are relative differences ``|a - b| / max(|b|, 1e-12)`` (max over elements) unless the check is exact.
 """
@@ -33,6 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune import distributed as dist_utils
+from finetune import parallel
+from finetune.config import RunConfig
 from finetune.recipes.lm_loss import chunked_cross_entropy
 
 
@@ -259,10 +265,96 @@ def check_fp16_step(steps: int = 3, lr: float = 1e-3) -> Check:
     return _judge("fp16_step", diff, 2e-2, f"{steps} ZeRO-2 steps, fp16 with loss scaling vs fp32")
 
 
-def check_sequence_parallel() -> Check:
-    """Placeholder row: sequence parallelism is not part of finetune yet."""
-    return Check("sequence_parallel", "skip", None, 0.0,
-                 "sequence parallelism is not in finetune yet (its all-to-all is in 'collectives')")
+def sp_llama(sp: int, seed: int = 0):
+    """A 2-layer Llama whose heads split over ``sp`` sequence-parallel ranks: ``lcm(4, sp)`` attention heads of
+    dimension 16, 2 key/value heads when ``sp`` is even (DeepSpeed replicates them over the ranks, so grouped-query
+    attention is exercised) and as many as the attention heads when it is odd; vocabulary 512, seeded, fp32,
+    ``initializer_range`` 0.2 (logits far from uniform)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = 4 * sp // math.gcd(4, sp)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=16 * heads, intermediate_size=32 * heads, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=2 if sp % 2 == 0 else heads,
+                      max_position_embeddings=256, initializer_range=0.2, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def _sp_batch(sp: int) -> dict:
+    """4 right-padded rows of ``16 sp - 1`` tokens at most (lengths full, full - 5, half, 3): a length that is not a
+    multiple of ``sp``, so :func:`finetune.parallel.shard_batch` pads, and padding inside the shards."""
+    seq = 16 * sp - 1
+    ids = _batch(4, seq, seed=2)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate((seq, seq - 5, seq // 2, 3)):
+        mask[row, :n] = 1
+    return {"input_ids": ids * mask, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _sp_reference(sp: int, batch: dict) -> tuple[float, float]:
+    """The whole batch on one device, plain attention: mean token loss and the global gradient norm (fp64 sum)."""
+    model = sp_llama(sp)
+    loss = model(**batch).loss
+    loss.backward()
+    norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()]).norm()
+    return float(loss), float(norm)
+
+
+def check_sequence_parallel(lr: float = 1e-3) -> Check:
+    """Ulysses over all ranks at ZeRO-3 vs one device: the loss and the gradient norm of one step (relative).
+
+    Every rank holds the whole batch, takes its slice of every sequence (:func:`finetune.parallel.shard_batch`: labels
+    shifted before the cut, padded to a multiple of SP), sums its slice's token losses and divides by the target
+    count of all slices, as the training loop does (data-parallel size 1); DeepSpeed sums the ranks' gradients and
+    divides by the data-parallel size (with finetune's ZeRO-3 repair). The reference is the same model on the whole
+    batch in one process, in fp32 with transformers' own attention. Skipped on one rank.
+    """
+    w = dist_utils.world_size()
+    tol = 1e-5 if _device().type == "cpu" else 1e-4
+    if w < 2:
+        return Check("sequence_parallel", "skip", None, tol, "needs 2 or more ranks (SP = the ranks of the node): run "
+                                                             "it under a launcher")
+    import deepspeed
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    batch = _sp_batch(w)
+    ref_loss, ref_norm = _sp_reference(w, batch)  # before Ulysses replaces the attention
+    cfg = RunConfig()
+    cfg.model.attn_implementation, cfg.train.micro_batch_size = "sdpa", batch["input_ids"].shape[0]
+    cfg.parallel.sequence_parallel_size = w
+    lay = parallel.layout(cfg)
+    model = sp_llama(w)
+    plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        mpu = parallel.start_sequence_parallel(model, cfg, lay)
+        ds = {"train_micro_batch_size_per_gpu": cfg.train.micro_batch_size, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=mpu)
+        repaired = parallel.fix_zero3_average(engine, lay)
+        dev = _device()
+        shard = {k: v.to(dev) for k, v in parallel.shard_batch(batch, lay.sp, lay.sp_rank).items()}
+        targets = (shard["shift_labels"] != -100).sum().float()
+        torch.distributed.all_reduce(targets)
+        logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), shard["shift_labels"].flatten(), ignore_index=-100,
+                               reduction="sum") * lay.dp / targets
+        engine.backward(loss)
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        got_loss = float(total) / lay.dp
+        engine.destroy()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = plain  # transformers' own attention again for whatever runs next
+    loss_diff = rel_diff(torch.tensor(got_loss), torch.tensor(ref_loss))
+    norm_diff = rel_diff(torch.tensor(norm), torch.tensor(ref_norm))
+    return _judge("sequence_parallel", max(loss_diff, norm_diff), tol,
+                  f"Ulysses, {w} ranks = sequence-parallel {lay.sp}, ZeRO-3{'' if repaired else ' (unrepaired)'}, "
+                  f"tiny Llama, 4 padded rows vs one device: loss {got_loss:.6f} vs {ref_loss:.6f} ({loss_diff:.1e}), "
+                  f"grad norm {norm:.6f} vs {ref_norm:.6f} ({norm_diff:.1e})")
 
 
 CHECKS = {

@@ -1,5 +1,7 @@
-"""``finetune selftest``: the CPU subset on 2 CPU ranks under DeepSpeed's launcher (rows, skips with reasons, JSON),
-and the checks' power to fail: a head loss off by 0.1% and a check that raises are ``FAIL`` rows."""
+"""``finetune selftest``: the CPU subset on 2 CPU ranks under DeepSpeed's launcher (rows, skips with reasons, JSON
+into a folder that did not exist, the sequence-parallel row at ZeRO-3 against one device), and the checks' power to
+fail: a head loss off by 0.1% and a check that raises are ``FAIL`` rows; bad arguments (an unknown check, an existing
+or unwritable ``--json``) are one line and exit 2 before any check runs."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from finetune import selftest
 
 
 def test_selftest_cpu_subset_on_two_ranks(tmp_path):
-    out = tmp_path / "selftest.json"
+    out = tmp_path / "not_yet" / "selftest.json"  # its folder is created
     world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "--module", "finetune", "selftest", "--json", str(out)]
@@ -26,16 +28,20 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     assert report["world_size"] == 2
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(selftest.CHECKS)
-    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step"):
+    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step", "sequence_parallel"):
         assert rows[name]["status"] == "pass", rows[name]
         assert rows[name]["measured"] <= rows[name]["tolerance"]
     assert "gloo, 2 rank(s)" in rows["collectives"]["detail"]
     assert rows["bf16_forward"]["measured"] > 1e-4  # bf16 really ran: its error is visible, and bounded
     for name, why in (("liger_fused_ce", "needs a CUDA GPU"), ("flash_attention", "needs a CUDA GPU"),
-                      ("fp16_step", "DeepSpeed's CPU accelerator has no fp16"),
-                      ("sequence_parallel", "not in finetune yet")):
+                      ("fp16_step", "DeepSpeed's CPU accelerator has no fp16")):
         assert rows[name]["status"] == "skip" and why in rows[name]["detail"], rows[name]
-    assert "5 passed, 0 failed, 4 skipped" in proc.stdout
+    # Ulysses over both ranks at ZeRO-3 against one device: loss and grad norm (the latter was half the reference
+    # without finetune.parallel.fix_zero3_average)
+    sp = rows["sequence_parallel"]
+    assert "sequence-parallel 2, ZeRO-3" in sp["detail"] and "grad norm" in sp["detail"], sp
+    assert sp["tolerance"] <= 1e-4
+    assert "6 passed, 0 failed, 3 skipped" in proc.stdout
     assert proc.stdout.count("check              status") == 1  # rank 0 prints the table
 
 
@@ -65,3 +71,8 @@ def test_selftest_bad_arguments(tmp_path, capsys):
     taken.write_text("{}")
     assert main(["--json", str(taken)]) == 2
     assert "exists; it is never overwritten" in capsys.readouterr().err
+    # a JSON that cannot be written is refused before the checks run (as root a chmod'ed folder is writable: a
+    # path under a regular file cannot be created by anyone)
+    assert main(["--json", str(taken / "rows.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--json" in err[0] and "is a file, not a folder" in err[0], err

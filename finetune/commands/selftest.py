@@ -7,13 +7,15 @@ Run it once per cluster on a GPU node, with all its GPUs, and attach its table t
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 --module finetune selftest      # the CPU subset, on a laptop
     finetune selftest                                                           # one process
 
-Exit status 0 when no check failed (skips are fine), 1 when one did, 2 for bad arguments.
+Exit status 0 when no check failed (skips are fine), 1 when one did, 2 for bad arguments (an unknown check, a
+``--json`` file that exists or cannot be written: checked before any check runs; missing folders are created).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +26,30 @@ from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import setup_logging
 from finetune.selftest import CHECKS, as_dicts, render, run_checks
+
+
+def check_output_file(key: str, path: str | Path, command: str = "") -> None:
+    """Refuse an output file that cannot be written, before any work: ``path`` must not exist, and its nearest
+    existing ancestor must be a folder this process may write into (missing folders are created when the file is
+    written). Shared by the commands that write one result file (``selftest --json``, ``evaluate --out``);
+    ``command`` (``"evaluate: "``) starts the line.
+
+    Raises:
+        ConfigError: ``path`` exists, an ancestor is a regular file, or the folder is not writable
+            (``os.access``; as root every folder is).
+    """
+    p = Path(path).absolute()
+    if p.exists():
+        raise ConfigError(f"{command}{key}: '{path}' exists; it is never overwritten, choose another file")
+    probe = p.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{command}{key}: '{path}' cannot be written: '{probe}' is a file, not a folder; choose another "
+                          f"{key}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{command}{key}: '{path}' cannot be written: '{probe}' is read-only or not yours; choose a "
+                          f"writable {key}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names or [] if n not in CHECKS]
         if unknown:
             raise ConfigError(f"--checks: unknown check '{unknown[0]}'; choose from {', '.join(CHECKS)}")
-        if args.json and Path(args.json).exists():
-            raise ConfigError(f"--json: '{args.json}' exists; it is never overwritten, choose another file")
+        if args.json:
+            check_output_file("--json", args.json)
         dist_utils.export_rank_env()
     except ConfigError as e:
         return report_error(e)
@@ -55,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if dist_utils.is_main():
         print(render(rows))
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps({"world_size": dist_utils.world_size(), "rows": as_dicts(rows)},
                                                   indent=2) + "\n")
             print(f"finetune: self-test rows written to {args.json}", file=sys.stderr)
