@@ -19,6 +19,10 @@
   ``deepspeed.initialize`` (:func:`finetune.lora.apply`); only trainable parameters reach the optimizer.
 * ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention is registered for the built model and its
   groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel`).
+* ``build_engine(..., optimizer=False)`` (``finetune evaluate``): no optimizer, no LR schedule, no fp32 master
+  weights and no gradient partitions (:func:`inference_ds_config`): ZeRO 1/2 become stage 0 (they shard only the
+  optimizer's state and gradients, the weights are whole on every rank anyway), ZeRO-3 keeps its parameter
+  partitioning without an optimizer (DeepSpeed's ``DeepSpeedZeRoOffload``).
 """
 
 from __future__ import annotations
@@ -113,7 +117,31 @@ class Built:
     """``HfDeepSpeedConfig`` kept alive under ZeRO-3 (transformers holds only a weak reference)."""
 
 
-def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: int) -> Built:
+def inference_ds_config(ds: dict) -> dict:
+    """A copy of the DeepSpeed config ``ds`` for an engine that only runs forward passes (evaluation).
+
+    Without ``optimizer`` and ``scheduler`` sections, ``zero_optimization.offload_optimizer`` or the gradient
+    settings; ZeRO stages 1 and 2 become stage 0 (DeepSpeed 0.19.8 refuses them without an optimizer, and what they
+    partition, optimizer state and gradients, does not exist here); stage 3 stays (parameter partitioning, which
+    DeepSpeed runs without an optimizer). Precision (``bf16``/``fp16``), batch sizes and the rest are kept.
+    """
+    out = {k: v for k, v in ds.items() if k not in ("optimizer", "scheduler")}
+    zero = dict(out.get("zero_optimization") or {})
+    zero.pop("offload_optimizer", None)
+    if zero_stage(ds) in (1, 2):
+        zero["stage"] = 0
+    out["zero_optimization"] = zero
+    return out
+
+
+def has_optimizer(engine) -> bool:
+    """True when the DeepSpeed ``engine`` holds a real optimizer (one that allocates state to train with); False for
+    an engine built with ``optimizer=False`` (DeepSpeed's wrappers around no optimizer: ``DummyOptim``,
+    ``DeepSpeedZeRoOffload``, keep no optimizer state and no fp32 master weights)."""
+    return engine.basic_optimizer is not None
+
+
+def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: int, optimizer: bool = True) -> Built:
     """Build the model and wrap it in a DeepSpeed engine.
 
     Args:
@@ -122,10 +150,16 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         model_config: the transformers config to build (:func:`load_model_config`).
         ds: resolved DeepSpeed config dict.
         total_steps: optimizer steps of the whole run (length of the LR schedule).
+        optimizer: False for an engine that only evaluates (``finetune evaluate``): built from
+            :func:`inference_ds_config` with no optimizer and no LR schedule, so no optimizer state and no fp32
+            master weights are allocated (about 12-16 bytes a parameter less); ``backward``/``step`` are then
+            unusable.
 
     Returns:
         :class:`Built`.
     """
+    if not optimizer:
+        ds = inference_ds_config(ds)
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.validate)
@@ -153,6 +187,14 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                              num_training_steps=total_steps)
 
+    if not optimizer:
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False, mpu=mpu)
+        if has_optimizer(engine):  # a DeepSpeed that builds one anyway would allocate its state: say so, loudly
+            raise RuntimeError(f"DeepSpeed built an optimizer ({type(engine.optimizer).__name__}) for an engine "
+                               f"without one")
+        logger.info(f"engine without optimizer (evaluation): ZeRO stage {zero_stage(ds)}, no optimizer state, no "
+                    f"fp32 master weights ({type(engine.optimizer).__name__ if engine.optimizer is not None else 'None'})")
+        return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
     if parallel.fix_zero3_average(engine, lay):

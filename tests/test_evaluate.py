@@ -2,16 +2,20 @@
 
 One tiny GPT-2 run (4 steps, export) and one evaluation of its run folder with the same config: the evaluation's
 ``eval/loss`` and ``eval/perplexity`` equal the run's own final evaluation (1e-4 relative; the export is the
-engine's weights, checked against its logits at the end of the run), rank 0 writes the JSON beside the export. Bad
-input (not a run or export folder, an existing ``--out``, the ``dpo`` recipe) is one line and exit 2.
+engine's weights, checked against its logits at the end of the run), rank 0 writes the JSON beside the export; the
+evaluation runs at ZeRO-3 (the run at ZeRO-2) on an engine without optimizer (its log line). Bad input (not a run or
+export folder, an existing or unwritable ``--out``, the ``dpo`` recipe, an export of another recipe's model class) is
+one line and exit 2, before any model is built.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,7 +40,10 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
     ok(launch(TINY, [f"output_dir={run}", "train.max_steps=4", "train.eval_every=0", "train.save_every=0"]))
     final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
     proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY), "train.eval_generate.prompts=3",
-                                 "train.eval_generate.max_new_tokens=8"]))
+                                 "train.eval_generate.max_new_tokens=8", "ds.zero_optimization.stage=3"]))
+    # no optimizer: DeepSpeed's parameter partitioning alone (ZeRO-3), no optimizer state, no fp32 master weights
+    assert proc.stdout.count("engine without optimizer (evaluation): ZeRO stage 3") == 2, proc.stdout[-4000:]
+    assert "DeepSpeedZeRoOffload" in proc.stdout
     written = sorted((run / "export").glob("evaluation-*.json"))
     assert len(written) == 1, proc.stdout[-2000:]
     result = json.loads(written[0].read_text())
@@ -66,3 +73,30 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
     dpo = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(CONFIGS / "parity_dpo.yaml")])
     assert dpo.returncode == 2 and "recipe dpo measures rewards against its reference model" in dpo.stdout
     assert "Traceback" not in again.stdout + nowhere.stdout + dpo.stdout
+
+
+def test_evaluate_refuses_before_building_a_model(tmp_path, capsys):
+    """In-process: each refusal returns 2 with one line, before any process group or model exists."""
+    from finetune.commands.evaluate import main
+
+    # a seq_cls export (BERT with a classification head) evaluated with a gpt_clm config: not a causal LM
+    export = tmp_path / "seq_cls_export"
+    export.mkdir()
+    config = json.loads((REPO / "data/models/bert-small/config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, "architectures": ["BertForSequenceClassification"]}))
+    for f in (REPO / "data/models/bert-base-uncased-tokenizer").iterdir():
+        shutil.copy(f, export / f.name)
+    start = time.perf_counter()
+    assert main([str(export), "--config", str(TINY)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "BertForSequenceClassification" in err[0] and "AutoModelForCausalLM" in err[0], err
+    assert "gpt_clm" in err[0] and "seq_cls" in err[0], err  # names the recipe that trains that class
+    assert time.perf_counter() - start < 30
+
+    # --out where no file can be written: under a regular file (as root a chmod'ed folder is still writable)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    shipped = REPO / "data/models/tiny-gpt2"
+    assert main([str(shipped), "--config", str(TINY), "--out", str(blocker / "eval.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out" in err[0] and "is a file, not a folder" in err[0], err

@@ -16,8 +16,12 @@ Multi-rank like training (every rank evaluates its shard, ZeRO-3 gathers paramet
     torchrun --nproc_per_node 2 -m finetune evaluate ...
 
 The same model, data and ``train.eval_max_batches`` give the run's own final ``eval/loss`` (the export is checked
-against the engine's logits at the end of every run). Not for ``dpo``: its rewards are measured against the
-reference model, which an export alone does not carry (exit 2).
+against the engine's logits at the end of every run). The engine has no optimizer (no optimizer state, no fp32 master
+weights: ZeRO 1/2 run as stage 0, ZeRO-3 partitions the parameters only; :func:`finetune.engine.inference_ds_config`),
+so an evaluation needs about the memory of inference. Refused before any model is built (exit 2, one line): ``dpo``
+(its rewards are measured against the reference model, which an export alone does not carry), an export whose
+``config.json`` ``architectures`` is not of the recipe's model class (:func:`architecture_problem`), and an ``--out``
+that exists or cannot be written.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ import torch
 
 from finetune import distributed as dist_utils
 from finetune import parallel
+from finetune.commands.selftest import check_output_file
+from finetune.config import load_run_config
 from finetune.data import build_train_data
 from finetune.engine import build_engine, load_model_config, load_tokenizer
 from finetune.generation import EvalGeneration
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import logger
-from finetune.recipes import recipe_for
+from finetune.recipes import RECIPES, get_recipe, recipe_for
 from finetune.trainer import evaluate
 from finetune.validate import check_launch
 
@@ -70,18 +76,58 @@ def export_folder(target: str) -> Path:
                       f"config.json); export a checkpoint first with finetune export")
 
 
+def _auto_class_names(model_class) -> set[str]:
+    """The architecture names a transformers auto class builds (``AutoModelForCausalLM`` -> ``LlamaForCausalLM``,
+    ``BertLMHeadModel``, ...), from its mapping of model types to class names."""
+    mapping = getattr(model_class, "_model_mapping", None)
+    names: set[str] = set()
+    for value in list(getattr(mapping, "_model_mapping", {}).values()) + [
+            c.__name__ for c in getattr(mapping, "_extra_content", {}).values()]:
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def architecture_problem(model_dir: Path, recipe_name: str) -> str | None:
+    """One problem line when ``model_dir/config.json`` names ``architectures`` none of which the recipe's model class
+    builds (a ``BertForSequenceClassification`` export for a causal-LM recipe: the LM head would be new random
+    weights and the perplexity meaningless), naming both and the recipes that do train it; None when it fits, when
+    ``architectures`` is absent (a bare ``config.json``) or when the recipe or the file is not readable (reported
+    elsewhere).
+
+    Args:
+        model_dir: a Hugging Face model folder.
+        recipe_name: a key of :data:`finetune.recipes.RECIPES`.
+    """
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if recipe_name not in RECIPES or not architectures:
+        return None
+    model_class = get_recipe(recipe_name).model_class
+    if set(architectures) & _auto_class_names(model_class):
+        return None
+    fits = [name for name in RECIPES if set(architectures) & _auto_class_names(get_recipe(name).model_class)]
+    return (f"model.path: '{model_dir}/config.json' is a {', '.join(architectures)} (architectures), but recipe "
+            f"{recipe_name} builds {model_class.__name__} models, which would get a new randomly initialised head; "
+            + (f"use a config of a recipe that trains it ({', '.join(fits)}), or the export of a {recipe_name} run"
+               if fits else f"use the export of a {recipe_name} run"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``finetune evaluate``. Returns the process exit status (2: bad input)."""
     args = parser().parse_intermixed_args(argv)
     try:
         export = export_folder(args.target)
         out = Path(args.out) if args.out else export / f"evaluation-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        if out.exists():
-            raise ConfigError(f"evaluate: --out '{out}' exists; it is never overwritten, choose another file")
+        check_output_file("--out", out, command="evaluate: ")
         with tempfile.TemporaryDirectory(prefix="finetune-evaluate-") as scratch:
             pinned = [f"model.path={export}", f"model.tokenizer_path={export}", "model.init=pretrained",
                       "model.lora=null", "model.config_overrides={}", "export=false", "output_root=",
                       f"output_dir={Path(scratch) / 'run'}"]
+            wrong = architecture_problem(export, load_run_config(args.config, [*args.overrides, *pinned], []).recipe)
+            if wrong:  # before the other checks: the tokenizer of another task's export has its own complaints
+                raise ConfigError(f"evaluate: {wrong}")
             cfg, resolved, _ = check_launch(args.config, [*args.overrides, *pinned], None, False, announce=False)
             if cfg.recipe == "dpo":
                 raise ConfigError("evaluate: recipe dpo measures rewards against its reference model, which an "
@@ -103,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_evaluation(cfg, ds: dict) -> dict:
-    """Process group, data, engine (the export's weights, no optimizer state worth keeping) and one evaluation on
+    """Process group, data, engine (the export's weights, no optimizer) and one evaluation on
     every rank; returns the metrics (``eval/loss``, ``eval/perplexity``, the recipe's; with ``train.eval_generate``
     also ``eval/rougeL``, ``eval/generation_exact_match`` and the records under ``generations``)."""
     dist_utils.init(cfg.train.dist_timeout_minutes)
@@ -113,7 +159,7 @@ def run_evaluation(cfg, ds: dict) -> dict:
         recipe = recipe_for(cfg)
         tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)
         data = build_train_data(recipe, cfg, tokenizer)
-        engine = build_engine(cfg, recipe, model_config, ds, total_steps=1).engine
+        engine = build_engine(cfg, recipe, model_config, ds, total_steps=1, optimizer=False).engine
         metrics = evaluate(engine, data.eval_loader, recipe, cfg)
         if cfg.train.eval_generate.prompts:  # answers generated and scored as during training
             with parallel.sequence_parallel_off():  # whole sequences, each rank its own prompts
