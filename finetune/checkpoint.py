@@ -21,6 +21,7 @@ consumed in the epoch, tokens seen).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -192,8 +193,11 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
     if dist_utils.is_main():
         shutil.rmtree(universal_folder(ckdir / tag), ignore_errors=True)  # a copy of an older save of this step
         tmp = ckdir / tag / f".{MARKER}.tmp"
+        par = (config or {}).get("parallel", {})
         tmp.write_text(json.dumps({"step": state.step, "world_size": dist_utils.world_size(),
-                                   "zero_stage": engine.zero_optimization_stage(), "time": time.time()}))
+                                   "zero_stage": engine.zero_optimization_stage(),
+                                   "sequence_parallel_size": par.get("sequence_parallel_size", 1),
+                                   "tensor_parallel_size": par.get("tensor_parallel_size", 1), "time": time.time()}))
         os.replace(tmp, ckdir / tag / MARKER)
         if keep_last > 0:
             try:
@@ -206,8 +210,38 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
 
 
 def marker(ckpt: Path) -> dict:
-    """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``time``."""
+    """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``sequence_parallel_size``,
+    ``tensor_parallel_size`` (absent from older checkpoints: 1), ``time``."""
     return json.loads((ckpt / MARKER).read_text())
+
+
+def saved_layout(ckpt: Path) -> tuple[int, int, int, int]:
+    """``(world size, ZeRO stage, sequence-parallel size, tensor-parallel size)`` that ``ckpt`` was saved with."""
+    meta = marker(ckpt)
+    return (meta.get("world_size"), meta.get("zero_stage"), meta.get("sequence_parallel_size", 1),
+            meta.get("tensor_parallel_size", 1))
+
+
+@contextlib.contextmanager
+def universal_loading(engine):
+    """Within the block ``engine.load_checkpoint`` reads universal checkpoints, as if the engine had been built with
+    ``checkpoint.load_universal`` (``train.keep_best``'s best checkpoint of another layout, loaded at the end of a
+    launch that resumed on its own layout). The engine's flag is put back on leaving.
+
+    Raises:
+        RunFailure: the engine has no such flag (DeepSpeed's ``engine._config.load_universal_checkpoint``, read by
+            ``engine.load_universal_checkpoint()``): another DeepSpeed version.
+    """
+    config = getattr(engine, "_config", None)
+    if not isinstance(getattr(config, "load_universal_checkpoint", None), bool):
+        raise RunFailure("checkpoint: this DeepSpeed engine has no load_universal_checkpoint setting to load a "
+                         "universal checkpoint with; use the DeepSpeed version finetune pins")
+    was = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = was
 
 
 UNIVERSAL = ".universal"

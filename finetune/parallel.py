@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from finetune import distributed as dist_utils
 from finetune.config import RunConfig
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, RunFailure
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,10 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
     return Layout(world=world, sp=sp, rank=rank, tp=tp)
 
 
-AUTOTP_UNSUPPORTED = ("deberta", "flaubert", "fsmt", "gpt2", "led", "longformer", "xlm", "xlnet")
-"""Model types DeepSpeed's AutoTP refuses (``AutoTP.supported``, DeepSpeed 0.19.8)."""
+AUTOTP_CHECKED = ("llama", "qwen2", "qwen3")
+"""Model types whose AutoTP training finetune checked against one device (separate ``q/k/v_proj`` and
+``gate/up/down_proj`` linears, dense MLPs). Others are refused: fused ``qkv_proj`` / ``gate_up_proj`` layers (Phi-3)
+split along the wrong axis, and mixture-of-experts layers are no dense MLPs; AutoTP itself accepts them silently."""
 
 
 def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool,
@@ -152,9 +154,10 @@ def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recip
                         f"are lost); train without model.lora or set {key}=1")
     if model_config is not None:
         mtype = getattr(model_config, "model_type", "")
-        if mtype in AUTOTP_UNSUPPORTED:
-            problems.append(f"{key}: DeepSpeed's AutoTP does not partition model type '{mtype}' (it refuses "
-                            f"{', '.join(AUTOTP_UNSUPPORTED)}); Llama, Qwen2 and Qwen3 train exactly with it")
+        if mtype not in AUTOTP_CHECKED:
+            problems.append(f"{key}: model type '{mtype}' is not checked with DeepSpeed's AutoTP here (checked: "
+                            f"{', '.join(AUTOTP_CHECKED)}; fused attention/MLP projections and mixture-of-experts "
+                            f"layers are not split correctly); set {key}=1")
         text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
         heads = getattr(text, "num_attention_heads", None)
         kv = getattr(text, "num_key_value_heads", None) or heads
@@ -165,10 +168,19 @@ def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recip
 
 
 def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:
-    """Tensor parallelism runs with ZeRO 0-2 here (AutoTP training's tested stages); one line for stage 3."""
-    if cfg.parallel.tensor_parallel_size > 1 and stage == 3:
-        problems.append(f"parallel.tensor_parallel_size: {cfg.parallel.tensor_parallel_size} with ZeRO stage 3; "
-                        f"tensor parallelism runs with ZeRO 0-2 (ds.zero_optimization.stage=2, or a zero2 JSON)")
+    """What the parallel dimensions need of the ZeRO stage, one line each: tensor parallelism runs with ZeRO 1-2
+    (AutoTP training's tested stages; at stage 0 each rank would clip and skip on the norm of its own slices), and
+    ZeRO-3 under sequence parallelism on a DeepSpeed whose gradient average is checked (:func:`check_zero3_average`).
+    """
+    tp = cfg.parallel.tensor_parallel_size
+    if tp > 1 and stage in (0, 3):
+        problems.append(f"parallel.tensor_parallel_size: {tp} with ZeRO stage {stage}; tensor parallelism runs with "
+                        f"ZeRO 1-2 (ds.zero_optimization.stage=1 or 2, or a zero1/zero2 JSON)"
+                        + ("; at stage 0 each rank's gradient norm covers only its own weight slices, so clipping and "
+                           "the skip of non-finite steps would differ between ranks" if stage == 0 else ""))
+    problem = check_zero3_average(stage, cfg.parallel.sequence_parallel_size)
+    if problem:
+        problems.append(problem)
 
 
 def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool, problems: list[str]) -> None:
@@ -246,6 +258,8 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
 
     attn = cfg.model.attn_implementation
     _PLAIN[attn] = ALL_ATTENTION_FUNCTIONS[attn]
+    _KV_GROUPS.extend((m, m.num_key_value_groups) for m in model.modules()
+                      if isinstance(getattr(m, "num_key_value_groups", None), int))
     if attn == "sdpa":
         ALL_ATTENTION_FUNCTIONS[attn] = _packed_sdpa(_PLAIN[attn])
     config = copy.deepcopy(unwrap_config(model))
@@ -266,6 +280,33 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
     return groups
 
 
+ZERO3_SP_AVERAGE_CHECKED = ("0.19.8",)
+"""DeepSpeed versions whose ZeRO-3 reduce-scatter divides by the world size under SP, as
+:func:`fix_zero3_average` corrects (read in ``deepspeed/runtime/zero/stage3.py`` and tested against one device)."""
+_ZERO3_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+
+def check_zero3_average(stage: int, sp: int, version: str | None = None) -> str | None:
+    """The problem line when ZeRO-3 under sequence parallelism runs on a DeepSpeed whose gradient average
+    :func:`fix_zero3_average` has not been checked against (None when it has, or when it does not apply).
+
+    A newer DeepSpeed may divide correctly (the correction would then make gradients ``sp`` times too large) or
+    rename the method (nothing would be corrected: ``sp`` times too small); neither may pass silently.
+    """
+    if stage != 3 or sp == 1:
+        return None
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    if version in ZERO3_SP_AVERAGE_CHECKED:
+        return None
+    return (f"parallel.sequence_parallel_size: ZeRO-3 under sequence parallelism needs finetune's correction of "
+            f"DeepSpeed's reduce-scatter average, checked for DeepSpeed {', '.join(ZERO3_SP_AVERAGE_CHECKED)} only "
+            f"(this is {version}); install deepspeed=={ZERO3_SP_AVERAGE_CHECKED[-1]}, or use ZeRO 1/2 with sequence "
+            f"parallelism")
+
+
 def fix_zero3_average(engine, lay: Layout) -> bool:
     """Make ZeRO-3's reduce-scatter of gradients average over the data-parallel ranks under sequence parallelism.
 
@@ -274,30 +315,44 @@ def fix_zero3_average(engine, lay: Layout) -> bool:
     (``reduce_scatter: true``, ZeRO-3's default, and any bucket larger than ``reduce_bucket_size``) goes through
     ``reduce_scatter_coalesced``, which divides by ``world``: gradients ``sp`` times too small, and so the gradient
     norm and clipping (found by ``tests/test_sequence_parallel.py``: the grad norm was exactly half the
-    single-device one at SP=2). The optimizer's ``__avg_scatter_grads`` is wrapped on the instance to multiply its
-    partitions by ``sp``.
+    single-device one at SP=2; ``finetune selftest``'s sequence_parallel row checks it on the node). The optimizer's
+    ``__avg_scatter_grads`` is wrapped on this optimizer instance (the class is untouched) to multiply its
+    partitions by ``sp``. Only on the DeepSpeed versions of :data:`ZERO3_SP_AVERAGE_CHECKED`
+    (:func:`check_zero3_average` refuses others before any model is built).
 
     Returns:
         True when the engine is a ZeRO-3 engine under SP and was patched.
+
+    Raises:
+        RunFailure: a ZeRO-3 engine under SP whose optimizer lacks the method (renamed or restructured upstream):
+            training on would give gradients ``sp`` times too small.
     """
-    opt = getattr(engine, "optimizer", None)
-    name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
-    if lay.sp == 1 or not hasattr(opt, name):
+    if lay.sp == 1 or engine.zero_optimization_stage() != 3:
         return False
-    reduce_scatter = getattr(opt, name)
+    problem = check_zero3_average(3, lay.sp)
+    if problem:
+        raise RunFailure(problem)
+    opt = engine.optimizer
+    if not callable(getattr(opt, _ZERO3_SCATTER, None)):
+        raise RunFailure(f"sequence parallelism with ZeRO-3: {type(opt).__name__} has no {_ZERO3_SCATTER[-19:]}, "
+                         f"whose average finetune corrects; gradients would be {lay.sp} times too small. Use ZeRO 1/2 "
+                         f"with sequence parallelism, or the DeepSpeed version finetune pins")
+    reduce_scatter = getattr(opt, _ZERO3_SCATTER)
 
     def average_over_data_parallel(params, communication_data_type):
         return [g.mul(lay.sp) for g in reduce_scatter(params, communication_data_type)]
 
-    setattr(opt, name, average_over_data_parallel)
+    setattr(opt, _ZERO3_SCATTER, average_over_data_parallel)
     return True
 
 
 def tile_mlps(model) -> int:
     """Replace the forward of every MLP (modules named ``mlp``) by DeepSpeed's ``TiledMLP``: the sequence is cut into
-    ``ceil(seq / hidden)`` tiles (the same count on every rank: an all-reduce of the maximum, so that ZeRO-3 gathers
-    the same parameters everywhere), each tile's MLP runs without keeping activations, and backward recomputes it
-    tile by tile (Bekman et al. 2025, ALST).
+    ``ceil(seq / hidden)`` tiles, each tile's MLP runs without keeping activations, and backward recomputes it tile by
+    tile (Bekman et al. 2025, ALST). Under ZeRO-3 the tile count is all-reduced (the maximum) so that every rank
+    gathers the same parameters as often; at ZeRO 0-2 nothing is exchanged, so ranks that run different numbers of
+    forwards (text generation) never wait for each other. :func:`sequence_parallel_off` puts the plain forwards back
+    for whole-sequence work.
 
     Args:
         model: the built transformers model (peft-wrapped or not).
@@ -309,6 +364,7 @@ def tile_mlps(model) -> int:
         ConfigError: the model has no module named ``mlp``.
     """
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     mlps = [m for name, m in model.named_modules() if name.split(".")[-1] == "mlp"]
     if not mlps:
@@ -319,12 +375,23 @@ def tile_mlps(model) -> int:
 
         def forward(x, _mlp=mlp, _original=original):
             shards = torch.tensor(max(1, math.ceil(x.shape[-2] / x.shape[-1])), device=x.device)
-            if dist_utils.world_size() > 1:
+            if dist_utils.world_size() > 1 and is_deepspeed_zero3_enabled():
                 torch.distributed.all_reduce(shards, op=torch.distributed.ReduceOp.MAX)
-            return TiledMLP.apply(_original, _mlp, x, int(shards), list(_mlp.parameters()))
+            return TiledMLP.apply(_contiguous(_original), _mlp, x, int(shards), list(_mlp.parameters()))
 
         mlp.forward = forward
+        _TILED.append((mlp, forward))
     return len(mlps)
+
+
+def _contiguous(forward):
+    """``forward(module, x)`` on a contiguous ``x``: ``TiledMLP`` hands the MLP slices of the sequence (strided views
+    when the batch holds several rows), which GPT-2's ``Conv1D`` cannot ``view``."""
+
+    def tile_forward(module, x):
+        return forward(module, x.contiguous())
+
+    return tile_forward
 
 
 def _heads_out(ulysses):
@@ -348,21 +415,47 @@ def unwrap_config(model):
 
 _PLAIN: dict = {}  # attention implementation -> transformers' own function, before Ulysses replaced it
 _ULYSSES: dict = {}  # attention implementation -> the Ulysses wrapper registered for this process
+_TILED: list = []  # (MLP module, its tiled forward set on the instance by tile_mlps)
+_KV_GROUPS: list = []  # (attention module, its num_key_value_groups before Ulysses' forward overwrote it)
+
+
+def patched() -> dict[str, list]:
+    """What sequence parallelism and tiled MLPs changed in this process, each with its original:
+    ``{"attention": [(name, original fn, current fn)], "mlp": [(module, has an instance forward)],
+    "num_key_value_groups": [(module, original, current)]}`` (tests check :func:`sequence_parallel_off` against it)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return {"attention": [(n, fn, ALL_ATTENTION_FUNCTIONS[n]) for n, fn in _PLAIN.items()],
+            "mlp": [(m, "forward" in vars(m)) for m, _ in _TILED],
+            "num_key_value_groups": [(m, v, getattr(m, "num_key_value_groups", None)) for m, v in _KV_GROUPS]}
 
 
 @contextlib.contextmanager
 def sequence_parallel_off():
-    """Within the block, attention is transformers' own again (whole sequences on every rank): the export check and
-    text generation. No-op without sequence parallelism."""
+    """Within the block, the model is transformers' own again, whole sequences on every rank (the export check,
+    text generation): the attention functions Ulysses replaced, the MLP forwards :func:`tile_mlps` replaced, and each
+    attention module's ``num_key_value_groups``, which DeepSpeed's Ulysses forward overwrites when the SP size exceeds
+    the key/value heads (it replicates them: ``kv_replication_factor``), and which ``repeat_kv`` reads under eager
+    attention or ``sdpa`` with a mask. All are put back as they were on leaving. No-op when nothing was changed.
+    """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    kv_now = [(m, getattr(m, "num_key_value_groups")) for m, _ in _KV_GROUPS]
     for name, fn in _PLAIN.items():
         ALL_ATTENTION_FUNCTIONS[name] = fn
+    for mlp, _ in _TILED:
+        vars(mlp).pop("forward", None)
+    for module, groups in _KV_GROUPS:
+        module.num_key_value_groups = groups
     try:
         yield
     finally:
         for name, fn in _ULYSSES.items():
             ALL_ATTENTION_FUNCTIONS[name] = fn
+        for mlp, forward in _TILED:
+            mlp.forward = forward
+        for module, groups in kv_now:
+            module.num_key_value_groups = groups
 
 
 def _packed_sdpa(sdpa):

@@ -209,32 +209,55 @@ class Evaluations:
         """Evaluate at ``state.step`` and update the best values; True when early stopping ends the run now.
 
         Raises:
-            ConfigError: the watched metric is not one this run's evaluation reports (at the first evaluation).
+            ConfigError: the watched metric is not one this run's evaluation reports (``--check`` refuses names no
+                evaluation of the recipe reports; this catches the rest).
         """
         metrics = _eval_and_log(self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, state.step, what,
                                 self.generation)
+        save, stop = self.decide(state, metrics, during_training)
+        if save or stop:
+            self.saver.save(state, unless_saved=True)
+        return stop
+
+    def decide(self, state: TrainState, metrics: dict, during_training: bool = True) -> tuple[bool, bool]:
+        """Update ``state``'s best values and patience from one evaluation's ``metrics``; returns ``(save, stop)``:
+        whether this step must be checkpointed (``keep_best`` during training) and whether early stopping ends the
+        run now. A NaN value is never an improvement: it is logged as such and counts against the patience."""
+        save = stop = False
         if self.kb.metric:
             value = self._metric(metrics, "train.keep_best", self.kb.metric)
             if improved(value, state.best_value, self.kb.mode):
                 state.best_value, state.best_step = value, state.step
                 logger.info(f"train.keep_best: best {self.kb.metric}={value:.6g} at step {state.step}")
-            if during_training and state.step > 0:
-                self.saver.save(state, unless_saved=True)
+            elif math.isnan(value):
+                logger.warning(f"train.keep_best: {self.kb.metric} is NaN at step {state.step}: not an improvement "
+                               f"(best so far: {_best(state.best_value, state.best_step)})")
+            save = during_training and state.step > 0
         if not (self.es.patience and during_training):
-            return False
+            return save, stop
         value = self._metric(metrics, "train.early_stopping", self.es.metric)
         if improved(value, state.early_best, self.es.mode, self.es.min_delta):
             state.early_best, state.early_waited = value, 0
-            return False
+            return save, stop
         state.early_waited += 1
+        if math.isnan(value):
+            logger.warning(f"train.early_stopping: {self.es.metric} is NaN at step {state.step}: not an improvement "
+                           f"({state.early_waited} of patience {self.es.patience})")
         if state.early_waited < self.es.patience:
-            return False
+            return save, stop
         state.early_stopped = True
         logger.warning(f"train.early_stopping: {self.es.metric}={value:.6g} at step {state.step}, no improvement "
-                       f"by more than {self.es.min_delta:g} on the best {state.early_best:.6g} for {state.early_waited} "
-                       f"evaluation(s) (patience {self.es.patience}): stopping with a checkpoint of this step")
-        self.saver.save(state, unless_saved=True)
-        return True
+                       f"by more than {self.es.min_delta:g} on the best ({_best(state.early_best)}) for "
+                       f"{state.early_waited} evaluation(s) (patience {self.es.patience}): stopping with a checkpoint "
+                       f"of this step")
+        return True, True
+
+
+def _best(value: float | None, step: int | None = None) -> str:
+    """A best value for the log: ``0.512 (step 40)``, or ``none yet`` before any finite evaluation."""
+    if value is None:
+        return "none yet"
+    return f"{value:.6g}" + (f" (step {step})" if step is not None and step >= 0 else "")
 
 
 def _grad_norm_stage0(engine) -> float:
@@ -292,6 +315,22 @@ def step_collective(recipe, micro: list[dict], token_weighted: bool, stop_flag, 
     return head[0] / replicas, stop_flag is not None and head[1].item() > 0
 
 
+def non_finite_to_nan_grads(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` unchanged when finite; when not, the same value whose backward makes every gradient NaN.
+
+    A loss can overflow in the forward while its gradient stays finite (IPO's square with a tiny ``beta``: the loss
+    is inf, the gradient about 1e20), and the skip of non-finite steps reads the gradient norm (DeepSpeed's overflow
+    check at ZeRO 1-3, :func:`_grad_norm_stage0` at stage 0). Multiplying by ``1 + where(finite, 0, nan)`` is exact
+    for a finite loss (``x * 1.0``; the gradient is scaled by 1.0) and poisons the gradients otherwise, so the step is
+    skipped and counted on every rank like any non-finite step, with no host synchronisation.
+
+    Args:
+        loss: 0-dim floating tensor with a gradient.
+    """
+    finite = torch.isfinite(loss.detach())
+    return loss * (1 + torch.where(finite, 0.0, float("nan")).to(loss.dtype))
+
+
 def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_weighted: bool, dp: int,
                meter: StepMeter, offload: bool = False) -> tuple[torch.Tensor, float | None, dict[str, torch.Tensor]]:
     """One optimizer step over the step's micro-batches: forward (the recipe's loss sum), scale, backward, step.
@@ -318,7 +357,7 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload \
                 else contextlib.nullcontext():  # model.offload_activations: what checkpointing keeps goes to the host
             out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
-        loss = out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1))
+        loss = non_finite_to_nan_grads(out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1)))
         meter.lap("forward")
         engine.backward(loss)
         meter.lap("backward")
@@ -474,6 +513,14 @@ def _log_trained_shares(sampler, state: TrainState, step_rows: int, world: int) 
         logger.info(f"mixture, rows trained on since the run began: {shares}")
 
 
+def _stopped_early(cfg: RunConfig, state: TrainState) -> bool:
+    """True (and a warning) when ``train.early_stopping`` already ended the run that ``state`` comes from."""
+    if state.early_stopped:
+        logger.warning(f"train.early_stopping ended this run at step {state.step} ({cfg.train.early_stopping.metric}, "
+                       f"patience {cfg.train.early_stopping.patience}); nothing more is trained")
+    return state.early_stopped
+
+
 def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_rows: int, world: int,
                 resume_from: Path | None, begin):
     """The micro-batches of each optimizer step left in the current epoch: lists of ``gas`` collated batches.
@@ -499,7 +546,8 @@ def epoch_steps(train_dl, state: TrainState, total_steps: int, gas: int, step_ro
 
 def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, total_steps: int,
         run_dir: Path, resume_from: Path | None = None, stop_flag=None, launch: int = 1, generation=None) -> TrainState:
-    """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way.
+    """Train until ``total_steps`` optimizer steps, evaluating, logging and checkpointing on the way (nothing when
+    ``train.early_stopping`` already ended the run).
 
     Args:
         cfg: run config (``parallel``: rows, loss scaling and epochs count in data-parallel ranks, ``dp``).
@@ -511,8 +559,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         total_steps: optimizer steps of the whole run.
         run_dir: run folder (metrics, checkpoints).
         resume_from: checkpoint whose RNG states to restore once the first batch iterator exists.
-        stop_flag: callable returning True when this rank was asked to stop (signal); checked every
-            step and agreed on by all ranks, then a checkpoint is saved and the loop returns early.
+        stop_flag: callable, True when this rank was asked to stop (signal); agreed on by all ranks every step.
         launch: this launch's number in the run folder (marks its ``metrics.jsonl`` rows).
         generation: :class:`finetune.generation.EvalGeneration` for ``train.eval_generate`` (None: off).
 
@@ -520,16 +567,16 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         The final :class:`TrainState`.
 
     Raises:
-        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm
-            (:class:`Guard`).
+        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm (:class:`Guard`).
     """
+    if _stopped_early(cfg, state):  # a launch after the stop (a requeue, a resume): the export follows
+        return state
     lay, offload = parallel.layout(cfg), cfg.model.offload_activations  # rows and loss scaling count in lay.dp
     gas, by_token = cfg.train.gradient_accumulation_steps, cfg.train.loss_weighting == "token"
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
     meter = StepMeter(engine.module, engine.device, lay.world, engine.bfloat16_enabled() or engine.fp16_enabled())
-    pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train",
-                dynamic_ncols=True)
+    pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train", dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
     window = LogWindow(engine, sink, meter, lay.world, train_dl.sampler.num_samples, pbar, lay.dp, lay.replicas)

@@ -254,6 +254,19 @@ def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
                             f"({e})")
 
 
+def eval_metric_names(cfg: RunConfig) -> list[str]:
+    """Every ``eval/...`` key the run's evaluations write: loss, perplexity (recipes that report it), the recipe's
+    :attr:`~finetune.recipes.Recipe.eval_metrics`, the generation scores of ``train.eval_generate`` and, with
+    ``data.sources``, each source's ``eval/<source>/...``. Known before any model is built."""
+    recipe = get_recipe(cfg.recipe)
+    names = ["loss", *(["perplexity"] if recipe.reports_perplexity else []), *recipe.eval_metrics]
+    per_source = list(names)
+    if cfg.train.eval_generate.prompts:
+        names += ["rougeL", *(["generation_exact_match"] if cfg.train.eval_generate.answer_pattern else [])]
+    sources = [src.get("name") for src in cfg.data.sources if isinstance(src, dict)]
+    return [f"eval/{n}" for n in names] + [f"eval/{src}/{n}" for src in sources for n in per_source]
+
+
 def _check_best(cfg: RunConfig, problems: list[str]) -> None:
     """``train.early_stopping`` and ``train.keep_best``: numbers, an ``eval/`` metric, evaluations to watch."""
     es, kb = cfg.train.early_stopping, cfg.train.keep_best
@@ -271,6 +284,11 @@ def _check_best(cfg: RunConfig, problems: list[str]) -> None:
         elif metric == "eval/perplexity" and cfg.recipe in RECIPES and not get_recipe(cfg.recipe).reports_perplexity:
             problems.append(f"{key}.metric: recipe {cfg.recipe} reports no eval/perplexity; use eval/loss or one "
                             f"of its metrics")
+        elif cfg.recipe in RECIPES and metric not in (known := eval_metric_names(cfg)):
+            close = difflib.get_close_matches(metric, known, n=1)
+            problems.append(f"{key}.metric: '{metric}' is not among the metrics this run's evaluation reports"
+                            + (f" (did you mean '{close[0]}'?)" if close else "")
+                            + f"; choose one of: {', '.join(k for k in known if k.count('/') == 1)}")
         if cfg.train.eval_every <= 0:
             problems.append(f"{key}: needs evaluations during training; set train.eval_every (steps between "
                             f"evaluations), e.g. train.eval_every=100")

@@ -173,3 +173,19 @@ def test_allow_changes_turns_refusals_into_warnings(base, tmp_path, monkeypatch)
     assert resolved.resume_ckpt == run / "checkpoints" / "step8"
     notes = [n for n in resolved.resume_notes if "continuing as --resume-allow-changes asks" in n]
     assert any("data.train_files changed" in n for n in notes) and any("global batch changed" in n for n in notes)
+
+
+def test_non_finite_loss_with_finite_gradients_is_skipped(tmp_path):
+    """IPO with ``beta`` 1e-20 (ZeRO-2, 1 rank): the square overflows to inf in the forward while its gradient (about
+    1e20) stays finite, so the gradient-norm checks alone would train on (loss inf at every step, exit 0). The loop
+    turns a non-finite loss into NaN gradients: each step is skipped and counted, and ``train.max_bad_steps`` in a
+    row end the run with one line, exit status 3."""
+    run = tmp_path / "run"
+    proc = launch(CONFIGS / "parity_dpo.yaml", [f"output_dir={run}", "train.dpo.loss_type=ipo", "train.dpo.beta=1e-20",
+                                                "train.dpo.label_smoothing=0", "train.dpo.rpo_alpha=0",
+                                                "train.max_bad_steps=2", "train.save_every=0", "export=false"], nproc=1)
+    assert proc.returncode == 3, proc.stdout[-3000:]
+    lines = errors(proc)
+    assert len(lines) == 1 and "training diverged: 2 consecutive optimizer steps" in lines[0], proc.stdout[-3000:]
+    bad = {r["step"]: r["train/bad_steps"] for r in read_metrics(run) if "train/bad_steps" in r}
+    assert bad == {1: 1, 2: 2}, bad

@@ -89,29 +89,48 @@ def main(argv: list[str] | None = None) -> int:
     return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
 
 
-def export_step(engine, run_dir, state, cfg) -> int:
-    """The step whose checkpoint is exported: ``train.keep_best``'s best one (loaded into the engine, so that the
-    export is checked against its logits) or the last. All ranks call it."""
-    best = state.best_step
-    if not cfg.train.keep_best.metric or best < 0 or best == state.step:
-        return state.step
-    ckpt = ckpt_utils.checkpoints_dir(run_dir) / f"step{best}"
-    if not ckpt_utils.is_complete(ckpt) or ckpt_utils.marker(ckpt).get("world_size") != dist_utils.world_size():
-        logger.warning(f"train.keep_best: the best checkpoint {ckpt} is missing or of another world size; exporting "
-                       f"the last step {state.step} instead")
-        return state.step
-    ckpt_utils.load(engine, ckpt, what="train.keep_best: loaded the best checkpoint")
-    logger.info(f"train.keep_best: exporting step {best} ({cfg.train.keep_best.metric}={state.best_value:.6g}), "
-                f"not the last step {state.step}")
-    return best
+def export_step(engine, run_dir, state, cfg, ds: dict) -> tuple[int, dict]:
+    """The step whose checkpoint is exported and why (``export_check.json``'s ``chosen_by``): ``train.keep_best``'s
+    best one, loaded into the engine so that the export is checked against its logits (through its universal copy
+    when it was saved with another world size, ZeRO stage or parallel layout: an elastic resume), or the last step.
+    All ranks call it.
 
-
-def _chosen_by(state, cfg) -> dict:
-    kb = cfg.train.keep_best
-    if kb.metric and state.best_step >= 0:
-        return {"keep_best": {"metric": kb.metric, "mode": kb.mode, "value": state.best_value, "step": state.best_step}}
-    return {"last_step": state.step, **({"early_stopping": cfg.train.early_stopping.metric} if state.early_stopped
+    Raises:
+        RunFailure: the best checkpoint could not be converted or loaded.
+    """
+    kb, best = cfg.train.keep_best, state.best_step
+    last = {"last_step": state.step, **({"early_stopping": cfg.train.early_stopping.metric} if state.early_stopped
                                         else {})}
+    if not kb.metric:
+        return state.step, last
+    chosen = {"keep_best": {"metric": kb.metric, "mode": kb.mode, "value": state.best_value, "step": best}}
+    if best < 0:
+        logger.warning(f"train.keep_best: no evaluation gave a finite {kb.metric}; exporting the last step {state.step}")
+        return state.step, {**last, "keep_best": {"metric": kb.metric, "unavailable": "no finite evaluation"}}
+    if best == state.step:
+        return best, chosen
+    ckpt = ckpt_utils.checkpoints_dir(run_dir) / f"step{best}"
+    why = None if ckpt_utils.is_complete(ckpt) else f"the best checkpoint {ckpt} is missing or incomplete"
+    lay = parallel.layout(cfg)
+    now = (lay.world, engine.zero_optimization_stage(), lay.sp, lay.tp)
+    universal = why is None and ckpt_utils.saved_layout(ckpt) != now
+    if universal:
+        problems, _, _ = ckpt_utils.resume_layout(ckpt, lay.world, ds)
+        why = problems[0].replace("--resume: ", "") if problems else None
+        universal = ckpt_utils.is_sharded(ckpt)  # a ZeRO-0 fp32 checkpoint loads on any layout as it is
+    if why:
+        logger.warning(f"train.keep_best: cannot load the best checkpoint (step {best}): {why}; exporting the last "
+                       f"step {state.step} instead")
+        return state.step, {**last, "keep_best": {"metric": kb.metric, "best_step": best, "unavailable": why}}
+    if universal:
+        copy = ckpt_utils.to_universal(ckpt)
+        with ckpt_utils.universal_loading(engine):
+            ckpt_utils.load(engine, ckpt, copy, what="train.keep_best: loaded the best checkpoint (universal copy)")
+    else:
+        ckpt_utils.load(engine, ckpt, what="train.keep_best: loaded the best checkpoint")
+    logger.info(f"train.keep_best: exporting step {best} ({kb.metric}={state.best_value:.6g}), not the last step "
+                f"{state.step}")
+    return best, chosen
 
 
 def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
@@ -177,8 +196,9 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
 
         if cfg.export:
             with parallel.sequence_parallel_off():  # whole sequences on every rank, checked against the export
-                export_and_verify(engine, run_dir, export_step(engine, run_dir, state, cfg), data.splits.validation,
-                                  data.collator, ds, recipe, chosen_by=_chosen_by(state, cfg))
+                step, chosen_by = export_step(engine, run_dir, state, cfg, ds)
+                export_and_verify(engine, run_dir, step, data.splits.validation, data.collator, ds, recipe,
+                                  chosen_by=chosen_by)
         if rank == 0:
             summary = write_run_report(run_dir)
             if summary:

@@ -146,6 +146,10 @@ class Recipe:
     ``LossOutput.counts`` summed over eval batches and ranks; artefacts (name -> JSON-able dict) go to
     ``<run>/eval/step<N>_<name>.json`` and, with ``labels`` and ``matrix``, to TensorBoard as an image. Required
     when ``forward`` returns ``counts``."""
+    eval_metrics: tuple[str, ...] = ()
+    """Names of the metrics ``forward(..., metrics=True)`` and :attr:`eval_report` add to the loss (logged as
+    ``eval/<name>``; ``seq_cls``'s ``f1`` for two classes only): ``--check`` refuses a ``train.keep_best`` or
+    ``train.early_stopping`` metric no evaluation reports, before any training."""
     reports_perplexity: bool = True
     """Evaluation also reports ``eval/perplexity`` = exp(``eval/loss``) (false where the loss is no token
     cross-entropy: ``dpo``)."""

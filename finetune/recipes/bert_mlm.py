@@ -137,4 +137,5 @@ def target_fraction(data_cfg: DataConfig) -> float:
 
 RECIPE = Recipe(name="bert_mlm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, target_fraction=target_fraction)
+                count_targets=count_targets, target_fraction=target_fraction,
+                eval_metrics=("masked_accuracy",))

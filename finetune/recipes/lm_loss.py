@@ -31,10 +31,10 @@ wasted work (for a BERT with the full vocabulary the MLM head plus cross-entropy
   "Liger Kernel", arXiv:2410.10989): it computes the gradients chunk by chunk in the forward pass, so nothing
   is recomputed and no ``[targets, vocab]`` logits are kept. Everywhere else (CPUs, evaluation, MLM heads with a
   transform before the projection) the chunked PyTorch path above runs. :func:`fused_head_loss` says which, and
-  the first use is logged. Not yet run on a GPU by this project (no GPU was lent to the sessions that wrote it):
-  ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked`` checks it on a GPU against the full head
-  (fp32, 1e-4) and the chunked path (bf16); it has not been run under ZeRO-3 (where DeepSpeed still gathers the
-  head's weight for the backward pass, which Liger does not need).
+  the first use is logged. Not yet run on a GPU: ``tests/test_head_loss.py::test_liger_fused_head_equals_chunked``
+  (skipped without CUDA) checks it against the full head (fp32, 1e-4) and the chunked path (bf16) where a GPU is
+  present; it is not yet run under ZeRO-3 (where DeepSpeed still gathers the head's weight for the backward pass,
+  which Liger does not need).
 
 The chunked path gives the full head's numbers: the sum of per-position cross-entropies over the same
 positions, in fp32 (``tests/test_head_loss.py`` checks losses at 1e-6 and gradients at 1e-5 of their largest

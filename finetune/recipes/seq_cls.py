@@ -264,4 +264,5 @@ def eval_report(counts: torch.Tensor, model_config) -> tuple[dict[str, float], d
 RECIPE = Recipe(name="seq_cls", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
                 tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
                 count_targets=count_targets, columns=columns, check_data=check_labels,
-                prepare_model_config=prepare_model_config, eval_report=eval_report, targets_per_row=True)
+                prepare_model_config=prepare_model_config, eval_report=eval_report, targets_per_row=True,
+                eval_metrics=("accuracy", "macro_f1", "f1"))
