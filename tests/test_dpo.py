@@ -7,8 +7,8 @@ exercised), all sharing one fresh tokenization/reference cache:
 * ZeRO-0 (computes the reference log-probabilities: the log says "computed") and ZeRO-3 (the log says "reused"):
   per-step ``train/loss`` and ``train/grad_norm`` equal :func:`dpo_reference` (one process, full logits, a frozen
   copy of the initial model as the reference, forwarded at every step) at the parity battery's tolerances (loss
-  1e-5 relative, grad norm 1e-4); golden losses (``tests/parity_golden.json``, ``dpo-z0``; regenerate with
-  ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden``). The cached reference values equal a forward of
+  1e-5 relative, grad norm 1e-4); golden losses (``tests/parity_golden.json``, ``dpo-z0``, with how they were made
+  in ``dpo-z0-made-with``; regenerate with ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden``). The cached reference values equal a forward of
   the initial model at 1e-6.
 * A resume of the ZeRO-0 run from its step-2 checkpoint repeats steps 3-4 exactly and reuses the reference.
 * LoRA at ZeRO-2 and ZeRO-3 (RPO off, no warmup): the reference is the base model (adapters off), so step 1's
@@ -18,8 +18,11 @@ The shipped ``dpo_gsm8k.yaml`` learns (extended): held-out reward accuracy above
 
 Checks before any model (``--check``, in process): missing columns, null/empty responses, conversational rows
 without an assistant turn, bad ``train.dpo`` values: one line each, exit 2. Tokenization (in process): the
-conversational form trains on the response only; identical pairs and prompts that leave no response token are
-dropped and counted.
+conversational form trains on the response only; identical pairs, pairs identical after truncation to
+``data.max_seq_len`` and prompts that leave no response token are dropped and counted. A split with no pair left
+after truncation is refused by ``--check``; ``finetune doctor`` reports the share of such pairs per split. A chat
+template that raises on a row is one line naming the row. The reference cache key changes when a model file is
+replaced by one of the same size and mtime, and with the library versions.
 """
 
 from __future__ import annotations
@@ -199,7 +202,21 @@ def test_golden_losses(runs):
     got = [losses[s] for s in sorted(losses)]
     golden = json.loads(GOLDEN.read_text())
     if os.environ.get("PARITY_UPDATE_GOLDEN"):
+        import platform
+
+        import deepspeed
+        import transformers
+
         golden["dpo-z0"] = got
+        golden["dpo-z0-made-with"] = {
+            "note": "train/loss of steps 1..4 of tests/test_dpo.py's ZeRO-0 run (2 CPU ranks, fp32), compared at "
+                    "rtol 1e-4; made by a real run with the command below. Regenerate only for an intended "
+                    "numerical change (and say why in the commit).",
+            "command": "PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden",
+            "config": str(CONFIG.relative_to(REPO)), "overrides": ["ds.zero_optimization.stage=0"],
+            "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()},
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, DS_ACCELERATOR=cpu"}
         GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
     assert "dpo-z0" in golden, "no golden losses for dpo-z0 (PARITY_UPDATE_GOLDEN=1 makes them)"
     assert max_rel(got, golden["dpo-z0"]) <= 1e-4, (got, golden["dpo-z0"])
@@ -348,3 +365,117 @@ def test_shipped_config_learns_to_prefer_the_right_answer(tmp_path):
     acc = {r["step"]: r["eval/rewards/accuracies"] for r in read_metrics(run) if "eval/rewards/accuracies" in r}
     assert acc[0] == 0.0 and acc[max(acc)] > 0.5, acc
     assert (run / "report.png").is_file() and (run / "export" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pairs that become identical once cut to data.max_seq_len; chat templates that raise; a stale reference cache
+# ---------------------------------------------------------------------------------------------------------
+
+PREF_TRAIN = REPO / "data" / "gsm8k_pref" / "train.parquet"
+
+
+def _identical_within(tokenizer, n_tokens: int, rows: int = 32) -> dict:
+    """The first ``rows`` shipped training pairs whose chosen and rejected sequences share their first
+    ``n_tokens`` tokens (they differ only in the final answer, after it)."""
+    table = pq.read_table(PREF_TRAIN).slice(0, rows).to_pydict()
+    keep = [i for i, (p, c, r) in enumerate(zip(table["prompt"], table["chosen"], table["rejected"]))
+            if dpo.encode_pair(tokenizer, p, c)[0][:n_tokens] == dpo.encode_pair(tokenizer, p, r)[0][:n_tokens]]
+    return {k: [v[i] for i in keep] for k, v in table.items()}
+
+
+def test_pairs_identical_after_truncation_are_dropped_and_counted():
+    """At 128 tokens 24 of the first 32 shipped pairs keep the same tokens in chosen and rejected (the answers
+    differ after that): they are dropped and counted, the 8 others kept."""
+    tokenizer = dpo.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2"))
+    fn = dpo.tokenize_function(tokenizer, load_run_config(CONFIG, ["data.max_seq_len=128"]).data)
+    out = fn(pq.read_table(PREF_TRAIN).slice(0, 32).to_pydict())
+    assert len(out["input_ids"]) == 8, fn.summary()
+    assert all(c != r for c, r in zip(out["input_ids"], out["rejected_input_ids"]))
+    assert ("32 rows -> 8 pairs (dropped 24 of 32 pairs whose chosen and rejected are identical after truncation "
+            "to data.max_seq_len=128 tokens") in fn.summary(), fn.summary()
+
+
+def test_a_split_of_only_identical_after_truncation_is_refused(tmp_path, capsys):
+    """A file whose every pair is identical within data.max_seq_len: one line naming the file and the fix, exit 2,
+    before any model; at a length where the answers fit, the same file passes."""
+    tokenizer = dpo.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2"))
+    same = _write(tmp_path / "same128.parquet", _identical_within(tokenizer, 128))
+    assert _check(tmp_path, [same], ["data.max_seq_len=128"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "same128.parquet" in line]
+    assert len(lines) == 2, lines  # train and validation (the same file)
+    assert all("24 pairs" in line and "identical" in line and "raise data.max_seq_len" in line for line in lines), lines
+    assert _check(tmp_path, [same], ["data.max_seq_len=384"]) == 0
+
+
+def test_doctor_reports_the_share_of_pairs_identical_after_truncation(tmp_path, capsys):
+    """``finetune doctor``: a row per split with the share of pairs dropped as identical within max_seq_len."""
+    from finetune.commands import doctor
+
+    doctor.main([str(CONFIG), f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.max_seq_len=128"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dpo ")]
+    assert any("data.train_files" in r and "24 of 32 pairs (75.0%)" in r for r in rows), rows
+    assert any("data.validation_files" in r and "113 of 200 pairs (56.5%)" in r for r in rows), rows
+    doctor.main([str(CONFIG), f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.max_seq_len=384"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dpo ")]
+    assert len(rows) == 2 and all("  ok  " in r and "0 of " in r for r in rows), rows
+
+
+STRICT_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] not in ['system', 'user', 'assistant'] -%}"
+                   "{{- raise_exception('unknown role ' + m['role']) -}}{%- endif -%}"
+                   "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + eos_token + '\\n' -}}{%- endfor -%}"
+                   "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_a_chat_template_that_raises_is_one_line_before_any_model(tmp_path, capsys):
+    """A template that raises on a row (Llama's and Mistral's on an unknown role): the file, row and the template's
+    message in one line, exit 2, no traceback."""
+    template = tmp_path / "strict.jinja"
+    template.write_text(STRICT_TEMPLATE)
+    user, robot = [{"role": "user", "content": "2+2?"}], [{"role": "robot", "content": "2+2?"}]
+    chat = _write(tmp_path / "robot.parquet", {"prompt": [user, robot],
+                                               "chosen": [[{"role": "assistant", "content": "4"}]] * 2,
+                                               "rejected": [[{"role": "assistant", "content": "5"}]] * 2})
+    assert _check(tmp_path, [chat], [f"data.chat_template={template}"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "robot.parquet" in line]
+    assert lines and all("row 1" in line and "unknown role robot" in line for line in lines), err
+    assert "Traceback" not in err
+
+
+def test_reference_key_follows_the_weights_content_and_library_versions(tmp_path, monkeypatch):
+    """A weight file replaced by one of the same size with the old mtime (``rsync -a`` of a re-export) gives a new
+    key, so the cached reference is not reused; so does another library version."""
+    import datasets
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(REPO / "data/models/tiny-llama/config.json", model / "config.json")
+    weights = model / "model.safetensors"
+    save_file({"w": torch.zeros(256)}, weights)
+    cfg = _cfg(tmp_path / "cache", [f"model.path={model}", "model.init=pretrained"])
+    split = datasets.Dataset.from_dict({"input_ids": [[1, 2]]})
+    key = dpo.reference_key(cfg, split, "fp32")
+    cached = tmp_path / "cache" / "reference" / f"dpo-train-{key}.npy"
+    cached.parent.mkdir(parents=True)
+    np.save(cached, np.zeros((1, 2)))
+    before = os.stat(weights)
+    save_file({"w": torch.ones(256)}, weights)  # a re-export: same size, other values
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(weights)
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    new = dpo.reference_key(cfg, split, "fp32")
+    assert new != key and not (cached.parent / f"dpo-train-{new}.npy").exists()
+    monkeypatch.setattr(dpo, "library_versions", lambda: {"torch": "0.0"}, raising=False)
+    assert dpo.reference_key(cfg, split, "fp32") != new
+    # files above FULL_HASH_BYTES (multi-GB shards) are sampled: header, 256 blocks, the end
+    big = {"w": torch.zeros(1 << 20)}  # 4 MiB
+    monkeypatch.setattr(dpo, "FULL_HASH_BYTES", 1 << 20)
+    save_file(big, weights)
+    sampled = dpo.content_digest(weights)
+    save_file({"w": torch.ones(1 << 20)}, weights)
+    assert dpo.content_digest(weights) not in (sampled, dpo.content_digest(model / "config.json"))

@@ -231,6 +231,43 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     assert proc.returncode == 2 and len(errors) == 4, proc.stdout[-3000:]  # msgs: one line per file
 
 
+STRICT_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] not in ['system', 'user', 'assistant'] -%}"
+                   "{{- raise_exception('unknown role ' + m['role']) -}}{%- endif -%}{%- if m['role'] == 'assistant' -%}"
+                   "{{- '<|im_start|>assistant\\n' -}}{%- generation -%}{{- m['content'] + eos_token -}}{%- endgeneration -%}"
+                   "{{- '\\n' -}}{%- else -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + eos_token + '\\n' -}}"
+                   "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+def test_a_chat_template_that_raises_is_one_line_before_any_model(tmp_path, monkeypatch):
+    """A template that raises on a row (Llama's and Mistral's raise on an unknown role): one problem line naming
+    the file, the row and the template's message, before any model. A file that renders is remembered in
+    ``<cache>/checked``: the next check of the same file version does not render it again."""
+    from transformers import PreTrainedTokenizerBase
+
+    template = tmp_path / "strict.jinja"
+    template.write_text(STRICT_TEMPLATE)
+    robot = _chat_files(tmp_path, [CONVERSATION, [{"role": "robot", "content": "beep"},
+                                                  {"role": "assistant", "content": "ok"}], CONVERSATION])
+    good = _chat_files(tmp_path, [CONVERSATION] * 3)
+    cache = tmp_path / "cache"
+    base = [f"data.chat_template={template}", f"data.cache_dir={cache}", f"data.validation_files=[{good}]"]
+    problems = _problems(tmp_path, [*base, f"data.train_files=[{robot}]"])
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    assert f"data.train_files: '{robot}' row 1 of column 'messages'" in problems[0], problems
+    assert "unknown role robot" in problems[0] and "data.chat_template" in problems[0], problems
+
+    assert _problems(tmp_path, [*base, f"data.train_files=[{good}]"]) == []
+    assert len(list((cache / "checked").glob("template-*"))) == 1
+    renders = []
+
+    def counted(self, *args, **kwargs):
+        renders.append(kwargs)
+        raise AssertionError("rendered again")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", counted)
+    assert _problems(tmp_path, [*base, f"data.train_files=[{good}]"]) == [] and not renders
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Real 2-rank runs: Llama / Qwen3 architectures, gpt_clm and sft, ZeRO stages, export + reload + logit check
 # ---------------------------------------------------------------------------------------------------------

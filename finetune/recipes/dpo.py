@@ -10,9 +10,12 @@ Data, in TRL's two forms (per row, from the prompt's type):
   messages (a plain string is taken as one assistant message); ``prompt + response`` is rendered with
   ``data.chat_template`` or the tokenizer's own (as ``sft`` does) and only the response's tokens are targets.
 
-A pair whose two responses are identical, or whose responses lose every token to ``data.max_seq_len``
-(``data.truncation: truncate`` cuts the end; ``drop`` leaves out any pair longer than it), is dropped and counted
-(:meth:`PairExamples.summary`). Null or empty responses are refused before any model is built (:func:`check_pairs`).
+A pair whose two responses are identical, or become identical once cut to ``data.max_seq_len`` (they differ only
+after it: such a pair has no DPO gradient and always counts as a wrong ranking), or whose responses lose every token
+to ``data.max_seq_len`` (``data.truncation: truncate`` cuts the end; ``drop`` leaves out any pair longer than it), is
+dropped and counted (:meth:`PairExamples.summary`). Null or empty responses, a chat template that raises on a row,
+and a split none of whose pairs survives truncation are refused before any model is built (:func:`check_pairs`);
+``finetune doctor`` reports the share of pairs identical after truncation per split (:func:`doctor_rows`).
 
 A tokenized row holds the chosen sequence as ``input_ids``/``labels`` and the rejected one as
 ``rejected_input_ids``/``rejected_labels`` (length grouping reads the chosen length). A micro-batch of ``B`` pairs
@@ -42,8 +45,9 @@ policy and reference log-probabilities are deterministic.
 
 **Reference without a second model.** ``before_training`` computes ``(ref_c, ref_r)`` of every pair of both
 splits once, with the engine's initial weights (no grad, every rank its shard, in lockstep under ZeRO-3), keeps
-them in ``<cache>/reference/`` under a key of the tokenized split and the model (files, overrides, init, seed,
-attention, precision) so that a resume or another run reuses them, and adds them as the ``reference_logps`` column.
+them in ``<cache>/reference/`` under a key of the tokenized split, the model (files and a hash of their content,
+overrides, init, seed, attention, precision) and the library versions (:func:`reference_key`) so that a resume or
+another run reuses them, and adds them as the ``reference_logps`` column.
 With LoRA the reference is the base model: each step runs a no-grad forward with the adapters disabled (peft's
 ``disable_adapter``), no pass. SimPO needs no reference.
 
@@ -57,6 +61,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib.metadata
 import os
 import time
 from collections import Counter
@@ -67,15 +73,18 @@ import peft
 import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AutoModelForCausalLM
 
 from finetune import distributed as dist_utils
+from finetune import mixture
 from finetune.batch import LossOutput, model_inputs, to_device
 from finetune.config import DataConfig, DpoConfig, RunConfig
 from finetune.data import (
     TrainData,
     default_cache_dir,
     eval_loader,
+    expand_files,
     file_id,
     fingerprint,
     string_type,
@@ -87,10 +96,11 @@ from finetune.recipes import Recipe
 from finetune.recipes.gpt_clm import shift_labels
 from finetune.recipes.lm_loss import token_loss_sum
 from finetune.recipes.sft import (
+    TemplateCheck,
     chat_template,
     count_summary,
-    encode_messages,
     encode_pair,
+    encode_rendered,
     message_problem,
     prepare_tokenizer as sft_tokenizer,
     prompt_ids,
@@ -181,6 +191,10 @@ class PairExamples:
     def reset(self) -> None:
         """Zero the counts (one split at a time)."""
         self.counts: Counter = Counter()
+        self.shortest_difference = 0
+        """Of the pairs dropped as identical after truncation (``identical_truncated``), the fewest tokens that
+        keep the first one that differs: a ``data.max_seq_len`` at which one of them is kept (0: none dropped).
+        Not part of ``counts`` (it is no sum), so not kept in the tokenization cache."""
 
     def _template(self) -> str:
         if self.template is None:
@@ -200,7 +214,7 @@ class PairExamples:
             problem = message_problem(turns)
             if problem:
                 raise ConfigError(f"data.{where}_column: a row's {where} is {problem}")
-        ids, labels = encode_messages(self.tokenizer, list(prompt) + messages, template)
+        ids, labels = encode_rendered(self.tokenizer, list(prompt) + messages, template, "prompt/response")
         start = prompt_length(self.tokenizer, list(prompt), template)
         labels[:start] = [-100] * min(start, len(labels))
         return ids, labels
@@ -235,9 +249,19 @@ class PairExamples:
             if why:
                 c[why] += 1
                 continue
+            (ids_c, lab_c), (ids_r, lab_r) = fitted
+            if ids_c == ids_r:  # nothing tells chosen from rejected: zero gradient, reward accuracy 0
+                if any(len(p[0]) > d.max_seq_len for p in pair):
+                    c["identical_truncated"] += 1
+                    full_c, full_r = pair[0][0], pair[1][0]
+                    need = next((i for i, (a, b) in enumerate(zip(full_c, full_r)) if a != b),
+                                min(len(full_c), len(full_r))) + 1
+                    self.shortest_difference = min(self.shortest_difference or need, need)
+                else:
+                    c["identical"] += 1
+                continue
             if any(len(p[0]) > d.max_seq_len for p in pair):
                 c["truncated"] += 1
-            (ids_c, lab_c), (ids_r, lab_r) = fitted
             out["input_ids"].append(ids_c)
             out["attention_mask"].append([1] * len(ids_c))
             out["labels"].append(lab_c)
@@ -250,7 +274,10 @@ class PairExamples:
     def summary(self) -> str:
         """One line: rows read, pairs kept, what was dropped or truncated and why."""
         c = self.counts
-        text = count_summary("dpo", c, "pairs", [("identical", "with identical chosen and rejected responses"),
+        same = (f"of {c['rows']:,} pairs whose chosen and rejected are identical after truncation to "
+                f"data.max_seq_len={self.d.max_seq_len} tokens (raise data.max_seq_len to keep them)")
+        text = count_summary("dpo", c, "pairs", [("identical_truncated", same),
+                                                 ("identical", "with identical chosen and rejected responses"),
                                                  ("empty", "with a null prompt or a null or empty response"),
                                                  ("no_answer", "with a response without an assistant turn")],
                              self.d.max_seq_len, "response")
@@ -424,17 +451,75 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
 
 
+FULL_HASH_BYTES = 1 << 30
+"""Model files up to this size (1 GiB) are hashed whole by :func:`content_digest`; larger ones are sampled."""
+_SAMPLES, _SAMPLE_BYTES, _END_BYTES = 256, 1 << 16, 1 << 20
+
+
+def content_digest(path: str | Path) -> str:
+    """SHA-256 (hex) of a file's content, so that a file replaced by another of the same size and mtime (``rsync -a``
+    of a re-export, ``cp -p``) gets another digest.
+
+    Files up to :data:`FULL_HASH_BYTES` are hashed whole (about 1 s per GiB). Larger ones (the shards of a
+    multi-GB model, read by every rank at each launch) are hashed from their size, their header (a
+    ``.safetensors`` file's whole JSON header: every tensor's name, dtype, shape and offsets; else the first MiB),
+    256 blocks of 64 KiB at evenly spaced offsets and the last MiB: a re-trained model changes nearly every
+    block, so any sample sees it.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256(f"{size}:".encode())
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+            return h.hexdigest()
+        head = _END_BYTES
+        if path.suffix == ".safetensors":
+            first = f.read(8)
+            head = 8 + min(int.from_bytes(first, "little"), size - 8) if len(first) == 8 else _END_BYTES
+            f.seek(0)
+        h.update(f.read(head))
+        for k in range(_SAMPLES):
+            f.seek(head + max(0, size - head - _SAMPLE_BYTES) * k // (_SAMPLES - 1))
+            h.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _END_BYTES))
+        h.update(f.read(_END_BYTES))
+    return h.hexdigest()
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the packages that compute the reference log-probabilities (torch, transformers, deepspeed,
+    finetune): a new kernel or model implementation may change them in the last digits."""
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("deepspeed", "finetune"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "?"
+    return versions
+
+
 def reference_key(cfg: RunConfig, split, precision: str) -> str:
-    """Cache key of a split's reference log-probabilities (20 hex digits): the tokenized split's file(s) and rows and
-    the initial model (its folder's files, ``init``, the seed of a scratch model, ``config_overrides``, attention,
-    fused kernels) and ``precision`` (``fp32``, ``bf16``, ``fp16``); a change of any gives a new key."""
+    """Cache key of a split's reference log-probabilities (20 hex digits): the tokenized split's file(s) and rows,
+    the initial model (each file of its folder: path, size, mtime and :func:`content_digest`; ``init``, the seed of a
+    scratch model, ``config_overrides``, attention, fused kernels), ``precision`` (``fp32``, ``bf16``, ``fp16``) and
+    :func:`library_versions`; a change of any gives a new key.
+
+    Raises:
+        OSError: a model file cannot be read.
+    """
     model_dir = Path(cfg.model.path)
     files = sorted(str(p) for p in model_dir.glob("*") if p.is_file()) if model_dir.is_dir() else []
     return fingerprint({"tokenized": [file_id(f["filename"]) for f in split.cache_files], "rows": len(split),
-                        "model": [file_id(f) for f in files], "init": cfg.model.init,
+                        "model": [[*file_id(f), content_digest(f)] for f in files], "init": cfg.model.init,
                         "seed": cfg.train.seed if cfg.model.init == "scratch" else None,
                         "overrides": cfg.model.config_overrides, "attention": cfg.model.attn_implementation,
-                        "fused_kernels": cfg.model.fused_kernels, "precision": precision, "version": 1})
+                        "fused_kernels": cfg.model.fused_kernels, "precision": precision,
+                        "libraries": library_versions(), "version": 2})
 
 
 @torch.no_grad()
@@ -510,7 +595,10 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
     Problems: ``train.dpo`` values out of range, a file without a needed column or with a column that is neither
     text nor a list of messages, a null or empty response or a null prompt (the first such row of each file and
     column, and their number), a conversational row whose prompt is not a list of ``{role, content}`` messages or
-    whose response has no assistant turn, and a conversational file with no chat template to render it.
+    whose response has no assistant turn, a conversational file with no chat template to render it, a row on which
+    the chat template raises (:class:`finetune.recipes.sft.TemplateCheck`: prompt + chosen and prompt + rejected
+    rendered once per file version), and a split none of whose pairs is left once cut to ``data.max_seq_len``
+    because chosen and rejected become identical (read until the first pair that is kept).
     """
     s, d = cfg.train.dpo, cfg.data
     if s.beta <= 0:
@@ -520,12 +608,16 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
     if s.rpo_alpha < 0:
         problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} must be >= 0")
     conversational = False
+    templates = TemplateCheck(cfg, prepare_tokenizer)
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        split_start = len(problems)
         for f in files:
             try:
                 schema = pq.ParquetFile(f).schema_arrow
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                split_start = -1
                 continue
+            file_start = len(problems)
             missing = [c for c in columns(d) if c not in schema.names]
             if missing:
                 problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
@@ -539,8 +631,10 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                 continue
             table = pq.read_table(f, columns=columns(d))
             prompts = table.column(prompt_column(d)).to_pylist()
+            responses = {}
             for col in columns(d):
                 values = prompts if col == prompt_column(d) else table.column(col).to_pylist()
+                responses[col] = values
                 empty = [i for i, v in enumerate(values) if v is None or (col != prompt_column(d) and not v)
                          or (isinstance(v, str) and col != prompt_column(d) and not v.strip())]
                 if empty:
@@ -566,8 +660,101 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                                         f" is {problem}; a conversational row is a list of {{role, content}} "
                                         f"messages (prompt) and assistant messages (chosen, rejected)")
                         break
+            if len(problems) == file_start and any(not isinstance(p, str) for p in prompts):
+                templates.check(key, f, columns(d), ((i, col, list(p) + _as_messages(responses[col][i]))
+                                                     for i, p in enumerate(prompts) if not isinstance(p, str)
+                                                     for col in (d.chosen_column, d.rejected_column)), problems)
+        if files and len(problems) == split_start:
+            _check_pairs_left(templates.tokenizer(), d, key, files, problems)
     if conversational and not template_text(d):
         tokenizer_template_problem(cfg, problems)
+
+
+def _pair_batches(files: list[str], data_cfg: DataConfig, limit: int = 0, size: int = 256):
+    """The rows of ``files`` (the first ``limit`` when > 0) as batches of :func:`columns` (dicts of lists)."""
+    left = limit or None
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(columns=columns(data_cfg), batch_size=size):
+            rows = batch.to_pydict()
+            if left is not None:
+                rows = {k: v[:left] for k, v in rows.items()}
+                left -= len(rows[prompt_column(data_cfg)])
+            yield rows
+            if left is not None and left <= 0:
+                return
+
+
+def identical_after_truncation(tokenizer, data_cfg: DataConfig, files: list[str], limit: int = 0,
+                               until_kept: bool = False) -> PairExamples:
+    """Tokenize the pairs of ``files`` as training does (:class:`PairExamples`; the first ``limit`` rows when > 0)
+    and return the map function with its counts: ``rows``, ``pairs`` (kept), ``identical_truncated`` (dropped:
+    chosen and rejected identical after truncation to ``data.max_seq_len``) and the other reasons; its
+    ``shortest_difference``. With ``until_kept`` it stops at the first batch (256 rows) that keeps a pair.
+
+    Raises:
+        ConfigError: a malformed conversational row (reported by :func:`check_pairs` first).
+    """
+    fn = PairExamples(tokenizer, data_cfg)
+    for batch in _pair_batches(files, data_cfg, limit):
+        fn(batch)
+        if until_kept and fn.counts["pairs"]:
+            break
+    return fn
+
+
+def _check_pairs_left(tokenizer, d: DataConfig, key: str, files: list[str], problems: list[str]) -> None:
+    """Refuse a split none of whose pairs survives truncation because chosen and rejected become identical (they
+    would train on nothing: loss log 2 at every step, reward accuracy 0). Reads until the first kept pair, so a
+    split that has one costs one batch of rows."""
+    if tokenizer is None or d.truncation != "truncate":
+        return
+    limit = d.max_train_rows if key == "data.train_files" else 0
+    try:
+        fn = identical_after_truncation(tokenizer, d, files, limit, until_kept=True)
+    except Exception:  # noqa: BLE001  (malformed rows and templates are reported by check_pairs)
+        return
+    c = fn.counts
+    if c["pairs"] or not c["identical_truncated"]:
+        return
+    use = "to train on" if key == "data.train_files" else "to evaluate on"
+    problems.append(f"{key}: no pair of {', '.join(repr(f) for f in files)} is left {use}: the chosen and rejected "
+                    f"responses of all its {c['identical_truncated']:,} pairs are identical after "
+                    f"truncation to data.max_seq_len={d.max_seq_len} tokens (they differ after it); raise "
+                    f"data.max_seq_len (data.max_seq_len={fn.shortest_difference} keeps at least one) or shorten "
+                    f"the prompts")
+
+
+def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """``finetune doctor``'s ``dpo`` rows: per split (and source), the share of pairs dropped because chosen and
+    rejected are identical after truncation to ``data.max_seq_len`` (``ok`` none, ``warn`` some, ``FAIL`` all).
+    Tokenizes the splits' files in this process (the validation share of a held-out split is not measured).
+    Nothing when the tokenizer or the files cannot be read (other rows report that)."""
+    rows: list[tuple[str, str, str]] = []
+    tokenizer = TemplateCheck(cfg, prepare_tokenizer).tokenizer()
+    if tokenizer is None:
+        return rows
+    problems: list[str] = []
+    sources = mixture.sources_of(cfg.data, problems)
+    for where, d in [(f"{s.where}: ", s.data) for s in sources] or [("", cfg.data)]:
+        for key, patterns in (("data.train_files", d.train_files), ("data.validation_files", d.validation_files)):
+            files = expand_files(patterns, key, problems)
+            if not files:
+                continue
+            limit = d.max_train_rows if key == "data.train_files" else 0
+            try:
+                fn = identical_after_truncation(tokenizer, d, files, limit)
+            except Exception:  # noqa: BLE001  (bad files and rows are reported by the data and config rows)
+                continue
+            c, name = fn.counts, (where + key.removeprefix("data.") if where else key)
+            n, total = c["identical_truncated"], c["rows"]
+            status = "ok" if not n else "FAIL" if not c["pairs"] else "warn"
+            text = (f"{name}: {n:,} of {total:,} pairs ({100 * n / max(total, 1):.1f}%) have chosen and rejected "
+                    f"identical after truncation to data.max_seq_len={d.max_seq_len} tokens")
+            if n:
+                text += (f" and are dropped ({c['pairs']:,} pairs left); raise data.max_seq_len "
+                         f"(at {fn.shortest_difference} tokens the first of them would be kept)")
+            rows.append(("dpo", status, text))
+    return rows
 
 
 RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
@@ -575,4 +762,6 @@ RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS, prepare_tokenizer=prepare_t
                 count_targets=count_targets, configure=configure, before_training=before_training,
                 columns=columns, cache_key=cache_key, checks_columns=True, counts_rows=True, check_data=check_pairs,
                 prepare_model_config=prepare_model_config, reports_perplexity=False, generates_text=True,
-                sequences_per_row=2, generation_pairs=generation_pairs)
+                sequences_per_row=2, generation_pairs=generation_pairs,
+                eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps") for v in ("chosen", "rejected"))
+                + ("rewards/accuracies", "rewards/margins"))

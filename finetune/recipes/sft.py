@@ -37,16 +37,19 @@ cross-entropy over labels != -100, i.e. answer tokens; eval loss and perplexity 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import jinja2
 import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from finetune.config import DataConfig, RunConfig
-from finetune.data import string_type
+from finetune.data import default_cache_dir, file_id, fingerprint, string_type
 from finetune.errors import ConfigError
 from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
@@ -237,6 +240,99 @@ def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[lis
     return ids, labels
 
 
+def encode_rendered(tokenizer, messages: list[dict], template: str, column: str) -> tuple[list[int], list[int]]:
+    """:func:`encode_messages`, with an error the template raises (``raise_exception``) as one ConfigError line
+    (the input checks render every row first, :class:`TemplateCheck`; this is the backstop).
+
+    Raises:
+        ConfigError: the template raised on the conversation, or :func:`encode_messages`'s.
+    """
+    try:
+        return encode_messages(tokenizer, messages, template)
+    except jinja2.TemplateError as e:
+        raise ConfigError(f"data.chat_template: the chat template raised on a row of column '{column}': "
+                          f"{_one_line(e)}; fix the row or the template") from None
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def load_check_tokenizer(cfg: RunConfig, prepare: Callable | None = None):
+    """The run's tokenizer for the input checks (``model.tokenizer_path`` or ``model.path``, local files only),
+    prepared with ``prepare`` (default :func:`prepare_tokenizer`); None when it cannot be loaded or prepared (the
+    model and compatibility checks report that)."""
+    path = cfg.model.tokenizer_path or cfg.model.path
+    if not path or not Path(path).is_dir():
+        return None
+    try:
+        return (prepare or prepare_tokenizer)(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except Exception:  # noqa: BLE001  (reported by the compatibility checks)
+        return None
+
+
+class TemplateCheck:
+    """Renders every conversation of a data file with the run's chat template before any model is built.
+
+    A chat template can raise on a row (Llama's and Mistral's call ``raise_exception`` on an unexpected role);
+    found in tokenization that is a long Jinja traceback, here it is one problem line naming the file, the row,
+    the column and the template's message. Each conversation is rendered once with the tokenizer's
+    ``apply_chat_template(..., tokenize=False)``. A file that renders gets a mark in ``<cache>/checked`` named by
+    its :func:`finetune.data.file_id`, the columns, the template's text and the tokenizer's files, so each file
+    version is rendered once (a mark is written at once: it says only that this file renders with this template).
+    The tokenizer is loaded on first use (:func:`load_check_tokenizer`); nothing is checked without one or without
+    a template (the other checks report that).
+    """
+
+    def __init__(self, cfg: RunConfig, prepare: Callable | None = None):
+        self.cfg, self.prepare = cfg, prepare
+        self._loaded: tuple | None = None
+
+    def tokenizer(self):
+        """The prepared tokenizer, or None (loaded once)."""
+        if self._loaded is None:
+            tokenizer, template = load_check_tokenizer(self.cfg, self.prepare), None
+            if tokenizer is not None:
+                with contextlib.suppress(ConfigError):
+                    template = chat_template(self.cfg.data, tokenizer)
+            self._loaded = (tokenizer, template)
+        return self._loaded[0]
+
+    def _mark(self, path: str, cols: list[str]) -> Path | None:
+        """The mark of ``path``, from file ids only (the tokenizer's own template and special tokens are in its
+        files), so that a file already checked costs no tokenizer load; None when a file is missing."""
+        folder = Path(self.cfg.model.tokenizer_path or self.cfg.model.path or ".")
+        try:
+            files = sorted(str(p) for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
+            parts = {"file": file_id(path), "columns": sorted(cols), "template": template_text(self.cfg.data),
+                     "tokenizer": [file_id(f) for f in files], "version": 1}
+        except (OSError, ConfigError):  # missing files are reported elsewhere
+            return None
+        return default_cache_dir(self.cfg.data) / "checked" / f"template-{fingerprint(parts)}"
+
+    def check(self, key: str, path: str, cols: list[str], conversations: Iterable[tuple[int, str, list]],
+              problems: list[str]) -> None:
+        """Render ``conversations`` (``(row, column, messages)``, well-formed ones) of the file ``path``; append one
+        line for the first that raises; mark the file when all render."""
+        mark = self._mark(path, cols)
+        if mark is not None and mark.exists():
+            return
+        if self.tokenizer() is None or self._loaded[1] is None:
+            return
+        tokenizer, template = self._loaded
+        for row, col, messages in conversations:
+            try:
+                tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+            except Exception as e:  # noqa: BLE001  (jinja2.TemplateError from raise_exception, or any other)
+                problems.append(f"{key}: '{path}' row {row} of column '{col}': the chat template raised "
+                                f"{_one_line(e)}; fix that row or data.chat_template")
+                return
+        if mark is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: the rows are rendered again next time
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.touch()
+
+
 def pack(lengths: list[int], capacity: int) -> list[list[int]]:
     """Best-fit decreasing bin packing: indices of ``lengths`` grouped into bins of total length <= ``capacity``.
 
@@ -291,7 +387,7 @@ class SftExamples:
                 if not has_answer(messages):
                     c["no_answer"] += 1
                     continue
-                ids, labels = encode_messages(self.tokenizer, messages, self.template)
+                ids, labels = encode_rendered(self.tokenizer, messages, self.template, d.messages_column)
             else:
                 prompt, response = batch[d.prompt_column][i], batch[d.response_column][i]
                 if not isinstance(response, str) or not response.strip() or not isinstance(prompt, str):
@@ -402,8 +498,9 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
 
     Problems: neither or both data forms set, an unknown ``data.truncation``, a file without a needed column, a
     prompt/response column that is not text, a messages column whose first malformed row (not a list of
-    ``{role, content}`` strings) is named, training files in which no conversation has an assistant turn, and
-    no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file.
+    ``{role, content}`` strings) is named, training files in which no conversation has an assistant turn,
+    no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file, and a row
+    on which the chat template raises (:class:`TemplateCheck`: every row rendered once per file version).
     """
     pair = bool(cfg.data.prompt_column or cfg.data.response_column)
     if cfg.data.messages_column and pair:
@@ -415,6 +512,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                         "text), or data.messages_column (a list of {role, content} per row)")
         return
     answers = read = 0  # conversations with an answer; training files read without a problem
+    templates = TemplateCheck(cfg)
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
         for f in files:
             try:
@@ -443,6 +541,8 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                     if key == "data.train_files":
                         answers += sum(has_answer(m) for m in rows)
                         read += 1
+                    col = cfg.data.messages_column
+                    templates.check(key, f, [col], ((i, col, m) for i, m in enumerate(rows)), problems)
     if cfg.data.messages_column and train_files and read == len(train_files) and not answers:
         problems.append(f"data.train_files: no conversation in column '{cfg.data.messages_column}' has an assistant turn, "
                         f"so there is nothing to train on (sft trains on assistant turns only)")
@@ -458,13 +558,9 @@ def tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
     """Append the problem of rendering ``cfg.data``'s conversations with the tokenizer's own chat template (there is
     none, or ``data.chat_template`` names a missing file); nothing when the tokenizer cannot be loaded (the
     compatibility checks report that)."""
-    path = cfg.model.tokenizer_path or cfg.model.path
-    if not path or not Path(path).is_dir():
-        return  # reported by the model checks
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception:  # noqa: BLE001  (reported by the compatibility checks)
-        return
+    tokenizer = load_check_tokenizer(cfg, prepare=lambda t: t)
+    if tokenizer is None:
+        return  # reported by the model and compatibility checks
     try:
         chat_template(cfg.data, tokenizer)
     except ConfigError as e:
