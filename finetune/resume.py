@@ -77,7 +77,8 @@ def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int, fir
     """On another world size, set ``train.gradient_accumulation_steps`` so the global batch stays the checkpoint's.
 
     Only when this launch runs the micro batch and accumulation of the checkpoint's config or of the run's
-    first launch (``first``: a requeued job runs its original config, whatever an earlier requeue adjusted)
+    first launch (``first``: a requeued job runs its original config, whatever an earlier requeue adjusted; so also
+    on the checkpoint's own world size, when an earlier requeue onto it changed the accumulation)
     and ``global batch / (micro batch x world size)`` is a whole number. An accumulation or micro batch the
     launch sets otherwise is left alone (:func:`review` then judges the global batch).
 
@@ -88,8 +89,7 @@ def keep_global_batch(old: dict, old_world: int, cfg: RunConfig, world: int, fir
     old_micro, old_gas = ot.get("micro_batch_size"), ot.get("gradient_accumulation_steps")
     ft = (first or {}).get("train", {})
     split = (cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps)
-    if world == old_world or split not in ((old_micro, old_gas),
-                                           (ft.get("micro_batch_size"), ft.get("gradient_accumulation_steps"))):
+    if split not in ((old_micro, old_gas), (ft.get("micro_batch_size"), ft.get("gradient_accumulation_steps"))):
         return None
     global_batch = old_micro * old_gas * old_world
     if cfg.train.micro_batch_size != old_micro or global_batch % (old_micro * world):

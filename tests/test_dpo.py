@@ -179,8 +179,8 @@ def test_zero0_and_zero3_equal_the_textbook_dpo(runs, reference):
         assert 0.0 <= rows[4]["train/rewards/accuracies"] <= 1.0
         assert "eval/rewards/accuracies" in rows[4] and "eval/perplexity" not in rows[4]
         assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
-    assert "reference log-probabilities of 32 train pairs computed" in runs["z0"][1]
-    assert "reference log-probabilities of 32 train pairs reused" in runs["z3"][1]
+    assert "reference log-probabilities of 34 train pairs computed" in runs["z0"][1]
+    assert "reference log-probabilities of 34 train pairs reused" in runs["z3"][1]
     assert "validation pairs reused" in runs["z3"][1]
 
 
@@ -189,7 +189,7 @@ def test_cached_reference_equals_a_forward_of_the_initial_model(runs, reference,
     assert len(files) == 1, files
     stored = np.load(files[0])
     split, collator = reference["splits"].train, reference["collator"]
-    assert stored.shape == (len(split), 2) == (32, 2)
+    assert stored.shape == (len(split), 2) == (34, 2)
     with torch.no_grad():
         batch = collator([split[i] for i in range(len(split))])
         direct = full_logps(reference["reference"], batch).double().numpy()
@@ -412,12 +412,12 @@ def test_doctor_reports_the_share_of_pairs_identical_after_truncation(tmp_path, 
     from finetune.commands import doctor
 
     doctor.main([str(CONFIG), f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
-                 "data.max_seq_len=128"])
+                 "data.max_seq_len=128", "data.max_train_rows=32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dpo ")]
     assert any("data.train_files" in r and "24 of 32 pairs (75.0%)" in r for r in rows), rows
     assert any("data.validation_files" in r and "113 of 200 pairs (56.5%)" in r for r in rows), rows
     doctor.main([str(CONFIG), f"output_dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}",
-                 "data.max_seq_len=384"])
+                 "data.max_seq_len=384", "data.max_train_rows=32"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("dpo ")]
     assert len(rows) == 2 and all("  ok  " in r and "0 of " in r for r in rows), rows
 
