@@ -89,7 +89,7 @@ PRESETS: dict[str, dict] = {
                  "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
                           "num_attention_heads: 2}", "data.max_seq_len=64", "train.micro_batch_size=4"]},
     # Packed causal LM: the byte-level GPT-2 of data/models/gpt2-bytes as shipped (2 layers, hidden 128; the default
-    # run config raises n_layer), 128-token blocks; HF with group_texts.
+    # run config sets a size of its own), 128-token blocks; HF with group_texts.
     "gpt_clm": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml",
                 "overrides": ["model.config_overrides={}", "train.micro_batch_size=16",
                               "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",

@@ -4,8 +4,11 @@ Real launches on 2 CPU ranks (gloo's all-to-all), each rank holding half of ever
 :mod:`parity_reference` (a plain single-process PyTorch loop over the same global batches; data-parallel size 1):
 
 * ``gpt_clm`` on padded rows of 3-32 tokens (odd lengths: the SP padding and the label shift across the shard
-  boundary are exercised), tiny GPT-2 (2 heads), ZeRO-2, 20 steps: per-step loss 1e-5, grad norm 1e-4, exported
-  weights allclose 1e-5; the export is checked against the engine with Ulysses off. The same run's step-10
+  boundary are exercised), the Llama-architecture model with 1 key/value head (Ulysses replicates it and overwrites
+  ``num_key_value_groups``), tiled MLPs, ZeRO-2, 20 steps: per-step loss 1e-5, grad norm 1e-4, exported weights
+  allclose 1e-5; the export is checked against the engine with Ulysses off (sdpa with the padded rows' mask: the
+  KV-group count must be the model's own again), and generation during evaluation stops at different lengths on the
+  two ranks (a stop string) without a collective per tiled MLP (which deadlocked them). The same run's step-10
   checkpoint then resumes on 1 rank without SP (universal checkpoint): steps 11-20 equal the reference, and the
   final evaluation (sharded along the sequence in the SP run) equals the 1-rank one.
 * ``sft`` packed rows (``position_ids`` restart per example: the packed ``sdpa`` mask of
