@@ -181,6 +181,17 @@ def test_tiled_mlp_equals_plain_and_whole_sequence_work_gets_the_plain_forwards(
         parallel._TILED.clear()
 
 
+def test_zero3_average_correction_is_guarded_by_version():
+    """The ZeRO-3 SP correction applies only on the DeepSpeed versions it was checked against; another version (one
+    that may have fixed the division, or renamed the method) is refused with one line, ZeRO 0-2 and SP 1 never."""
+    from finetune.parallel import ZERO3_SP_AVERAGE_CHECKED, check_zero3_average
+
+    assert check_zero3_average(3, 2, ZERO3_SP_AVERAGE_CHECKED[-1]) is None
+    assert check_zero3_average(2, 2, "0.20.0") is None and check_zero3_average(3, 1, "0.20.0") is None
+    line = check_zero3_average(3, 2, "0.20.0")
+    assert line.startswith("parallel.sequence_parallel_size: ZeRO-3 under sequence parallelism") and "0.20.0" in line
+
+
 def test_packed_sdpa_keeps_examples_apart():
     """Without a mask and with restarting positions, the wrapped sdpa equals sdpa with transformers' block-diagonal
     causal mask (and plain causal sdpa without restarts)."""
