@@ -41,3 +41,32 @@ def test_missing_tensor_is_an_error(model):
     del state["transformer.ln_f.weight"]
     with pytest.raises(ConfigError, match=r"'transformer.ln_f.weight' is missing"):
         _check_and_load(model, state, REPO / "ckpt")
+
+
+def test_bf16_export_check_passes_rounding_and_fails_a_misplaced_slice():
+    """The export check's bf16 tolerance (a share of the engine's logit spread): the same weights computed in bf16
+    (the engine) and reloaded in fp32 (the export) pass; a tensor-parallel slice gathered into the wrong place (the
+    halves of one MLP projection swapped) fails, where the old check accepted any finite bf16 difference."""
+    from finetune.export import check_logit_diff, logit_tolerance
+
+    config = AutoConfig.from_pretrained(REPO / "data/models/tiny-llama", local_files_only=True)
+    torch.manual_seed(0)
+    exported = AutoModelForCausalLM.from_config(config).eval()
+    for p in exported.parameters():  # weights of a trained scale, not the tiny initial ones
+        p.data.normal_(0, 0.2)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    engine = AutoModelForCausalLM.from_config(config).eval()
+    engine.load_state_dict(exported.state_dict())
+    with torch.no_grad():
+        got = exported(input_ids=ids).logits.float()
+        ref = engine.to(torch.bfloat16)(input_ids=ids).logits.float()
+    tolerance = logit_tolerance(ref, low_precision=True)
+    check_logit_diff((got - ref).abs().max().item(), tolerance)
+    assert logit_tolerance(ref, low_precision=False) == 1e-4
+
+    down = exported.model.layers[0].mlp.down_proj.weight
+    down.data = torch.cat(down.data.chunk(2, dim=1)[::-1], dim=1)  # the two tensor-parallel halves swapped
+    with torch.no_grad():
+        wrong = exported(input_ids=ids).logits.float()
+    with pytest.raises(RuntimeError, match="exported logits differ from the engine's"):
+        check_logit_diff((wrong - ref).abs().max().item(), tolerance)
