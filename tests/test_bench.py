@@ -4,7 +4,7 @@ One smoke run of the packed ``gpt_clm`` preset (its contenders: the toolkit, the
 batches, and Hugging Face Trainer + DeepSpeed with ``group_texts``), tiny model, 1 CPU rank, 3 steps, 1 round. No
 timed assertions: the numbers are only checked to be there, finite and consistent with each other. And one smoke run
 of the ``dpo`` preset against TRL's ``DPOTrainer`` (``trl`` is in the ``test`` extra for it) and one of
-``scripts/bench_startup.py``: both extended (about a minute each), the ``gpt_clm`` smoke run stays in the suite.
+``scripts/bench_startup.py``: extended (about a minute each), like the ``gpt_clm`` smoke run (suite budget).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from conftest import run_python
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.extended  # suite budget
 def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     proc = run_python(["scripts/bench.py", "--preset", "gpt_clm", "--steps", "3", "--skip", "1", "--rounds", "1",

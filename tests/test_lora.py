@@ -95,6 +95,7 @@ def test_lora_gpt_zero0_equals_zero3_and_exports(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: LoRA at ZeRO-3 stays in (test_lora_gpt_zero0_equals_zero3_and_exports)
 def test_lora_bert_zero3_resume_with_gradient_checkpointing(tmp_path):
     import transformers
 

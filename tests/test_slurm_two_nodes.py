@@ -95,6 +95,7 @@ def _node_processes(ns: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.extended  # suite budget: the two-node run stays in the suite
 def test_node_lost_requeue_on_one_node_resumes(cluster, reference, tmp_path):
     run_dir = tmp_path / "run"
     job = _submit(cluster, tmp_path, run_dir, "train.save_every=4", "train.dist_timeout_minutes=2")
