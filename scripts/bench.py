@@ -109,7 +109,9 @@ PRESETS: dict[str, dict] = {
             "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
             "contenders": ["finetune", "bare", "hf", "hf_grouped"],
-            "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
+            # 384 tokens: no pair of the file's first 32 is cut, so none is dropped as identical after truncation
+            # and finetune's first pairs are TRL's (reference_agreement compares them by position)
+            "tiny": ["data.max_seq_len=384", "train.micro_batch_size=2"]},
     # The shipped GSM8K DPO (Llama 2 layers, hidden 64, pairs up to 256 tokens), sigmoid loss, beta 0.1: ours (reference
     # log-probabilities computed once before training, cached across rounds) vs TRL's DPOTrainer (reference forward
     # in every step, its default).
@@ -117,7 +119,9 @@ PRESETS: dict[str, dict] = {
             "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
             "contenders": ["finetune", "trl"],
-            "tiny": ["data.max_seq_len=128", "train.micro_batch_size=2"]},
+            # 384 tokens: no pair of the file's first 32 is cut, so none is dropped as identical after truncation
+            # and finetune's first pairs are TRL's (reference_agreement compares them by position)
+            "tiny": ["data.max_seq_len=384", "train.micro_batch_size=2"]},
     # GPU presets (--gpu; bf16): the BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
