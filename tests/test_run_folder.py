@@ -25,6 +25,7 @@ def errors(proc) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
 
 
+@pytest.mark.extended  # suite budget: the README test checks one new run folder per launch
 def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
     """The shipped-config pattern: the same command twice makes two runs; --resume takes the newer one; a requeued
     Slurm job continues its own run even when a newer run exists."""
