@@ -95,6 +95,41 @@ def _node_processes(ns: str) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.extended  # suite budget: the one-node version runs in test_slurm.py
+def test_usr1_across_two_nodes_stops_both_at_one_step(cluster, reference, tmp_path):
+    """``scancel --signal=USR1 --batch`` (the time limit's warning): the batch shell on the first node forwards it
+    through srun to both nodes' ranks; they stop at one step with a complete checkpoint, the job requeues itself
+    onto both nodes and finishes with the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    job = _submit(cluster, tmp_path, run_dir)
+    wait_for(lambda: logged_steps(run_dir) >= 3 or cluster.job(job).get("JobState") not in ("PENDING", "RUNNING"),
+             400, what="step 3")
+    signalled_at = logged_steps(run_dir)
+    assert signalled_at < STEPS - 2, _log(tmp_path, job)[-3000:]
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
+    info = cluster.wait(job, timeout=500)
+    log = _log(tmp_path, job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log[-5000:]}"
+    assert f"job {job} (restart 1) nodes ftnode[1-2];" in log
+    stops = set()
+    for r in (0, 1):
+        text = (run_dir / "logs" / f"rank{r}.log").read_text()
+        assert "received SIGUSR1" in text, f"rank {r} never saw SIGUSR1"
+        stops |= {int(s) for s in re.findall(r"stopped at step (\d+) of", text)}
+    assert len(stops) == 1, stops
+    stopped = stops.pop()
+    assert (run_dir / "checkpoints" / f"step{stopped}" / "COMPLETE").is_file()
+    assert {v["host"] for v in wiring(run_dir).values()} == set(cluster.nodes)
+    assert_same_losses(run_dir, reference[1])
+
+
+def os_kill(pid: int) -> None:
+    import os
+
+    os.kill(pid, signal.SIGKILL)
+
+
+# Last in the module: it leaves ftnode2 down (link cut, slurmd killed), so a two-node job after it would pend.
 @pytest.mark.extended  # suite budget: the two-node run stays in the suite
 def test_node_lost_requeue_on_one_node_resumes(cluster, reference, tmp_path):
     run_dir = tmp_path / "run"
@@ -138,37 +173,3 @@ def test_node_lost_requeue_on_one_node_resumes(cluster, reference, tmp_path):
     assert info["Restarts"] == "1" and f"job {job} (restart 1) nodes ftnode1;" in log
     assert STEPS in complete
     assert_same_losses(run_dir, reference[1], rel=1e-5)
-
-
-def os_kill(pid: int) -> None:
-    import os
-
-    os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.extended  # suite budget: the one-node version runs in test_slurm.py
-def test_usr1_across_two_nodes_stops_both_at_one_step(cluster, reference, tmp_path):
-    """``scancel --signal=USR1 --batch`` (the time limit's warning): the batch shell on the first node forwards it
-    through srun to both nodes' ranks; they stop at one step with a complete checkpoint, the job requeues itself
-    onto both nodes and finishes with the uninterrupted run's losses."""
-    run_dir = tmp_path / "run"
-    job = _submit(cluster, tmp_path, run_dir)
-    wait_for(lambda: logged_steps(run_dir) >= 3 or cluster.job(job).get("JobState") not in ("PENDING", "RUNNING"),
-             400, what="step 3")
-    signalled_at = logged_steps(run_dir)
-    assert signalled_at < STEPS - 2, _log(tmp_path, job)[-3000:]
-    cluster.run("scancel", "--signal=USR1", "--batch", str(job))
-    info = cluster.wait(job, timeout=500)
-    log = _log(tmp_path, job)
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", f"{info}\n{log[-5000:]}"
-    assert f"job {job} (restart 1) nodes ftnode[1-2];" in log
-    stops = set()
-    for r in (0, 1):
-        text = (run_dir / "logs" / f"rank{r}.log").read_text()
-        assert "received SIGUSR1" in text, f"rank {r} never saw SIGUSR1"
-        stops |= {int(s) for s in re.findall(r"stopped at step (\d+) of", text)}
-    assert len(stops) == 1, stops
-    stopped = stops.pop()
-    assert (run_dir / "checkpoints" / f"step{stopped}" / "COMPLETE").is_file()
-    assert {v["host"] for v in wiring(run_dir).values()} == set(cluster.nodes)
-    assert_same_losses(run_dir, reference[1])
