@@ -6,7 +6,7 @@ Precedence (lowest to highest): **dataclass defaults < run-config file < command
 Overrides use dotted paths into the dataclasses (``train.lr=3e-5``, ``data.max_seq_len=256``,
 ``output_dir=/scratch/run1``) and, under the ``ds.`` prefix, into the DeepSpeed JSON
 (``ds.zero_optimization.stage=2``, ``ds.bf16.enabled=false``); the latter are checked in
-:mod:`finetune.ds_config`. An unknown key or a value of the wrong type is an error, never
+:mod:`finetune.engine.ds_config`. An unknown key or a value of the wrong type is an error, never
 silently ignored (the nanoGPT ``configurator.py`` rule); every problem found is reported
 together in one :class:`ConfigError` (the litgpt ``validate_args`` pattern).
 """
@@ -76,7 +76,7 @@ class ModelConfig:
     lora: LoraConfig | None = None
     """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
     fused_kernels: bool = True
-    """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
+    """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.engine.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (transformers' non-reentrant gradient checkpointing): less memory, about a third more compute."""
     offload_activations: bool = False
@@ -269,7 +269,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the ranks split the work besides data parallelism (:mod:`finetune.parallel`)."""
+    """How the ranks split the work besides data parallelism (:mod:`finetune.parallel.layout`)."""
 
     tensor_parallel_size: int = 1
     """Ranks that share each layer's weights (DeepSpeed AutoTP training: attention and MLP projections split by
@@ -539,7 +539,7 @@ def load_run_config(path: str | os.PathLike | None, overrides: list[str] = (),
 
     Returns:
         The merged config (not yet validated against the file system: see
-        :func:`finetune.validate.validate_run`).
+        :func:`finetune.preflight.validate.validate_run`).
 
     Raises:
         ConfigError: every unknown key, wrong type or malformed override, all in one error.

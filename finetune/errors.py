@@ -13,7 +13,7 @@ kind                   exit status  printed
 =====================  ===========  ================================================================================
 
 Any other exception is a crash: its traceback goes to the rank's log, and the ranks' health records name the rank
-that failed first (:mod:`finetune.health`).
+that failed first (:mod:`finetune.lifecycle.health`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class StopRequested(BaseException):
-    """A stop signal (``SIGTERM``, ``SIGUSR1``) arrived before training started (:mod:`finetune.preemption`)."""
+    """A stop signal (``SIGTERM``, ``SIGUSR1``) arrived before training started (:mod:`finetune.lifecycle.preemption`)."""
 
     def __init__(self, signum: int):
         super().__init__(f"stopped by {signal.Signals(signum).name} before training started")

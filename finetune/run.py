@@ -14,7 +14,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(_here))
 
 # health first: its atexit handler (exit_process: no interpreter teardown) must run after every library's
-from finetune.health import exit_process  # noqa: E402, I001
+from finetune.lifecycle.health import exit_process  # noqa: E402, I001
 from finetune.commands.train import main as train_main  # noqa: E402
 
 if __name__ == "__main__":

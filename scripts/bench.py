@@ -371,7 +371,7 @@ def paired(ours: dict, this: dict) -> float:
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
     """What ``scripts/bench_hf.py`` needs of the resolved run config, and its DeepSpeed dict (``auto`` sizes)."""
-    from finetune.ds_config import load_ds_json
+    from finetune.engine.ds_config import load_ds_json
 
     ds = load_ds_json(cfg.deepspeed)
     ds.update({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

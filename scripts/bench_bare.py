@@ -45,15 +45,15 @@ def main() -> None:
 
     import torch
 
-    from finetune import data as data_utils
-    from finetune import distributed as dist_utils
-    from finetune import health
+    from finetune.data import dataset as data_utils
+    from finetune.parallel import distributed as dist_utils
+    from finetune.lifecycle import health
     from finetune.config import load_run_config
-    from finetune.ds_config import resolve_ds_config
-    from finetune.engine import build_engine, load_model_config, load_tokenizer
-    from finetune.batch import real_tokens
+    from finetune.engine.ds_config import resolve_ds_config
+    from finetune.engine.model import build_engine, load_model_config, load_tokenizer
+    from finetune.data.batch import real_tokens
     from finetune.recipes import get_recipe
-    from finetune.batch import to_device
+    from finetune.data.batch import to_device
 
     cfg = load_run_config(args.config, args.overrides)
     dist_utils.export_rank_env()

@@ -1,7 +1,7 @@
 """What token weighting costs: step time of ``train.loss_weighting=token`` vs ``micro_batch`` on the same run.
 
 Token weighting adds, per optimizer step, counting the targets of each micro-batch and one all-reduce of a
-scalar (``finetune.trainer.fit``). This launches the real toolkit (``deepspeed`` launcher, CPU ranks by
+scalar (``finetune.training.trainer.fit``). This launches the real toolkit (``deepspeed`` launcher, CPU ranks by
 default) with both settings, alternating ``token, micro_batch, token, micro_batch, ...`` so that drifting
 machine load hits both alike, and prints the median step time of each and their ratio.
 

@@ -60,7 +60,7 @@ def main() -> None:
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
     torch.manual_seed(spec["seed"])
-    with no_init_weights():  # the initial weights of finetune's scratch model (finetune.engine.scratch_model), so
+    with no_init_weights():  # the initial weights of finetune's scratch model (finetune.engine.model.scratch_model), so
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # both references agree
     model.init_weights()
     # TRL reloads the reference from the model's path when none is given; a model built from a config has none, so

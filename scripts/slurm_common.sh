@@ -9,7 +9,7 @@
 #
 # Why the forwarding: `#SBATCH --signal=B:USR1@<seconds>` signals only this batch shell, and neither the
 # deepspeed launcher nor torchrun passes SIGUSR1 on to its ranks (SIGUSR1 would even kill them). The trap
-# runs `python -m finetune.preemption forward USR1 <launcher pid>`, which signals the ranks under the
+# runs `python -m finetune.lifecycle.preemption forward USR1 <launcher pid>`, which signals the ranks under the
 # launcher and any srun (srun forwards SIGUSR1 to its tasks on every node). The ranks agree on a step
 # through one all-reduce, save a complete checkpoint and exit with 128+10; the job is then requeued with
 # `scontrol requeue`, and the requeued job (SLURM_RESTART_COUNT > 0) continues from that checkpoint.
@@ -17,7 +17,7 @@
 # in the KillWait grace period (30 s by default) and the job is not requeued by this script (Slurm does it
 # for preemption with PreemptMode=REQUEUE; the requeued job resumes the same way).
 #
-# Why the launcher runs under `python -m finetune.preemption run --`: on SIGTERM the deepspeed launcher
+# Why the launcher runs under `python -m finetune.lifecycle.preemption run --`: on SIGTERM the deepspeed launcher
 # exits at once (status 143) while the ranks are still writing their checkpoint, and a batch shell that
 # waited on the launcher alone would end the job step (or let it be requeued) mid-save. That wrapper is a
 # child subreaper: the ranks (orphaned or not, or srun and its tasks) are re-parented to it, and it
@@ -48,12 +48,12 @@ _finetune_forward() {
     local sig=$1
     [ "$sig" = USR1 ] && _FINETUNE_GOT_USR1=1
     finetune_log "batch shell got SIG$sig: forwarding it to the ranks (they checkpoint and stop)"
-    python -m finetune.preemption forward "$sig" "$_FINETUNE_PID" || true
+    python -m finetune.lifecycle.preemption forward "$sig" "$_FINETUNE_PID" || true
 }
 
 finetune_launch() {
     finetune_log "launch: $*"
-    python -m finetune.preemption run -- "$@" &
+    python -m finetune.lifecycle.preemption run -- "$@" &
     _FINETUNE_PID=$!
     trap '_finetune_forward USR1' USR1
     trap '_finetune_forward TERM' TERM

@@ -2,7 +2,7 @@
 
 The tests start the real toolkit under every launcher with the same tiny run config (:data:`RUN_OVERRIDES`),
 so their per-step losses can be compared with one reference run. Each rank writes a wiring line to its
-``logs/rank<r>.log`` (see ``finetune.distributed.describe``), which :func:`wiring` reads back.
+``logs/rank<r>.log`` (see ``finetune.parallel.distributed.describe``), which :func:`wiring` reads back.
 """
 
 from __future__ import annotations

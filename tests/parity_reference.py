@@ -3,16 +3,16 @@
 :func:`reference_run` reproduces a toolkit run's global batches exactly and in the same order, then
 trains the same model the textbook way:
 
-* Data: the package's own tokenized splits (``finetune.data.load_splits``, same cache), one
-  training sampler per simulated rank (``finetune.data.train_sampler``, length grouping included) with the
+* Data: the package's own tokenized splits (``finetune.data.dataset.load_splits``, same cache), one
+  training sampler per simulated rank (``finetune.data.dataset.train_sampler``, length grouping included) with the
   world size and rank given explicitly,
   each feeding a DataLoader with the recipe's collator behind ``RowSeededCollate`` (so the per-rank
   micro-batches, their padding and their MLM masks are the very tensors rank ``r`` collates), the
-  same epoch bookkeeping as ``finetune.trainer.fit`` (``micro_per_epoch``, ``set_epoch``).
+  same epoch bookkeeping as ``finetune.training.trainer.fit`` (``micro_per_epoch``, ``set_epoch``).
 * Model: ``torch.manual_seed(train.seed)``, then ``from_pretrained`` in fp32, or for ``init: scratch`` the
   model built as transformers builds it under ZeRO-3 (torch's default layer inits skipped, then the
   model's own ``_init_weights``), ``model.config_overrides`` applied; train mode.
-* Optimizer: ``torch.optim.AdamW(fused=True)`` (as the engine on CPU ranks) over ``finetune.engine.param_groups``;
+* Optimizer: ``torch.optim.AdamW(fused=True)`` (as the engine on CPU ranks) over ``finetune.engine.model.param_groups``;
   transformers ``get_scheduler``; gradients clipped to ``train.max_grad_norm`` (global norm accumulated in fp64).
 * Loss of a step (:func:`full_logits_loss_sum`, from the full logits): ``sum over every target token of the
   global batch / number of targets`` (token weighting) or, with ``train.loss_weighting: micro_batch``, the
@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from finetune.config import RunConfig
-from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
-from finetune.engine import load_model_config, load_tokenizer, param_groups
-from finetune.batch import model_inputs
+from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
+from finetune.engine.model import load_model_config, load_tokenizer, param_groups
+from finetune.data.batch import model_inputs
 from finetune.recipes import get_recipe
 
 
@@ -127,12 +127,12 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
         model.initialize_weights()
         model.tie_weights()
     if cfg.model.fused_kernels:  # the engine computes the same function with the same kernels
-        from finetune.kernels import fuse
+        from finetune.engine.kernels import fuse
 
         fuse(model)
     model.train()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)  # what the engine runs on CPU ranks (finetune.ds_config)
+                            eps=t.adam_eps, fused=True)  # what the engine runs on CPU ranks (finetune.engine.ds_config)
     sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
     params = [p for p in model.parameters() if p.requires_grad]
 

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from finetune.commands.bundle import main as bundle_main
 from finetune.commands.doctor import main as doctor_main
 from finetune.commands.verify import main as verify_main
-from finetune.manifest import file_entries, weights_problems
+from finetune.airgap.manifest import file_entries, weights_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT = ROOT / "tests" / "configs" / "tiny_gpt.yaml"

@@ -19,7 +19,7 @@ import math
 import pytest
 
 from conftest import CONFIGS, launch, ok, read_metrics, run_python
-from finetune.trainer import improved
+from finetune.training.trainer import improved
 
 pytestmark = pytest.mark.slow
 
@@ -89,9 +89,9 @@ def test_improved_and_config_checks():
 def test_nan_evaluations_are_never_an_improvement():
     """A NaN evaluation is logged as no improvement: keep-best keeps the finite best, early stopping counts it against
     its patience and stops (its log line formats a best that does not exist yet)."""
-    from finetune.checkpoint import TrainState
+    from finetune.lifecycle.checkpoint import TrainState
     from finetune.config import load_run_config
-    from finetune.trainer import Evaluations
+    from finetune.training.trainer import Evaluations
 
     cfg = load_run_config(TINY, ["train.early_stopping.patience=2", "train.keep_best.metric=eval/loss"])
     evals = Evaluations(None, None, None, cfg, None, None)

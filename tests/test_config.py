@@ -9,8 +9,8 @@ import pytest
 
 from finetune.config import RunConfig, load_run_config
 from finetune.errors import ConfigError
-from finetune.ds_config import known_top_level_keys, resolve_ds_config
-from finetune.validate import validate_run
+from finetune.engine.ds_config import known_top_level_keys, resolve_ds_config
+from finetune.preflight.validate import validate_run
 
 from conftest import REPO, run_python
 
@@ -125,7 +125,7 @@ def test_shipped_run_config_validates(path, tmp_path):
     assert resolved.ds["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * 2
     assert resolved.resume_ckpt is None and not cfg.output_dir  # the new folder is named at launch
 
-    from finetune.run_folder import resolve_output_dir
+    from finetune.lifecycle.run_folder import resolve_output_dir
 
     resume, _ = resolve_output_dir(cfg, "latest")
     assert cfg.output_dir == str(earlier) and resume == "latest"

@@ -46,8 +46,8 @@ from transformers.initialization import no_init_weights
 from conftest import CONFIGS, REPO, launch, ok, read_metrics, train_losses
 from finetune.commands.train import main as train_main
 from finetune.config import load_run_config
-from finetune.data import IndexedRows, RowSeededCollate, load_splits, train_sampler
-from finetune.engine import load_model_config, load_tokenizer, param_groups
+from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
+from finetune.engine.model import load_model_config, load_tokenizer, param_groups
 from finetune.recipes import dpo, get_recipe
 
 pytestmark = pytest.mark.slow
@@ -64,7 +64,7 @@ def _cfg(cache: Path, overrides: list[str] = ()):
 def _initial_model(cfg):
     recipe = get_recipe("dpo")
     torch.manual_seed(cfg.train.seed)
-    with no_init_weights():  # what the engine builds (finetune.engine.scratch_model)
+    with no_init_weights():  # what the engine builds (finetune.engine.model.scratch_model)
         model = recipe.model_class.from_config(load_model_config(cfg, recipe), dtype=torch.float32,
                                                attn_implementation=cfg.model.attn_implementation)
     model.init_weights()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, launch, ok, read_metrics, run_python
-from finetune.generation import answer_of, exact_match, rouge_l
+from finetune.training.generation import answer_of, exact_match, rouge_l
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,8 @@ def _single_process_outputs(export, prompts: int, new_tokens: int) -> list[str]:
     from transformers import AutoModelForCausalLM
 
     from finetune.config import load_run_config
-    from finetune.data import validation_rows
-    from finetune.engine import load_tokenizer
+    from finetune.data.dataset import validation_rows
+    from finetune.engine.model import load_tokenizer
     from finetune.recipes import recipe_for
 
     cfg = load_run_config(str(SFT), [])

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import REPO
 from finetune.errors import ConfigError
-from finetune.export import _check_and_load
+from finetune.lifecycle.export import _check_and_load
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_bf16_export_check_passes_rounding_and_fails_a_misplaced_slice():
     """The export check's bf16 tolerance (a share of the engine's logit spread): the same weights computed in bf16
     (the engine) and reloaded in fp32 (the export) pass; a tensor-parallel slice gathered into the wrong place (the
     halves of one MLP projection swapped) fails, where the old check accepted any finite bf16 difference."""
-    from finetune.export import check_logit_diff, logit_tolerance
+    from finetune.lifecycle.export import check_logit_diff, logit_tolerance
 
     config = AutoConfig.from_pretrained(REPO / "data/models/tiny-llama", local_files_only=True)
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""finetune/health.py without a launch: how a rank reads the other ranks' records after a collective broke.
+"""finetune/lifecycle/health.py without a launch: how a rank reads the other ranks' records after a collective broke.
 
 The real dead-rank launches (rank 0 and rank 1 killed, rank 1 raising) are in test_launchers.py; these cover
 the branches a one-node launch cannot reach: a rank on another host that stopped heartbeating, a hung rank
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import REPO, cpu_env
-from finetune import health
+from finetune.lifecycle import health
 from launch_helpers import wait_for
 
 
@@ -61,18 +61,18 @@ def test_hung_rank_is_named_with_where_and_dumps_its_stacks(me, tmp_path):
     """Nobody failed (a timeout): the ranks still heartbeating are listed with their main thread's place, and
     those on this host dump their stacks into their logs (faulthandler on SIGUSR2; the rank keeps running)."""
     log = tmp_path / "rank1.log"
-    code = (f"from pathlib import Path; import time\nfrom finetune.health import install_faulthandler\n"
+    code = (f"from pathlib import Path; import time\nfrom finetune.lifecycle.health import install_faulthandler\n"
             f"install_faulthandler(Path({str(log)!r}))\nprint('ready', flush=True)\n"
             f"def stuck_in_all_reduce():\n    time.sleep(60)\nstuck_in_all_reduce()\n")
     hung = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert hung.stdout.readline().strip() == "ready"
         for r in (1, 2, 3):
-            _record(tmp_path, r, pid=hung.pid if r == 1 else os.getpid(), where="finetune/trainer.py:171 fit")
+            _record(tmp_path, r, pid=hung.pid if r == 1 else os.getpid(), where="finetune/training/trainer.py:171 fit")
         me.world = 2
         line = me.diagnose(wait_s=0.5)
         assert line.startswith("no other rank failed or exited: rank 1 ("), line
-        assert "still heartbeats, main thread in finetune/trainer.py:171 fit; its stacks: logs/rank1.log" in line
+        assert "still heartbeats, main thread in finetune/training/trainer.py:171 fit; its stacks: logs/rank1.log" in line
         wait_for(lambda: "stuck_in_all_reduce" in log.read_text(), 10, what="stack dump in the hung rank's log")
         assert hung.poll() is None
     finally:
@@ -97,7 +97,7 @@ def test_own_record_heartbeat_and_exit(tmp_path, monkeypatch):
 
 _FAULTS = """
 import resource, sys, torch
-from finetune import health
+from finetune.lifecycle import health
 print(health.tune_cpu_allocator() if sys.argv[1] == "tune" else "default", flush=True)
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
@@ -146,7 +146,7 @@ def test_exit_process_runs_every_atexit_handler_then_skips_the_teardown(tmp_path
     code = f"""
 import atexit, sys
 sys.path.insert(0, {str(REPO)!r})
-from finetune import health
+from finetune.lifecycle import health
 from pathlib import Path
 out = Path({str(tmp_path)!r})
 atexit.register(lambda: (out / "atexit").write_text("ran"))

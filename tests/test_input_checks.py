@@ -50,8 +50,8 @@ def test_empty_and_null_rows_are_dropped_and_counted(tmp_path, holes, config):
     statistics cannot prove empty) is a clear error, not a crash."""
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.data import load_splits
-    from finetune.engine import load_tokenizer
+    from finetune.data.dataset import load_splits
+    from finetune.engine.model import load_tokenizer
     from finetune.logs import logger
     from finetune.recipes import get_recipe
 
@@ -145,7 +145,7 @@ def test_gpt_vocab_shrink_positions_column_types_and_model_class(tmp_path, monke
     model class cannot build the model type."""
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     monkeypatch.chdir(REPO)
     binary, empty = tmp_path / "bin.parquet", tmp_path / "empty_texts.parquet"

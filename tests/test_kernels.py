@@ -1,4 +1,4 @@
-"""``finetune.kernels``: Python-written activations replaced by fused kernels of the same function.
+"""``finetune.engine.kernels``: Python-written activations replaced by fused kernels of the same function.
 
 In-process tests on the shipped tiny configs (random init, fp32, CPU, seconds). The real launches that train
 with the fused modules are the rest of the suite (every GPT-2 run; ``test_resume_changes`` checks the log line).
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
 from transformers import activations as act
 
-from finetune.kernels import fuse
+from finetune.engine.kernels import fuse
 
 MODELS = Path(__file__).resolve().parent.parent / "data" / "models"
 
@@ -100,7 +100,7 @@ def test_only_python_written_activations_are_replaced():
 def test_resume_may_switch_fused_kernels_or_read_a_checkpoint_from_before_them():
     """A checkpoint whose config has no ``model.fused_kernels`` (older) or the other value resumes with a note."""
     from finetune.config import RunConfig, config_to_dict
-    from finetune.resume import review
+    from finetune.lifecycle.resume import review
 
     cfg = RunConfig()
     old = config_to_dict(cfg)
@@ -125,7 +125,7 @@ def test_plan_counts_the_python_activation_only_when_it_stays(monkeypatch):
     """``finetune plan``: with ``model.fused_kernels=false`` a ``gelu_new`` model keeps 3 more ``[tokens, d_ff]``
     tensors per layer (what the saved-tensor test above measures); with the default, or a model without a
     Python-written activation, the count is the same."""
-    from finetune import plan
+    from finetune.preflight import plan
     from finetune.config import load_run_config
 
     monkeypatch.chdir(MODELS.parent.parent)  # run configs name repo-relative paths

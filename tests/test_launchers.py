@@ -5,7 +5,7 @@ Launchers: ``deepspeed --num_gpus 2`` (the reference run), ``deepspeed --hostfil
 backend are in ``test_slurm.py``. Then: SIGTERM to a whole ``deepspeed`` launch leaves a complete
 checkpoint (never a half-written one marked complete) that resumes to the uninterrupted losses, and a rank
 killed or failing mid-run ends the whole launch quickly with a non-zero status, and the survivors' logs and
-the launch output name that rank, its host and pid (finetune/health.py).
+the launch output name that rank, its host and pid (finetune/lifecycle/health.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from conftest import BIN, REPO, cpu_env, free_port, launch, ok, train_losses
-from finetune import distributed as dist_utils
+from finetune.parallel import distributed as dist_utils
 from finetune.errors import ConfigError
-from finetune.preemption import forward
+from finetune.lifecycle.preemption import forward
 from launch_helpers import (RUN_OVERRIDES, STEPS, apt_install, assert_same_losses, assert_wiring, ensure_openmpi,
                             logged_steps, reference_run, wait_for, wiring)
 
@@ -260,7 +260,7 @@ def test_faulthandler_writes_fatal_signal_to_rank_log(tmp_path):
     code = f"""
 import os, signal
 from pathlib import Path
-from finetune.health import install_faulthandler
+from finetune.lifecycle.health import install_faulthandler
 install_faulthandler(Path({str(log)!r}))
 def deep_inside_training():
     os.kill(os.getpid(), signal.SIGSEGV)
@@ -372,7 +372,7 @@ def test_forward_signals_ranks_not_launchers():
 def test_stop_signal_raises_at_startup_then_defers_to_the_loop():
     """Before training a signal stops the rank at once (nothing to save); during training it is a flag."""
     from finetune.errors import StopRequested
-    from finetune.preemption import StopSignal
+    from finetune.lifecycle.preemption import StopSignal
 
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(StopRequested, match="SIGTERM before training started"):
@@ -397,7 +397,7 @@ import os
 from datetime import timedelta
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT="{port}")
-from finetune import distributed as d
+from finetune.parallel import distributed as d
 d.init(0.5)
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -416,7 +416,7 @@ def test_cpu_threads_are_a_share_of_the_cores(monkeypatch):
     """CPU ranks: torch threads = cores // ranks on the node, unless OMP_NUM_THREADS says otherwise."""
     import torch
 
-    from finetune import distributed as dist_utils
+    from finetune.parallel import distributed as dist_utils
 
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))

@@ -67,7 +67,7 @@ def test_no_recipe_is_probed_for_what_it_has():
 
 
 def test_the_loop_fits_one_screen_and_the_cli_only_dispatches():
-    from finetune import trainer
+    from finetune.training import trainer
 
     assert len(inspect.getsource(trainer.fit).splitlines()) <= 75  # docstring included
     assert len((PACKAGE / "cli.py").read_text().splitlines()) <= 80

@@ -11,7 +11,7 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from finetune.config import DataConfig
-from finetune.data import ResumableDistributedSampler, grouped_order, row_lengths, train_sampler
+from finetune.data.dataset import ResumableDistributedSampler, grouped_order, row_lengths, train_sampler
 
 ROWS, GLOBAL_BATCH = 203, 8  # a remainder of 3 rows, 25 full global batches
 

@@ -14,7 +14,7 @@ layers):
   ``enable_input_require_grads``). A resume that changes the LoRA rank or drops LoRA is refused in one line
   by ``--check``, even with ``--resume-allow-changes``.
 * seq_cls (BERT) at ZeRO 3, one rank: the classifier head trains with the adapters and is saved in the adapter folder.
-* Bad ``model.lora`` input: one line each from :func:`finetune.validate.validate_run`, in process.
+* Bad ``model.lora`` input: one line each from :func:`finetune.preflight.validate.validate_run`, in process.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def test_lora_seq_cls_zero3_trains_the_classifier_head(tmp_path):
 def test_bad_lora_input_is_one_line_before_any_model(overrides, expected, tmp_path):
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     cfg = load_run_config(CONFIGS / "tiny_gpt.yaml", [f"output_dir={tmp_path / 'run'}", *overrides])
     with pytest.raises(ConfigError) as err:

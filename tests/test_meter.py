@@ -1,4 +1,4 @@
-"""The training meter (``finetune.logs.StepMeter``) in process: throughput, padding, the step-time split and MFU.
+"""The training meter (``finetune.training.meter.StepMeter``) in process: throughput, padding, the step-time split and MFU.
 The real runs of test_train check that these scalars reach TensorBoard and ``metrics.jsonl``."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.logs import PEAK_FLOPS, StepMeter, model_flops_per_token, peak_flops
+from finetune.training.meter import PEAK_FLOPS, StepMeter, model_flops_per_token, peak_flops
 
 
 def gpt2(layers: int = 2, hidden: int = 64):

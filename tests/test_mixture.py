@@ -1,4 +1,4 @@
-"""Weighted mixtures of datasets (``data.sources``, finetune/mixture.py).
+"""Weighted mixtures of datasets (``data.sources``, finetune/data/mixture.py).
 
 * The sampling rule: rows per source in proportion to the weights (largest remainder), whole passes without
   replacement, another subset each epoch; deterministic per seed.
@@ -19,9 +19,9 @@ import pytest
 from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
 
 from finetune.config import DataConfig
-from finetune.data import ResumableDistributedSampler
+from finetune.data.dataset import ResumableDistributedSampler
 from finetune.errors import ConfigError
-from finetune.mixture import Mixture, epoch_counts, sources_of
+from finetune.data.mixture import Mixture, epoch_counts, sources_of
 
 
 def test_sampling_rule():

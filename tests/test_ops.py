@@ -15,7 +15,9 @@ import pytest
 
 from conftest import CONFIGS, REPO, cpu_env, run_python
 
-from finetune import plan, report
+from finetune.preflight import plan
+
+from finetune.lifecycle import report
 from finetune.commands import doctor
 from finetune.commands import plan as plan_cmd
 from finetune.commands import report as report_cmd

@@ -215,8 +215,8 @@ def test_mlm_masks_depend_only_on_seed_epoch_and_row():
     """A row's masked ``input_ids``/``labels`` are the same whatever batch, padding, worker or rank collates it."""
     from torch.utils.data import DataLoader
 
-    from finetune import data as data_utils
-    from finetune.engine import load_tokenizer
+    from finetune.data import dataset as data_utils
+    from finetune.engine.model import load_tokenizer
     from finetune.recipes import get_recipe
 
     cfg = run_config("bert-z0")

@@ -13,7 +13,7 @@ import torch
 from conftest import REPO, run_python
 from finetune.config import load_run_config
 from finetune.errors import ConfigError
-from finetune.ds_config import auto_precision, choose_precision, precision_of, resolve_ds_config
+from finetune.engine.ds_config import auto_precision, choose_precision, precision_of, resolve_ds_config
 
 TINY = REPO / "tests/configs/tiny_gpt.yaml"
 

@@ -2,7 +2,7 @@
 
 In process where the command runs in one process (``finetune doctor``, ``finetune plan``, ``finetune report``),
 ``finetune/run.py --check`` (one process, no model) where a launch refuses bad input before any model is built
-(the launch runs the same :func:`finetune.validate.validate_run` before it starts the process group). The breaks
+(the launch runs the same :func:`finetune.preflight.validate.validate_run` before it starts the process group). The breaks
 that need a training launch are asserted on runs other modules make anyway: the ZeRO-3 causal-LM sample
 (``tests/test_lora.py``), the LoRA change on ``--resume`` (``tests/test_lora.py``), the torn ``metrics.jsonl``
 before ``--resume`` (``tests/test_train.py``) and the ``mpirun`` exit status (``tests/test_launchers.py``,
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import CONFIGS, REPO, run_python
 
-from finetune import report
+from finetune.lifecycle import report
 from finetune.commands import doctor
 from finetune.commands import plan as plan_cmd
 from finetune.commands import report as report_cmd
@@ -99,7 +99,7 @@ def test_seq_cls_label_types_that_differ_between_files_are_one_line(tmp_path):
 def test_categorical_labels_get_a_hint_that_fits(tmp_path):
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     train = tmp_path / "train.parquet"
     labels = pa.array(["pos", "neg", "pos"]).dictionary_encode()

@@ -163,7 +163,7 @@ def test_divergence_stops_the_run_without_saving_or_exporting(tmp_path):
 def test_allow_changes_turns_refusals_into_warnings(base, tmp_path, monkeypatch):
     """``--resume-allow-changes``: the same changes validate, each reported as a warning line."""
     from finetune.config import load_run_config
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     monkeypatch.chdir(CONFIG.parent.parent.parent)
     run = copy_of(base, tmp_path)

@@ -15,7 +15,7 @@ import pytest
 from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
 from launch_helpers import wait_for
 
-from finetune import run_folder
+from finetune.lifecycle import run_folder
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 SHORT = ["train.max_steps=2", "train.save_every=0", "train.eval_every=0", "train.log_every=1", "export=false"]
@@ -45,7 +45,7 @@ def test_each_launch_gets_its_own_folder_and_resume_takes_the_newest(tmp_path):
 
     # --resume picks the newest run under the root (the resume itself is tested in test_train/test_launchers)
     from finetune.config import load_run_config
-    from finetune.run_folder import resolve_output_dir
+    from finetune.lifecycle.run_folder import resolve_output_dir
 
     cfg = load_run_config(CONFIG, common)
     assert resolve_output_dir(cfg, "latest") == ("latest", None) and cfg.output_dir == str(newest)

@@ -154,7 +154,7 @@ def _one_problem(*overrides: str) -> str:
     """The single problem ``validate_run`` reports (what the CLI prints as ``finetune: error: ...``)."""
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     cfg = load_run_config(CONFIG, ["output_dir=/nonexistent/run", *overrides])
     with pytest.raises(ConfigError) as err:
@@ -200,7 +200,7 @@ def test_pretrained_without_head_logs_new_weights_in_one_line(tmp_path, capfd):
     named in one log line; transformers' per-weight warnings stay quiet."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig, BertForMaskedLM
 
-    from finetune.engine import load_pretrained
+    from finetune.engine.model import load_pretrained
     from finetune.logs import logger
 
     plain = tmp_path / "plain-bert"

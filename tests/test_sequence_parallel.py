@@ -12,10 +12,10 @@ Real launches on 2 CPU ranks (gloo's all-to-all), each rank holding half of ever
   checkpoint then resumes on 1 rank without SP (universal checkpoint): steps 11-20 equal the reference, and the
   final evaluation (sharded along the sequence in the SP run) equals the 1-rank one.
 * ``sft`` packed rows (``position_ids`` restart per example: the packed ``sdpa`` mask of
-  :func:`finetune.parallel._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
+  :func:`finetune.parallel.layout._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
   with the memory levers on (tiled MLP, gradient checkpointing with the checkpointed hidden states offloaded):
   losses 1e-5 and grad norms 1e-4 against the reference, which has none of them (this test found ZeRO-3's reduce-scatter dividing by the world size:
-  :func:`finetune.parallel.fix_zero3_average`).
+  :func:`finetune.parallel.layout.fix_zero3_average`).
 
 Measured when written (DeepSpeed 0.19.8, torch 2.13 CPU): gpt_clm losses 1.4e-7, grad norms 1.2e-6, weights 6e-6;
 sft ZeRO-3 losses 2.6e-7, grad norms 1.5e-8.
@@ -130,7 +130,7 @@ def test_sft_packed_sp2_zero3_equals_one_device(tmp_path):
 def test_shards_add_up_to_the_batch():
     """Cut in 3 (a length of 7 padded to 9): the slices' inputs, positions and shifted labels joined are the batch's,
     the shift crosses the slice boundaries, the real-token and target counts add up, left padding is refused."""
-    from finetune.parallel import shard_batch
+    from finetune.parallel.sequence import shard_batch
     from finetune.recipes.gpt_clm import count_targets, shift_labels
 
     ids = torch.arange(1, 15).view(2, 7)
@@ -153,11 +153,12 @@ def test_shards_add_up_to_the_batch():
 
 def test_tiled_mlp_equals_plain_and_whole_sequence_work_gets_the_plain_forwards():
     """GPT-2's MLPs tiled (``Conv1D`` views its input: the tiles of a 2-row batch are strided slices) give the plain
-    loss and gradients; within :func:`finetune.parallel.sequence_parallel_off` every MLP runs its own class's forward
+    loss and gradients; within :func:`finetune.parallel.sequence.sequence_parallel_off` every MLP runs its own class's forward
     (generation on each rank alone: no collective per MLP), and the tiles are back after it."""
     from transformers import GPT2LMHeadModel
 
-    from finetune import parallel
+    from finetune import patches
+    from finetune.parallel import sequence
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel.from_pretrained(REPO / "data" / "models" / "tiny-gpt2", dtype=torch.float32)
@@ -167,24 +168,25 @@ def test_tiled_mlp_equals_plain_and_whole_sequence_work_gets_the_plain_forwards(
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     try:
-        assert parallel.tile_mlps(model) == 2
+        assert sequence.tile_mlps(model) == 2
         tiled = model(input_ids=ids, labels=ids).loss
         tiled.backward()
         assert torch.allclose(tiled, plain, rtol=1e-6)
         assert all(torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-7) for n, p in model.named_parameters())
-        mlps = [m for m, _ in parallel.patched()["mlp"]]
-        with parallel.sequence_parallel_off():
-            assert not any(has for _, has in parallel.patched()["mlp"])
-            assert all(m.forward.__func__ is type(m).forward for m in mlps)
-        assert all(has for _, has in parallel.patched()["mlp"])
+        tiled_forwards = [(p.target, p.current()) for p, _, _ in patches.active() if p.key == "forward"]
+        assert len(tiled_forwards) == 2
+        with sequence.sequence_parallel_off():
+            assert all("forward" not in vars(m) and m.forward.__func__ is type(m).forward for m, _ in tiled_forwards)
+        assert all(vars(m)["forward"] is f for m, f in tiled_forwards)
     finally:
-        parallel._TILED.clear()
+        patches.restore_all()
+    assert not patches.active() and all("forward" not in vars(m) for m, _ in tiled_forwards)
 
 
 def test_zero3_average_correction_is_guarded_by_version():
     """The ZeRO-3 SP correction applies only on the DeepSpeed versions it was checked against; another version (one
     that may have fixed the division, or renamed the method) is refused with one line, ZeRO 0-2 and SP 1 never."""
-    from finetune.parallel import ZERO3_SP_AVERAGE_CHECKED, check_zero3_average
+    from finetune.parallel.sequence import ZERO3_SP_AVERAGE_CHECKED, check_zero3_average
 
     assert check_zero3_average(3, 2, ZERO3_SP_AVERAGE_CHECKED[-1]) is None
     assert check_zero3_average(2, 2, "0.20.0") is None and check_zero3_average(3, 1, "0.20.0") is None
@@ -197,7 +199,7 @@ def test_packed_sdpa_keeps_examples_apart():
     causal mask (and plain causal sdpa without restarts)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from finetune.parallel import _packed_sdpa
+    from finetune.parallel.sequence import _packed_sdpa
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))

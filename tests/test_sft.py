@@ -126,7 +126,7 @@ def test_packed_rows_equal_examples_one_by_one(tokenizer, model):
     from transformers import AutoConfig
 
     from finetune.config import DataConfig
-    from finetune.batch import model_inputs
+    from finetune.data.batch import model_inputs
     from finetune.recipes import sft
 
     d = DataConfig(prompt_column="q", response_column="a", max_seq_len=48)
@@ -187,7 +187,7 @@ def _chat_files(tmp_path: Path, rows: list) -> str:
 def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.validate import validate_run
+    from finetune.preflight.validate import validate_run
 
     try:  # choice fields are checked as the config loads, the rest by the launch's validation
         cfg = load_run_config(SFT, [f"output_dir={tmp_path / 'out'}", *overrides])

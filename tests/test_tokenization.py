@@ -1,4 +1,4 @@
-"""Tokenization on several processes and nodes (finetune/tokenization.py) and ``finetune prepare``.
+"""Tokenization on several processes and nodes (finetune/data/tokenization.py) and ``finetune prepare``.
 
 * ``data.num_proc=2`` writes the rows of ``data.num_proc=1`` (packed gpt_clm, packed sft with its counts, and the
   number of shards of several nodes), read lazily from a file of several row groups.
@@ -24,10 +24,10 @@ import pytest
 from conftest import BIN, REPO, cpu_env, free_port, ok, run_python
 from launch_helpers import wait_for
 
-from finetune import tokenization
+from finetune.data import tokenization
 from finetune.config import load_run_config
-from finetune.data import load_splits
-from finetune.engine import load_tokenizer
+from finetune.data.dataset import load_splits
+from finetune.engine.model import load_tokenizer
 from finetune.recipes import recipe_for
 
 

@@ -101,16 +101,16 @@ def test_training_run(runs, recipe, stage):
                  "export/config.json", "export/model.safetensors", "export/tokenizer_config.json"):
         assert (run / name).is_file(), name
     assert "| rank 1 |" in (run / "logs" / "rank1.log").read_text()
-    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # finetune/report.py, rank 0 at the end
+    assert (run / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # finetune/lifecycle/report.py, rank 0 at the end
 
 
 @pytest.mark.parametrize(("recipe", "stage"), RUNS)
 def test_plan_matches_measured_rss(runs, recipe, stage):
     """``finetune plan``'s per-rank figure for the run's own option vs the peak host memory each CPU rank added
     from just before the model was built to the end of training (``launches/1/ranks/rank<r>.json``, written by
-    finetune/health.py): within 50% (measured: the plan 15-30% above; CPU-rank RSS moves with the allocator). On CPU ranks the plan's model states, activations (here mostly the logits)
+    finetune/lifecycle/health.py): within 50% (measured: the plan 15-30% above; CPU-rank RSS moves with the allocator). On CPU ranks the plan's model states, activations (here mostly the logits)
     and DeepSpeed buffers all live in host memory, plus ``plan.CPU_RUNTIME_BYTES``."""
-    from finetune import plan
+    from finetune.preflight import plan
     from finetune.config import load_run_config
 
     run = runs(recipe, stage)

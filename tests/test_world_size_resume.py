@@ -39,7 +39,7 @@ def test_two_ranks_to_one_and_back_reproduce_the_uninterrupted_run(reference, tm
     """2 ranks -> 1 rank (accumulation 1 -> 2) -> 2 ranks: the losses of every resumed step equal the
     uninterrupted 2-rank run's (fp32, 1e-5), across the epoch boundary at step 7; keep-last never removes
     the checkpoint a launch resumed from; a second resume of a converted checkpoint does not convert again."""
-    from finetune import checkpoint as ckpt_utils
+    from finetune.lifecycle import checkpoint as ckpt_utils
 
     expected = train_losses(reference)
     assert sorted(expected) == list(range(1, 9)) and checkpoints(reference) == ["step2", "step4", "step6", "step8"]
@@ -87,8 +87,8 @@ def test_layout_and_global_batch_decisions_before_anything_is_built(reference, t
     universal checkpoint cannot reach is refused in one line."""
     from finetune.config import load_run_config
     from finetune.errors import ConfigError
-    from finetune.run_folder import resolve_output_dir
-    from finetune.validate import validate_run
+    from finetune.lifecycle.run_folder import resolve_output_dir
+    from finetune.preflight.validate import validate_run
 
     monkeypatch.chdir(CONFIGS.parent.parent)
     step8 = reference / "checkpoints" / "step8"
@@ -141,7 +141,7 @@ def test_keep_last_spares_the_exported_and_unfinished_checkpoints(tmp_path):
     checkpoint's universal copy goes with it."""
     import json
 
-    from finetune import checkpoint as ckpt_utils
+    from finetune.lifecycle import checkpoint as ckpt_utils
 
     ckdir = tmp_path / "run" / "checkpoints"
     for step in (2, 4, 6, 8, 10):

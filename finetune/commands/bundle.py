@@ -1,5 +1,5 @@
 """``finetune bundle OUT --model ID_OR_PATH[@REV] --dataset ID_OR_PATH[@REV][:CONFIG] ... [--wheels]``: everything a
-cluster without internet needs, in one folder with a manifest (:mod:`finetune.bundle`); run on a connected machine."""
+cluster without internet needs, in one folder with a manifest (:mod:`finetune.airgap.bundle`); run on a connected machine."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 from loguru import logger
 
-from finetune.bundle import make_bundle
+from finetune.airgap.bundle import make_bundle
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import setup_logging
-from finetune.manifest import MANIFEST, manifest_sha256
+from finetune.airgap.manifest import MANIFEST, manifest_sha256
 
 
 def _bytes(text: str) -> int:

@@ -3,17 +3,17 @@
 Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exit status is 2):
 
 * ``model``: the model folder's files (config, weights, tokenizer) and their sizes; every safetensors header and
-  shard index read (:func:`finetune.manifest.weights_problems`): a truncated or damaged weights file, a missing
+  shard index read (:func:`finetune.airgap.manifest.weights_problems`): a truncated or damaged weights file, a missing
   shard, each a blocker naming the file.
 * ``data``: every data file's rows and columns (parquet footers only).
-* ``config``: every problem the launch's own validation finds (:func:`finetune.validate.validate_run`: missing
+* ``config``: every problem the launch's own validation finds (:func:`finetune.preflight.validate.validate_run`: missing
   files, missing or non-text columns, model/tokenizer/data compatibility, DeepSpeed JSON, output folder).
 * ``ops``: DeepSpeed op compatibility for what the DeepSpeed config uses, as DeepSpeed's op builders report
   it (``is_compatible()``): ``cpu_adam`` for optimizer offload, ``async_io`` (libaio) for NVMe offload.
 * ``accelerator``: the visible accelerators (DeepSpeed's ``get_accelerator()``) and the precision the run
-  would train in there (:func:`finetune.ds_config.describe_precision`).
+  would train in there (:func:`finetune.engine.ds_config.describe_precision`).
 * ``disk``: free space in the output folder vs one checkpoint plus the export (parameters from the model
-  built on the meta device, :func:`finetune.plan.model_shape`).
+  built on the meta device, :func:`finetune.preflight.plan.model_shape`).
 * ``folders``: output and tokenization cache folders can be written (a file is created and removed).
 * ``launcher``: what the launch would see: Slurm variables, a DeepSpeed hostfile, MASTER_ADDR/PORT.
 * ``multinode`` (with ``--nodes N`` > 1, or inside a multi-node Slurm job): the output and cache folders on a
@@ -40,18 +40,18 @@ import pyarrow.parquet as pq
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from finetune import mixture
+from finetune.data import mixture
 from finetune.config import RunConfig, deep_merge, load_run_config
-from finetune.data import default_cache_dir, expand_files
-from finetune.distributed import slurm_head_node
-from finetune.ds_config import describe_precision, load_ds_json
+from finetune.data.dataset import default_cache_dir, expand_files
+from finetune.parallel.distributed import slurm_head_node
+from finetune.engine.ds_config import describe_precision, load_ds_json
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.manifest import weights_problems
-from finetune.plan import model_shape, run_precision
+from finetune.airgap.manifest import weights_problems
+from finetune.preflight.plan import model_shape, run_precision
 from finetune.recipes import RECIPES, get_recipe
 from finetune.recipes.dpo import doctor_rows as dpo_rows
-from finetune.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
+from finetune.preflight.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
 _HOSTFILES = ("/job/hostfile",)

@@ -4,7 +4,7 @@ Loads the Hugging Face export (``<run>/export`` of a run folder, or an export fo
 model (``model.init: pretrained``, its own tokenizer, no LoRA, no ``config_overrides``: the export's
 ``config.json`` already has them), reads and tokenizes the run config's data exactly as a launch does (the
 validation files, or the held-out share of the training files) and runs the loop's evaluation
-(:func:`finetune.trainer.evaluate`) on every rank: loss, perplexity and the recipe's metrics (accuracy, F1,
+(:func:`finetune.training.trainer.evaluate`) on every rank: loss, perplexity and the recipe's metrics (accuracy, F1,
 masked-token accuracy, ...), and with ``train.eval_generate`` the generated answers and their scores (exact match,
 ROUGE-L; the answers go into the JSON). Rank 0 prints a table and writes the metrics to a new JSON file beside the export
 (``evaluation-<time>.json``, or ``--out``).
@@ -17,7 +17,7 @@ Multi-rank like training (every rank evaluates its shard, ZeRO-3 gathers paramet
 
 The same model, data and ``train.eval_max_batches`` give the run's own final ``eval/loss`` (the export is checked
 against the engine's logits at the end of every run). The engine has no optimizer (no optimizer state, no fp32 master
-weights: ZeRO 1/2 run as stage 0, ZeRO-3 partitions the parameters only; :func:`finetune.engine.inference_ds_config`),
+weights: ZeRO 1/2 run as stage 0, ZeRO-3 partitions the parameters only; :func:`finetune.engine.model.inference_ds_config`),
 so an evaluation needs about the memory of inference. Refused before any model is built (exit 2, one line): ``dpo``
 (its rewards are measured against the reference model, which an export alone does not carry), an export whose
 ``config.json`` ``architectures`` is not of the recipe's model class (:func:`architecture_problem`), and an ``--out``
@@ -35,19 +35,20 @@ from pathlib import Path
 
 import torch
 
-from finetune import distributed as dist_utils
-from finetune import parallel
+from finetune import patches
+from finetune.parallel import distributed as dist_utils
+from finetune.parallel import sequence
 from finetune.commands.selftest import check_output_file
 from finetune.config import load_run_config
-from finetune.data import build_train_data
-from finetune.engine import build_engine, load_model_config, load_tokenizer
-from finetune.generation import EvalGeneration
+from finetune.data.dataset import build_train_data
+from finetune.engine.model import build_engine, load_model_config, load_tokenizer
+from finetune.training.generation import EvalGeneration
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import logger
 from finetune.recipes import RECIPES, get_recipe, recipe_for
-from finetune.trainer import evaluate
-from finetune.validate import check_launch
+from finetune.training.trainer import evaluate
+from finetune.preflight.validate import check_launch
 
 
 def parser() -> argparse.ArgumentParser:
@@ -162,7 +163,7 @@ def run_evaluation(cfg, ds: dict) -> dict:
         engine = build_engine(cfg, recipe, model_config, ds, total_steps=1, optimizer=False).engine
         metrics = evaluate(engine, data.eval_loader, recipe, cfg)
         if cfg.train.eval_generate.prompts:  # answers generated and scored as during training
-            with parallel.sequence_parallel_off():  # whole sequences, each rank its own prompts
+            with sequence.sequence_parallel_off():  # whole sequences, each rank its own prompts
                 scores, records = EvalGeneration(tokenizer, recipe, cfg).run(engine)
             metrics.update(scores)
             metrics["generations"] = records
@@ -170,3 +171,4 @@ def run_evaluation(cfg, ds: dict) -> dict:
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        patches.restore_all()  # the libraries' own objects again, whoever runs next in this process

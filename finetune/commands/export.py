@@ -1,5 +1,5 @@
 """``finetune export <checkpoint> <out>``: a Hugging Face folder (config, tokenizer, safetensors; with LoRA the merged
-model and the adapter folder) from a complete checkpoint (:func:`finetune.export.export_checkpoint`)."""
+model and the adapter folder) from a complete checkpoint (:func:`finetune.lifecycle.export.export_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.export import export_checkpoint
+from finetune.lifecycle.export import export_checkpoint
 from finetune.logs import setup_logging
 
 

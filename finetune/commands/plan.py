@@ -1,5 +1,5 @@
 """``finetune plan <run config>``: memory per GPU and per node of every ZeRO stage, offload and gradient
-checkpointing choice, offline from ``config.json`` (the memory model is :mod:`finetune.plan`)."""
+checkpointing choice, offline from ``config.json`` (the memory model is :mod:`finetune.preflight.plan`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from finetune.config import load_run_config
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.plan import make_plan, parse_size
+from finetune.preflight.plan import make_plan, parse_size
 
 
 def main(argv: list[str] | None = None) -> int:

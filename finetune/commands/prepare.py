@@ -1,8 +1,8 @@
 """``finetune prepare --config X [key=value ...] [--num-proc N]``: tokenize a run's data into the cache that its
 launches read, without a process group or GPUs (a CPU node, a login node): axolotl's ``preprocess``.
 
-It runs the input checks of a launch (:func:`finetune.validate.check_inputs`: files, columns, model and tokenizer),
-then :func:`finetune.data.load_splits` with ``--num-proc`` processes (default ``data.num_proc``). A launch with
+It runs the input checks of a launch (:func:`finetune.preflight.validate.check_inputs`: files, columns, model and tokenizer),
+then :func:`finetune.data.dataset.load_splits` with ``--num-proc`` processes (default ``data.num_proc``). A launch with
 the same data, tokenizer and settings then logs ``cache hit`` and starts training without tokenizing. A killed
 ``prepare`` leaves no entry a launch could read (the entry appears only once complete). What ``dpo`` computes
 before training (reference log-probabilities) needs the model and stays with the launch.
@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokenizing processes (default: data.num_proc, else the CPUs this process may use, at most 32)")
     args = p.parse_intermixed_args(argv)
     from finetune.config import load_run_config
-    from finetune.data import default_cache_dir, load_splits, remember_checked
-    from finetune.engine import load_tokenizer
+    from finetune.data.dataset import default_cache_dir, load_splits, remember_checked
+    from finetune.engine.model import load_tokenizer
     from finetune.recipes import recipe_for
-    from finetune.validate import check_inputs
+    from finetune.preflight.validate import check_inputs
 
     try:
         if args.num_proc < 0:

@@ -1,5 +1,5 @@
 """``finetune report <run dir> [<run dir> ...] [--out report.png]``: the training curves of run folders as one PNG
-(:mod:`finetune.report`)."""
+(:mod:`finetune.lifecycle.report`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.report import write_report
+from finetune.lifecycle.report import write_report
 
 
 def main(argv: list[str] | None = None) -> int:

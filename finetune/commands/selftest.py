@@ -1,4 +1,4 @@
-"""``finetune selftest [--checks a,b] [--json OUT]``: the node self-test (:mod:`finetune.selftest`), one row per check.
+"""``finetune selftest [--checks a,b] [--json OUT]``: the node self-test (:mod:`finetune.preflight.selftest`), one row per check.
 
 Run it once per cluster on a GPU node, with all its GPUs, and attach its table to a bug report::
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from finetune import distributed as dist_utils
+from finetune.parallel import distributed as dist_utils
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.logs import setup_logging
-from finetune.selftest import CHECKS, as_dicts, render, run_checks
+from finetune.preflight.selftest import CHECKS, as_dicts, render, run_checks
 
 
 def check_output_file(key: str, path: str | Path, command: str = "") -> None:

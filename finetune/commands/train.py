@@ -2,17 +2,17 @@
 
 The order of work, one call per step into the module that owns it::
 
-    config + checks      finetune.validate.check_launch      every problem before any model (exit 2)
-    process group        finetune.distributed.init
-    run folder           finetune.run_folder.open_run / write_launch
-    data                 finetune.data.build_train_data      tokenize (rank 0 first), samplers, loaders
-    engine               finetune.engine.build_engine        model, LoRA, DeepSpeed
+    config + checks      finetune.preflight.validate.check_launch      every problem before any model (exit 2)
+    process group        finetune.parallel.distributed.init
+    run folder           finetune.lifecycle.run_folder.open_run / write_launch
+    data                 finetune.data.dataset.build_train_data      tokenize (rank 0 first), samplers, loaders
+    engine               finetune.engine.model.build_engine        model, LoRA, DeepSpeed
     before training      recipe.before_training              a pass with the initial weights (dpo's reference)
-    resume               finetune.resume.restore             checkpoint (universal copy on a new layout)
-    fit                  finetune.trainer.fit                the loop: log, eval, checkpoint
-    export + verify      finetune.export.export_and_verify   Hugging Face folder, checked against the engine
-    sample               finetune.generation.write_sample    causal LMs with train.sample_prompt
-    report               finetune.report.write_run_report    report.png
+    resume               finetune.lifecycle.resume.restore             checkpoint (universal copy on a new layout)
+    fit                  finetune.training.trainer.fit                the loop: log, eval, checkpoint
+    export + verify      finetune.lifecycle.export.export_and_verify   Hugging Face folder, checked against the engine
+    sample               finetune.training.generation.write_sample    causal LMs with train.sample_prompt
+    report               finetune.lifecycle.report.write_run_report    report.png
 
 How a launch that does not finish ends (exit statuses, who prints) is :mod:`finetune.errors`.
 """
@@ -24,24 +24,26 @@ import sys
 
 import torch
 
-from finetune import checkpoint as ckpt_utils
-from finetune import distributed as dist_utils
-from finetune import health, parallel
-from finetune.data import build_train_data
-from finetune.ds_config import describe_precision
-from finetune.engine import build_engine, load_model_config, load_tokenizer
+from finetune import patches
+from finetune.lifecycle import checkpoint as ckpt_utils
+from finetune.parallel import distributed as dist_utils
+from finetune.lifecycle import health
+from finetune.parallel import layout, sequence
+from finetune.data.dataset import build_train_data
+from finetune.engine.ds_config import describe_precision
+from finetune.engine.model import build_engine, load_model_config, load_tokenizer
 from finetune.errors import ConfigError, RunFailure, StopRequested, TrainingDiverged
 from finetune.errors import report as report_error
-from finetune.export import export_and_verify
-from finetune.generation import EvalGeneration, write_sample
+from finetune.lifecycle.export import export_and_verify
+from finetune.training.generation import EvalGeneration, write_sample
 from finetune.logs import StartupClock, logger, monitor_sections, setup_logging
-from finetune.preemption import StopSignal
+from finetune.lifecycle.preemption import StopSignal
 from finetune.recipes import recipe_for
-from finetune.report import write_run_report
-from finetune.resume import restore
-from finetune.run_folder import open_run, write_launch
-from finetune.trainer import fit
-from finetune.validate import Resolved, check_launch
+from finetune.lifecycle.report import write_run_report
+from finetune.lifecycle.resume import restore
+from finetune.lifecycle.run_folder import open_run, write_launch
+from finetune.training.trainer import fit
+from finetune.preflight.validate import Resolved, check_launch
 
 USAGE_EXAMPLE = ("deepspeed --num_gpus 2 finetune/run.py --config finetune/recipes/configs/gpt_clm_wikitext2.yaml "
                  "train.lr=3e-5 ds.zero_optimization.stage=3")
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             code = train(cfg, resolved, launcher, stop)
     except (ConfigError, RunFailure, TrainingDiverged, StopRequested) as e:
         code = report_error(e)
-    return health.finish(code)  # this rank's exit status in its record (finetune/health.py), for the others
+    return health.finish(code)  # this rank's exit status in its record (finetune/lifecycle/health.py), for the others
 
 
 def export_step(engine, run_dir, state, cfg, ds: dict) -> tuple[int, dict]:
@@ -111,7 +113,7 @@ def export_step(engine, run_dir, state, cfg, ds: dict) -> tuple[int, dict]:
         return best, chosen
     ckpt = ckpt_utils.checkpoints_dir(run_dir) / f"step{best}"
     why = None if ckpt_utils.is_complete(ckpt) else f"the best checkpoint {ckpt} is missing or incomplete"
-    lay = parallel.layout(cfg)
+    lay = layout.layout(cfg)
     now = (lay.world, engine.zero_optimization_stage(), lay.sp, lay.tp)
     universal = why is None and ckpt_utils.saved_layout(ckpt) != now
     if universal:
@@ -163,7 +165,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         clock.mark("run folder, tokenizer")
         data = build_train_data(recipe, cfg, tokenizer)
         clock.mark("data")
-        lay = parallel.layout(cfg)
+        lay = layout.layout(cfg)
         global_batch = cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * lay.dp
         logger.info(f"global batch {global_batch} rows = micro batch {cfg.train.micro_batch_size} x "
                     f"accumulation {cfg.train.gradient_accumulation_steps} x data-parallel size {lay.dp}; "
@@ -195,7 +197,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
             return stop.exit_code()
 
         if cfg.export:
-            with parallel.sequence_parallel_off():  # whole sequences on every rank, checked against the export
+            with sequence.sequence_parallel_off():  # whole sequences on every rank, checked against the export
                 step, chosen_by = export_step(engine, run_dir, state, cfg, ds)
                 export_and_verify(engine, run_dir, step, data.splits.validation, data.collator, ds, recipe,
                                   chosen_by=chosen_by)
@@ -204,7 +206,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
             if summary:
                 logger.info(f"evaluation: {summary}")
             if cfg.export and cfg.train.sample_prompt and recipe.generates_text:
-                with parallel.sequence_parallel_off():
+                with sequence.sequence_parallel_off():
                     sample = write_sample(run_dir, cfg)
                 logger.info(f"{'sample' if cfg.train.sample_temperature > 0 else 'greedy sample'} (sample.txt): "
                             f"{sample!r}")
@@ -227,3 +229,4 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
                 torch.distributed.destroy_process_group()
             except Exception:  # noqa: BLE001  (best effort at shutdown)
                 pass
+        patches.restore_all()  # the libraries' own objects again, whoever runs next in this process

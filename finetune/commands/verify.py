@@ -1,4 +1,4 @@
-"""``finetune verify BUNDLE``: offline check of a folder made by ``finetune bundle`` (:func:`finetune.bundle.verify_bundle`):
+"""``finetune verify BUNDLE``: offline check of a folder made by ``finetune bundle`` (:func:`finetune.airgap.bundle.verify_bundle`):
 every file's SHA-256 (no links, nothing outside the bundle), then, when they all match, model configs (as JSON),
 safetensors headers, tokenizers (``local_files_only=True``, never the bundle's code) and parquet footers. Exit 0
 with the SHA-256 of ``MANIFEST.json``, 1 with one line per problem, 2 with one line when the manifest is not one."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.manifest import MANIFEST, manifest_sha256, read_manifest
+from finetune.airgap.manifest import MANIFEST, manifest_sha256, read_manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):  # before transformers is imported
         os.environ.setdefault(var, "1")
-    from finetune.bundle import verify_bundle  # after the offline variables: it may import transformers
+    from finetune.airgap.bundle import verify_bundle  # after the offline variables: it may import transformers
 
     try:
         problems = verify_bundle(Path(args.bundle))

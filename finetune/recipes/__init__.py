@@ -1,7 +1,7 @@
 """Task recipes: the protocol every recipe fills in, and the table of recipes by name.
 
 A recipe is a small module (``finetune/recipes/<name>.py``) that ends with ``RECIPE = Recipe(...)``: the hooks
-the shared loop (:mod:`finetune.trainer`), the data pipeline (:mod:`finetune.data`), the engine set-up, the
+the shared loop (:mod:`finetune.training.trainer`), the data pipeline (:mod:`finetune.data.dataset`), the engine set-up, the
 pre-flight checks and the planner call. Every hook and its default are the fields of :class:`Recipe`, so no
 caller probes a recipe for what it has (in the spirit of torchtune's ``recipe_interfaces``: a documented set of
 functions, no base-class hierarchy). A recipe registers by name in :data:`RECIPES`. A change of the protocol
@@ -22,7 +22,7 @@ from finetune.errors import ConfigError
 if TYPE_CHECKING:  # torch and transformers are not imported by the config checks that read RECIPES
     import torch
 
-    from finetune.batch import LossOutput
+    from finetune.data.batch import LossOutput
     from finetune.config import DataConfig, RunConfig
 
 RECIPES: dict[str, str] = {
@@ -92,9 +92,9 @@ class Recipe:
     empty texts, packs blocks)."""
     make_collator: Callable
     """``(tokenizer, data_cfg) -> fn`` with ``fn(rows: list[dict]) -> dict[str, Tensor]``: a batch as
-    :mod:`finetune.batch` describes it, padded per batch. Random choices (MLM masks) must not use the global RNG:
+    :mod:`finetune.data.batch` describes it, padded per batch. Random choices (MLM masks) must not use the global RNG:
     a collator with ``fn.row_seeded = True`` gets an int ``"_seed"`` in every row
-    (``finetune.data.row_seed(train.seed, epoch, row index)``; epoch 0 for evaluation) and draws that row's choices
+    (``finetune.data.dataset.row_seed(train.seed, epoch, row index)``; epoch 0 for evaluation) and draws that row's choices
     from a generator seeded with it, so batches depend on neither ranks, nor micro-batch split, nor workers."""
     forward: Callable[..., LossOutput]
     """``(model, batch, metrics=False) -> LossOutput``: the loss of one micro-batch, "batch -> loss sum".
@@ -118,7 +118,7 @@ class Recipe:
     into ``forward``); :func:`recipe_for` applies it, and every caller that runs ``forward`` gets its recipe there."""
     before_training: Callable[[Any, Any, RunConfig], Any] = no_pass
     """``(engine, data, cfg) -> data``: a pass over the data with the model's initial weights, after the engine is
-    built and before a checkpoint is restored; returns the :class:`finetune.data.TrainData` to train on (``dpo``:
+    built and before a checkpoint is restored; returns the :class:`finetune.data.dataset.TrainData` to train on (``dpo``:
     the reference log-probabilities of every pair, cached, as a column of both splits). All ranks call it."""
     columns: Callable[[DataConfig], list[str]] = text_column
     """``(data_cfg) -> list[str]``: parquet columns the tokenize function reads; part of the tokenized-cache key,
@@ -130,7 +130,7 @@ class Recipe:
     """True when :attr:`check_data` checks every column the recipe reads (``data.text_column`` is then not
     checked by the generic parquet check)."""
     counts_rows: bool = False
-    """True when the tokenize function gets every row (``finetune.data`` drops no empty texts for it), skips and
+    """True when the tokenize function gets every row (``finetune.data.dataset`` drops no empty texts for it), skips and
     counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split)."""
     check_data: Callable[[RunConfig, list[str], list[str], list[str]], None] = no_problems
     """``(cfg, train_files, validation_files, problems)``: checks of the data files before any model is built;
@@ -154,7 +154,7 @@ class Recipe:
     """Evaluation also reports ``eval/perplexity`` = exp(``eval/loss``) (false where the loss is no token
     cross-entropy: ``dpo``)."""
     generates_text: bool = False
-    """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.generation`)."""
+    """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.training.generation`)."""
     generation_pairs: Callable = no_generation
     """``(tokenizer, rows, data_cfg) -> [(prompt token ids, reference text)]``: what ``train.eval_generate`` asks the
     model to continue and the answer it is scored against, from raw validation rows (:attr:`columns`); rows
@@ -167,7 +167,7 @@ class Recipe:
     targets_per_row: bool = False
     """True when a row has one target (sequence classification: the planner counts no per-token logits)."""
     sequence_parallel: bool = False
-    """True when ``forward`` and ``count_targets`` take sequence-parallel slices (:mod:`finetune.parallel`:
+    """True when ``forward`` and ``count_targets`` take sequence-parallel slices (:mod:`finetune.parallel.layout`:
     ``shift_labels`` instead of ``labels``, ``position_ids``, no ``attention_mask``) and their sums over the SP
     group equal those of the whole batch: the causal LMs ``gpt_clm`` and ``sft``."""
     tensor_parallel: bool = False

@@ -4,7 +4,7 @@ Rows are tokenized with ``[CLS] ... [SEP]`` and truncated to ``data.max_seq_len`
 ``transformers.DataCollatorForLanguageModeling.torch_mask_tokens`` (``data.mlm_probability`` of tokens
 selected; of those 80% ``[MASK]``, 10% random, 10% kept), applied to each row before padding with a
 ``torch.Generator`` seeded from ``(train.seed, epoch, row index)`` (the row's ``"_seed"``, see
-:class:`finetune.data.RowSeededCollate`). Masks thus depend on neither the world size, nor the split of
+:class:`finetune.data.dataset.RowSeededCollate`). Masks thus depend on neither the world size, nor the split of
 the global batch into micro-batches, nor RNG state (exact resume with DataLoader workers), and every
 epoch sees new masks. Evaluation masks use epoch 0, the same at every evaluation.
 Loss: the head and the cross-entropy run at the masked positions only (:mod:`finetune.recipes.lm_loss`).
@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForMaskedLM, DataCollatorForLanguageModeling
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
-from finetune.batch import LossOutput, model_inputs
+from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig
 from finetune.errors import ConfigError
 from finetune.recipes import Recipe
@@ -53,7 +53,7 @@ class MLMCollator:
     """Masks each row with its own generator, then pads the batch.
 
     Called with rows (dicts of lists of int: ``input_ids``, ``attention_mask``, ``token_type_ids``,
-    ``special_tokens_mask``, and ``_seed`` when the rows come through :class:`finetune.data.RowSeededCollate`).
+    ``special_tokens_mask``, and ``_seed`` when the rows come through :class:`finetune.data.dataset.RowSeededCollate`).
     Each row's ``input_ids`` [1, len] go through ``DataCollatorForLanguageModeling.torch_mask_tokens`` with
     ``generator = torch.Generator().manual_seed(row["_seed"])``; a row without ``_seed`` uses the global
     torch RNG. Returns ``input_ids``, ``attention_mask``, ``token_type_ids`` and ``labels`` (int64,
@@ -62,7 +62,7 @@ class MLMCollator:
     """
 
     row_seeded = True
-    """Ask :class:`finetune.data.RowSeededCollate` for a ``_seed`` per row."""
+    """Ask :class:`finetune.data.dataset.RowSeededCollate` for a ``_seed`` per row."""
 
     def __init__(self, tokenizer, mlm_probability: float, pad_to_multiple_of: int | None):
         self.tokenizer = tokenizer

@@ -76,11 +76,11 @@ import torch.nn.functional as F
 import transformers
 from transformers import AutoModelForCausalLM
 
-from finetune import distributed as dist_utils
-from finetune import mixture
-from finetune.batch import LossOutput, model_inputs, to_device
+from finetune.parallel import distributed as dist_utils
+from finetune.data import mixture
+from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.config import DataConfig, DpoConfig, RunConfig
-from finetune.data import (
+from finetune.data.dataset import (
     TrainData,
     default_cache_dir,
     eval_loader,
@@ -417,7 +417,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
         settings: ``train.dpo`` (bound by ``configure``; the defaults when None).
 
     Returns:
-        :class:`~finetune.batch.LossOutput`: ``loss_sum`` 0-dim float32 over pairs, ``targets`` the pair count.
+        :class:`~finetune.data.batch.LossOutput`: ``loss_sum`` 0-dim float32 over pairs, ``targets`` the pair count.
 
     Raises:
         ValueError: a DPO or IPO batch has no ``reference_logps`` and the model no adapters to turn off.

@@ -19,7 +19,7 @@ from transformers import (
     default_data_collator,
 )
 
-from finetune.batch import LossOutput, model_inputs
+from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
 from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
@@ -94,7 +94,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
         model: the engine (or a transformers causal LM, peft-wrapped or not); called with
             :func:`~finetune.recipes.model_inputs` of ``batch`` (``position_ids`` of packed rows pass through).
         batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]); or a
-            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel`).
+            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel.layout`).
         metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
 
     Returns:
@@ -107,7 +107,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 
 def next_token_targets(batch: dict) -> torch.Tensor:
     """``[batch, seq]`` int64: what each position predicts: the batch's ``shift_labels`` when it has them (a
-    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel`), else :func:`shift_labels` of its
+    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel.layout`), else :func:`shift_labels` of its
     ``labels``."""
     return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
 

@@ -55,7 +55,8 @@ import torch.nn.functional as F
 import transformers
 from torch.utils.checkpoint import checkpoint
 
-from finetune import distributed as dist_utils
+from finetune import patches
+from finetune.parallel import distributed as dist_utils
 from finetune.logs import logger
 
 LOGITS_CHUNK_ELEMENTS = 2**26
@@ -225,6 +226,10 @@ def _announce(path: str) -> None:
             logger.info(f"head loss: {path}")
 
 
+_HEAD_WHY = ("the LM head runs only at the target positions, in chunks, inside the model's own forward (transformers "
+             "computes the logits of every position); restored when the loss is computed")
+
+
 @contextlib.contextmanager
 def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool,
                        per_row: bool = False):
@@ -262,14 +267,8 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
                 lambda h: original(h, *args, **kwargs), rows, wanted, chunk, count_correct, row_of, targets.shape[0])
         return state.loss
 
-    head.forward = forward
-    try:
+    with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)):
         yield state
-    finally:
-        if own is not None:
-            head.forward = own
-        else:
-            del head.forward
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

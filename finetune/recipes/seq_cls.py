@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-from finetune.batch import LossOutput, model_inputs
+from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
-from finetune.data import expand_files
+from finetune.data.dataset import expand_files
 from finetune.errors import ConfigError
 from finetune.recipes import Recipe, pad_with_eos
 

@@ -49,7 +49,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from finetune.config import DataConfig, RunConfig
-from finetune.data import default_cache_dir, file_id, fingerprint, string_type
+from finetune.data.dataset import default_cache_dir, file_id, fingerprint, string_type
 from finetune.errors import ConfigError
 from finetune.recipes import Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
@@ -278,7 +278,7 @@ class TemplateCheck:
     found in tokenization that is a long Jinja traceback, here it is one problem line naming the file, the row,
     the column and the template's message. Each conversation is rendered once with the tokenizer's
     ``apply_chat_template(..., tokenize=False)``. A file that renders gets a mark in ``<cache>/checked`` named by
-    its :func:`finetune.data.file_id`, the columns, the template's text and the tokenizer's files, so each file
+    its :func:`finetune.data.dataset.file_id`, the columns, the template's text and the tokenizer's files, so each file
     version is rendered once (a mark is written at once: it says only that this file renders with this template).
     The tokenizer is loaded on first use (:func:`load_check_tokenizer`); nothing is checked without one or without
     a template (the other checks report that).

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from finetune import distributed as dist_utils
-from finetune.checkpoint import checkpoints_dir, complete_checkpoints
+from finetune.parallel import distributed as dist_utils
+from finetune.lifecycle.checkpoint import checkpoints_dir, complete_checkpoints
 from finetune.config import config_to_dict, dump_yaml
 from finetune.errors import ConfigError
 
@@ -308,7 +308,7 @@ def write_launch_record(run_dir: Path, launch: int, files: dict[str, str]) -> Pa
 def _git_hash() -> str:
     """Commit of the finetune source tree (``-dirty`` with uncommitted changes), or ``unknown``."""
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]  # finetune/lifecycle/run_folder.py -> the source folder
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
                                timeout=10).stdout.strip()

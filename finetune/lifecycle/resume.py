@@ -22,7 +22,7 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
 * A different world size (a requeued Slurm job on fewer nodes) is allowed: when the launch runs the micro
   batch and accumulation of the checkpoint or of the run's first launch, :func:`keep_global_batch` sets
   the accumulation that keeps the global batch (refused when none does: the global batch would change);
-  the checkpoint is loaded through its universal copy (:func:`finetune.checkpoint.resume_layout` says
+  the checkpoint is loaded through its universal copy (:func:`finetune.lifecycle.checkpoint.resume_layout` says
   which ZeRO stages can).
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 
 from transformers import get_scheduler
 
-from finetune import checkpoint as ckpt_utils
-from finetune.checkpoint import TrainState
+from finetune.lifecycle import checkpoint as ckpt_utils
+from finetune.lifecycle.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
 
 _REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
@@ -157,7 +157,7 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
 
     DeepSpeed restores the optimizer's parameter groups and the scheduler's state from the checkpoint,
     which would silently keep the old learning rate, schedule and AdamW settings. Optimizer settings are
-    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.param_groups`);
+    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.model.param_groups`);
     when a schedule key changed, a new ``transformers.get_scheduler`` schedule is built for the new values
     and moved to the restored position (``last_epoch``), so the next step uses the new schedule's value.
     Nothing is touched when nothing changed (resume stays bit-exact).
@@ -191,7 +191,7 @@ def restore(engine, resolved, cfg: RunConfig, total_steps: int) -> TrainState:
     """The training state to start from: fresh, or loaded from ``resolved.resume_ckpt`` into ``engine``.
 
     On another world size or ZeRO stage the checkpoint is loaded through its universal copy (rank 0 converts it
-    once, :func:`finetune.checkpoint.to_universal`); then :func:`apply` makes the restored optimizer and LR
+    once, :func:`finetune.lifecycle.checkpoint.to_universal`); then :func:`apply` makes the restored optimizer and LR
     schedule follow this launch's config. All ranks call it.
 
     Raises:

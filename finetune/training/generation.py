@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from finetune.export import plain_model_construction
+from finetune.lifecycle.export import plain_model_construction
 
 
 def sample_text(export_dir: Path, prompt: str, new_tokens: int = 120, temperature: float = 0.0, top_k: int = 0,
@@ -113,7 +113,7 @@ class EvalGeneration:
     """
 
     def __init__(self, tokenizer, recipe, cfg):
-        from finetune.data import validation_rows
+        from finetune.data.dataset import validation_rows
 
         self.tokenizer, self.g, self.seed = tokenizer, cfg.train.eval_generate, cfg.train.seed
         rows = validation_rows(cfg.data, recipe.columns(cfg.data), cfg.train.seed, 4 * self.g.prompts + 16)
@@ -141,7 +141,7 @@ class EvalGeneration:
         one record per prompt: ``prompt``, ``reference``, ``output``, ``exact_match``, ``rougeL``."""
         import torch.distributed as dist
 
-        from finetune import distributed as dist_utils
+        from finetune.parallel import distributed as dist_utils
 
         world, rank = dist_utils.world_size(), dist_utils.rank()
         model = engine.module

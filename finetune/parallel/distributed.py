@@ -41,6 +41,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from torch.distributed import distributed_c10d
 
+from finetune import patches
 from finetune.errors import ConfigError
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -228,6 +229,10 @@ def on_cpu() -> bool:
     return get_accelerator().device_name() == "cpu"
 
 
+_TIMEOUT_WHY = ("DeepSpeed creates its groups with dist.new_group() without a timeout, which takes torch's module default "
+                "(30 min for gloo, 10 for NCCL) instead of init_process_group's; no upstream issue filed")
+
+
 def init(timeout_minutes: float) -> None:
     """Start the process group through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
 
@@ -242,7 +247,7 @@ def init(timeout_minutes: float) -> None:
     # Make that default ours, so a hung rank stops a launch after train.dist_timeout_minutes.
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if isinstance(getattr(distributed_c10d, name, None), timedelta):
-            setattr(distributed_c10d, name, timeout)
+            patches.apply(patches.module_global(distributed_c10d, name, timeout, _TIMEOUT_WHY))
     if get_accelerator().device_name() == "cuda":
         get_accelerator().set_device(local_rank())
     deepspeed.init_distributed(timeout=timeout, auto_mpi_discovery=False)

@@ -51,7 +51,7 @@ CPU Adam and PCIe traffic) and the largest micro batch that still fits it (activ
 micro batch). "Fits" leaves 10% of the GPU memory for the CUDA context and allocator fragmentation.
 
 Checked against measured peak memory: ``tests/test_train.py::test_plan_matches_measured_rss`` (CPU ranks,
-``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.health`, within 50%;
+``peak_rss_train_mib - rss_before_model_mib`` from :mod:`finetune.lifecycle.health`, within 50%;
 CPU-rank RSS moves with the allocator; on CPU ranks a fixed
 :data:`CPU_RUNTIME_BYTES` is added for the runtime's lazily allocated workspace).
 """
@@ -65,18 +65,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from finetune import parallel
+from finetune.parallel import layout
 from finetune.config import RunConfig, deep_merge
-from finetune.ds_config import (
+from finetune.engine.ds_config import (
     choose_precision,
     load_ds_json,
     optimizer_offloaded,
     resolve_ds_config,
     zero_stage,
 )
-from finetune.engine import load_model_config
+from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
-from finetune.kernels import fusable
+from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
 
@@ -121,7 +121,7 @@ class ModelShape:
     """Fraction of positions where the LM head runs (``bert_mlm``: ``data.mlm_probability``; causal LMs: 1)."""
     python_activation: bool = False
     """The MLP activation stays a Python chain of ops (``model.fused_kernels: false`` on a ``gelu_new`` model):
-    autograd keeps 3 more ``sbI`` tensors per layer (:mod:`finetune.kernels`)."""
+    autograd keeps 3 more ``sbI`` tensors per layer (:mod:`finetune.engine.kernels`)."""
     sequences_per_row: int = 1
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
     of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
@@ -396,7 +396,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
               f"batch; 'max micro': the largest micro batch that fits.",
               "* NVMe/node: what offload_optimizer/offload_param with device nvme put on NVMe instead of CPU RAM.",
               "Formulas: DeepSpeed's ZeRO estimators (model states), Korthikanti et al. 2022 (activations); "
-              "see finetune/plan.py."]
+              "see finetune/preflight/plan.py."]
     if best is None:
         lines.append("recommendation: nothing fits even with micro batch 1; add GPUs or nodes (--nodes), shorten "
                      "data.max_seq_len, or use GPUs with more memory")
@@ -450,7 +450,7 @@ def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, 
     shape = model_shape(cfg)
     precision = run_precision(cfg)
     world = gpus_per_node * nodes
-    lay = parallel.layout(cfg, world=world, rank=0)
+    lay = layout.layout(cfg, world=world, rank=0)
     ds = cfg_ds(cfg, lay.dp, precision)
     seq = math.ceil(cfg.data.max_seq_len / lay.sp)  # Ulysses: every activation holds seq / sp tokens' worth per rank
     options = plan_options(shape, ds, cfg.train.micro_batch_size, seq, gpus_per_node, nodes, precision)

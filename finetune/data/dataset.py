@@ -3,7 +3,7 @@
 * Files are checked before anything heavy runs (:func:`check_parquet_files`, footers only): a glob that
   matches nothing, an unreadable or empty file, a missing text column (the error lists the columns), a
   text column that is not of a string type (its type is named), or one whose statistics show no text.
-* Tokenization (:func:`load_splits`, run by :mod:`finetune.tokenization`) goes into a cache entry whose name
+* Tokenization (:func:`load_splits`, run by :mod:`finetune.data.tokenization`) goes into a cache entry whose name
   hashes everything that decides its content (files with size and mtime, tokenizer files, recipe, lengths,
   split), so a second run with the same inputs loads it instead of tokenizing. Rows with a null, empty or
   whitespace text are dropped and counted (:class:`DropEmptyText`); a split left without rows is an error. Each
@@ -50,10 +50,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers.trainer_pt_utils import get_length_grouped_indices
 
-from finetune import distributed as dist_utils
-from finetune import mixture as mixture_lib
-from finetune import parallel
-from finetune import tokenization
+from finetune.parallel import distributed as dist_utils
+from finetune.data import mixture as mixture_lib
+from finetune.parallel import layout, sequence
+from finetune.data import tokenization
 from finetune.config import DataConfig, RunConfig
 from finetune.errors import ConfigError
 from finetune.logs import logger
@@ -317,7 +317,7 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
     """Read the parquet files lazily, hold out validation if needed, tokenize (cached) on every core of every node.
 
     Each node's local rank 0 tokenizes with ``num_proc`` (else ``data.num_proc``, else
-    :func:`~finetune.tokenization.default_num_proc`) processes; with a cache folder shared by the nodes the shards
+    :func:`~finetune.data.tokenization.default_num_proc`) processes; with a cache folder shared by the nodes the shards
     are split between them, with a node-local one each node tokenizes all. The other ranks wait on a group whose
     timeout is ``data.tokenize_timeout_minutes``, then every rank memory-maps the same entry. With ``data.sources``
     each source is read, held out and tokenized with its own files, columns and ``max_train_rows``.
@@ -553,7 +553,7 @@ class ResumableDistributedSampler(DistributedSampler):
         lengths: tokens per row (``[rows]``); with ``global_batch`` > 0 the epoch's order is
             :func:`grouped_order`, otherwise ``DistributedSampler``'s plain shuffle.
         global_batch: rows per optimizer step of all ranks (micro batch x accumulation x world size).
-        mixture: with ``data.sources``, the :class:`~finetune.mixture.Mixture` that draws each epoch's rows.
+        mixture: with ``data.sources``, the :class:`~finetune.data.mixture.Mixture` that draws each epoch's rows.
         row_tokens: tokens per row (``[rows]``), for the mixture's shares of tokens.
 
     In both cases rank ``r`` takes every ``num_replicas``-th row of the global order from ``r`` on, over the
@@ -576,7 +576,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def global_order(self) -> np.ndarray:
         """The epoch's order of all rows (before the split over ranks; int64 ``[rows]``, 8 bytes a row where a
         Python list takes ~36); with a mixture, of the epoch's rows drawn from the sources
-        (:meth:`finetune.mixture.Mixture.epoch_rows`), shuffled or length-grouped likewise."""
+        (:meth:`finetune.data.mixture.Mixture.epoch_rows`), shuffled or length-grouped likewise."""
         if self.mixture is not None:
             rows = self.mixture.epoch_rows(self.epoch)
             if self.lengths is None:
@@ -683,26 +683,26 @@ def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, 
 
 def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int,
                  gradient_accumulation_steps: int = 1, mixture: "mixture_lib.Mixture | None" = None,
-                 lay: parallel.Layout | None = None) -> DataLoader:
+                 lay: layout.Layout | None = None) -> DataLoader:
     """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`
     (from :func:`train_sampler`) over the data-parallel ranks of ``lay`` (default: every rank data-parallel).
 
     Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
-    ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.SequenceShard`
+    ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.layout.SequenceShard`
     under sequence parallelism (the ranks of an SP group draw the same rows and keep one slice of each sequence).
     """
     rows = IndexedRows(dataset)
-    lay = lay or parallel.Layout(dist_utils.world_size(), 1, dist_utils.rank())
+    lay = lay or layout.Layout(dist_utils.world_size(), 1, dist_utils.rank())
     sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * lay.dp, lay.dp,
                             lay.dp_rank, seed, mixture)
     collate = RowSeededCollate(collator, seed)
     return DataLoader(rows, batch_size=micro_batch, sampler=sampler,
-                      collate_fn=parallel.SequenceShard(collate, lay) if lay.sp > 1 else collate,
+                      collate_fn=sequence.SequenceShard(collate, lay) if lay.sp > 1 else collate,
                       drop_last=True, num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
 def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int = 0,
-                lay: parallel.Layout | None = None) -> DataLoader:
+                lay: layout.Layout | None = None) -> DataLoader:
     """Per-rank validation loader; every rank yields the same number of batches; filler rows have no labels.
 
     Row seeds (MLM masks) are ``row_seed(seed, 0, validation row index)``: the same at every evaluation and
@@ -710,11 +710,11 @@ def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed:
     Rows are sharded over the data-parallel ranks of ``lay``; under sequence parallelism every batch is full
     (Ulysses reshapes by the micro batch size; filler rows top it up) and cut like the training batches.
     """
-    lay = lay or parallel.Layout(dist_utils.world_size(), 1, dist_utils.rank())
+    lay = lay or layout.Layout(dist_utils.world_size(), 1, dist_utils.rank())
     shard = _EvalShard(dataset, lay.dp_rank, lay.dp, micro_batch if lay.sp > 1 else 1)
     collate = _eval_collate(collator, seed)
     return DataLoader(shard, batch_size=micro_batch, shuffle=False,
-                      collate_fn=parallel.SequenceShard(collate, lay) if lay.sp > 1 else collate,
+                      collate_fn=sequence.SequenceShard(collate, lay) if lay.sp > 1 else collate,
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())
 
 
@@ -758,7 +758,7 @@ def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
     if splits.sources:
         mix = mixture_lib.Mixture([s.name for s in splits.sources], [s.train_rows for s in splits.sources],
                                   [s.weight for s in splits.sources], cfg.train.seed)
-    lay = parallel.layout(cfg)
+    lay = layout.layout(cfg)
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
                             cfg.train.gradient_accumulation_steps, mix, lay)
     if splits.sources:

@@ -1,11 +1,4 @@
-"""The layout of the ranks (data and sequence parallelism) and DeepSpeed's Ulysses sequence parallelism for
-Hugging Face causal LMs.
-
-**Layout** (:class:`Layout`, in the spirit of torchtitan's ``ParallelDims``): ``world = dp x sp``. The sequence-
-parallel (SP) groups are runs of consecutive ranks, as DeepSpeed's ``parallel_state_sp`` builds them: ranks
-``[i * sp, (i + 1) * sp)`` share the rows of data-parallel rank ``i`` and each holds ``1 / sp`` of every sequence.
-The samplers, the evaluation shards, the global batch (``micro x accumulation x dp``), the loss scaling and the
-logs use the data-parallel rank and size, never the global ones.
+"""Sequence parallelism (DeepSpeed Ulysses) for Hugging Face causal LMs, and the memory levers of long sequences.
 
 **Sequence parallelism** (Jacobs et al. 2023, "DeepSpeed Ulysses", arXiv:2309.14509; Bekman et al. 2025, "Arctic
 Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.sequence_parallel.ulysses_sp``):
@@ -27,190 +20,57 @@ Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.seque
   ``flash_attention_2`` does the same from ``position_ids`` itself (varlen).
 * Loss: each rank sums the token losses of its shard and counts its shard's targets; the loop's target count is
   the sum over all ranks (every target counted once), and DeepSpeed divides the gradient sum over all ranks by the
-  data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.trainer`): SP=2 trains
+  data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.training.trainer`): SP=2 trains
   the same model as SP=1.
-* :func:`sequence_parallel_off` restores the plain attention for work on whole sequences (the export check, text
-  generation during evaluation and at the end: every rank generates its own prompts, as without SP).
+* :func:`sequence_parallel_off` restores transformers' own model for work on whole sequences (the export check,
+  text generation during evaluation and at the end: every rank generates its own prompts, as without SP): every
+  change this module made goes through :mod:`finetune.patches`, and all of them are undone for the block.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from dataclasses import dataclass
+from collections.abc import Collection
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from finetune import distributed as dist_utils
+from finetune import patches
 from finetune.config import RunConfig
 from finetune.errors import ConfigError, RunFailure
+from finetune.parallel import distributed as dist_utils
+from finetune.parallel.layout import SIZE_KEYS, Layout, head_problems
+
+DIMENSION = "sequence"
+"""The name of this dimension in a recipe's ``Capabilities.parallel``."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of the parallel dimensions and this rank's coordinates in them (``world = dp x sp x tp``; sp and tp are
-    not combined). SP and TP groups are runs of consecutive ranks, as DeepSpeed builds them (``parallel_state_sp``;
-    AutoTP's ``(data_parallel, tensor_parallel)`` mesh with TP inner)."""
-
-    world: int
-    """Ranks in the job."""
-    sp: int = 1
-    """Sequence-parallel size (``parallel.sequence_parallel_size``)."""
-    rank: int = 0
-    """Global rank."""
-    tp: int = 1
-    """Tensor-parallel size (``parallel.tensor_parallel_size``)."""
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel size: ``world / (sp x tp)`` (ranks that see different rows)."""
-        return self.world // (self.sp * self.tp)
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel rank: the index of its SP or TP group (``rank // (sp x tp)``)."""
-        return self.rank // (self.sp * self.tp)
-
-    @property
-    def sp_rank(self) -> int:
-        """This rank's place in its SP group (``rank % sp``): which slice of each sequence it holds."""
-        return self.rank % self.sp
-
-    @property
-    def tp_rank(self) -> int:
-        """This rank's place in its TP group (``rank % tp``): which slice of each split weight it holds."""
-        return self.rank % self.tp
-
-    @property
-    def replicas(self) -> int:
-        """Ranks that hold the same rows and so compute the same sums (target counts, losses, tokens): ``tp``. Sums
-        all-reduced over every rank are divided by it; SP ranks hold disjoint slices and count once each."""
-        return self.tp
-
-    def describe(self) -> str:
-        """``layout: world 4 = data-parallel 2 x sequence-parallel 2 x tensor-parallel 1; this rank ...`` (logs)."""
-        return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp} x tensor-parallel "
-                f"{self.tp}; this rank (global {self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank "
-                f"{self.sp_rank}, tensor-parallel rank {self.tp_rank}")
-
-
-def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) -> Layout:
-    """The layout of ``cfg`` for this process (world size and rank from the launcher, or as given).
-
-    Raises:
-        ConfigError: the world size is not a multiple of ``parallel.sequence_parallel_size`` x
-            ``parallel.tensor_parallel_size``.
-    """
-    world = dist_utils.world_size() if world is None else world
-    rank = dist_utils.rank() if rank is None else rank
-    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    if sp < 1 or tp < 1 or world % (sp * tp):
-        raise ConfigError(f"parallel: sequence-parallel size {sp} x tensor-parallel size {tp} does not divide the world "
-                          f"size {world}; use divisors of it (data-parallel size = world size / (sp x tp))")
-    return Layout(world=world, sp=sp, rank=rank, tp=tp)
-
-
-AUTOTP_CHECKED = ("llama", "qwen2", "qwen3")
-"""Model types whose AutoTP training finetune checked against one device (separate ``q/k/v_proj`` and
-``gate/up/down_proj`` linears, dense MLPs). Others are refused: fused ``qkv_proj`` / ``gate_up_proj`` layers (Phi-3)
-split along the wrong axis, and mixture-of-experts layers are no dense MLPs; AutoTP itself accepts them silently."""
-
-
-def check_tensor_parallel(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool,
-                          problems: list[str]) -> None:
-    """What tensor parallelism needs of the run, one problem line each, before any model is built (the ZeRO stage is
-    checked with the DeepSpeed config, :func:`check_zero_stage`).
-
-    Args:
-        cfg: the run config.
-        model_config: the transformers config, or None.
-        world: the world size, or None when unknown.
-        recipe_supports: the recipe's ``tensor_parallel`` flag.
-        problems: where the lines go.
-    """
-    tp, key = cfg.parallel.tensor_parallel_size, "parallel.tensor_parallel_size"
-    if tp < 1:
-        problems.append(f"{key}: {tp} must be 1 (off) or more")
-        return
-    if tp == 1:
-        return
-    if world is not None and world % tp:
-        problems.append(f"{key}: {tp} does not divide the world size {world}; launch a multiple of {tp} ranks")
-    if cfg.parallel.sequence_parallel_size > 1:
-        problems.append(f"{key}: tensor and sequence parallelism are not combined here; set one of "
-                        f"parallel.tensor_parallel_size and parallel.sequence_parallel_size to 1")
-    if not recipe_supports:
-        problems.append(f"{key}: recipe {cfg.recipe} is not tested with tensor parallelism (gpt_clm and sft are); "
-                        f"set {key}=1")
-    if cfg.train.eval_generate.prompts:
-        problems.append(f"{key}: train.eval_generate shares prompts among all ranks, but a tensor-parallel group must "
-                        f"run the same ones; set train.eval_generate.prompts=0 (finetune evaluate on the export "
-                        f"generates without tensor parallelism)")
-    if cfg.model.lora is not None:
-        problems.append(f"{key}: LoRA does not combine with AutoTP (it replaces the adapted layers, so the adapters "
-                        f"are lost); train without model.lora or set {key}=1")
-    if model_config is not None:
-        mtype = getattr(model_config, "model_type", "")
-        if mtype not in AUTOTP_CHECKED:
-            problems.append(f"{key}: model type '{mtype}' is not checked with DeepSpeed's AutoTP here (checked: "
-                            f"{', '.join(AUTOTP_CHECKED)}; fused attention/MLP projections and mixture-of-experts "
-                            f"layers are not split correctly); set {key}=1")
-        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        heads = getattr(text, "num_attention_heads", None)
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        for what, n in (("attention heads", heads), ("key/value heads", kv)):
-            if isinstance(n, int) and n % tp:
-                problems.append(f"{key}: the model's {n} {what} are not divisible by {tp} (each tensor-parallel rank "
-                                f"holds {what} / {tp}); choose a divisor of {n}")
-
-
-def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:
-    """What the parallel dimensions need of the ZeRO stage, one line each: tensor parallelism runs with ZeRO 1-2
-    (AutoTP training's tested stages; at stage 0 each rank would clip and skip on the norm of its own slices), and
-    ZeRO-3 under sequence parallelism on a DeepSpeed whose gradient average is checked (:func:`check_zero3_average`).
-    """
-    tp = cfg.parallel.tensor_parallel_size
-    if tp > 1 and stage in (0, 3):
-        problems.append(f"parallel.tensor_parallel_size: {tp} with ZeRO stage {stage}; tensor parallelism runs with "
-                        f"ZeRO 1-2 (ds.zero_optimization.stage=1 or 2, or a zero1/zero2 JSON)"
-                        + ("; at stage 0 each rank's gradient norm covers only its own weight slices, so clipping and "
-                           "the skip of non-finite steps would differ between ranks" if stage == 0 else ""))
-    problem = check_zero3_average(stage, cfg.parallel.sequence_parallel_size)
-    if problem:
-        problems.append(problem)
-
-
-def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool, problems: list[str]) -> None:
+def check(cfg: RunConfig, model_config, supported: Collection[str], problems: list[str]) -> None:
     """What sequence parallelism and the long-sequence memory levers (``parallel.tiled_mlp``,
     ``model.offload_activations``) need of the run, one problem line each, before any model is built.
 
     Args:
         cfg: the run config.
         model_config: the transformers config (``num_attention_heads``, ``num_key_value_heads``), or None.
-        world: the world size of the launch, or None when unknown (``finetune doctor`` without ``--world-size``).
-        recipe_supports: the recipe's ``sequence_parallel`` flag.
+        supported: the parallel dimensions the recipe supports (its ``Capabilities.parallel``).
         problems: where the lines go.
     """
     if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
         problems.append("model.offload_activations: offloads the hidden states that gradient checkpointing keeps; set "
                         "model.gradient_checkpointing=true too (or model.offload_activations=false)")
-    if cfg.parallel.tiled_mlp and not recipe_supports:
+    if cfg.parallel.tiled_mlp and DIMENSION not in supported:
         problems.append(f"parallel.tiled_mlp: recipe {cfg.recipe} is not a causal LM (gpt_clm and sft tile their "
                         f"decoder's MLPs); set parallel.tiled_mlp=false")
     sp = cfg.parallel.sequence_parallel_size
-    key = "parallel.sequence_parallel_size"
+    key = SIZE_KEYS["sp"]
     if sp < 1:
         problems.append(f"{key}: {sp} must be 1 (off) or more")
         return
-    if world is not None and world % sp:
-        problems.append(f"{key}: {sp} does not divide the world size {world}; launch a multiple of {sp} ranks or "
-                        f"choose a divisor of {world}")
     if sp == 1:
         return
-    if not recipe_supports:
+    if DIMENSION not in supported:
         problems.append(f"{key}: recipe {cfg.recipe} does not support sequence parallelism (causal-LM recipes "
                         f"gpt_clm and sft do); set {key}=1")
     if cfg.model.attn_implementation == "eager":
@@ -220,20 +80,22 @@ def check(cfg: RunConfig, model_config, world: int | None, recipe_supports: bool
     if cfg.train.loss_weighting != "token":
         problems.append(f"{key}: train.loss_weighting={cfg.train.loss_weighting} averages each micro-batch on its own, "
                         f"but a sequence-parallel rank holds only a slice of it; use train.loss_weighting=token")
-    if model_config is not None:
-        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        heads = getattr(text, "num_attention_heads", None)
-        kv = getattr(text, "num_key_value_heads", None) or heads
-        if isinstance(heads, int) and heads % sp:
-            problems.append(f"{key}: the model's {heads} attention heads are not divisible by {sp} (each "
-                            f"sequence-parallel rank attends with heads / {sp}); choose a divisor of {heads}")
-        if isinstance(kv, int) and kv % sp and sp % kv:
-            problems.append(f"{key}: the model's {kv} key/value heads and {sp} divide neither way (DeepSpeed "
-                            f"replicates key/value heads only when {sp} is a multiple of them); choose a divisor or "
-                            f"a multiple of {kv}")
+    problems += head_problems(model_config, sp, key, f"each sequence-parallel rank attends with heads / {sp}",
+                              kv_multiple=True)
     if cfg.data.max_seq_len % sp and cfg.recipe == "gpt_clm" and cfg.data.packing:
         problems.append(f"data.max_seq_len: packed blocks of {cfg.data.max_seq_len} tokens do not split into "
                         f"{sp} equal shards; use a multiple of {sp} (other rows are padded to one)")
+
+
+_ULYSSES_WHY = ("DeepSpeed's Ulysses attention and the packed-row sdpa under sequence parallelism: "
+                "UlyssesSPAttentionHF.register_with_transformers writes the attention table itself")
+_KV_WHY = ("DeepSpeed 0.19.8's Ulysses forward overwrites num_key_value_groups when it replicates key/value heads, "
+           "which repeat_kv reads in whole-sequence work (upstream: deepspeedai/DeepSpeed#8316 carries the count per "
+           "attention instead)")
+_MLP_WHY = ("tiled MLPs (DeepSpeed's TiledMLP, ALST), set on the module instance (the class is untouched); "
+            "no upstream issue: transformers offers no per-module forward hook that replaces the computation")
+_ZERO3_WHY = ("DeepSpeed's ZeRO-3 reduce-scatter divides gradients by the world size, not the data-parallel size, "
+              "under sequence parallelism (upstream: deepspeedai/DeepSpeed#6841; #5555 fixed ZeRO-0 alone)")
 
 
 def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
@@ -241,7 +103,8 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
 
     All ranks call it, after the model is built and before ``deepspeed.initialize`` (which takes the returned
     ``mpu``). The core ``sdpa`` is first wrapped with :func:`_packed_sdpa` so that packed rows keep their examples
-    apart.
+    apart. The attention table entry and every attention module's ``num_key_value_groups`` (which the Ulysses
+    forward overwrites when it replicates key/value heads) are recorded as patches (:mod:`finetune.patches`).
 
     Args:
         model: the built transformers model (its ``config`` names the heads and the attention implementation).
@@ -257,11 +120,12 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attn = cfg.model.attn_implementation
-    _PLAIN[attn] = ALL_ATTENTION_FUNCTIONS[attn]
-    _KV_GROUPS.extend((m, m.num_key_value_groups) for m in model.modules()
-                      if isinstance(getattr(m, "num_key_value_groups", None), int))
+    for m in model.modules():
+        if isinstance(getattr(m, "num_key_value_groups", None), int):
+            patches.apply(patches.watch_attribute(m, "num_key_value_groups", _KV_WHY))
+    table = patches.apply(patches.attention_function(attn, ALL_ATTENTION_FUNCTIONS[attn], _ULYSSES_WHY))
     if attn == "sdpa":
-        ALL_ATTENTION_FUNCTIONS[attn] = _packed_sdpa(_PLAIN[attn])
+        ALL_ATTENTION_FUNCTIONS[attn] = _packed_sdpa(table.original)
     config = copy.deepcopy(unwrap_config(model))
     text = config.get_text_config()
     if getattr(text, "num_key_value_heads", None) is None:  # GPT-2 and other MHA configs name no KV heads
@@ -270,7 +134,6 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
         model_name_or_path=SimpleNamespace(config=config), core_attn_implementation=attn, sequence_parallel_size=lay.sp,
         micro_batch_size=cfg.train.micro_batch_size, seq_length_is_variable=True)
     ALL_ATTENTION_FUNCTIONS[attn] = _heads_out(ALL_ATTENTION_FUNCTIONS[attn])
-    _ULYSSES[attn] = ALL_ATTENTION_FUNCTIONS[attn]
     # DeepSpeed's groups module aliases the model-parallel queries to the SP group, and its checkpoints then record
     # a tensor-parallel degree of sp, which ds_to_universal cannot convert ("model-state file count 1 does not match
     # tp_degree=2"): the same groups, with a tensor-parallel size of 1 said explicitly
@@ -316,8 +179,8 @@ def fix_zero3_average(engine, lay: Layout) -> bool:
     ``reduce_scatter_coalesced``, which divides by ``world``: gradients ``sp`` times too small, and so the gradient
     norm and clipping (found by ``tests/test_sequence_parallel.py``: the grad norm was exactly half the
     single-device one at SP=2; ``finetune selftest``'s sequence_parallel row checks it on the node). The optimizer's
-    ``__avg_scatter_grads`` is wrapped on this optimizer instance (the class is untouched) to multiply its
-    partitions by ``sp``. Only on the DeepSpeed versions of :data:`ZERO3_SP_AVERAGE_CHECKED`
+    ``__avg_scatter_grads`` is wrapped on this optimizer instance (the class is untouched; a process-scope
+    patch of :mod:`finetune.patches`) to multiply its partitions by ``sp``. Only on the DeepSpeed versions of :data:`ZERO3_SP_AVERAGE_CHECKED`
     (:func:`check_zero3_average` refuses others before any model is built).
 
     Returns:
@@ -332,17 +195,13 @@ def fix_zero3_average(engine, lay: Layout) -> bool:
     problem = check_zero3_average(3, lay.sp)
     if problem:
         raise RunFailure(problem)
-    opt = engine.optimizer
-    if not callable(getattr(opt, _ZERO3_SCATTER, None)):
-        raise RunFailure(f"sequence parallelism with ZeRO-3: {type(opt).__name__} has no {_ZERO3_SCATTER[-19:]}, "
-                         f"whose average finetune corrects; gradients would be {lay.sp} times too small. Use ZeRO 1/2 "
-                         f"with sequence parallelism, or the DeepSpeed version finetune pins")
-    reduce_scatter = getattr(opt, _ZERO3_SCATTER)
+    def average_over_data_parallel(reduce_scatter):
+        def average(params, communication_data_type):
+            return [g.mul(lay.sp) for g in reduce_scatter(params, communication_data_type)]
 
-    def average_over_data_parallel(params, communication_data_type):
-        return [g.mul(lay.sp) for g in reduce_scatter(params, communication_data_type)]
+        return average
 
-    setattr(opt, _ZERO3_SCATTER, average_over_data_parallel)
+    patches.apply(patches.instance_method(engine.optimizer, _ZERO3_SCATTER, average_over_data_parallel, _ZERO3_WHY))
     return True
 
 
@@ -379,8 +238,7 @@ def tile_mlps(model) -> int:
                 torch.distributed.all_reduce(shards, op=torch.distributed.ReduceOp.MAX)
             return TiledMLP.apply(_contiguous(_original), _mlp, x, int(shards), list(_mlp.parameters()))
 
-        mlp.forward = forward
-        _TILED.append((mlp, forward))
+        patches.apply(patches.instance_forward(mlp, forward, _MLP_WHY))
     return len(mlps)
 
 
@@ -413,49 +271,15 @@ def unwrap_config(model):
     return model.config if hasattr(model, "config") else model.get_base_model().config
 
 
-_PLAIN: dict = {}  # attention implementation -> transformers' own function, before Ulysses replaced it
-_ULYSSES: dict = {}  # attention implementation -> the Ulysses wrapper registered for this process
-_TILED: list = []  # (MLP module, its tiled forward set on the instance by tile_mlps)
-_KV_GROUPS: list = []  # (attention module, its num_key_value_groups before Ulysses' forward overwrote it)
-
-
-def patched() -> dict[str, list]:
-    """What sequence parallelism and tiled MLPs changed in this process, each with its original:
-    ``{"attention": [(name, original fn, current fn)], "mlp": [(module, has an instance forward)],
-    "num_key_value_groups": [(module, original, current)]}`` (tests check :func:`sequence_parallel_off` against it)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    return {"attention": [(n, fn, ALL_ATTENTION_FUNCTIONS[n]) for n, fn in _PLAIN.items()],
-            "mlp": [(m, "forward" in vars(m)) for m, _ in _TILED],
-            "num_key_value_groups": [(m, v, getattr(m, "num_key_value_groups", None)) for m, v in _KV_GROUPS]}
-
-
-@contextlib.contextmanager
 def sequence_parallel_off():
     """Within the block, the model is transformers' own again, whole sequences on every rank (the export check,
-    text generation): the attention functions Ulysses replaced, the MLP forwards :func:`tile_mlps` replaced, and each
-    attention module's ``num_key_value_groups``, which DeepSpeed's Ulysses forward overwrites when the SP size exceeds
-    the key/value heads (it replicates them: ``kv_replication_factor``), and which ``repeat_kv`` reads under eager
-    attention or ``sdpa`` with a mask. All are put back as they were on leaving. No-op when nothing was changed.
+    text generation): every model-scope patch (:func:`finetune.patches.suspended`) is undone, i.e. the attention
+    functions Ulysses replaced, the MLP forwards :func:`tile_mlps` replaced, and each attention module's
+    ``num_key_value_groups``, which DeepSpeed's Ulysses forward overwrites when the SP size exceeds the key/value
+    heads (it replicates them: ``kv_replication_factor``), and which ``repeat_kv`` reads under eager attention or
+    ``sdpa`` with a mask. All are put back as they were on leaving. No-op when nothing was changed.
     """
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    kv_now = [(m, getattr(m, "num_key_value_groups")) for m, _ in _KV_GROUPS]
-    for name, fn in _PLAIN.items():
-        ALL_ATTENTION_FUNCTIONS[name] = fn
-    for mlp, _ in _TILED:
-        vars(mlp).pop("forward", None)
-    for module, groups in _KV_GROUPS:
-        module.num_key_value_groups = groups
-    try:
-        yield
-    finally:
-        for name, fn in _ULYSSES.items():
-            ALL_ATTENTION_FUNCTIONS[name] = fn
-        for mlp, forward in _TILED:
-            mlp.forward = forward
-        for module, groups in kv_now:
-            module.num_key_value_groups = groups
+    return patches.suspended("model")
 
 
 def _packed_sdpa(sdpa):
@@ -485,7 +309,7 @@ def _packed_sdpa(sdpa):
 class SequenceShard:
     """Collator wrapper: the full micro-batch of the SP group's rows -> this rank's slice of every sequence.
 
-    Input (the recipe's collated batch, :mod:`finetune.batch`): ``input_ids`` and ``labels`` ``[B, S]``, and
+    Input (the recipe's collated batch, :mod:`finetune.data.batch`): ``input_ids`` and ``labels`` ``[B, S]``, and
     ``attention_mask`` ``[B, S]`` (right padding) or packed rows' ``position_ids`` ``[B, S]`` and ``num_tokens``.
     Output: ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S' / sp]`` (int64, ``S'`` = ``S`` rounded up
     to a multiple of ``sp``) and ``num_tokens`` (0-dim int64: real tokens in this slice; for packed rows an equal

@@ -28,15 +28,15 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations import deepspeed as hf_ds
 
-from finetune import distributed as dist_utils
-from finetune import lora
-from finetune.checkpoint import checkpoints_dir, is_complete
+from finetune.parallel import distributed as dist_utils
+from finetune.engine import lora
+from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
 from finetune.config import load_run_config
-from finetune.engine import load_pretrained
+from finetune.engine.model import load_pretrained
 from finetune.errors import ConfigError
 from finetune.logs import logger
 from finetune.recipes import get_recipe
-from finetune.run_folder import MODEL_META
+from finetune.lifecycle.run_folder import MODEL_META
 
 
 @contextlib.contextmanager

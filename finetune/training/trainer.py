@@ -23,7 +23,7 @@ bug transformers fixed in 2024 (``num_items_in_batch``). Here each micro-batch l
 ``sum_i l_i * (D * G) / N`` (``D`` data-parallel ranks, ``G`` accumulation steps, ``N`` targets in the whole
 global batch); after DeepSpeed's ``1/G`` scaling and ``1/D`` averaging the gradient is exactly
 ``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch. Under sequence
-parallelism (:mod:`finetune.parallel`) each rank sums its slice of every sequence, ``N`` counts every slice's
+parallelism (:mod:`finetune.parallel.layout`) each rank sums its slice of every sequence, ``N`` counts every slice's
 targets once, and DeepSpeed sums the gradients of all ``D x SP`` ranks and divides by ``D``: the same gradient.
 ``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
@@ -43,7 +43,7 @@ Logging every ``train.log_every`` steps: train loss (mean over the logged steps 
 learning rate, gradient norm (before clipping), tokens/s (non-pad tokens of all ranks over wall time) and
 per device, non-pad tokens trained so far, the padding ratio (real tokens / positions), the step-time split of
 the logged step (data wait, forward, backward, optimizer; timed on that step only, so the others run without
-extra synchronisation) and MFU on known GPUs (:class:`finetune.logs.StepMeter`). The progress bar shows loss,
+extra synchronisation) and MFU on known GPUs (:class:`finetune.training.meter.StepMeter`). The progress bar shows loss,
 tokens/s per device, padding ratio and MFU. Each epoch's padding ratio goes to the log at its end.
 Evaluation every ``train.eval_every`` steps, at the end, and at step 0 with ``train.eval_on_start``; after each,
 ``train.keep_best`` and ``train.early_stopping`` (:class:`Evaluations`);
@@ -62,14 +62,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from finetune import checkpoint as ckpt_utils
-from finetune import distributed as dist_utils
-from finetune import parallel
-from finetune.batch import to_device
-from finetune.checkpoint import TrainState
+from finetune.lifecycle import checkpoint as ckpt_utils
+from finetune.parallel import distributed as dist_utils
+from finetune.parallel import layout, sequence
+from finetune.data.batch import to_device
+from finetune.lifecycle.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
 from finetune.errors import ConfigError, TrainingDiverged
-from finetune.logs import MetricsSink, StepMeter, logger
+from finetune.logs import MetricsSink, logger
+from finetune.training.meter import StepMeter
 
 
 def _rng_fork(device):
@@ -98,7 +99,7 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
             if out.counts is not None:
                 counts = out.counts.double() if counts is None else counts + out.counts.double()
     names = sorted(sums)
-    replicas = parallel.layout(cfg).replicas  # tensor-parallel ranks evaluate the same rows
+    replicas = layout.layout(cfg).replicas  # tensor-parallel ranks evaluate the same rows
     totals = (dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])) / replicas).tolist()
     return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() / replicas if counts is not None else None)
 
@@ -123,7 +124,7 @@ def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, 
 def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = None) -> dict[str, float]:
     """Token-weighted eval loss, perplexity and the recipe's extra metrics over the validation split.
 
-    MLM masks are seeded per validation row (``finetune.data.eval_loader``), so they are the same at every
+    MLM masks are seeded per validation row (``finetune.data.dataset.eval_loader``), so they are the same at every
     evaluation; it runs under a forked RNG seeded with ``train.seed`` so the training RNG stream is
     untouched. All ranks must call it (ZeRO-3 gathers parameters).
 
@@ -166,7 +167,7 @@ def _eval_and_log(engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, st
     artefacts: dict = {}
     metrics = evaluate(engine, eval_dl, recipe, cfg, artefacts)
     if generation is not None:
-        with parallel.sequence_parallel_off():  # whole sequences, each rank its own prompts, as without SP
+        with sequence.sequence_parallel_off():  # whole sequences, each rank its own prompts, as without SP
             scores, records = generation.run(engine)
         metrics.update(scores)
         sink.write_generations(step, records)
@@ -288,7 +289,7 @@ def _end_skip_stage0(engine) -> None:
 
 def _log_epoch_padding(meter: StepMeter, epoch: int, note: str, replicas: int = 1) -> None:
     """Log the padding ratio of the epoch's steps trained in this launch (all ranks: one all-reduce; ``replicas``:
-    ranks that counted the same rows, :attr:`finetune.parallel.Layout.replicas`)."""
+    ranks that counted the same rows, :attr:`finetune.parallel.layout.Layout.replicas`)."""
     tokens, positions = (dist_utils.all_reduce_sum(meter.epoch.clone()) / replicas).tolist()
     meter.epoch.zero_()
     if positions:
@@ -561,7 +562,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         resume_from: checkpoint whose RNG states to restore once the first batch iterator exists.
         stop_flag: callable, True when this rank was asked to stop (signal); agreed on by all ranks every step.
         launch: this launch's number in the run folder (marks its ``metrics.jsonl`` rows).
-        generation: :class:`finetune.generation.EvalGeneration` for ``train.eval_generate`` (None: off).
+        generation: :class:`finetune.training.generation.EvalGeneration` for ``train.eval_generate`` (None: off).
 
     Returns:
         The final :class:`TrainState`.
@@ -571,7 +572,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     """
     if _stopped_early(cfg, state):  # a launch after the stop (a requeue, a resume): the export follows
         return state
-    lay, offload = parallel.layout(cfg), cfg.model.offload_activations  # rows and loss scaling count in lay.dp
+    lay, offload = layout.layout(cfg), cfg.model.offload_activations  # rows and loss scaling count in lay.dp
     gas, by_token = cfg.train.gradient_accumulation_steps, cfg.train.loss_weighting == "token"
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)

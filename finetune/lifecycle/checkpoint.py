@@ -39,9 +39,9 @@ import torch.distributed as dist
 import yaml
 from deepspeed.accelerator import get_accelerator
 
-from finetune import distributed as dist_utils
+from finetune.parallel import distributed as dist_utils
 from finetune.config import dump_yaml
-from finetune.ds_config import zero_stage
+from finetune.engine.ds_config import zero_stage
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 
@@ -439,7 +439,7 @@ def load(engine, ckpt: Path, universal: Path | None = None, what: str = "resumed
                                           load_lr_scheduler_states=True)
     if universal is not None:
         # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the hyper-parameters of group 0,
-        # which would put weight decay on the no-decay group (biases, norms; finetune.engine.param_groups)
+        # which would put weight decay on the no-decay group (biases, norms; finetune.engine.model.param_groups)
         for g, wd in zip(engine.optimizer.param_groups, decay):
             g["weight_decay"] = wd
         # ... and one step-count tensor to every parameter group's state; torch's Adam increments it in place

@@ -7,7 +7,7 @@ JSON record in the run folder (``<folder>/rank<r>.json``, written atomically: a 
 
     {"launch": "<id shared by the ranks of this launch>", "rank": 1, "host": "node07", "pid": 4242,
      "started": 1732270000.1, "time": 1732270060.3, "beat": 12, "state": "running",
-     "where": "finetune/trainer.py:171 fit > torch/distributed/distributed_c10d.py:2805 all_reduce"}
+     "where": "finetune/training/trainer.py:171 fit > torch/distributed/distributed_c10d.py:2805 all_reduce"}
 
 * A background thread rewrites it every :data:`HEARTBEAT_S` seconds (``time``, ``beat``, and ``where``:
   the main thread's innermost ``finetune`` frame and innermost frame, so a hung rank shows where it hangs).
@@ -83,7 +83,7 @@ def _short(frame: traceback.FrameSummary) -> str:
 
 
 def _where(thread_id: int) -> str:
-    """``finetune/trainer.py:171 fit > torch/...:2805 all_reduce``: where a thread is (no source lines read)."""
+    """``finetune/training/trainer.py:171 fit > torch/...:2805 all_reduce``: where a thread is (no source lines read)."""
     frame = sys._current_frames().get(thread_id)
     if frame is None:
         return ""
@@ -419,7 +419,7 @@ def start(folder: Path, log_file: Path | None = None) -> RankHealth:
     Every rank must call it (rank 0 broadcasts the launch id once the process group exists).
     """
     global _current
-    from finetune import distributed as dist_utils
+    from finetune.parallel import distributed as dist_utils
 
     if log_file is not None:
         install_faulthandler(log_file)
@@ -474,7 +474,7 @@ def _end_without_teardown() -> None:
 
 def _finalize_mpi() -> None:
     """``MPI_Finalize`` when mpi4py initialised MPI in this process (the MPI launch's port broadcast,
-    ``finetune.distributed``). mpi4py finalises during the interpreter's teardown, which ``os._exit`` skips, and
+    ``finetune.parallel.distributed``). mpi4py finalises during the interpreter's teardown, which ``os._exit`` skips, and
     ``mpirun`` counts a rank that initialised MPI without finalising it as failed (exit 1 after a finished run)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:

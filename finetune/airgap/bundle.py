@@ -2,13 +2,13 @@
 
 ``finetune bundle OUT --model ID_OR_PATH[@REV] --dataset ID_OR_PATH[@REV][:CONFIG] [--wheels]`` runs on a machine
 that reaches the Hugging Face Hub (or only local files) and writes the folder described in
-:mod:`finetune.manifest`; ``finetune verify OUT`` checks it offline on the cluster.
+:mod:`finetune.airgap.manifest`; ``finetune verify OUT`` checks it offline on the cluster.
 
 * **Models** from the Hub: the revision (branch, tag or commit) is resolved to its commit once
   (``HfApi.model_info``) and every file is fetched at that commit with ``huggingface_hub.snapshot_download``
   into ``OUT/models/<name>/``. Local folders are copied, named after their real folder (``--model ..`` too);
   inside them a link to a file is copied by content and a link to a folder followed, each said in a log line. Every
-  safetensors header and shard index is read (:func:`finetune.manifest.weights_problems`): a truncated or damaged
+  safetensors header and shard index is read (:func:`finetune.airgap.manifest.weights_problems`): a truncated or damaged
   weights file is refused. Never taken unless asked: pickled weights
   (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``: unpickling runs code; ``allow_pickle``) and Python files
   (remote code; ``trust_remote_code``, recorded in the manifest); never taken: TensorFlow, Flax, ONNX, GGUF
@@ -57,7 +57,7 @@ from loguru import logger
 
 from finetune import __version__
 from finetune.errors import ConfigError
-from finetune.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, \
+from finetune.airgap.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, \
     weights_problems, write_manifest
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
@@ -282,7 +282,7 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
     Raises:
         ConfigError: the folder ends without a ``config.json`` or tokenizer, with pickled weights only
             (``--allow-pickle`` takes them), or with a damaged safetensors file or shard index (truncated, a shard
-            missing: :func:`finetune.manifest.weights_problems`), or a copy failed (disk full).
+            missing: :func:`finetune.airgap.manifest.weights_problems`), or a copy failed (disk full).
     """
     ident, rev, _ = _split_spec(spec, with_config=False)
     src = Source("model", _name(ident), spec, revision=rev, trust_remote_code=trust_remote_code)
@@ -443,7 +443,7 @@ def fetch_wheels(out: Path, for_python: str | None = None, for_platform: str | N
     """
     import torch
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # finetune/airgap/bundle.py -> the source folder
     if not (root / "pyproject.toml").is_file():
         raise ConfigError("--wheels: finetune's source folder (pyproject.toml) is not beside the installed package; "
                           "run bundle from a source checkout (pip install -e .)")
@@ -581,7 +581,7 @@ def make_bundle(out: Path, models: list[str], datasets: list[str], wheels: bool 
         install = fetch_wheels(out, for_python, for_platform, torch_version, torch_index) if wheels else None
         if install:
             _save_recorded(out, _recorded(out) | {"install": install})
-        ds_dir = Path(__file__).resolve().parents[1] / "ds_configs"
+        ds_dir = Path(__file__).resolve().parents[2] / "ds_configs"
         for f in sorted(ds_dir.glob("*.json")) if ds_dir.is_dir() else []:
             _copy_if_changed(f, out / "ds_configs" / f.name)
         if not (out / "run_config.yaml").exists():  # once written, it is the user's to edit
@@ -632,7 +632,7 @@ def _first_line(e: Exception) -> str:
 def _check_model(root: Path, src: dict) -> list[str]:
     """Problems of a bundled model, found without running any of its code, whatever the manifest's
     ``trust_remote_code`` says: ``config.json`` and ``tokenizer_config.json`` parsed as JSON objects (never
-    ``AutoConfig``), the safetensors headers and shard indexes (:func:`finetune.manifest.weights_problems`), and
+    ``AutoConfig``), the safetensors headers and shard indexes (:func:`finetune.airgap.manifest.weights_problems`), and
     the tokenizer loaded offline with ``trust_remote_code=False``; a model whose configs name custom code
     (``auto_map``) has its ``tokenizer.json`` parsed instead."""
     from transformers import AutoTokenizer
@@ -707,7 +707,7 @@ def verify_bundle(root: Path) -> list[str]:
 
     Raises:
         ConfigError: ``MANIFEST.json`` is not a manifest: not JSON, entries of the wrong shape or paths outside the
-            bundle (:func:`finetune.manifest.read_manifest`).
+            bundle (:func:`finetune.airgap.manifest.read_manifest`).
     """
     root = Path(root)
     if not root.is_dir():

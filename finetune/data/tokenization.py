@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from datasets.arrow_writer import ArrowWriter, SchemaInferenceError
 
-from finetune import distributed as dist_utils
+from finetune.parallel import distributed as dist_utils
 from finetune.logs import logger
 
 MAP_BATCH = 1000

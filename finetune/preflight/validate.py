@@ -15,13 +15,16 @@ import yaml
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import is_flash_attn_2_available
 
-from finetune import checkpoint as ckpt_utils
-from finetune import distributed as dist_utils
-from finetune import lora, mixture, parallel, run_folder
-from finetune import resume as resume_policy
+from finetune.lifecycle import checkpoint as ckpt_utils
+from finetune.parallel import distributed as dist_utils
+from finetune.engine import lora
+from finetune.data import mixture
+from finetune.parallel import checks, layout
+from finetune.lifecycle import run_folder
+from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
-from finetune.data import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
-from finetune.ds_config import resolve_ds_config, zero_stage
+from finetune.data.dataset import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
+from finetune.engine.ds_config import resolve_ds_config, zero_stage
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe
 
@@ -48,7 +51,7 @@ class Resolved:
             if print_config:
                 print(dump_yaml({**config_to_dict(cfg), "resolved_deepspeed": self.ds}))
             else:
-                lay = parallel.layout(cfg)
+                lay = layout.layout(cfg)
                 split = (f" = data-parallel {lay.dp} x sequence-parallel {lay.sp} x tensor-parallel {lay.tp}"
                          if lay.sp * lay.tp > 1 else "")
                 print(f"finetune: {config_path}: no problems found (world size {dist_utils.world_size()}{split}"
@@ -119,7 +122,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     config.json, an override key the model config does not have, a shape override with pretrained
     weights, a model type the recipe's model class cannot build, a hidden size not divisible by the
     number of attention heads, ``data.max_seq_len`` above the model's position embeddings, ``model.lora`` /
-    ``model.gradient_checkpointing`` the model cannot take (:func:`finetune.lora.check`), an unreadable
+    ``model.gradient_checkpointing`` the model cannot take (:func:`finetune.engine.lora.check`), an unreadable
     tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``), a
     ``model.attn_implementation`` the model class does not support,
     and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
@@ -176,8 +179,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
-    parallel.check(cfg, config, None, recipe.sequence_parallel, problems)
-    parallel.check_tensor_parallel(cfg, config, None, recipe.tensor_parallel, problems)
+    checks.check(cfg, config, None, _parallel_dims(recipe), problems)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
@@ -305,13 +307,18 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
+def _parallel_dims(recipe) -> frozenset[str]:
+    return frozenset({"sequence"} if recipe.sequence_parallel else set()) | frozenset(
+        {"tensor"} if recipe.tensor_parallel else set())
+
+
 def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[str], list[str]]:
     """The checks of the run's inputs, a part of :func:`validate_run` that needs neither a world size nor an output
     folder (``finetune prepare`` runs them alone): recipe, model and tokenizer files, data files and columns, the
     recipe's data checks, model/tokenizer/data compatibility, numbers.
 
     ``marks`` collects the cache marks of files whose text was found valid UTF-8
-    (:func:`finetune.data.check_utf8`); write them with :func:`finetune.data.remember_checked` once every check
+    (:func:`finetune.data.dataset.check_utf8`); write them with :func:`finetune.data.dataset.remember_checked` once every check
     passed.
 
     Returns:
@@ -365,7 +372,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         world_size: number of ranks of this launch.
         on_cpu: True on DeepSpeed's CPU accelerator.
         allow_changes: ``--resume-allow-changes``: config changes that make a different run are notes, not
-            problems (see :mod:`finetune.resume`).
+            problems (see :mod:`finetune.lifecycle.resume`).
 
     Returns:
         :class:`Resolved`.
@@ -375,13 +382,13 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             unreadable/empty parquet, missing or non-string text column, a text column without text,
             model/tokenizer/data incompatibilities (:func:`_check_compatibility`: override keys, shape
             overrides of pretrained weights, model type vs recipe, positions, vocabulary, special
-            tokens; LoRA and gradient checkpointing, :func:`finetune.lora.check`), bad numbers, DeepSpeed JSON
+            tokens; LoRA and gradient checkpointing, :func:`finetune.engine.lora.check`), bad numbers, DeepSpeed JSON
             problems (unknown keys, batch-size contradiction; DeepSpeed's own parser only when our numbers are
             fine), nothing to resume, a checkpoint whose layout cannot be loaded here
-            (:func:`finetune.checkpoint.resume_layout`), refused config changes on resume, an output folder
+            (:func:`finetune.lifecycle.checkpoint.resume_layout`), refused config changes on resume, an output folder
             that already holds checkpoints, is locked by a live launch, or cannot be written. On another world
             size the accumulation may be changed in ``cfg`` to keep the checkpoint's global batch
-            (:func:`finetune.resume.keep_global_batch`).
+            (:func:`finetune.lifecycle.resume.keep_global_batch`).
     """
     marks: list[Path] = []
     problems, number_problems = check_inputs(cfg, marks)
@@ -389,14 +396,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
     sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    if sp > 1 and world_size % sp:
-        problems.append(f"parallel.sequence_parallel_size: {sp} does not divide the world size {world_size}; launch a "
-                        f"multiple of {sp} ranks or choose a divisor of {world_size}")
-    if tp > 1 and world_size % tp:
-        problems.append(f"parallel.tensor_parallel_size: {tp} does not divide the world size {world_size}; launch a "
-                        f"multiple of {tp} ranks or choose a divisor of {world_size}")
-    split = sp * tp if sp > 0 and tp > 0 and world_size % (sp * tp) == 0 else 1
-    dp = world_size // split  # global batch = micro x accumulation x dp
+    problems += layout.size_problems(world_size, sp, tp)
+    dp = layout.data_parallel_size(world_size, sp, tp)  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
         resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
@@ -412,7 +413,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         ds, ds_problems = resolve_ds_config(cfg, dp, on_cpu, deepspeed_checks=not number_problems)
         problems += ds_problems
         problems += _check_trackers(ds)
-        parallel.check_zero_stage(cfg, zero_stage(ds), problems)
+        checks.check_zero_stage(cfg, zero_stage(ds), problems)
     except ConfigError as e:
         problems += e.problems
     universal = False
@@ -451,11 +452,12 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
 
 
 def _old_dp(old: dict, ckpt: Path, default_world: int) -> int:
-    """The data-parallel size a checkpoint was trained with: its world size (``COMPLETE`` marker) over its
-    config's ``parallel.sequence_parallel_size`` x ``parallel.tensor_parallel_size``."""
+    """The data-parallel size a checkpoint was trained with: its world size (``COMPLETE`` marker) split by its
+    config's ``parallel`` sizes (:func:`finetune.parallel.layout.data_parallel_size`)."""
     world = ckpt_utils.marker(ckpt).get("world_size", default_world)
-    split = (old.get("parallel") or {})
-    return max(1, world // max(1, int(split.get("sequence_parallel_size", 1)) * int(split.get("tensor_parallel_size", 1))))
+    split = old.get("parallel") or {}
+    return layout.data_parallel_size(world, int(split.get("sequence_parallel_size", 1)),
+                                     int(split.get("tensor_parallel_size", 1)))
 
 
 def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:

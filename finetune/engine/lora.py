@@ -1,18 +1,18 @@
 """Model surgery for memory: LoRA adapters (``peft``) and gradient checkpointing (``model.lora``,
 ``model.gradient_checkpointing``).
 
-Applied by :func:`apply` in :func:`finetune.engine.build_engine`, after the model is built and before
+Applied by :func:`apply` in :func:`finetune.engine.model.build_engine`, after the model is built and before
 ``deepspeed.initialize``, so the DeepSpeed optimizer only ever sees the adapters (and, for ``seq_cls``, the
 classifier head: peft's ``SEQ_CLS`` task type keeps it trainable as a ``modules_to_save`` copy).
 
-* The base model is frozen by ``peft.get_peft_model``; :func:`finetune.engine.param_groups` skips frozen
+* The base model is frozen by ``peft.get_peft_model``; :func:`finetune.engine.model.param_groups` skips frozen
   parameters, so they get no AdamW state and no gradient.
 * ZeRO-3: the model is built inside ``deepspeed.zero.Init`` (partitioned), peft reads the partitioned layers'
   shapes from ``ds_shape`` and adds ordinary adapter tensors; ``deepspeed.initialize`` converts those to ZeRO-3
   parameters (``_convert_to_zero_parameters``). The adapters are initialised from a freshly seeded torch RNG
   (``train.seed``), so they are the same at every ZeRO stage whatever building the model drew.
 * Checkpoints stay DeepSpeed's (the whole ``PeftModel`` state, frozen weights included); the export
-  (:mod:`finetune.export`) rebuilds the ``PeftModel``, writes the adapter folder and the merged model.
+  (:mod:`finetune.lifecycle.export`) rebuilds the ``PeftModel``, writes the adapter folder and the merged model.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ laptop and on a GPU node. Checks (``CHECKS``):
 * ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
   DeepSpeed's CPU accelerator has no fp16).
 * ``sequence_parallel``: one step of DeepSpeed Ulysses over all the ranks (SP = world size, finetune's own path:
-  :func:`finetune.parallel.start_sequence_parallel`, :func:`~finetune.parallel.shard_batch` and
-  :func:`~finetune.parallel.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
+  :func:`finetune.parallel.layout.start_sequence_parallel`, :func:`~finetune.parallel.layout.shard_batch` and
+  :func:`~finetune.parallel.layout.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
   process: the loss and the global gradient norm (a reduce-scatter that divides by the world size instead of the
   data-parallel size halves the norm at SP = 2). Needs 2 or more ranks.
 
@@ -36,8 +36,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from finetune import distributed as dist_utils
-from finetune import parallel
+from finetune import patches
+from finetune.parallel import distributed as dist_utils
+from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
 from finetune.recipes.lm_loss import chunked_cross_entropy
 
@@ -282,7 +283,7 @@ def sp_llama(sp: int, seed: int = 0):
 
 def _sp_batch(sp: int) -> dict:
     """4 right-padded rows of ``16 sp - 1`` tokens at most (lengths full, full - 5, half, 3): a length that is not a
-    multiple of ``sp``, so :func:`finetune.parallel.shard_batch` pads, and padding inside the shards."""
+    multiple of ``sp``, so :func:`finetune.parallel.layout.shard_batch` pads, and padding inside the shards."""
     seq = 16 * sp - 1
     ids = _batch(4, seq, seed=2)
     mask = torch.zeros_like(ids)
@@ -303,7 +304,7 @@ def _sp_reference(sp: int, batch: dict) -> tuple[float, float]:
 def check_sequence_parallel(lr: float = 1e-3) -> Check:
     """Ulysses over all ranks at ZeRO-3 vs one device: the loss and the gradient norm of one step (relative).
 
-    Every rank holds the whole batch, takes its slice of every sequence (:func:`finetune.parallel.shard_batch`: labels
+    Every rank holds the whole batch, takes its slice of every sequence (:func:`finetune.parallel.layout.shard_batch`: labels
     shifted before the cut, padded to a multiple of SP), sums its slice's token losses and divides by the target
     count of all slices, as the training loop does (data-parallel size 1); DeepSpeed sums the ranks' gradients and
     divides by the data-parallel size (with finetune's ZeRO-3 repair). The reference is the same model on the whole
@@ -315,26 +316,24 @@ def check_sequence_parallel(lr: float = 1e-3) -> Check:
         return Check("sequence_parallel", "skip", None, tol, "needs 2 or more ranks (SP = the ranks of the node): run "
                                                              "it under a launcher")
     import deepspeed
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     batch = _sp_batch(w)
     ref_loss, ref_norm = _sp_reference(w, batch)  # before Ulysses replaces the attention
     cfg = RunConfig()
     cfg.model.attn_implementation, cfg.train.micro_batch_size = "sdpa", batch["input_ids"].shape[0]
     cfg.parallel.sequence_parallel_size = w
-    lay = parallel.layout(cfg)
+    lay = layout.layout(cfg)
     model = sp_llama(w)
-    plain = ALL_ATTENTION_FUNCTIONS["sdpa"]
     try:
-        mpu = parallel.start_sequence_parallel(model, cfg, lay)
+        mpu = sequence.start_sequence_parallel(model, cfg, lay)
         ds = {"train_micro_batch_size_per_gpu": cfg.train.micro_batch_size, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=mpu)
-        repaired = parallel.fix_zero3_average(engine, lay)
+        repaired = sequence.fix_zero3_average(engine, lay)
         dev = _device()
-        shard = {k: v.to(dev) for k, v in parallel.shard_batch(batch, lay.sp, lay.sp_rank).items()}
+        shard = {k: v.to(dev) for k, v in sequence.shard_batch(batch, lay.sp, lay.sp_rank).items()}
         targets = (shard["shift_labels"] != -100).sum().float()
         torch.distributed.all_reduce(targets)
         logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
@@ -348,7 +347,7 @@ def check_sequence_parallel(lr: float = 1e-3) -> Check:
         got_loss = float(total) / lay.dp
         engine.destroy()
     finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = plain  # transformers' own attention again for whatever runs next
+        patches.restore_all()  # transformers' own attention again for whatever runs next
     loss_diff = rel_diff(torch.tensor(got_loss), torch.tensor(ref_loss))
     norm_diff = rel_diff(torch.tensor(norm), torch.tensor(ref_norm))
     return _judge("sequence_parallel", max(loss_diff, norm_diff), tol,

@@ -3,20 +3,20 @@
 Slurm sends ``SIGUSR1`` ahead of a time limit when asked (``#SBATCH --signal=B:USR1@<seconds>``) and
 ``SIGTERM`` when it preempts or cancels. :class:`StopSignal` only records that a signal arrived; the loop
 asks :meth:`StopSignal.requested` once per optimizer step and all ranks agree through one all-reduce
-(``finetune.distributed.any_rank``), so a signal that reached one rank stops all of them at the same
+(``finetune.parallel.distributed.any_rank``), so a signal that reached one rank stops all of them at the same
 step, after which every rank saves the same checkpoint and the launch exits with ``128 + signal``.
 
 Signals have to reach the ranks. ``SIGTERM`` from Slurm reaches every process of the job. ``B:USR1``
 reaches only the batch shell, and neither the ``deepspeed`` launcher nor ``torchrun`` forwards ``SIGUSR1``
 (its default action would even kill them), so the shipped sbatch scripts trap it and run
-``python -m finetune.preemption forward USR1 <launcher pid>`` (:func:`forward`), which signals exactly the
+``python -m finetune.lifecycle.preemption forward USR1 <launcher pid>`` (:func:`forward`), which signals exactly the
 ranks under that launcher (processes whose environment has ``RANK`` and ``LOCAL_RANK``) and any ``srun``
 below it (``srun`` forwards ``SIGUSR1`` to its tasks on every node).
 
 The launcher is not the end of a launch. On ``SIGTERM`` the ``deepspeed`` command exits at once (143)
 while its ``launch.py`` child and the ranks go on to checkpoint for seconds; a batch shell that waited on
 the launcher's pid would end the job (Slurm then kills or loses the ranks) before ``COMPLETE`` is written.
-So the sbatch scripts start the launcher through ``python -m finetune.preemption run -- <launcher ...>``
+So the sbatch scripts start the launcher through ``python -m finetune.lifecycle.preemption run -- <launcher ...>``
 (:func:`run_launcher`): a child subreaper that returns only once the launcher *and every process below
 it* (the ranks, orphaned or not, ``srun``) have exited.
 """
@@ -210,9 +210,9 @@ def run_launcher(cmd: list[str], poll_s: float = 60.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m finetune.preemption forward <SIGNAL> <launcher pid>`` (what the sbatch scripts' traps run) and
-    ``python -m finetune.preemption run -- <launcher ...>`` (how they start the launcher)."""
-    p = argparse.ArgumentParser(prog="python -m finetune.preemption",
+    """``python -m finetune.lifecycle.preemption forward <SIGNAL> <launcher pid>`` (what the sbatch scripts' traps run) and
+    ``python -m finetune.lifecycle.preemption run -- <launcher ...>`` (how they start the launcher)."""
+    p = argparse.ArgumentParser(prog="python -m finetune.lifecycle.preemption",
                                 description="Forward a stop signal from a batch shell to the ranks under a launcher; "
                                             "run a launcher until every rank it started has exited.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.signal.upper()
     signum = int(name) if name.isdigit() else signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
     sent = forward(signum, args.pid)
-    print(f"finetune.preemption: sent {signal.Signals(signum).name} to {len(sent)} process(es) under pid "
+    print(f"finetune.lifecycle.preemption: sent {signal.Signals(signum).name} to {len(sent)} process(es) under pid "
           f"{args.pid}: {' '.join(map(str, sent)) or '-'}", file=sys.stderr, flush=True)
     return 0 if sent else 1
 

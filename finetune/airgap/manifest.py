@@ -1,6 +1,6 @@
 """A bundle's manifest: every file's size and SHA-256, written last, checked offline.
 
-A bundle (``finetune bundle``, :mod:`finetune.bundle`) is a folder that crosses the air gap::
+A bundle (``finetune bundle``, :mod:`finetune.airgap.bundle`) is a folder that crosses the air gap::
 
     OUT/MANIFEST.json        {"format": 1, "finetune_version", "created", "sources": [...], "files": {path: {size, sha256}}}
     OUT/models/<name>/       configs, tokenizers, safetensors weights

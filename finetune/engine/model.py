@@ -9,16 +9,16 @@
   ``from_pretrained``/``from_config`` build it inside ``deepspeed.zero.Init`` and no rank materialises
   the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
 * ``model.attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``) is passed to ``from_pretrained`` /
-  ``from_config`` (checked in :mod:`finetune.validate` before anything is built).
-* AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.ds_config`);
+  ``from_config`` (checked in :mod:`finetune.preflight.validate` before anything is built).
+* AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.engine.ds_config`);
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
 * ``model.fused_kernels`` (default on) replaces Python-written activations with fused kernels of the same
-  function (:func:`finetune.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
+  function (:func:`finetune.engine.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
-  ``deepspeed.initialize`` (:func:`finetune.lora.apply`); only trainable parameters reach the optimizer.
+  ``deepspeed.initialize`` (:func:`finetune.engine.lora.apply`); only trainable parameters reach the optimizer.
 * ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention is registered for the built model and its
-  groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel`).
+  groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel.layout`).
 * ``build_engine(..., optimizer=False)`` (``finetune evaluate``): no optimizer, no LR schedule, no fp32 master
   weights and no gradient partitions (:func:`inference_ds_config`): ZeRO 1/2 become stage 0 (they shard only the
   optimizer's state and gradients, the weights are whole on every rank anyway), ZeRO-3 keeps its parameter
@@ -37,9 +37,13 @@ from transformers.initialization import no_init_weights
 from transformers.integrations import HfDeepSpeedConfig
 from transformers.utils import logging as hf_logging
 
-from finetune import kernels, lora, parallel
+from finetune.engine import kernels
+
+from finetune.engine import lora
+
+from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
-from finetune.ds_config import zero_stage
+from finetune.engine.ds_config import zero_stage
 from finetune.logs import logger
 
 _NO_DECAY = ("bias", "layernorm", "layer_norm", "ln_", "norm.weight")
@@ -162,7 +166,7 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         ds = inference_ds_config(ds)
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
-    attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.validate)
+    attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.preflight.validate)
     if cfg.model.init == "pretrained":
         model = load_pretrained(recipe.model_class, cfg.model.path, model_config, attn)
     elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
@@ -175,10 +179,10 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if cfg.model.fused_kernels:
         logger.info(f"fused kernels: {kernels.fuse(model)}")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
-    lay = parallel.layout(cfg)
+    lay = layout.layout(cfg)
     if cfg.parallel.tiled_mlp:
-        logger.info(f"tiled MLP (DeepSpeed TiledMLP): {parallel.tile_mlps(model)} modules")
-    mpu = parallel.start_sequence_parallel(model, cfg, lay)  # Ulysses attention and the SP groups (sp > 1)
+        logger.info(f"tiled MLP (DeepSpeed TiledMLP): {sequence.tile_mlps(model)} modules")
+    mpu = sequence.start_sequence_parallel(model, cfg, lay)  # Ulysses attention and the SP groups (sp > 1)
     if mpu is not None:
         logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "
                     f"{lay.describe()}")
@@ -197,9 +201,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
-    if parallel.fix_zero3_average(engine, lay):
+    if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
-                    "(finetune.parallel.fix_zero3_average)")
+                    "(finetune.parallel.layout.fix_zero3_average)")
     if engine.bfloat16_enabled() and hasattr(engine.optimizer, "check_grad_overflow"):
         # ZeRO 1/2 in bf16 skip a non-finite step only with this on (DeepSpeed's default, a JSON may turn it off);
         # in fp32 and fp16 they skip on a non-finite global gradient norm anyway, and this on would add a scan of

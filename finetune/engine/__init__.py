@@ -1,0 +1,8 @@
+"""The model and its DeepSpeed engine: what turns batches into losses and updates.
+
+Owns loading the model and tokenizer (:mod:`.model`: ``AutoModelFor*``, parameter groups,
+``deepspeed.initialize``), the DeepSpeed config finetune writes (:mod:`.ds_config`: ZeRO stage, precision,
+offload, batch sizes), LoRA adapters through peft (:mod:`.lora`) and fused kernels (:mod:`.kernels`). It may
+import the parallel layout (sequence and tensor parallel wiring), the run config, logging and errors; it never
+imports the data pipeline, the recipes or the run's lifecycle.
+"""
