@@ -204,6 +204,12 @@ def precision_of(ds: dict) -> str:
     return stated if stated in ("bf16", "fp16") else "fp32"
 
 
+def engine_precision(engine) -> str:
+    """``bf16``, ``fp16`` or ``fp32``: what a built DeepSpeed engine trains in (its public ``bfloat16_enabled`` and
+    ``fp16_enabled``), the same names as :func:`precision_of` gives for a DeepSpeed dict."""
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+
+
 def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator=None,
                       deepspeed_checks: bool = True) -> tuple[dict, list[str]]:
     """The DeepSpeed dict for ``deepspeed.initialize``: JSON file + ``cfg.ds`` overrides + run-config values.

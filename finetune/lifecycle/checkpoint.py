@@ -39,9 +39,10 @@ import torch.distributed as dist
 import yaml
 from deepspeed.accelerator import get_accelerator
 
+from finetune import patches
 from finetune.parallel import distributed as dist_utils
 from finetune.config import dump_yaml
-from finetune.engine.ds_config import zero_stage
+from finetune.engine.ds_config import engine_precision, zero_stage
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 
@@ -222,6 +223,10 @@ def saved_layout(ckpt: Path) -> tuple[int, int, int, int]:
             meta.get("tensor_parallel_size", 1))
 
 
+_UNIVERSAL_WHY = ("DeepSpeed reads universal checkpoints only when the engine was built with load_universal_checkpoint; "
+                  "train.keep_best loads one into an engine built for its own layout (no public setter)")
+
+
 @contextlib.contextmanager
 def universal_loading(engine):
     """Within the block ``engine.load_checkpoint`` reads universal checkpoints, as if the engine had been built with
@@ -236,12 +241,8 @@ def universal_loading(engine):
     if not isinstance(getattr(config, "load_universal_checkpoint", None), bool):
         raise RunFailure("checkpoint: this DeepSpeed engine has no load_universal_checkpoint setting to load a "
                          "universal checkpoint with; use the DeepSpeed version finetune pins")
-    was = config.load_universal_checkpoint
-    config.load_universal_checkpoint = True
-    try:
+    with patches.applied(patches.Patch(config, "load_universal_checkpoint", True, _UNIVERSAL_WHY)):
         yield
-    finally:
-        config.load_universal_checkpoint = was
 
 
 UNIVERSAL = ".universal"
@@ -474,7 +475,7 @@ def check_free_space(run_dir: Path, engine) -> None:
     params = list(engine.module.parameters())
     n = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
     frozen = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params if not p.requires_grad)
-    per_param = 12 + (6 if (engine.bfloat16_enabled() or engine.fp16_enabled()) else 0)
+    per_param = 12 + (6 if engine_precision(engine) != "fp32" else 0)
     need = int((n * per_param + frozen) * 1.1)  # frozen (LoRA base) weights: saved as they are, no AdamW state
     free = shutil.disk_usage(run_dir).free
     logger.info(f"checkpoint size estimate {need / 2**20:.1f} MiB; {free / 2**30:.1f} GiB free in {run_dir}")

@@ -79,6 +79,7 @@ from transformers import AutoModelForCausalLM
 from finetune.parallel import distributed as dist_utils
 from finetune.data import mixture
 from finetune.data.batch import LossOutput, model_inputs, to_device
+from finetune.engine.ds_config import engine_precision
 from finetune.config import DataConfig, DpoConfig, RunConfig
 from finetune.data.dataset import (
     TrainData,
@@ -92,7 +93,7 @@ from finetune.data.dataset import (
 )
 from finetune.errors import ConfigError
 from finetune.logs import logger
-from finetune.recipes import Recipe
+from finetune.recipes import Capabilities, Recipe
 from finetune.recipes.gpt_clm import shift_labels
 from finetune.recipes.lm_loss import token_loss_sum
 from finetune.recipes.sft import (
@@ -177,7 +178,7 @@ class PairExamples:
     """Batched map function: rows -> tokenized pairs; counts what it drops.
 
     Output columns (lists of int): ``input_ids``, ``attention_mask``, ``labels`` (the chosen sequence) and
-    ``rejected_input_ids``, ``rejected_labels``. It gets every row (``counts_rows``) and logs :meth:`summary`.
+    ``rejected_input_ids``, ``rejected_labels``. It gets every row (``Capabilities.counts_rows``) and logs :meth:`summary`.
 
     Raises:
         ConfigError: a conversational row is malformed (checked before training by :func:`check_pairs`).
@@ -560,7 +561,7 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     if cfg.model.lora is not None:
         logger.info("dpo: reference = the base model (LoRA adapters off), a no-grad forward in each step")
         return data
-    precision = "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
+    precision = engine_precision(engine)
     folder = default_cache_dir(cfg.data) / "reference"
     splits = {}
     for name in ("train", "validation"):
@@ -757,11 +758,13 @@ def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
-RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
-                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, configure=configure, before_training=before_training,
-                columns=columns, cache_key=cache_key, checks_columns=True, counts_rows=True, check_data=check_pairs,
-                prepare_model_config=prepare_model_config, reports_perplexity=False, generates_text=True,
-                sequences_per_row=2, generation_pairs=generation_pairs,
-                eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps") for v in ("chosen", "rejected"))
-                + ("rewards/accuracies", "rewards/margins"))
+RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS,
+                capabilities=Capabilities(generates_text=True, reports_perplexity=False, sequences_per_row=2,
+                                          eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps")
+                                                             for v in ("chosen", "rejected"))
+                                          + ("rewards/accuracies", "rewards/margins"),
+                                          checks_columns=True, counts_rows=True),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, configure=configure, before_training=before_training,
+                columns=columns, cache_key=cache_key, check_data=check_pairs, prepare_model_config=prepare_model_config,
+                generation_pairs=generation_pairs)

@@ -71,6 +71,7 @@ from finetune.config import RunConfig, config_to_dict
 from finetune.errors import ConfigError, TrainingDiverged
 from finetune.logs import MetricsSink, logger
 from finetune.training.meter import StepMeter
+from finetune.engine.ds_config import engine_precision
 
 
 def _rng_fork(device):
@@ -576,7 +577,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     gas, by_token = cfg.train.gradient_accumulation_steps, cfg.train.loss_weighting == "token"
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
-    meter = StepMeter(engine.module, engine.device, lay.world, engine.bfloat16_enabled() or engine.fp16_enabled())
+    meter = StepMeter(engine.module, engine.device, lay.world, engine_precision(engine) != "fp32")
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train", dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from)
