@@ -269,7 +269,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the ranks split the work besides data parallelism (:mod:`finetune.parallel.layout`)."""
+    """How the ranks split the work besides data parallelism (:mod:`finetune.parallel`)."""
 
     tensor_parallel_size: int = 1
     """Ranks that share each layer's weights (DeepSpeed AutoTP training: attention and MLP projections split by

@@ -37,7 +37,7 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
                       ("fp16_step", "DeepSpeed's CPU accelerator has no fp16")):
         assert rows[name]["status"] == "skip" and why in rows[name]["detail"], rows[name]
     # Ulysses over both ranks at ZeRO-3 against one device: loss and grad norm (the latter was half the reference
-    # without finetune.parallel.layout.fix_zero3_average)
+    # without finetune.parallel.sequence.fix_zero3_average)
     sp = rows["sequence_parallel"]
     assert "sequence-parallel 2, ZeRO-3" in sp["detail"] and "grad norm" in sp["detail"], sp
     assert sp["tolerance"] <= 1e-4

@@ -15,7 +15,7 @@ Real launches on 2 CPU ranks (gloo's all-to-all), each rank holding half of ever
   :func:`finetune.parallel.layout._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
   with the memory levers on (tiled MLP, gradient checkpointing with the checkpointed hidden states offloaded):
   losses 1e-5 and grad norms 1e-4 against the reference, which has none of them (this test found ZeRO-3's reduce-scatter dividing by the world size:
-  :func:`finetune.parallel.layout.fix_zero3_average`).
+  :func:`finetune.parallel.sequence.fix_zero3_average`).
 
 Measured when written (DeepSpeed 0.19.8, torch 2.13 CPU): gpt_clm losses 1.4e-7, grad norms 1.2e-6, weights 6e-6;
 sft ZeRO-3 losses 2.6e-7, grad norms 1.5e-8.

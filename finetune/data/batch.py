@@ -16,7 +16,7 @@ import torch
 
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_tokens", "reference_logps")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
-sequence-parallel slice, :mod:`finetune.parallel.layout`), the real-token count of packed rows and the reference model's
+sequence-parallel slice, :mod:`finetune.parallel.sequence`), the real-token count of packed rows and the reference model's
 log-probabilities of preference pairs."""
 
 

@@ -366,7 +366,7 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
                     "max_seq_len": d.max_seq_len, "recipe_settings": recipe.cache_key(d),
                     "datasets": datasets.__version__, "version": 2}
         fn = recipe.tokenize_function(tokenizer, d)
-        counts_rows = recipe.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
+        counts_rows = recipe.capabilities.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
         mapper = fn if counts_rows else DropEmptyText(fn, col)
 
         def tokenize(source: tokenization.ParquetRows, rows: np.ndarray, split_key: dict, name: str, key_name: str):
@@ -688,7 +688,7 @@ def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed
     (from :func:`train_sampler`) over the data-parallel ranks of ``lay`` (default: every rank data-parallel).
 
     Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
-    ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.layout.SequenceShard`
+    ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.sequence.SequenceShard`
     under sequence parallelism (the ranks of an SP group draw the same rows and keep one slice of each sequence).
     """
     rows = IndexedRows(dataset)

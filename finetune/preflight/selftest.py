@@ -18,8 +18,8 @@ laptop and on a GPU node. Checks (``CHECKS``):
 * ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
   DeepSpeed's CPU accelerator has no fp16).
 * ``sequence_parallel``: one step of DeepSpeed Ulysses over all the ranks (SP = world size, finetune's own path:
-  :func:`finetune.parallel.layout.start_sequence_parallel`, :func:`~finetune.parallel.layout.shard_batch` and
-  :func:`~finetune.parallel.layout.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
+  :func:`finetune.parallel.sequence.start_sequence_parallel`, :func:`~finetune.parallel.sequence.shard_batch` and
+  :func:`~finetune.parallel.sequence.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
   process: the loss and the global gradient norm (a reduce-scatter that divides by the world size instead of the
   data-parallel size halves the norm at SP = 2). Needs 2 or more ranks.
 
@@ -283,7 +283,7 @@ def sp_llama(sp: int, seed: int = 0):
 
 def _sp_batch(sp: int) -> dict:
     """4 right-padded rows of ``16 sp - 1`` tokens at most (lengths full, full - 5, half, 3): a length that is not a
-    multiple of ``sp``, so :func:`finetune.parallel.layout.shard_batch` pads, and padding inside the shards."""
+    multiple of ``sp``, so :func:`finetune.parallel.sequence.shard_batch` pads, and padding inside the shards."""
     seq = 16 * sp - 1
     ids = _batch(4, seq, seed=2)
     mask = torch.zeros_like(ids)
@@ -304,7 +304,7 @@ def _sp_reference(sp: int, batch: dict) -> tuple[float, float]:
 def check_sequence_parallel(lr: float = 1e-3) -> Check:
     """Ulysses over all ranks at ZeRO-3 vs one device: the loss and the gradient norm of one step (relative).
 
-    Every rank holds the whole batch, takes its slice of every sequence (:func:`finetune.parallel.layout.shard_batch`: labels
+    Every rank holds the whole batch, takes its slice of every sequence (:func:`finetune.parallel.sequence.shard_batch`: labels
     shifted before the cut, padded to a multiple of SP), sums its slice's token losses and divides by the target
     count of all slices, as the training loop does (data-parallel size 1); DeepSpeed sums the ranks' gradients and
     divides by the data-parallel size (with finetune's ZeRO-3 repair). The reference is the same model on the whole
