@@ -1,6 +1,7 @@
 """The architecture as tests: the declared import layers (import-linter, ``[tool.importlinter]`` in pyproject.toml),
-no import cycle, no private name imported across modules, no recipe probed for what it has, a loop that fits on
-one screen, and docstrings and comments that say what the code does rather than when or where it was measured."""
+no import cycle, no private name imported across modules, no recipe probed for what it has, a recipe as hooks plus
+capabilities, a loop that fits on one screen, and docstrings and comments that say what the code does rather than
+when or where it was measured."""
 
 from __future__ import annotations
 
@@ -64,6 +65,38 @@ def test_no_recipe_is_probed_for_what_it_has():
     probes = [f"{p.relative_to(REPO)}:{i}" for p in SOURCES for i, line in enumerate(p.read_text().splitlines(), 1)
               if re.search(r"(hasattr|getattr)\(recipe\s*,", line)]
     assert not probes, probes
+
+
+def test_a_recipe_is_hooks_plus_capabilities():
+    """``Recipe`` holds its name, model class and :class:`Capabilities`, and otherwise only hooks (functions, or
+    ``None`` for a hook whose default is ``None``); ``Capabilities`` holds only constants, and the parallel
+    dimensions a recipe declares are ``DIMENSION`` names of :mod:`finetune.parallel`'s modules."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import pytest
+
+    import finetune.parallel
+    from finetune.recipes import RECIPES, Capabilities, Recipe, get_recipe
+
+    known = {m.DIMENSION for info in pkgutil.iter_modules(finetune.parallel.__path__)
+             if hasattr(m := importlib.import_module(f"finetune.parallel.{info.name}"), "DIMENSION")}
+    assert {"sequence", "tensor"} <= known
+    plain = {"name", "model_class", "capabilities"}
+    hooks = [f for f in dataclasses.fields(Recipe) if f.name not in plain]
+    assert [f.name for f in dataclasses.fields(Recipe)][:3] == ["name", "model_class", "capabilities"]
+    assert all(str(f.type).startswith("Callable") for f in hooks), [(f.name, f.type) for f in hooks]
+    assert not [f.name for f in dataclasses.fields(Capabilities) if "Callable" in str(f.type)]
+    for name in RECIPES:
+        r = get_recipe(name)
+        assert r.name == name and isinstance(r.capabilities, Capabilities)
+        hash(r.capabilities)  # plain, frozen data
+        assert r.capabilities.parallel <= known, (name, r.capabilities.parallel - known)
+        odd = [f.name for f in hooks if not (callable(getattr(r, f.name)) or getattr(r, f.name) is f.default is None)]
+        assert not odd, (name, odd)
+    with pytest.raises(TypeError):
+        Capabilities(parallel="sequence")  # a str would answer "in" by substring
 
 
 def test_the_loop_fits_one_screen_and_the_cli_only_dispatches():

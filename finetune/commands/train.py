@@ -205,7 +205,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
             summary = write_run_report(run_dir)
             if summary:
                 logger.info(f"evaluation: {summary}")
-            if cfg.export and cfg.train.sample_prompt and recipe.generates_text:
+            if cfg.export and cfg.train.sample_prompt and recipe.capabilities.generates_text:
                 with sequence.sequence_parallel_off():
                     sample = write_sample(run_dir, cfg)
                 logger.info(f"{'sample' if cfg.train.sample_temperature > 0 else 'greedy sample'} (sample.txt): "

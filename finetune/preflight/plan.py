@@ -187,7 +187,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     attn = getattr(config, "_attn_implementation", None) or "sdpa"
     dropout = any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
                   if "dropout" in k or k.endswith("_pdrop"))
-    per_row = recipe.targets_per_row
+    per_row = recipe.capabilities.one_target_per_row
     return ModelShape(model_type=config.model_type, params=params, largest_layer=largest,
                       layers=config.num_hidden_layers, hidden=hidden, intermediate=intermediate,
                       heads=config.num_attention_heads,
@@ -196,7 +196,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       dropout=dropout,
                       target_fraction=recipe.target_fraction(cfg.data),
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
-                      sequences_per_row=recipe.sequences_per_row)
+                      sequences_per_row=recipe.capabilities.sequences_per_row)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,

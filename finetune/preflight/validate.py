@@ -179,7 +179,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
-    checks.check(cfg, config, None, _parallel_dims(recipe), problems)
+    checks.check(cfg, config, None, recipe.capabilities.parallel, problems)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
@@ -237,7 +237,7 @@ def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.eval_generate.prompts: must be >= 0 (0: off), got {g.prompts}")
     if g.prompts <= 0:
         return
-    if cfg.recipe in RECIPES and not get_recipe(cfg.recipe).generates_text:
+    if cfg.recipe in RECIPES and not get_recipe(cfg.recipe).capabilities.generates_text:
         problems.append(f"train.eval_generate: recipe {cfg.recipe} does not generate text (gpt_clm, sft and dpo do); "
                         f"set train.eval_generate.prompts=0")
     if g.max_new_tokens <= 0:
@@ -258,10 +258,10 @@ def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
 
 def eval_metric_names(cfg: RunConfig) -> list[str]:
     """Every ``eval/...`` key the run's evaluations write: loss, perplexity (recipes that report it), the recipe's
-    :attr:`~finetune.recipes.Recipe.eval_metrics`, the generation scores of ``train.eval_generate`` and, with
+    :attr:`~finetune.recipes.Capabilities.eval_metrics`, the generation scores of ``train.eval_generate`` and, with
     ``data.sources``, each source's ``eval/<source>/...``. Known before any model is built."""
-    recipe = get_recipe(cfg.recipe)
-    names = ["loss", *(["perplexity"] if recipe.reports_perplexity else []), *recipe.eval_metrics]
+    can = get_recipe(cfg.recipe).capabilities
+    names = ["loss", *(["perplexity"] if can.reports_perplexity else []), *can.eval_metrics]
     per_source = list(names)
     if cfg.train.eval_generate.prompts:
         names += ["rougeL", *(["generation_exact_match"] if cfg.train.eval_generate.answer_pattern else [])]
@@ -283,7 +283,8 @@ def _check_best(cfg: RunConfig, problems: list[str]) -> None:
         if not metric.startswith("eval/"):
             problems.append(f"{key}.metric: '{metric}' is not an evaluation metric; use a key of metrics.jsonl "
                             f"that starts with eval/ (eval/loss, eval/accuracy, ...)")
-        elif metric == "eval/perplexity" and cfg.recipe in RECIPES and not get_recipe(cfg.recipe).reports_perplexity:
+        elif (metric == "eval/perplexity" and cfg.recipe in RECIPES
+              and not get_recipe(cfg.recipe).capabilities.reports_perplexity):
             problems.append(f"{key}.metric: recipe {cfg.recipe} reports no eval/perplexity; use eval/loss or one "
                             f"of its metrics")
         elif cfg.recipe in RECIPES and metric not in (known := eval_metric_names(cfg)):
@@ -305,11 +306,6 @@ def _check_trackers(ds: dict) -> list[str]:
             return [f"deepspeed: {section}.enabled is true but the '{package}' package is not installed; "
                     f"pip install {package}{offline} or use ds.csv_monitor.enabled=true"]
     return []
-
-
-def _parallel_dims(recipe) -> frozenset[str]:
-    return frozenset({"sequence"} if recipe.sequence_parallel else set()) | frozenset(
-        {"tensor"} if recipe.tensor_parallel else set())
 
 
 def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[str], list[str]]:
@@ -343,7 +339,7 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
         files = {}
         for key, patterns in (("data.train_files", data.train_files), ("data.validation_files", data.validation_files)):
             files[key] = expand_files(patterns, key, found)
-            own_checks = recipe is not None and recipe.checks_columns  # sft checks its columns itself
+            own_checks = recipe is not None and recipe.capabilities.checks_columns  # sft, dpo check their columns
             check_parquet_files(files[key], key, None if own_checks else data.text_column, found)
             if recipe is not None:
                 check_utf8(files[key], key, recipe.columns(data), found,

@@ -1,11 +1,26 @@
-"""Task recipes: the protocol every recipe fills in, and the table of recipes by name.
+"""Task recipes: the protocol every recipe fills in, what each recipe supports, and the table of recipes by name.
 
-A recipe is a small module (``finetune/recipes/<name>.py``) that ends with ``RECIPE = Recipe(...)``: the hooks
-the shared loop (:mod:`finetune.training.trainer`), the data pipeline (:mod:`finetune.data.dataset`), the engine set-up, the
-pre-flight checks and the planner call. Every hook and its default are the fields of :class:`Recipe`, so no
-caller probes a recipe for what it has (in the spirit of torchtune's ``recipe_interfaces``: a documented set of
-functions, no base-class hierarchy). A recipe registers by name in :data:`RECIPES`. A change of the protocol
-changes every recipe in the same commit.
+A recipe is a small module (``finetune/recipes/<name>.py``) that ends with ``RECIPE = Recipe(...)``. It holds two
+kinds of parts, kept apart as torchtitan's ``TrainSpec`` keeps what builds and runs the model apart from its
+``parallelize_fn`` and the job config:
+
+* **hooks**, the fields of :class:`Recipe`: the functions the shared loop (:mod:`finetune.training.trainer`), the
+  data pipeline (:mod:`finetune.data.dataset`), the engine set-up, the pre-flight checks and the planner call
+  (``forward``, ``count_targets``, ``tokenize_function``, ``make_collator``, ``configure``, ...). Every hook and
+  its default are declared here, so no caller probes a recipe for what it has (in the spirit of torchtune's
+  ``recipe_interfaces``: a documented set of functions, no base-class hierarchy).
+* **capabilities**, one :class:`Capabilities` in ``Recipe.capabilities``: what the recipe supports and is, as
+  constants the callers read and never call: the parallel dimensions beyond data parallelism its hooks are correct
+  under, text generation, perplexity, the names of its evaluation metrics, how the planner counts a row, and the
+  data checks and row filtering its hooks take on themselves. The pre-flight checks ask them
+  (``recipe.capabilities.parallel`` goes to :func:`finetune.parallel.checks.check`), never a recipe's name.
+
+Where a part goes: a function, or anything that depends on the run config, is a hook (``target_fraction`` reads
+``data.mlm_probability``); what holds whatever the run config says is a capability. Adding a recipe is its module
+and its line in :data:`RECIPES`; adding a parallel dimension is its module in :mod:`finetune.parallel` (its
+``DIMENSION`` name and checks) and that name in the ``Capabilities.parallel`` of the recipes that support it, with
+no new field here. A recipe registers by name in :data:`RECIPES`. A change of the protocol changes every recipe in
+the same commit.
 
 For ``seq_cls`` the "targets" below are examples: ``labels`` is ``[micro_batch]`` (-100 on eval filler rows) and
 ``count_targets`` counts examples, so token weighting is example weighting.
@@ -75,13 +90,67 @@ def every_target(data_cfg: DataConfig) -> float:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a recipe supports and is: constants of the recipe, the same for every run config, read by the
+    pre-flight checks, the loop, the data pipeline and the planner.
+
+    The defaults describe a recipe that trains under data parallelism only, reports perplexity and no other metric,
+    does not generate text, runs one sequence per row with a target at every position it counts, and leaves the
+    check of ``data.text_column`` and the dropping of empty texts to the data pipeline.
+    """
+
+    parallel: frozenset[str] = frozenset()
+    """The parallel dimensions beyond data parallelism that the recipe's hooks are correct under: the ``DIMENSION``
+    names of the :mod:`finetune.parallel` modules. ``"sequence"`` (:mod:`finetune.parallel.sequence`): ``forward``
+    and ``count_targets`` take sequence-parallel slices (``shift_labels`` instead of ``labels``, ``position_ids``,
+    no ``attention_mask``; :mod:`finetune.parallel.sequence`) and their sums over the SP group equal those of the whole
+    batch. ``"tensor"`` (:mod:`finetune.parallel.tensor`): tested under DeepSpeed's AutoTP (the head loss runs on the
+    gathered lm_head output). :func:`finetune.parallel.checks.check` takes this set and refuses a size above 1 of
+    any dimension not in it. ``gpt_clm`` and ``sft``: both."""
+    generates_text: bool = False
+    """The model continues text (causal LMs): the run can end with a sample of ``train.sample_prompt``
+    (:mod:`finetune.training.generation`) and ``train.eval_generate`` is allowed (it needs the
+    ``generation_pairs`` hook too)."""
+    reports_perplexity: bool = True
+    """Evaluation also reports ``eval/perplexity`` = exp(``eval/loss``); false where the loss is no token
+    cross-entropy (``dpo``)."""
+    eval_metrics: tuple[str, ...] = ()
+    """Names of the metrics ``forward(..., metrics=True)`` and the ``eval_report`` hook add to the loss (logged as
+    ``eval/<name>``; ``seq_cls``'s ``f1`` for two classes only): ``--check`` refuses a ``train.keep_best`` or
+    ``train.early_stopping`` metric no evaluation reports, before any training."""
+    sequences_per_row: int = 1
+    """Sequences the model runs per data row (``dpo``: chosen and rejected, 2), for the planner's activations."""
+    one_target_per_row: bool = False
+    """A row has one target, not one per position (sequence classification): the planner counts the head's logits
+    per row (``num_labels``), not per token."""
+    checks_columns: bool = False
+    """The ``check_data`` hook checks every column the recipe reads, so the generic parquet check does not
+    require ``data.text_column`` (``sft``, ``dpo``)."""
+    counts_rows: bool = False
+    """The tokenize function gets every row (:mod:`finetune.data.dataset` drops no empty texts for it), skips and
+    counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``."""
+
+    def __post_init__(self) -> None:
+        # a str would pass every "in" test by substring, a set would make the recipe unhashable
+        if not isinstance(self.parallel, frozenset) or not all(isinstance(d, str) for d in self.parallel):
+            raise TypeError(f"Capabilities.parallel: a frozenset of dimension names, got {self.parallel!r}")
+        if self.sequences_per_row < 1:
+            raise ValueError(f"Capabilities.sequences_per_row: at least 1, got {self.sequences_per_row}")
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """The hooks of one task. Required first, then the optional ones with their defaults."""
+    """One task: its name, model class and :class:`Capabilities`, then its hooks, the required ones first, then the
+    optional ones with their defaults. Every field after ``capabilities`` is a function (or ``None`` where the
+    docstring says so)."""
 
     name: str
     """The name in :data:`RECIPES` (part of the tokenized-cache key)."""
     model_class: type
     """The transformers auto class (``AutoModelForMaskedLM``, ``AutoModelForCausalLM``, ...)."""
+    capabilities: Capabilities
+    """What the recipe supports and is (parallel dimensions, generation, perplexity, metric names, the planner's
+    counting, the data checks it takes on)."""
     prepare_tokenizer: Callable
     """``(tokenizer) -> tokenizer``: fix up special tokens (GPT-2's missing pad token).
 
@@ -126,15 +195,10 @@ class Recipe:
     cache_key: Callable[[DataConfig], dict] = no_settings
     """``(data_cfg) -> dict``: more settings that decide the tokenized rows (``sft``: data form, truncation,
     packing, chat template text; ``gpt_clm``: packing); part of the tokenized-cache key."""
-    checks_columns: bool = False
-    """True when :attr:`check_data` checks every column the recipe reads (``data.text_column`` is then not
-    checked by the generic parquet check)."""
-    counts_rows: bool = False
-    """True when the tokenize function gets every row (``finetune.data.dataset`` drops no empty texts for it), skips and
-    counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split)."""
     check_data: Callable[[RunConfig, list[str], list[str], list[str]], None] = no_problems
     """``(cfg, train_files, validation_files, problems)``: checks of the data files before any model is built;
-    appends one line per problem (``seq_cls``: label columns; ``sft``: columns and chat template)."""
+    appends one line per problem (``seq_cls``: label columns; ``sft``: columns and chat template). A recipe whose
+    check covers every column it reads says so in :attr:`Capabilities.checks_columns`."""
     check_tokenizer: Callable[[Any, RunConfig, list[str]], None] = no_problems
     """``(prepared tokenizer, cfg, problems)``: what the task needs of the tokenizer beyond
     :attr:`prepare_tokenizer` (``gpt_clm``: an EOS token to put between packed texts)."""
@@ -145,34 +209,19 @@ class Recipe:
     """``(counts, model_config) -> (metrics, artefacts)``: metrics that are not ratios of sums (F1) from
     ``LossOutput.counts`` summed over eval batches and ranks; artefacts (name -> JSON-able dict) go to
     ``<run>/eval/step<N>_<name>.json`` and, with ``labels`` and ``matrix``, to TensorBoard as an image. Required
-    when ``forward`` returns ``counts``."""
-    eval_metrics: tuple[str, ...] = ()
-    """Names of the metrics ``forward(..., metrics=True)`` and :attr:`eval_report` add to the loss (logged as
-    ``eval/<name>``; ``seq_cls``'s ``f1`` for two classes only): ``--check`` refuses a ``train.keep_best`` or
-    ``train.early_stopping`` metric no evaluation reports, before any training."""
-    reports_perplexity: bool = True
-    """Evaluation also reports ``eval/perplexity`` = exp(``eval/loss``) (false where the loss is no token
-    cross-entropy: ``dpo``)."""
-    generates_text: bool = False
-    """True for causal LMs: the run can end with a sample of ``train.sample_prompt`` (:mod:`finetune.training.generation`)."""
+    when ``forward`` returns ``counts``; the names of its metrics are in :attr:`Capabilities.eval_metrics`."""
     generation_pairs: Callable = no_generation
     """``(tokenizer, rows, data_cfg) -> [(prompt token ids, reference text)]``: what ``train.eval_generate`` asks the
     model to continue and the answer it is scored against, from raw validation rows (:attr:`columns`); rows
-    without a prompt or a reference are left out. Default: none (the recipe does not generate)."""
+    without a prompt or a reference are left out. Default: none, for recipes without
+    :attr:`Capabilities.generates_text`."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
-    (``bert_mlm``: ``data.mlm_probability``)."""
-    sequences_per_row: int = 1
-    """Sequences the model runs per data row (``dpo``: chosen and rejected), for the planner's activations."""
-    targets_per_row: bool = False
-    """True when a row has one target (sequence classification: the planner counts no per-token logits)."""
-    sequence_parallel: bool = False
-    """True when ``forward`` and ``count_targets`` take sequence-parallel slices (:mod:`finetune.parallel.layout`:
-    ``shift_labels`` instead of ``labels``, ``position_ids``, no ``attention_mask``) and their sums over the SP
-    group equal those of the whole batch: the causal LMs ``gpt_clm`` and ``sft``."""
-    tensor_parallel: bool = False
-    """True when the recipe is tested under DeepSpeed's AutoTP (its head loss runs on the gathered lm_head output):
-    ``gpt_clm`` and ``sft``."""
+    (``bert_mlm``: ``data.mlm_probability``).
+
+    A hook, not a capability beside :attr:`Capabilities.sequences_per_row`: its value depends on the run config,
+    and :class:`Capabilities` holds only what is true of the recipe whatever the run config says (it stays plain
+    data: comparable, printable, checked without calling anything)."""
 
 
 def get_recipe(name: str) -> Recipe:

@@ -20,7 +20,7 @@ from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig
 from finetune.errors import ConfigError
-from finetune.recipes import Recipe
+from finetune.recipes import Capabilities, Recipe
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForMaskedLM
@@ -135,7 +135,7 @@ def target_fraction(data_cfg: DataConfig) -> float:
     return data_cfg.mlm_probability
 
 
-RECIPE = Recipe(name="bert_mlm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
-                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, target_fraction=target_fraction,
-                eval_metrics=("masked_accuracy",))
+RECIPE = Recipe(name="bert_mlm", model_class=MODEL_CLASS,
+                capabilities=Capabilities(eval_metrics=("masked_accuracy",)),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, target_fraction=target_fraction)

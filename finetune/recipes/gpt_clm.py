@@ -21,7 +21,8 @@ from transformers import (
 
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
-from finetune.recipes import Recipe, pad_with_eos
+from finetune.parallel import sequence, tensor
+from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
 
 MODEL_CLASS = AutoModelForCausalLM
@@ -94,7 +95,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
         model: the engine (or a transformers causal LM, peft-wrapped or not); called with
             :func:`~finetune.recipes.model_inputs` of ``batch`` (``position_ids`` of packed rows pass through).
         batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]); or a
-            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel.layout`).
+            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel.sequence`).
         metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
 
     Returns:
@@ -107,7 +108,7 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 
 def next_token_targets(batch: dict) -> torch.Tensor:
     """``[batch, seq]`` int64: what each position predicts: the batch's ``shift_labels`` when it has them (a
-    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel.layout`), else :func:`shift_labels` of its
+    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel.sequence`), else :func:`shift_labels` of its
     ``labels``."""
     return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
 
@@ -133,8 +134,9 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
                         f"EOS token")
 
 
-RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
-                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
-                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True,
-                tensor_parallel=True)
+RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION}),
+                                          generates_text=True),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
+                generation_pairs=generation_pairs)

@@ -34,7 +34,7 @@ from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
 from finetune.data.dataset import expand_files
 from finetune.errors import ConfigError
-from finetune.recipes import Recipe, pad_with_eos
+from finetune.recipes import Capabilities, Recipe, pad_with_eos
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -261,8 +261,8 @@ def eval_report(counts: torch.Tensor, model_config) -> tuple[dict[str, float], d
     return metrics, {"confusion_matrix": {"labels": labels, "matrix": c.round().long().tolist()}}
 
 
-RECIPE = Recipe(name="seq_cls", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
-                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, columns=columns, check_data=check_labels,
-                prepare_model_config=prepare_model_config, eval_report=eval_report, targets_per_row=True,
-                eval_metrics=("accuracy", "macro_f1", "f1"))
+RECIPE = Recipe(name="seq_cls", model_class=MODEL_CLASS,
+                capabilities=Capabilities(eval_metrics=("accuracy", "macro_f1", "f1"), one_target_per_row=True),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, columns=columns, check_data=check_labels,
+                prepare_model_config=prepare_model_config, eval_report=eval_report)

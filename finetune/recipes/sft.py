@@ -51,7 +51,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 from finetune.config import DataConfig, RunConfig
 from finetune.data.dataset import default_cache_dir, file_id, fingerprint, string_type
 from finetune.errors import ConfigError
-from finetune.recipes import Recipe, pad_with_eos
+from finetune.parallel import sequence, tensor
+from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
 
 MODEL_CLASS = AutoModelForCausalLM
@@ -357,7 +358,7 @@ class SftExamples:
     """Batched map function: rows -> examples (ids, labels) -> packed (or single-example) rows; counts what it drops.
 
     Output columns: ``input_ids``, ``labels``, ``position_ids`` (packed) or ``input_ids``, ``attention_mask``,
-    ``labels`` (unpacked); lists of int. It skips and counts bad rows itself (the recipe's ``counts_rows``);
+    ``labels`` (unpacked); lists of int. It skips and counts bad rows itself (the recipe's ``Capabilities.counts_rows``);
     :meth:`summary` is logged once per tokenized split.
 
     Raises:
@@ -567,9 +568,9 @@ def tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
         problems += e.problems
 
 
-RECIPE = Recipe(name="sft", model_class=MODEL_CLASS, prepare_tokenizer=prepare_tokenizer,
-                tokenize_function=tokenize_function, make_collator=make_collator, forward=forward,
-                count_targets=count_targets, columns=columns, cache_key=cache_key, checks_columns=True,
-                counts_rows=True, check_data=check_labels, prepare_model_config=prepare_model_config,
-                generates_text=True, generation_pairs=generation_pairs, sequence_parallel=True,
-                tensor_parallel=True)
+RECIPE = Recipe(name="sft", model_class=MODEL_CLASS,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION}),
+                                          generates_text=True, checks_columns=True, counts_rows=True),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, columns=columns, cache_key=cache_key,
+                check_data=check_labels, prepare_model_config=prepare_model_config, generation_pairs=generation_pairs)

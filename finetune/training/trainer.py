@@ -23,7 +23,7 @@ bug transformers fixed in 2024 (``num_items_in_batch``). Here each micro-batch l
 ``sum_i l_i * (D * G) / N`` (``D`` data-parallel ranks, ``G`` accumulation steps, ``N`` targets in the whole
 global batch); after DeepSpeed's ``1/G`` scaling and ``1/D`` averaging the gradient is exactly
 ``grad(sum over all targets l_i / N)``, as one device would compute on the whole global batch. Under sequence
-parallelism (:mod:`finetune.parallel.layout`) each rank sums its slice of every sequence, ``N`` counts every slice's
+parallelism (:mod:`finetune.parallel.sequence`) each rank sums its slice of every sequence, ``N`` counts every slice's
 targets once, and DeepSpeed sums the gradients of all ``D x SP`` ranks and divides by ``D``: the same gradient.
 ``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
@@ -108,7 +108,7 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
 def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, artefacts: dict | None) -> dict:
     loss = total["loss"] / max(total["targets"], 1.0)
     metrics = {f"{prefix}loss": loss}
-    if recipe.reports_perplexity:
+    if recipe.capabilities.reports_perplexity:
         metrics[f"{prefix}perplexity"] = math.exp(min(loss, 80.0))
     for n in sorted(total):
         if n.endswith("/num"):
@@ -139,7 +139,7 @@ def evaluate(engine, loader, recipe, cfg: RunConfig, artefacts: dict | None = No
 
     Returns:
         ``{"eval/loss": float, "eval/perplexity": float, "eval/<metric>": float, ...}`` (no perplexity for a
-        recipe without ``reports_perplexity``), and ``eval/<source>/...`` for each source.
+        recipe without ``Capabilities.reports_perplexity``), and ``eval/<source>/...`` for each source.
     """
     engine.eval()
     metrics: dict[str, float] = {}
