@@ -18,7 +18,7 @@
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
   ``deepspeed.initialize`` (:func:`finetune.engine.lora.apply`); only trainable parameters reach the optimizer.
 * ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention is registered for the built model and its
-  groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel.layout`).
+  groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel.sequence`).
 * ``build_engine(..., optimizer=False)`` (``finetune evaluate``): no optimizer, no LR schedule, no fp32 master
   weights and no gradient partitions (:func:`inference_ds_config`): ZeRO 1/2 become stage 0 (they shard only the
   optimizer's state and gradients, the weights are whole on every rank anyway), ZeRO-3 keeps its parameter
@@ -203,7 +203,7 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
                                            config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
     if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
-                    "(finetune.parallel.layout.fix_zero3_average)")
+                    "(finetune.parallel.sequence.fix_zero3_average)")
     if engine.bfloat16_enabled() and hasattr(engine.optimizer, "check_grad_overflow"):
         # ZeRO 1/2 in bf16 skip a non-finite step only with this on (DeepSpeed's default, a JSON may turn it off);
         # in fp32 and fp16 they skip on a non-finite global gradient norm anyway, and this on would add a scan of
