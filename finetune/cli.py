@@ -23,6 +23,7 @@ COMMANDS = {
     "bundle": "models, datasets and wheels in one folder with a manifest, for a cluster without internet",
     "verify": "offline check of a bundle: every file's SHA-256, models, tokenizers and parquet load",
     "selftest": "the node's numerics and collectives against fp32 single-device references, one row per check",
+    "env": "platform, versions, devices and launcher variables to paste into a bug report (--json: as JSON)",
 }
 """Verb -> one line of help; the verb's code is ``finetune.commands.<verb>.main``."""
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
 
@@ -193,8 +195,13 @@ def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
 
 
 def test_export_command(runs, tmp_path):
-    """``python -m finetune export <checkpoint> <out>`` writes a loadable folder; a non-empty target is refused."""
+    """``python -m finetune export <checkpoint> <out>`` writes a loadable folder with its model card (``README.md``:
+    what the run logged for that step); a non-empty target is refused. The end-of-run export's card has the last
+    evaluation and the export check; a run folder without evaluation still gets a card."""
     import transformers
+    from huggingface_hub import ModelCard
+
+    from finetune.lifecycle.export import export_checkpoint
 
     run = runs("bert", "zero3")
     out = tmp_path / "hf"
@@ -204,3 +211,39 @@ def test_export_command(runs, tmp_path):
     assert sum(p.numel() for p in model.parameters()) > 0
     proc = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step8"), str(out)])
     assert proc.returncode == 2 and "is not empty" in proc.stdout
+
+    logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(run)
+              if "eval/loss" in r}
+    trained = yaml.safe_load((run / "checkpoints" / "step8" / "run_config.yaml").read_text())["train"]
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "fill-mask"
+    assert {"finetune", "bert_mlm"} <= set(card.data.tags) and card.data.datasets == ["wikitext2"]
+    assert card.data.base_model is None, "init: scratch starts from no model"
+    meta = card.data.finetune
+    assert meta["checkpoint_step"] == 8 and meta["chosen_by"] == {"named": "step8"}
+    hp = meta["hyperparameters"]
+    assert (hp["train.lr"], hp["train.micro_batch_size"], hp["train.gradient_accumulation_steps"], hp["train.seed"],
+            hp["train.max_steps"]) == (trained["lr"], trained["micro_batch_size"],
+                                       trained["gradient_accumulation_steps"], trained["seed"], trained["max_steps"])
+    assert hp["global_batch_size"] == trained["micro_batch_size"] * trained["gradient_accumulation_steps"] * 2
+    assert hp["zero_stage"] == 3 and hp["precision"] == "fp32" and meta["layout"]["world_size"] == 2
+    assert meta["evaluation"]["step"] == 8 and meta["evaluation"]["metrics"] == logged[8]  # that step's, not the last
+    assert {r.metric_name: r.metric_value for r in card.data.eval_results} == logged[8]
+    assert "export_check" not in meta, "the run's export check is of step 16"
+
+    card = ModelCard.load(run / "export" / "README.md")  # the end of the run: last step, last evaluation, the check
+    meta = card.data.finetune
+    assert meta["checkpoint_step"] == 16 and meta["chosen_by"] == {"last_step": 16}
+    assert meta["evaluation"]["step"] == max(logged) == 16 and meta["evaluation"]["metrics"] == logged[16]
+    check = json.loads((run / "export_check.json").read_text())
+    assert meta["export_check"]["max_abs_logit_diff"] == check["max_abs_logit_diff"]
+    gpt = ModelCard.load(runs("gpt", "zero2") / "export" / "README.md").data
+    assert gpt.base_model == "tiny-gpt2" and gpt.pipeline_tag == "text-generation", "init: pretrained, a local folder"
+
+    bare = tmp_path / "run_without_evaluation"  # the run's model config and run config, no metrics or records
+    shutil.copytree(run / "model_config", bare / "model_config")
+    shutil.copy(run / "run_config.yaml", bare / "run_config.yaml")
+    card = ModelCard.load(export_checkpoint(run / "checkpoints" / "step8", tmp_path / "bare", run_dir=bare)
+                          / "README.md")
+    assert card.data.eval_results is None and "evaluation" not in card.data.finetune
+    assert card.data.finetune["hyperparameters"]["train.lr"] == trained["lr"]

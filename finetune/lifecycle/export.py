@@ -8,7 +8,9 @@ Weights are consolidated by DeepSpeed's own ``zero_to_fp32`` (``get_fp32_state_d
 the fp32 master weights of ZeRO stage 1-3, merged across ranks); a stage-0 checkpoint already holds the
 full module state. The result is checked before anything is written: every parameter of the model must be
 present (or tied to one that is) with its full shape, never an empty ZeRO-3 placeholder. The folder is
-written under a temporary name and renamed, so a failed export never leaves a half folder.
+written under a temporary name and renamed, so a failed export never leaves a half folder. The folder's
+``README.md`` is its model card (:mod:`finetune.lifecycle.model_card`), rewritten by the end-of-run export once the
+export check has run.
 
 Command line: ``finetune export <checkpoint folder> <out folder>`` (or ``python -m finetune export``).
 """
@@ -31,6 +33,7 @@ from transformers.integrations import deepspeed as hf_ds
 from finetune.parallel import distributed as dist_utils
 from finetune.engine import lora
 from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
+from finetune.lifecycle.model_card import CARD, write_card
 from finetune.config import load_run_config
 from finetune.engine.model import load_pretrained
 from finetune.errors import ConfigError
@@ -105,9 +108,16 @@ def _step_of(ckpt: Path) -> int | None:
     return json.loads(marker.read_text()).get("step") if marker.is_file() else None
 
 
+def run_config_of(ckpt: Path, run_dir: Path) -> Path:
+    """The run config checkpoint ``ckpt`` was trained with: its own ``run_config.yaml``, else the run folder's."""
+    return ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
+
+
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path | None = None,
-                      keep_previous: bool = False, state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a Hugging Face folder for checkpoint ``ckpt`` that ``from_pretrained`` loads.
+                      keep_previous: bool = False, state: dict[str, torch.Tensor] | None = None,
+                      chosen_by: dict | None = None) -> Path:
+    """Write a Hugging Face folder for checkpoint ``ckpt`` that ``from_pretrained`` loads, with its model card
+    (``README.md``, :func:`finetune.lifecycle.model_card.write_card`).
 
     Args:
         ckpt: a complete checkpoint folder (``.../checkpoints/step<N>``).
@@ -117,6 +127,8 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
             to ``<out_dir>-step<N>`` once the new export is complete instead of refusing.
         state: the full state dict to write instead of the checkpoint's (a tensor-parallel engine's, gathered by
             :func:`engine_state_dict`; the checkpoint holds one file per tensor-parallel rank).
+        chosen_by: why this checkpoint, for the model card (``export_check.json``'s ``chosen_by``); None: the
+            caller named it.
 
     Returns:
         ``out_dir``.
@@ -129,7 +141,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     meta = run_dir / MODEL_META
     if not is_complete(ckpt):
         raise ConfigError(f"export: '{ckpt}' is not a complete checkpoint (no COMPLETE marker)")
-    run_config = ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
+    run_config = run_config_of(ckpt, run_dir)
     if not (meta / "config.json").is_file() or not run_config.is_file():
         raise ConfigError(f"export: run folder '{run_dir}' lacks {MODEL_META}/config.json or run_config.yaml")
     if out_dir.exists() and not out_dir.is_dir():
@@ -163,6 +175,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     model.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
     (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
+    write_card(tmp, ckpt, run_dir, run_cfg, chosen_by)
     if out_dir.exists() and any(out_dir.iterdir()):
         old = json.loads((out_dir / PROVENANCE).read_text()) if (out_dir / PROVENANCE).is_file() else {}
         aside = out_dir.with_name(f"{out_dir.name}-step{old.get('step', 'unknown')}")
@@ -174,7 +187,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         out_dir.rmdir()
     tmp.rename(out_dir)
     n = sum(t.numel() for t in model.parameters())
-    logger.info(f"exported {ckpt} -> {out_dir} ({n:,} parameters, model.safetensors"
+    logger.info(f"exported {ckpt} -> {out_dir} ({n:,} parameters, model.safetensors, model card {CARD}"
                 f"{'; LoRA merged, adapter in ' + lora.ADAPTER_DIR + '/' if run_cfg.model.lora is not None else ''})")
     return out_dir
 
@@ -189,8 +202,7 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
     """
     export = run_dir / "export"
     ckpt = Path(json.loads((export / PROVENANCE).read_text())["checkpoint"])
-    run_config = ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
-    run_cfg = load_run_config(run_config)
+    run_cfg = load_run_config(run_config_of(ckpt, run_dir))
     if run_cfg.model.lora is None:
         return None
     config = AutoConfig.from_pretrained(run_dir / MODEL_META, local_files_only=True)
@@ -314,7 +326,8 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
     """End of a run: rank 0 exports checkpoint ``step<step>`` to ``run_dir/export`` (an earlier export is kept aside
     as ``export-step<N>``), then every rank takes part in :func:`verify_export`. All ranks call it. The engine must
     hold that checkpoint's weights; ``export_check.json`` records ``checkpoint_step`` and ``chosen_by`` (why this
-    step: the last one, or ``train.keep_best``'s metric and value).
+    step: the last one, or ``train.keep_best``'s metric and value). Rank 0 then rewrites the export's model card with
+    the check's result.
 
     Returns:
         The export folder.
@@ -323,9 +336,11 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
         RuntimeError: the export's logits differ from the engine's (:func:`verify_export`).
     """
     state = engine_state_dict(engine)
+    ckpt, chosen_by = checkpoints_dir(run_dir) / f"step{step}", chosen_by or {"last_step": step}
     if dist_utils.is_main():
-        export_checkpoint(checkpoints_dir(run_dir) / f"step{step}", run_dir / "export", keep_previous=True, state=state)
+        export_checkpoint(ckpt, run_dir / "export", keep_previous=True, state=state, chosen_by=chosen_by)
     dist_utils.barrier()
-    verify_export(engine, validation, collator, run_dir, ds, recipe,
-                  {"checkpoint_step": step, "chosen_by": chosen_by or {"last_step": step}})
+    verify_export(engine, validation, collator, run_dir, ds, recipe, {"checkpoint_step": step, "chosen_by": chosen_by})
+    if dist_utils.is_main():  # the card again, now with export_check.json's max_abs_logit_diff
+        write_card(run_dir / "export", ckpt, run_dir, load_run_config(run_config_of(ckpt, run_dir)), chosen_by)
     return run_dir / "export"

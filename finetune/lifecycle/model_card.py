@@ -21,10 +21,10 @@ What goes into the header (``ModelCard.load(path).data``):
   model's.
 * ``model-index``: the last evaluation at or before the exported step (``metrics.jsonl``, ``eval/*``), one result
   per finite metric; absent when the run never evaluated.
-* ``finetune``: the rest, machine-readable: version, recipe, model path and init, the exported step and why it was
-  chosen (``chosen_by``), the hyperparameters under their run-config names, the parallel layout, the evaluation
-  with its step, the export check (``max_abs_logit_diff``, from ``export_check.json``) and the versions of the
-  export and of the training launch.
+* ``finetune``: the rest, machine-readable: version, recipe, model path and init, where the model and each dataset
+  came from (:func:`source_of`, with their files), the exported step and why it was chosen (``chosen_by``), the
+  hyperparameters under their run-config names, the parallel layout, the evaluation with its step, the export check
+  (``max_abs_logit_diff``, from ``export_check.json``) and the versions of the export and of the training launch.
 
 A missing optional piece (no ``metrics.jsonl``, no evaluation, no export check of this step, no launch record)
 leaves its part out; nothing here fails an export for it.
@@ -94,7 +94,7 @@ def source_of(path: str | Path, kind: str) -> dict:
     """
     path = Path(path)
     folder = path if kind == "model" else path.parent
-    found = {"name": folder.name or path.stem, "hub_id": None, "revision": None, "license": None}
+    found = {"name": folder.resolve().name, "hub_id": None, "revision": None, "license": None}
     parts = folder.parts
     if len(parts) >= 3 and parts[-2] == "snapshots" and _HF_CACHE_REPO.match(parts[-3]):
         repo = _HF_CACHE_REPO.match(parts[-3]).group(2).replace("--", "/")
@@ -199,8 +199,8 @@ def hyperparameters(run_cfg: RunConfig, lay: Layout, zero_stage: int | None, pre
              "train.gradient_accumulation_steps": t.gradient_accumulation_steps,
              "global_batch_size": t.micro_batch_size * t.gradient_accumulation_steps * lay.dp,
              **({"train.max_steps": t.max_steps} if t.max_steps > 0 else {"train.epochs": t.epochs}),
-             "train.loss_weighting": t.loss_weighting, "train.seed": t.seed, "data.max_seq_len": run_cfg.data.max_seq_len,
-             "zero_stage": zero_stage, "precision": precision}
+             "train.loss_weighting": t.loss_weighting, "train.seed": t.seed,
+             "data.max_seq_len": run_cfg.data.max_seq_len, "zero_stage": zero_stage, "precision": precision}
     lora = run_cfg.model.lora
     if lora is not None:
         found.update({"model.lora.r": lora.r, "model.lora.alpha": lora.alpha, "model.lora.dropout": lora.dropout,
@@ -209,8 +209,9 @@ def hyperparameters(run_cfg: RunConfig, lay: Layout, zero_stage: int | None, pre
 
 
 def card_facts(ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | None = None) -> dict:
-    """Everything the card says about checkpoint ``ckpt`` of run folder ``run_dir``, as one JSON-able dict (the
-    header's ``finetune`` entry, plus ``model``, ``datasets`` and ``pipeline_tag`` for the rest of the card).
+    """Everything the card says about checkpoint ``ckpt`` of run folder ``run_dir``, as one JSON-able dict: the
+    header's ``finetune`` entry, from which :func:`build_card` takes the Hub's keys (``model``: :func:`source_of` of
+    ``model.path``; ``datasets``: :func:`datasets_of`).
 
     Args:
         ckpt: the complete checkpoint folder being exported (its ``COMPLETE`` marker gives the step and layout).
@@ -221,22 +222,22 @@ def card_facts(ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | 
             (``finetune export``).
     """
     marker = checkpoint.marker(ckpt)
-    step = marker.get("step")
+    step = marker["step"]
     lay = Layout(world=marker.get("world_size") or 1, sp=marker.get("sequence_parallel_size", 1),
                  tp=marker.get("tensor_parallel_size", 1))
     metrics = run_dir / "metrics.jsonl"
     rows, skipped = read_metrics_file(metrics) if metrics.is_file() else ([], 0)
     if skipped:
         logger.warning(f"model card: {metrics}: {skipped} damaged line(s) skipped")
-    step = step if isinstance(step, int) else max((r["step"] for r in rows if isinstance(r.get("step"), int)), default=0)
     meta = training_launch(run_dir, rows, step)
     check = export_check_of(run_dir, step)
     model_class = get_recipe(run_cfg.recipe).model_class.__name__
     precision = (meta or {}).get("precision", {}).get("precision")
     facts = {"version": finetune.__version__, "recipe": run_cfg.recipe, "model_class": model_class,
              "model_path": run_cfg.model.path, "init": run_cfg.model.init,
+             "model": source_of(run_cfg.model.path, "model"), "datasets": datasets_of(run_cfg),
              "checkpoint": f"checkpoints/{ckpt.name}", "checkpoint_step": step,
-             "chosen_by": chosen_by or (check or {}).get("chosen_by") or {"named_by_caller": ckpt.name},
+             "chosen_by": chosen_by or (check or {}).get("chosen_by") or {"named": ckpt.name},
              "hyperparameters": hyperparameters(run_cfg, lay, marker.get("zero_stage"), precision),
              "layout": {"world_size": lay.world, "data_parallel_size": lay.dp, "sequence_parallel_size": lay.sp,
                         "tensor_parallel_size": lay.tp},
@@ -254,6 +255,8 @@ def card_facts(ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | 
 
 
 def _number(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value))
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
@@ -261,19 +264,42 @@ def _lines(items: dict) -> str:
     return "\n".join(f"- {k}: {_number(v)}" for k, v in items.items())
 
 
-def card_text(facts: dict, base: dict, datasets: list[dict], pipeline_tag: str | None) -> str:
-    """The Markdown body of the card (after the YAML header): what the model is, how it was chosen and evaluated,
-    the data, the hyperparameters, the layout, the versions, and how to load it."""
-    init = facts["init"]
-    start = (f"a fine-tuned version of `{base['name']}` (`model.path`: `{facts['model_path']}`)" if init == "pretrained"
+def chosen_text(chosen_by: dict) -> str:
+    """``chosen_by`` (``export_check.json``'s form) as a phrase: ``the last step of the run``, ``train.keep_best: the
+    best eval/loss (2.13)``, ``the checkpoint named to the export``; keys it does not know are listed as JSON."""
+    said = []
+    if "keep_best" in chosen_by and "unavailable" not in chosen_by["keep_best"]:
+        best = chosen_by["keep_best"]
+        said.append(f"train.keep_best: the {'lowest' if best.get('mode') == 'min' else 'highest'} {best.get('metric')} "
+                    f"({_number(best.get('value'))})")
+    elif "last_step" in chosen_by:
+        said.append("the last step of the run")
+    if "early_stopping" in chosen_by:
+        said.append(f"early stopping on {chosen_by['early_stopping']}")
+    if "keep_best" in chosen_by and "unavailable" in chosen_by["keep_best"]:
+        said.append(f"train.keep_best unavailable: {chosen_by['keep_best']['unavailable']}")
+    if "named" in chosen_by:
+        said.append("the checkpoint named to the export (finetune export)")
+    known = {"keep_best", "last_step", "early_stopping", "named"}
+    said += [json.dumps({k: v}) for k, v in chosen_by.items() if k not in known]
+    return "; ".join(said)
+
+
+def card_text(facts: dict) -> str:
+    """The Markdown body of the card (after the YAML header), from :func:`card_facts` and the model's name: what the
+    model is, how it was chosen and evaluated, the data, the hyperparameters, the layout, the versions, and how to
+    load it."""
+    base, datasets = facts["model"], facts["datasets"]
+    revision = f", revision `{base['revision']}`" if base.get("revision") else ""
+    start = (f"a fine-tuned version of `{base['name']}` (`model.path`: `{facts['model_path']}`{revision})"
+             if facts["init"] == "pretrained"
              else f"trained from scratch (random weights) with the architecture of `{facts['model_path']}/config.json`")
     names = ", ".join(f"`{d['name']}`" for d in datasets)
-    chosen = ", ".join(f"{k}: {v}" for k, v in facts["chosen_by"].items())
     text = [f"# {facts['model_name']}", "",
             "<!-- Written by finetune from the run folder; proofread and complete it before publishing. -->", "",
             f"This model is {start}, with finetune's `{facts['recipe']}` recipe ({facts['model_class']}) on {names}.",
             f"It is the checkpoint of optimizer step {facts['checkpoint_step']} (`{facts['checkpoint']}` of the run "
-            f"folder; chosen by {chosen}).", ""]
+            f"folder), chosen as {chosen_text(facts['chosen_by'])}.", ""]
     evaluation = facts.get("evaluation")
     text += ["## Evaluation", ""]
     if evaluation:
@@ -311,8 +337,7 @@ def build_card(ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | 
     ``data`` is the header (:class:`~huggingface_hub.ModelCardData`) and whose ``text`` is :func:`card_text`.
     Arguments as :func:`card_facts`."""
     facts = card_facts(Path(ckpt), Path(run_dir), run_cfg, chosen_by)
-    base = source_of(run_cfg.model.path, "model")
-    datasets = datasets_of(run_cfg)
+    base, datasets = facts["model"], facts["datasets"]
     pipeline_tag = PIPELINE_TAGS.get(facts["model_class"])
     facts["model_name"] = f"{base['name'].split('/')[-1]}-{run_cfg.recipe}"
     tags = ["finetune", run_cfg.recipe, "deepspeed"] + (["lora", "peft"] if run_cfg.model.lora is not None else [])
@@ -328,14 +353,19 @@ def build_card(ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | 
                          license=base["license"] if run_cfg.model.init == "pretrained" else None,
                          model_name=facts["model_name"] if results else None, eval_results=results or None,
                          finetune={k: v for k, v in facts.items() if k != "model_name"})
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{card_text(facts, base, datasets, pipeline_tag)}")
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{card_text(facts)}")
 
 
 def write_card(folder: Path, ckpt: Path, run_dir: Path, run_cfg: RunConfig, chosen_by: dict | None = None) -> Path:
     """Write :func:`build_card`'s card to ``folder/README.md`` (an export folder: ours, written whole each time).
+    Arguments as :func:`card_facts`.
 
     Returns:
         The card's path.
+
+    Raises:
+        FileNotFoundError: ``ckpt`` has no ``COMPLETE`` marker (the export refuses such a checkpoint before).
+        OSError: ``folder`` cannot be written.
     """
     path = Path(folder) / CARD
     build_card(ckpt, run_dir, run_cfg, chosen_by).save(path)

@@ -1,0 +1,147 @@
+"""``finetune env [--json]``: what a bug report needs to know about this machine, one ``- key: value`` line each.
+
+In the spirit of ``trl env`` (``trl/scripts/env.py``) and ``transformers env``: the platform and Python, the versions
+of finetune and the libraries it trains with, the devices torch and DeepSpeed see, torch's CUDA/cuDNN/NCCL builds, and
+the launcher and library variables of the environment that are set (those :mod:`finetune.parallel.distributed` reads
+to wire the ranks, Slurm's, MPI's, NCCL's, ...). Paste it into the report as it is; ``--json`` prints the same as one
+JSON object.
+
+It only asks: no process group is started and no tensor is put on a device (``torch.cuda.is_available``, the device
+count and names, DeepSpeed's accelerator name). Variables whose name suggests a secret (``*TOKEN*``, ``*KEY*``,
+``*SECRET*``, ``*PASSWORD*``, ...) are never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import finetune
+
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "huggingface_hub", "tokenizers",
+             "safetensors", "accelerate", "trl", "mpi4py", "liger-kernel", "flash-attn")
+"""Distributions whose versions are listed (``not installed`` when absent): finetune's dependencies, then the
+optional ones it uses (``mpi4py``, ``liger-kernel``, ``flash-attn``) and the neighbours a report often involves."""
+
+ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "GLIBC_TUNABLES", "TOKENIZERS_PARALLELISM",
+             "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
+"""Variables listed by name when set, besides the rendezvous (:data:`finetune.parallel.distributed.RANK_VARS`): the
+local sizes of torchrun and DeepSpeed's launcher, the allocator and tokenizer settings."""
+
+ENV_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_",
+                "DS_", "OMP_", "MALLOC_", "HF_", "FINETUNE_", "WANDB_")
+"""Prefixes of the variables listed when set: launchers (Slurm, Open MPI, MPICH/Intel MPI, torchrun), collectives,
+torch and CUDA, DeepSpeed (``DS_ACCELERATOR``), threads and allocator, Hugging Face (offline mode, caches), finetune's
+cache, offline W&B."""
+
+SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.I)
+"""Names never printed, whatever their prefix (``HF_TOKEN``, ``WANDB_API_KEY``)."""
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def finetune_version() -> str:
+    """finetune's version, with the commit of its source folder when it runs from a git checkout (``-dirty`` with
+    uncommitted changes), as the launch records' ``git``."""
+    root = Path(finetune.__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return finetune.__version__
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return finetune.__version__
+    if head.returncode != 0:
+        return finetune.__version__
+    return f"{finetune.__version__} (git {head.stdout.strip()}{'-dirty' if dirty else ''}, {root})"
+
+
+def devices() -> dict:
+    """What torch and DeepSpeed see, without starting anything: ``cuda_available``, ``gpus`` (count and names) or the
+    CPU cores (all, and those this process may run on), torch's CUDA/HIP, cuDNN and NCCL builds (those present), and
+    DeepSpeed's accelerator (``DS_ACCELERATOR`` or detected)."""
+    # imported here, under main's redirection: DeepSpeed's import logs its accelerator choice to stdout
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    found: dict = {"cuda_available": torch.cuda.is_available()}
+    if found["cuda_available"]:
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        found["gpus"] = f"{len(names)}: " + ", ".join(names)
+    cores = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    found["cpu_cores"] = f"{cores}" + (f" ({usable} usable by this process)" if usable != cores else "")
+    if torch.version.cuda:
+        found["torch_cuda"] = torch.version.cuda
+    if getattr(torch.version, "hip", None):
+        found["torch_hip"] = torch.version.hip
+    if found["cuda_available"] and torch.backends.cudnn.is_available():
+        found["cudnn"] = str(torch.backends.cudnn.version())
+    if (torch.version.cuda or getattr(torch.version, "hip", None)) and torch.distributed.is_nccl_available():
+        nccl = torch.cuda.nccl.version()
+        found["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+    found["deepspeed_accelerator"] = get_accelerator().device_name()
+    return found
+
+
+def launch_environment(environ: dict | None = None) -> dict[str, str]:
+    """The set variables of :data:`~finetune.parallel.distributed.RANK_VARS`, :data:`ENV_NAMES` and
+    :data:`ENV_PREFIXES`, sorted by name, secrets (:data:`SECRET`) left out. ``environ`` defaults to ``os.environ``."""
+    from finetune.parallel.distributed import RANK_VARS  # imports DeepSpeed: see devices()
+
+    environ = os.environ if environ is None else environ
+    names = (*RANK_VARS, *ENV_NAMES)
+    return {k: environ[k] for k in sorted(environ)
+            if (k in names or k.startswith(ENV_PREFIXES)) and not SECRET.search(k)}
+
+
+def collect() -> dict:
+    """Everything ``finetune env`` prints, in order: ``platform``, ``python``, ``finetune``, one key per
+    :data:`LIBRARIES` entry, :func:`devices`' keys, and ``environment`` (:func:`launch_environment`)."""
+    return {"platform": platform.platform(), "python": f"{platform.python_version()} ({sys.executable})",
+            "finetune": finetune_version(), **{name: _version(name) for name in LIBRARIES}, **devices(),
+            "environment": launch_environment()}
+
+
+def render(info: dict) -> str:
+    """``info`` as Markdown ``- key: value`` lines; a nested mapping (the environment) as indented lines under its
+    key (``none set`` when empty)."""
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, dict):
+            lines.append(f"- {key}:" + ("" if value else " none set"))
+            lines += [f"  - {k}: {v}" for k, v in value.items()]
+        else:
+            lines.append(f"- {key}: {value}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``finetune env [--json]``: print the report (Markdown lines, or JSON with ``--json``); returns 0."""
+    p = argparse.ArgumentParser(prog="finetune env", description="Print the platform, versions, devices and launcher "
+                                "variables, for a bug report.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of Markdown lines")
+    args = p.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import; stdout is the report's alone
+        info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print("Copy-paste this into your bug report:\n")
+        print(render(info))
+    return 0
