@@ -36,7 +36,7 @@ from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
 from finetune.lifecycle.model_card import CARD, write_card
 from finetune.config import load_run_config
 from finetune.engine.model import load_pretrained
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.recipes import get_recipe
 from finetune.lifecycle.run_folder import MODEL_META
@@ -312,10 +312,22 @@ def check_logit_diff(diff: float, tolerance: float) -> None:
 def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """Under tensor parallelism (AutoTP): the engine's full state dict on rank 0 (fp32 CPU tensors of the original
     shapes; DeepSpeed's ``_consolidated_16bit_state_dict`` gathers the split layers, in the training dtype), None on
-    the other ranks. None without tensor parallelism (the export reads the checkpoint). All ranks call it."""
+    the other ranks. None without tensor parallelism (the export reads the checkpoint). All ranks call it.
+
+    DeepSpeed's public ``save_16bit_model`` gathers ZeRO-3 partitions but saves each rank's AutoTP slices as they
+    are (``module_state_dict``), so the private method is the only gatherer of AutoTP weights; accelerate's
+    ``get_state_dict`` calls it too.
+
+    Raises:
+        RunFailure: the engine has no ``_consolidated_16bit_state_dict`` (renamed upstream).
+    """
     if getattr(engine, "autotp_size", lambda: 0)() <= 1:
         return None
-    state = engine._consolidated_16bit_state_dict()
+    gather = getattr(engine, "_consolidated_16bit_state_dict", None)
+    if not callable(gather):
+        raise RunFailure(f"tensor parallelism: {type(engine).__name__} has no _consolidated_16bit_state_dict to gather "
+                         f"the AutoTP slices for the export; install the DeepSpeed version finetune pins")
+    state = gather()
     if not dist_utils.is_main():
         return None
     return {k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu() for k, v in state.items()}
