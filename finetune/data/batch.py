@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_tokens", "reference_logps")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
@@ -33,6 +34,55 @@ def real_tokens(batch: dict):
     if "num_tokens" in batch:
         return batch["num_tokens"]
     return batch["input_ids"].numel()
+
+
+def flattens(cfg, recipe) -> bool:
+    """True when the run's micro-batches go to the model as one row (:func:`flatten`): packed rows
+    (``data.packing``), a recipe whose loss takes next-token targets (its ``Capabilities.parallel`` has
+    ``"sequence"``: ``shift_labels``, ``position_ids``, no ``attention_mask``), and a flash-attention kernel
+    (transformers' ``is_flash_attention_requested``: ``flash_attention_2/3/4`` and the ``kernels`` variants).
+
+    transformers runs flash attention's variable-length kernel only on one row: ``_is_packed_sequence`` is False
+    whenever the batch has more than one row, and packed rows then attend across their examples.
+    """
+    from transformers.utils.generic import is_flash_attention_requested
+
+    return bool(cfg.data.packing and "sequence" in recipe.capabilities.parallel
+                and is_flash_attention_requested(requested_attention_implementation=cfg.model.attn_implementation))
+
+
+def flatten(batch: dict) -> dict:
+    """A micro-batch of unpadded rows as one row, as transformers' ``DataCollatorWithFlattening`` makes it.
+
+    Input: ``input_ids`` and ``labels`` (or ``shift_labels``) ``[B, S]``, with packed rows' ``position_ids`` (no
+    ``attention_mask``) or an all-ones ``attention_mask`` (packed ``gpt_clm`` blocks). Output: ``input_ids``,
+    ``position_ids`` and ``shift_labels`` ``[1, B x S]`` (int64): the labels are shifted row by row **before** the
+    rows are joined, so no row's last token predicts the next row's first; ``position_ids`` restart at every example
+    and every row (``arange`` per row where the batch had none), which is what flash attention's variable-length
+    path reads (``prepare_fa_kwargs_from_position_ids``: a sequence starts wherever the position is the minimum);
+    ``num_tokens`` (0-dim int64: the real tokens, for tokens/s) is kept or counted. The loss and the target count of
+    the recipe's ``forward`` are those of the rows (the same targets, summed).
+
+    Raises:
+        ValueError: a row is padded with a 0 in ``attention_mask`` (padded rows keep their mask and are not
+            flattened).
+    """
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("flatten: the rows are padded (zeros in attention_mask); only unpadded or packed rows "
+                         "are flattened")
+    ids = batch["input_ids"]
+    rows, seq = ids.shape
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, dtype=torch.long).expand(rows, seq)
+    shift = batch["shift_labels"] if "shift_labels" in batch else F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    count = batch.get("num_tokens", torch.tensor(ids.numel(), dtype=torch.long))
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "attention_mask",
+                                                        "position_ids", "num_tokens")}
+    out.update(input_ids=ids.reshape(1, -1), position_ids=pos.reshape(1, -1).contiguous(),
+               shift_labels=shift.reshape(1, -1).contiguous(), num_tokens=count)
+    return out
 
 
 def to_device(batch: dict, device) -> dict:

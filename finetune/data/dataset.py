@@ -52,6 +52,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 from finetune.parallel import distributed as dist_utils
 from finetune.data import mixture as mixture_lib
+from finetune.data.batch import flatten, flattens
 from finetune.parallel import layout, sequence
 from finetune.data import tokenization
 from finetune.config import DataConfig, RunConfig
@@ -470,6 +471,23 @@ class IndexedRows(Dataset):
         return rows
 
 
+class FlattenRows:
+    """Collator wrapper: the recipe's collated micro-batch ``[B, S]`` as one row ``[1, B x S]``
+    (:func:`finetune.data.batch.flatten`), so that flash attention's variable-length kernel keeps the packed
+    examples apart. Keeps ``row_seeded`` and ``set_epoch`` of the wrapped collator."""
+
+    def __init__(self, collator):
+        self.collator = collator
+        self.row_seeded = getattr(collator, "row_seeded", False)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forwarded to the wrapped collator."""
+        getattr(self.collator, "set_epoch", lambda e: None)(epoch)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        return flatten(self.collator(rows))
+
+
 class RowSeededCollate:
     """Collate function around a recipe's collator: each row's ``"_index"`` becomes a per-row seed.
 
@@ -734,6 +752,9 @@ class TrainData:
 def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
     """Tokenized splits (:func:`load_splits`, cached), the recipe's collator and this rank's loaders.
 
+    Packed rows of a causal-LM recipe under a flash-attention kernel go to the model as one row per micro-batch
+    (:class:`FlattenRows`, :func:`finetune.data.batch.flattens`).
+
     Args:
         recipe: the recipe module (``tokenize_function``, ``make_collator``).
         cfg: the run config (``recipe``, ``data``, and ``train``'s micro batch, accumulation, seed, steps).
@@ -743,8 +764,10 @@ def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
         ConfigError: a split has no rows (``data.train_files``/``data.validation_*``), or the training rows do
             not fill one global batch (micro batch x accumulation x world size rows).
     """
-    return with_splits(load_splits(recipe, tokenizer, cfg.data, cfg.train.seed),
-                       recipe.make_collator(tokenizer, cfg.data), cfg)
+    collator = recipe.make_collator(tokenizer, cfg.data)
+    if flattens(cfg, recipe):
+        collator = FlattenRows(collator)
+    return with_splits(load_splits(recipe, tokenizer, cfg.data, cfg.train.seed), collator, cfg)
 
 
 def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:

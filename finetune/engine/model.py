@@ -43,6 +43,7 @@ from finetune.engine import lora
 
 from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
+from finetune.data.batch import flattens
 from finetune.engine.ds_config import zero_stage
 from finetune.logs import logger
 
@@ -182,7 +183,8 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     lay = layout.layout(cfg)
     if cfg.parallel.tiled_mlp:
         logger.info(f"tiled MLP (DeepSpeed TiledMLP): {sequence.tile_mlps(model)} modules")
-    mpu = sequence.start_sequence_parallel(model, cfg, lay)  # Ulysses attention and the SP groups (sp > 1)
+    # Ulysses attention and the SP groups (sp > 1); a flattened micro-batch is one row
+    mpu = sequence.start_sequence_parallel(model, cfg, lay, 1 if flattens(cfg, recipe) else None)
     if mpu is not None:
         logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "
                     f"{lay.describe()}")

@@ -98,7 +98,7 @@ _ZERO3_WHY = ("DeepSpeed's ZeRO-3 reduce-scatter divides gradients by the world 
               "under sequence parallelism (upstream: deepspeedai/DeepSpeed#6841; #5555 fixed ZeRO-0 alone)")
 
 
-def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
+def start_sequence_parallel(model, cfg: RunConfig, lay: Layout, micro_batch: int | None = None):
     """Register DeepSpeed's Ulysses attention for ``model``'s attention implementation and create the SP groups.
 
     All ranks call it, after the model is built and before ``deepspeed.initialize`` (which takes the returned
@@ -110,6 +110,8 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
         model: the built transformers model (its ``config`` names the heads and the attention implementation).
         cfg: the run config (``model.attn_implementation``, ``train.micro_batch_size``).
         lay: the layout (``sp`` > 1).
+        micro_batch: rows of the batches the model gets (default ``train.micro_batch_size``; 1 when the data
+            pipeline flattens each micro-batch into one row, :func:`finetune.data.batch.flattens`).
 
     Returns:
         DeepSpeed's ``parallel_state_sp`` module (the ``mpu``), or None when ``lay.sp`` is 1.
@@ -120,6 +122,7 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attn = cfg.model.attn_implementation
+    micro_batch = cfg.train.micro_batch_size if micro_batch is None else micro_batch
     for m in model.modules():
         if isinstance(getattr(m, "num_key_value_groups", None), int):
             patches.apply(patches.watch_attribute(m, "num_key_value_groups", _KV_WHY))
@@ -132,7 +135,7 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout):
         text.num_key_value_heads = text.num_attention_heads
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=SimpleNamespace(config=config), core_attn_implementation=attn, sequence_parallel_size=lay.sp,
-        micro_batch_size=cfg.train.micro_batch_size, seq_length_is_variable=True)
+        micro_batch_size=micro_batch, seq_length_is_variable=True)
     ALL_ATTENTION_FUNCTIONS[attn] = _heads_out(ALL_ATTENTION_FUNCTIONS[attn])
     # DeepSpeed's groups module aliases the model-parallel queries to the SP group, and its checkpoints then record
     # a tensor-parallel degree of sp, which ds_to_universal cannot convert ("model-state file count 1 does not match
@@ -335,7 +338,7 @@ class SequenceShard:
 
 def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
     """Slice ``sp_rank`` of ``sp`` of a collated causal-LM batch (:class:`SequenceShard` describes both sides)."""
-    ids, labels = batch["input_ids"], batch["labels"]
+    ids = batch["input_ids"]
     rows, seq = ids.shape
     mask = batch.get("attention_mask")
     if mask is not None:
@@ -348,7 +351,8 @@ def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
     pos = batch.get("position_ids")
     if pos is None:
         pos = torch.arange(seq, dtype=torch.long).expand(rows, seq)
-    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    # next-token targets, shifted before the cut (a flattened batch, finetune.data.batch.flatten, comes shifted)
+    shift = batch["shift_labels"] if "shift_labels" in batch else F.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
     pad = -seq % sp
     if pad:
         ids = F.pad(ids, (0, pad), value=pad_id)
@@ -358,8 +362,8 @@ def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
         pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype).expand(rows, pad)], dim=1)
     chunk = (seq + pad) // sp
     part = slice(chunk * sp_rank, chunk * (sp_rank + 1))
-    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "attention_mask", "position_ids",
-                                                        "num_tokens")}
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "attention_mask",
+                                                        "position_ids", "num_tokens")}
     if "num_tokens" in batch and mask is None:  # packed rows: the whole micro-batch's count, split (sums exactly)
         out["num_tokens"] = _share(batch["num_tokens"], sp, sp_rank)
     else:

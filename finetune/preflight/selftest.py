@@ -13,6 +13,10 @@ laptop and on a GPU node. Checks (``CHECKS``):
   reference: loss and gradients (CUDA and ``liger-kernel`` only).
 * ``bf16_forward``: a tiny Llama's loss and logits in bf16 against fp32 (bf16 keeps 8 bits of mantissa).
 * ``flash_attention``: ``attn_implementation="flash_attention_2"`` against ``sdpa`` in bf16 (CUDA and flash-attn).
+* ``flash_packing``: a micro-batch of 4 packed rows, flattened into one row as a run with packing and flash
+  attention flattens it, through ``flash_attention_2`` against its examples one by one (loss and gradients, bf16;
+  CUDA and flash-attn; the same check runs on CPU in the tests through a PyTorch kernel with flash-attn's
+  variable-length contract).
 * ``zero2_step``, ``zero3_step``: three optimizer steps of a DeepSpeed engine (ZeRO 2 / 3, fp32, AdamW, the global
   batch split over the ranks) against plain PyTorch AdamW on the whole batch in one process: the per-step losses.
 * ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
@@ -203,6 +207,78 @@ def check_flash_attention() -> Check:
     return _judge("flash_attention", rel_diff(got, ref), 1e-2, "tiny Llama loss, flash_attention_2 vs sdpa, bf16")
 
 
+PACKED_EXAMPLES = ((7, 5, 9), (12, 4), (3, 6, 6, 2), (10,))
+"""Lengths of the packed examples of the 4 rows of :func:`packed_rows_diff` (the rows padded to 22 tokens with a
+pad segment of their own, as ``sft``'s ``PackedCollator`` pads)."""
+
+
+def packed_batch(seed: int = 3) -> tuple[dict, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A collated micro-batch of 4 packed rows, as ``sft`` packs them (``input_ids``, ``labels``, ``position_ids``
+    restarting at 0 per example and for the pad tail, ``num_tokens``; int64 ``[4, 22]``), and its examples one by
+    one as ``(input_ids [1, n], labels [1, n])``. The first two tokens of every example are prompt (label -100)."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(sum(r) for r in PACKED_EXAMPLES) + 1
+    rows, examples = {"input_ids": [], "labels": [], "position_ids": []}, []
+    for lengths in PACKED_EXAMPLES:
+        ids, labels, pos = [], [], []
+        for n in lengths:
+            ex = torch.randint(0, 512, (n,), generator=g)
+            lab = ex.clone()
+            lab[:2] = -100
+            examples.append((ex[None], lab[None]))
+            ids += ex.tolist()
+            labels += lab.tolist()
+            pos += list(range(n))
+        pad = width - len(ids)
+        rows["input_ids"].append(ids + [0] * pad)
+        rows["labels"].append(labels + [-100] * pad)
+        rows["position_ids"].append(pos + list(range(pad)))
+    batch = {k: torch.tensor(v) for k, v in rows.items()}
+    batch["num_tokens"] = torch.tensor(sum(map(sum, PACKED_EXAMPLES)))
+    return batch, examples
+
+
+def packed_rows_diff(attn: str, dev: torch.device, dtype: torch.dtype = torch.float32,
+                     flatten_rows: bool = True) -> float:
+    """The loss and gradients of a micro-batch of 4 packed rows through attention ``attn``, against its examples
+    run one by one with ``sdpa``: ``max(loss relative difference, gradient scaled difference)``.
+
+    The micro-batch goes through the data pipeline's :func:`finetune.data.batch.flatten` (one row, what a run with
+    a flash-attention kernel and packing does) unless ``flatten_rows`` is False (4 rows: what transformers'
+    flash-attention path computes then, examples attending across each other, for the tests). The loss is
+    ``gpt_clm``'s (``sft``'s): next-token cross-entropy summed over the targets.
+    """
+    from finetune.data.batch import flatten
+    from finetune.recipes import gpt_clm
+
+    batch, examples = packed_batch()
+    model = tiny_llama(attn).to(dev, dtype)
+    reference = tiny_llama("sdpa").to(dev, dtype)
+    packed = flatten(batch) if flatten_rows else batch
+    loss = gpt_clm.forward(model, {k: v.to(dev) for k, v in packed.items()}).loss_sum
+    loss.backward()
+    want = sum(gpt_clm.forward(reference, {"input_ids": ids.to(dev), "labels": lab.to(dev)}).loss_sum
+               for ids, lab in examples)
+    want.backward()
+    grads = max(scaled_diff(p.grad.float(), q.grad.float())
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return max(rel_diff(loss.detach().float(), want.detach().float()), grads)
+
+
+def check_flash_packing() -> Check:
+    """4 packed rows, flattened as a run flattens them, through flash_attention_2 vs their examples one by one with
+    sdpa, bf16: loss and gradients (CUDA and flash-attn only)."""
+    dev = _device()
+    if dev.type != "cuda":
+        return Check("flash_packing", "skip", None, 2e-2, "needs a CUDA GPU")
+    if importlib.util.find_spec("flash_attn") is None:
+        return Check("flash_packing", "skip", None, 2e-2, "flash-attn not installed")
+    diff = packed_rows_diff("flash_attention_2", dev, torch.bfloat16)
+    return _judge("flash_packing", diff, 2e-2, "4 packed rows (examples 2-12 tokens) flattened through "
+                                               "flash_attention_2 vs the examples alone with sdpa, bf16: loss and "
+                                               "gradients")
+
+
 def _plain_losses(steps: int, lr: float) -> list[float]:
     """Plain PyTorch: AdamW on the whole batch in one process, fp32 on the CPU (the reference)."""
     model, ids = tiny_llama(), _batch()
@@ -362,6 +438,7 @@ CHECKS = {
     "liger_fused_ce": check_liger,
     "bf16_forward": check_bf16,
     "flash_attention": check_flash_attention,
+    "flash_packing": check_flash_packing,
     "zero2_step": lambda: check_zero_step(2),
     "zero3_step": lambda: check_zero_step(3),
     "fp16_step": check_fp16_step,

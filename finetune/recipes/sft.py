@@ -25,8 +25,9 @@ Packing (``data.packing: true``, the default): the examples of each map batch (1
 into rows of at most ``max_seq_len`` tokens by best-fit decreasing bin packing (:func:`pack`), with
 ``position_ids`` restarting at 0 for every example and no ``attention_mask`` in the batch. From such
 ``position_ids`` transformers (``masking_utils.find_packed_sequence_indices``) builds a block-diagonal causal
-mask for ``sdpa`` and ``eager`` attention and uses variable-length kernels for ``flash_attention_2``, so
-attention never crosses from one example into another and a packed row computes exactly what its examples
+mask for ``sdpa`` and ``eager`` attention; under a flash-attention kernel the data pipeline joins each
+micro-batch into one row (:func:`finetune.data.batch.flatten`), the only shape for which transformers runs the
+variable-length kernel; so attention never crosses from one example into another and a packed row computes exactly what its examples
 compute alone (``tests/test_sft.py``). Rows of a micro batch are padded to the longest; the padding is a
 segment of its own (positions from 0) after the last example, with label -100. Without packing each example
 is a row, right-padded per batch with an ``attention_mask``.
