@@ -144,7 +144,8 @@ def test_shards_add_up_to_the_batch():
                                                                                                                   dtype=torch.long))
     assert torch.equal(joined["shift_labels"][:, :7], shift_labels(labels))
     assert (joined["shift_labels"][:, 7:] == -100).all()
-    assert torch.equal(joined["position_ids"][:, :7], torch.arange(7).expand(2, 7))
+    # the padding continues the positions: no restart, so attention sees one example per row and needs no mask
+    assert torch.equal(joined["position_ids"], torch.arange(9).expand(2, 9))
     assert sum(int(count_targets(p)) for p in parts) == int(count_targets(batch)) == 9
     assert sum(int(p["num_tokens"]) for p in parts) == 11
     with pytest.raises(ValueError, match="padded on the left"):
@@ -196,7 +197,7 @@ def test_zero3_average_correction_is_guarded_by_version():
 
 def test_packed_sdpa_keeps_examples_apart():
     """Without a mask and with restarting positions, the wrapped sdpa equals sdpa with transformers' block-diagonal
-    causal mask (and plain causal sdpa without restarts)."""
+    causal mask (and plain causal sdpa without restarts), and never hands sdpa a mask or a whole packed row."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from finetune.parallel.sequence import _packed_sdpa
@@ -209,8 +210,16 @@ def test_packed_sdpa_keeps_examples_apart():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
     mask = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(6, 6, dtype=torch.bool).tril())[:, None]
     want, _ = sdpa_attention_forward(module, q, k, v, mask)
-    got, _ = _packed_sdpa(sdpa_attention_forward)(module, q, k, v, None, position_ids=pos)
+    received = []
+
+    def spy(module, q, k, v, mask, *args, **kwargs):  # what the wrapped sdpa is handed
+        received.append((mask, q.shape[-2]))
+        return sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
+
+    got, _ = _packed_sdpa(spy)(module, q, k, v, None, position_ids=pos)
     assert torch.allclose(got, want, atol=1e-6)
+    # no [seq, seq] tensor: each example is attended on its own, with no mask (sdpa's causal kernels)
+    assert received == [(None, 3), (None, 2), (None, 1), (None, 6)]
     plain, _ = sdpa_attention_forward(module, q, k, v, None)
     assert not torch.allclose(got[0], plain[0], atol=1e-3) and torch.allclose(got[1], plain[1], atol=1e-6)
 

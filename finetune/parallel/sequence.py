@@ -10,14 +10,16 @@ Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.seque
 * :class:`SequenceShard` cuts every collated micro-batch along the sequence in the data path (the collator), an
   equivalent of DeepSpeed's ``UlyssesSPDataLoaderAdapter`` for loaders whose SP ranks already hold the same rows:
   labels are shifted by one **before** the cut (``shift_labels``: the last token of a shard predicts the first of
-  the next), the length is padded to a multiple of ``sp`` (pad positions come after every real token, take no
-  loss, and causal attention never lets a real token see them), ``position_ids`` are made explicit (Ulysses gathers
+  the next), the length is padded to a multiple of ``sp`` (pad positions continue the row's positions, come after
+  every real token, take no loss, and causal attention never lets a real token see them; a row stays one example
+  for attention, with no mask), ``position_ids`` are made explicit (Ulysses gathers
   them to mask causally), and ``attention_mask`` is replaced by the shard's real-token count (Ulysses discards
   masks: right padding under causal attention needs none).
 * Packed rows whose ``position_ids`` restart per example (``sft`` packing) keep examples apart under ``sdpa``:
   :func:`start_sequence_parallel` wraps the core ``sdpa`` so that, given the gathered ``position_ids`` and no mask,
-  it builds the block-diagonal causal mask transformers builds without SP (``find_packed_sequence_indices``);
-  ``flash_attention_2`` does the same from ``position_ids`` itself (varlen).
+  it attends each example on its own (causal, no mask: nothing of size ``seq x seq``, sdpa's flash or
+  memory-efficient kernel); under a flash kernel the data pipeline joins each micro-batch into one row first and
+  the variable-length kernel reads the gathered ``position_ids`` (:func:`finetune.data.batch.flatten`).
 * Loss: each rank sums the token losses of its shard and counts its shard's targets; the loop's target count is
   the sum over all ranks (every target counted once), and DeepSpeed divides the gradient sum over all ranks by the
   data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.training.trainer`): SP=2 trains
@@ -285,26 +287,45 @@ def sequence_parallel_off():
     return patches.suspended("model")
 
 
+def segments(pos: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """The examples of each row of packed ``position_ids`` ``[rows, seq]``: ``[(start, end), ...]`` per row, a new
+    example wherever the position does not grow (it restarts)."""
+    starts = F.pad((pos[:, 1:] <= pos[:, :-1]), (1, 0), value=True)
+    out = []
+    for row in starts.tolist():
+        first = [i for i, s in enumerate(row) if s]
+        out.append(list(zip(first, first[1:] + [len(row)])))
+    return out
+
+
 def _packed_sdpa(sdpa):
-    """``sdpa`` that keeps packed examples apart when it gets no mask but ``position_ids`` that restart.
+    """``sdpa`` that keeps packed examples apart when it gets no mask but ``position_ids`` that restart, without
+    any ``[seq, seq]`` tensor.
 
     Ulysses discards the mask transformers made for the local shard and passes the gathered ``position_ids``
     ``[batch, seq]`` instead; a row whose positions restart holds several examples (``sft`` packing), and each
-    token may attend only to earlier tokens of its own example: the block-diagonal causal mask
-    (``transformers.masking_utils``' packed-sequence mask, as a boolean ``[batch, 1, seq, seq]``).
+    token may attend only to earlier tokens of its own example (the block-diagonal causal mask of
+    ``transformers.masking_utils``). Each example is attended on its own (``sdpa`` with no mask, causal: PyTorch's
+    flash or memory-efficient kernel, memory linear in its length) and the outputs are joined; a dense mask of the
+    gathered sequence would cost ``seq x seq`` per row in every layer and in every recomputation, and would keep
+    sdpa off its flash kernel. Rows without a restart go to ``sdpa`` as they are.
     """
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         pos = kwargs.get("position_ids")
-        if attention_mask is None and pos is not None and pos.shape[-1] == query.shape[-2] and pos.shape[-1] > 1 \
-                and bool((pos[:, 1:] <= pos[:, :-1]).any()):
-            doc = torch.cumsum(F.pad((pos[:, 1:] <= pos[:, :-1]).long(), (1, 0)), dim=1)  # example index per token
-            n = pos.shape[-1]
-            causal = torch.ones(n, n, dtype=torch.bool, device=pos.device).tril()
-            attention_mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
-            if pos.shape[0] != query.shape[0]:
-                attention_mask = attention_mask.expand(query.shape[0], -1, -1, -1)
-        return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        if attention_mask is not None or pos is None or pos.shape[-1] != query.shape[-2] or pos.shape[-1] < 2 \
+                or not bool((pos[:, 1:] <= pos[:, :-1]).any()):
+            return sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k != "position_ids"}
+        rows = segments(pos)
+        if len(rows) != query.shape[0]:  # one row of positions for every row of the batch
+            rows = rows[:1] * query.shape[0]
+        out = []
+        for b, row in enumerate(rows):
+            parts = [sdpa(module, query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e], None, *args,
+                          **rest)[0] for s, e in row]
+            out.append(torch.cat(parts, dim=1))  # [1, seq, heads, head_dim] (transformers' attention output)
+        return torch.cat(out, dim=0), None
 
     return attention
 
@@ -358,8 +379,10 @@ def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
         ids = F.pad(ids, (0, pad), value=pad_id)
         shift = F.pad(shift, (0, pad), value=-100)
         real = F.pad(real, (0, pad), value=False)
-        # the padding is an example of its own (positions from 0): within the model's positions whatever its length
-        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype).expand(rows, pad)], dim=1)
+        # the padding continues the last example's positions (no restart: rows stay one example for attention,
+        # with no mask; pad positions come after every real token and take no loss; the pre-flight check keeps
+        # data.max_seq_len rounded up to a multiple of sp within the model's positions)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, dtype=pos.dtype).expand(rows, pad)], dim=1)
     chunk = (seq + pad) // sp
     part = slice(chunk * sp_rank, chunk * (sp_rank + 1))
     out = {k: v for k, v in batch.items() if k not in ("input_ids", "labels", "shift_labels", "attention_mask",

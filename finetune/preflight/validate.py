@@ -179,6 +179,13 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"for ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''} in {where} + overrides); "
                             f"set data.max_seq_len={usable} or lower")
+        sp = cfg.parallel.sequence_parallel_size
+        padded = -(-cfg.data.max_seq_len // sp) * sp if sp > 1 else cfg.data.max_seq_len
+        if usable >= cfg.data.max_seq_len and padded > usable:
+            problems.append(f"data.max_seq_len: under sequence parallelism rows are padded to a multiple of {sp} "
+                            f"({padded} positions), more than the model has ({key}={positions}"
+                            f"{f', {usable} usable' if usable != positions else ''}); set data.max_seq_len="
+                            f"{usable // sp * sp} or lower")
     checks.check(cfg, config, None, recipe.capabilities.parallel, problems)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
