@@ -122,3 +122,15 @@ def test_docstrings_and_comments_carry_no_history():
             found += [f"{path.relative_to(REPO)}: {what}: {m.group(0)!r}" for chunk in prose
                       for m in re.finditer(pattern, chunk, re.I)]
     assert not found, found
+
+
+def test_no_recipe_is_named_outside_the_recipes():
+    """Generic code asks a recipe's Capabilities and hooks, never its name: adding a recipe touches one place."""
+    named = []
+    for path in SOURCES:
+        if "recipes" in path.parts:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"recipe\s*(==|!=)\s*['\"]|recipe\s+(not\s+)?in\s+[(\[{]\s*['\"]", line):
+                named.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
+    assert not named, named

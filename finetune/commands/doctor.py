@@ -50,7 +50,6 @@ from finetune.errors import report as report_error
 from finetune.airgap.manifest import weights_problems
 from finetune.preflight.plan import model_shape, run_precision
 from finetune.recipes import RECIPES, get_recipe
-from finetune.recipes.dpo import doctor_rows as dpo_rows
 from finetune.preflight.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
@@ -346,7 +345,8 @@ def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, str, str]]:
     """Every doctor row ``(area, status, detail)`` for ``cfg`` on ``nodes`` nodes (status ``ok``, ``warn`` or
     ``FAIL``)."""
-    rows = _model_rows(cfg) + _data_rows(cfg) + (dpo_rows(cfg) if cfg.recipe == "dpo" else [])
+    rows = _model_rows(cfg) + _data_rows(cfg) + (get_recipe(cfg.recipe).doctor_rows(cfg) if cfg.recipe in RECIPES
+                                                 else [])
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
     rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()

@@ -130,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             if wrong:  # before the other checks: the tokenizer of another task's export has its own complaints
                 raise ConfigError(f"evaluate: {wrong}")
             cfg, resolved, _ = check_launch(args.config, [*args.overrides, *pinned], None, False, announce=False)
-            if cfg.recipe == "dpo":
-                raise ConfigError("evaluate: recipe dpo measures rewards against its reference model, which an "
-                                  "export does not carry; its evaluation is part of the training run (eval/rewards/*)")
+            if not get_recipe(cfg.recipe).capabilities.evaluates_exports:
+                raise ConfigError(f"evaluate: recipe {cfg.recipe} measures against its reference model, which an "
+                                  f"export does not carry; its evaluation is part of the training run")
             metrics = run_evaluation(cfg, resolved.ds)
     except ConfigError as e:
         return report_error(e)

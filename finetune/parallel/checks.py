@@ -8,14 +8,15 @@ the resolved DeepSpeed config. A new dimension adds its module's ``check`` here 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from finetune.config import RunConfig
 from finetune.parallel import sequence, tensor
 from finetune.parallel.layout import size_problems
 
 
-def check(cfg: RunConfig, model_config, world: int | None, supported: Collection[str], problems: list[str]) -> None:
+def check(cfg: RunConfig, model_config, world: int | None, supported: Collection[str], problems: list[str],
+          offered: Mapping[str, str] | None = None) -> None:
     """What the run's parallel sizes and memory levers need, one problem line each.
 
     Args:
@@ -25,12 +26,14 @@ def check(cfg: RunConfig, model_config, world: int | None, supported: Collection
         supported: the parallel dimensions the recipe supports (its ``Capabilities.parallel``: ``"sequence"``,
             ``"tensor"``).
         problems: where the lines go.
+        offered: dimension name -> the recipes that support it, as the lines say them (``"gpt_clm and sft"``).
     """
     if world is not None:
         problems += size_problems(world, max(1, cfg.parallel.sequence_parallel_size),
                                   max(1, cfg.parallel.tensor_parallel_size))
-    sequence.check(cfg, model_config, supported, problems)
-    tensor.check(cfg, model_config, supported, problems)
+    offered = offered or {}
+    sequence.check(cfg, model_config, supported, problems, offered.get(sequence.DIMENSION, ""))
+    tensor.check(cfg, model_config, supported, problems, offered.get(tensor.DIMENSION, ""))
 
 
 def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:

@@ -49,7 +49,7 @@ DIMENSION = "sequence"
 """The name of this dimension in a recipe's ``Capabilities.parallel``."""
 
 
-def check(cfg: RunConfig, model_config, supported: Collection[str], problems: list[str]) -> None:
+def check(cfg: RunConfig, model_config, supported: Collection[str], problems: list[str], offered: str = "") -> None:
     """What sequence parallelism and the long-sequence memory levers (``parallel.tiled_mlp``,
     ``model.offload_activations``) need of the run, one problem line each, before any model is built.
 
@@ -57,14 +57,15 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
         cfg: the run config.
         model_config: the transformers config (``num_attention_heads``, ``num_key_value_heads``), or None.
         supported: the parallel dimensions the recipe supports (its ``Capabilities.parallel``).
+        offered: the recipes that support sequence parallelism, for the lines (``"gpt_clm and sft"``).
         problems: where the lines go.
     """
     if cfg.model.offload_activations and not cfg.model.gradient_checkpointing:
         problems.append("model.offload_activations: offloads the hidden states that gradient checkpointing keeps; set "
                         "model.gradient_checkpointing=true too (or model.offload_activations=false)")
     if cfg.parallel.tiled_mlp and DIMENSION not in supported:
-        problems.append(f"parallel.tiled_mlp: recipe {cfg.recipe} is not a causal LM (gpt_clm and sft tile their "
-                        f"decoder's MLPs); set parallel.tiled_mlp=false")
+        problems.append(f"parallel.tiled_mlp: recipe {cfg.recipe} is not a causal LM"
+                        f"{f' ({offered} tile their decoder MLPs)' if offered else ''}; set parallel.tiled_mlp=false")
     sp = cfg.parallel.sequence_parallel_size
     key = SIZE_KEYS["sp"]
     if sp < 1:
@@ -73,8 +74,8 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
     if sp == 1:
         return
     if DIMENSION not in supported:
-        problems.append(f"{key}: recipe {cfg.recipe} does not support sequence parallelism (causal-LM recipes "
-                        f"gpt_clm and sft do); set {key}=1")
+        problems.append(f"{key}: recipe {cfg.recipe} does not support sequence parallelism"
+                        f"{f' ({offered} do)' if offered else ''}; set {key}=1")
     if cfg.model.attn_implementation == "eager":
         problems.append(f"{key}: model.attn_implementation=eager cannot be sequence-parallel (DeepSpeed's Ulysses "
                         f"needs an implementation that masks causally without a 4D mask); use sdpa or "
@@ -84,9 +85,6 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
                         f"but a sequence-parallel rank holds only a slice of it; use train.loss_weighting=token")
     problems += head_problems(model_config, sp, key, f"each sequence-parallel rank attends with heads / {sp}",
                               kv_multiple=True)
-    if cfg.data.max_seq_len % sp and cfg.recipe == "gpt_clm" and cfg.data.packing:
-        problems.append(f"data.max_seq_len: packed blocks of {cfg.data.max_seq_len} tokens do not split into "
-                        f"{sp} equal shards; use a multiple of {sp} (other rows are padded to one)")
 
 
 _ULYSSES_WHY = ("DeepSpeed's Ulysses attention and the packed-row sdpa under sequence parallelism: "

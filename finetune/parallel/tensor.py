@@ -22,7 +22,7 @@ DIMENSION = "tensor"
 """The name of this dimension in a recipe's ``Capabilities.parallel``."""
 
 
-def check(cfg: RunConfig, model_config, supported: Collection[str], problems: list[str]) -> None:
+def check(cfg: RunConfig, model_config, supported: Collection[str], problems: list[str], offered: str = "") -> None:
     """What tensor parallelism needs of the run, one problem line each (the world size and the ZeRO stage are
     :mod:`finetune.parallel.checks`').
 
@@ -30,6 +30,7 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
         cfg: the run config.
         model_config: the transformers config, or None.
         supported: the parallel dimensions the recipe supports (its ``Capabilities.parallel``).
+        offered: the recipes tested with tensor parallelism, for the lines (``"gpt_clm and sft"``).
         problems: where the lines go.
     """
     tp, key = cfg.parallel.tensor_parallel_size, SIZE_KEYS["tp"]
@@ -42,8 +43,8 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
         problems.append(f"{key}: tensor and sequence parallelism are not combined here; set one of "
                         f"parallel.tensor_parallel_size and parallel.sequence_parallel_size to 1")
     if DIMENSION not in supported:
-        problems.append(f"{key}: recipe {cfg.recipe} is not tested with tensor parallelism (gpt_clm and sft are); "
-                        f"set {key}=1")
+        problems.append(f"{key}: recipe {cfg.recipe} is not tested with tensor parallelism"
+                        f"{f' ({offered} are)' if offered else ''}; set {key}=1")
     if cfg.train.eval_generate.prompts:
         problems.append(f"{key}: train.eval_generate shares prompts among all ranks, but a tensor-parallel group must "
                         f"run the same ones; set train.eval_generate.prompts=0 (finetune evaluate on the export "

@@ -19,14 +19,14 @@ from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
 from finetune.engine import lora
 from finetune.data import mixture
-from finetune.parallel import checks, layout
+from finetune.parallel import checks, layout, sequence, tensor
 from finetune.lifecycle import run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data.dataset import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
 from finetune.engine.ds_config import resolve_ds_config, zero_stage
 from finetune.errors import ConfigError
-from finetune.recipes import RECIPES, get_recipe
+from finetune.recipes import RECIPES, get_recipe, offering, said
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
@@ -186,7 +186,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"({padded} positions), more than the model has ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''}); set data.max_seq_len="
                             f"{usable // sp * sp} or lower")
-    checks.check(cfg, config, None, recipe.capabilities.parallel, problems)
+    checks.check(cfg, config, None, recipe.capabilities.parallel, problems,
+                 {d: said(offering(lambda c, d=d: d in c.parallel)) for d in (sequence.DIMENSION, tensor.DIMENSION)})
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
@@ -245,8 +246,8 @@ def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
     if g.prompts <= 0:
         return
     if cfg.recipe in RECIPES and not get_recipe(cfg.recipe).capabilities.generates_text:
-        problems.append(f"train.eval_generate: recipe {cfg.recipe} does not generate text (gpt_clm, sft and dpo do); "
-                        f"set train.eval_generate.prompts=0")
+        problems.append(f"train.eval_generate: recipe {cfg.recipe} does not generate text "
+                        f"({said(offering(lambda c: c.generates_text))} do); set train.eval_generate.prompts=0")
     if g.max_new_tokens <= 0:
         problems.append(f"train.eval_generate.max_new_tokens: must be > 0, got {g.max_new_tokens}")
     if g.temperature < 0:
@@ -335,9 +336,9 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
         problems.append("data.train_files: no training files given")
     recipe = get_recipe(cfg.recipe) if cfg.recipe in RECIPES else None
     sources = mixture.sources_of(cfg.data, problems)
-    if sources and cfg.recipe == "seq_cls":
-        problems.append("data.sources: recipe seq_cls takes one dataset (its classes come from data.train_files); "
-                        "use data.train_files")
+    if sources and recipe is not None and not recipe.capabilities.mixes_sources:
+        problems.append(f"data.sources: recipe {cfg.recipe} takes one dataset (its classes come from one label "
+                        f"column; {said(offering(lambda c: c.mixes_sources))} take mixtures); use data.train_files")
     if sources and cfg.train.eval_generate.prompts:
         problems.append("train.eval_generate: not available with data.sources yet; set train.eval_generate.prompts=0 "
                         "or train on one dataset")

@@ -84,6 +84,11 @@ def no_generation(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tup
     return []
 
 
+def no_rows(cfg: RunConfig) -> list:
+    """Default ``doctor_rows``: nothing to add to ``finetune doctor``'s table."""
+    return []
+
+
 def every_target(data_cfg: DataConfig) -> float:
     """Default ``target_fraction``: every position is a target."""
     return 1.0
@@ -126,6 +131,12 @@ class Capabilities:
     checks_columns: bool = False
     """The ``check_data`` hook checks every column the recipe reads, so the generic parquet check does not
     require ``data.text_column`` (``sft``, ``dpo``)."""
+    mixes_sources: bool = True
+    """The recipe trains on a weighted mixture of datasets (``data.sources``); false for ``seq_cls``, whose classes
+    come from one dataset's label column."""
+    evaluates_exports: bool = True
+    """``finetune evaluate`` can score an export of it; false for ``dpo``, whose metrics need the reference model
+    an export does not carry (its evaluation is part of the training run)."""
     counts_rows: bool = False
     """The tokenize function gets every row (:mod:`finetune.data.dataset` drops no empty texts for it), skips and
     counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``."""
@@ -215,6 +226,9 @@ class Recipe:
     model to continue and the answer it is scored against, from raw validation rows (:attr:`columns`); rows
     without a prompt or a reference are left out. Default: none, for recipes without
     :attr:`Capabilities.generates_text`."""
+    doctor_rows: Callable[[RunConfig], list] = no_rows
+    """``(cfg) -> [(check, status, detail)]``: rows of the recipe's own in ``finetune doctor``'s table (``dpo``: the
+    share of pairs identical after truncation). Default: none."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``).
@@ -222,6 +236,17 @@ class Recipe:
     A hook, not a capability beside :attr:`Capabilities.sequences_per_row`: its value depends on the run config,
     and :class:`Capabilities` holds only what is true of the recipe whatever the run config says (it stays plain
     data: comparable, printable, checked without calling anything)."""
+
+
+def offering(has: Callable[[Capabilities], bool]) -> list[str]:
+    """The names of the recipes whose :class:`Capabilities` satisfy ``has`` (for messages that say which recipes
+    do what a run asked for), in :data:`RECIPES` order."""
+    return [name for name in RECIPES if has(get_recipe(name).capabilities)]
+
+
+def said(names: list[str]) -> str:
+    """``"a, b and c"``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def get_recipe(name: str) -> Recipe:

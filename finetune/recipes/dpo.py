@@ -763,8 +763,8 @@ RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS,
                                           eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps")
                                                              for v in ("chosen", "rejected"))
                                           + ("rewards/accuracies", "rewards/margins"),
-                                          checks_columns=True, counts_rows=True),
+                                          checks_columns=True, counts_rows=True, evaluates_exports=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, before_training=before_training,
                 columns=columns, cache_key=cache_key, check_data=check_pairs, prepare_model_config=prepare_model_config,
-                generation_pairs=generation_pairs)
+                generation_pairs=generation_pairs, doctor_rows=doctor_rows)

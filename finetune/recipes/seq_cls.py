@@ -262,7 +262,8 @@ def eval_report(counts: torch.Tensor, model_config) -> tuple[dict[str, float], d
 
 
 RECIPE = Recipe(name="seq_cls", model_class=MODEL_CLASS,
-                capabilities=Capabilities(eval_metrics=("accuracy", "macro_f1", "f1"), one_target_per_row=True),
+                capabilities=Capabilities(eval_metrics=("accuracy", "macro_f1", "f1"), one_target_per_row=True,
+                                          mixes_sources=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, columns=columns, check_data=check_labels,
                 prepare_model_config=prepare_model_config, eval_report=eval_report)
