@@ -31,10 +31,11 @@ LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "huggingf
 """Distributions whose versions are listed (``not installed`` when absent): finetune's dependencies, then the
 optional ones it uses (``mpi4py``, ``liger-kernel``, ``flash-attn``) and the neighbours a report often involves."""
 
-ENV_NAMES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "GLIBC_TUNABLES", "TOKENIZERS_PARALLELISM",
-             "TRANSFORMERS_OFFLINE", "LD_PRELOAD")
-"""Variables listed by name when set, besides the rendezvous (:data:`finetune.parallel.distributed.RANK_VARS`): the
-local sizes of torchrun and DeepSpeed's launcher, the allocator and tokenizer settings."""
+ENV_NAMES = ("CROSS_RANK", "CROSS_SIZE", "GLIBC_TUNABLES", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
+             "LD_PRELOAD")
+"""Variables listed by name when set, besides the rendezvous and the local sizes that finetune reads
+(:data:`finetune.parallel.distributed.RANK_VARS`, :data:`~finetune.parallel.distributed.LOCAL_SIZE_VARS`): the
+allocator and tokenizer settings."""
 
 ENV_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_",
                 "DS_", "OMP_", "MALLOC_", "HF_", "FINETUNE_", "WANDB_")
@@ -100,12 +101,12 @@ def devices() -> dict:
 
 
 def launch_environment(environ: dict | None = None) -> dict[str, str]:
-    """The set variables of :data:`~finetune.parallel.distributed.RANK_VARS`, :data:`ENV_NAMES` and
+    """The set variables of :data:`~finetune.parallel.distributed.RANK_VARS`, ``LOCAL_SIZE_VARS``, :data:`ENV_NAMES` and
     :data:`ENV_PREFIXES`, sorted by name, secrets (:data:`SECRET`) left out. ``environ`` defaults to ``os.environ``."""
-    from finetune.parallel.distributed import RANK_VARS  # imports DeepSpeed: see devices()
+    from finetune.parallel.distributed import LOCAL_SIZE_VARS, RANK_VARS  # imports DeepSpeed: see devices()
 
     environ = os.environ if environ is None else environ
-    names = (*RANK_VARS, *ENV_NAMES)
+    names = (*RANK_VARS, *LOCAL_SIZE_VARS, *ENV_NAMES)
     return {k: environ[k] for k in sorted(environ)
             if (k in names or k.startswith(ENV_PREFIXES)) and not SECRET.search(k)}
 

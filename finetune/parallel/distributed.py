@@ -190,14 +190,14 @@ def is_main() -> bool:
     return rank() == 0
 
 
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
                     "SLURM_NTASKS_PER_NODE")
 """Where launchers put the number of ranks on this node: torchrun, DeepSpeed's launcher, Open MPI, MPICH, Slurm."""
 
 
 def local_world_size() -> int:
-    """Ranks on this node, from the launcher's variables (:data:`_LOCAL_SIZE_VARS`); the world size when none says."""
-    for key in _LOCAL_SIZE_VARS:
+    """Ranks on this node, from the launcher's variables (:data:`LOCAL_SIZE_VARS`); the world size when none says."""
+    for key in LOCAL_SIZE_VARS:
         value = os.environ.get(key, "").split("(")[0]
         if value.isdigit() and int(value) > 0:
             return int(value)
