@@ -71,7 +71,7 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
     nowhere = run_python(["-m", "finetune", "evaluate", str(tmp_path), "--config", str(TINY)])
     assert nowhere.returncode == 2 and "neither a run folder with an export/ nor an export folder" in nowhere.stdout
     dpo = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(CONFIGS / "parity_dpo.yaml")])
-    assert dpo.returncode == 2 and "recipe dpo measures rewards against its reference model" in dpo.stdout
+    assert dpo.returncode == 2 and "recipe dpo measures against its reference model, which an export does not carry" in dpo.stdout
     assert "Traceback" not in again.stdout + nowhere.stdout + dpo.stdout
 
 
