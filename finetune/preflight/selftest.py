@@ -137,13 +137,23 @@ def check_chunked_head() -> Check:
     return _judge("chunked_head", diff, 1e-5, "loss sum and head gradient, 96 rows in 4 chunks vs full logits, fp32")
 
 
+def _gpu_skip(name: str, tolerance: float, module: str, package: str, why: str = "") -> Check | None:
+    """The skipped row of a check that needs a CUDA GPU and ``module`` (from the ``package`` distribution), or
+    None when this node has both."""
+    if _device().type != "cuda":
+        return Check(name, "skip", None, tolerance, f"needs a CUDA GPU{why}")
+    if importlib.util.find_spec(module) is None:
+        return Check(name, "skip", None, tolerance, f"{package} not installed"
+                     + (" (pip install -e .[gpu])" if package == "liger-kernel" else ""))
+    return None
+
+
 def check_liger() -> Check:
     """Liger's fused linear cross-entropy vs full logits (CUDA and liger-kernel only)."""
+    skip = _gpu_skip("liger_fused_ce", 1e-4, "liger_kernel", "liger-kernel", " (causal-LM heads use it only there)")
+    if skip:
+        return skip
     dev = _device()
-    if dev.type != "cuda":
-        return Check("liger_fused_ce", "skip", None, 1e-4, "needs a CUDA GPU (causal-LM heads use it only there)")
-    if importlib.util.find_spec("liger_kernel") is None:
-        return Check("liger_fused_ce", "skip", None, 1e-4, "liger-kernel not installed (pip install -e .[gpu])")
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
     head, h, y = _head_case(dev)
@@ -195,11 +205,10 @@ def check_bf16() -> Check:
 
 def check_flash_attention() -> Check:
     """flash_attention_2 vs sdpa, bf16 forward of a tiny Llama (CUDA and flash-attn only)."""
+    skip = _gpu_skip("flash_attention", 1e-2, "flash_attn", "flash-attn")
+    if skip:
+        return skip
     dev = _device()
-    if dev.type != "cuda":
-        return Check("flash_attention", "skip", None, 1e-2, "needs a CUDA GPU")
-    if importlib.util.find_spec("flash_attn") is None:
-        return Check("flash_attention", "skip", None, 1e-2, "flash-attn not installed")
     ids = _batch().to(dev)
     with torch.no_grad():
         ref = tiny_llama("sdpa").to(dev, torch.bfloat16)(input_ids=ids, labels=ids).loss.float()
@@ -268,12 +277,10 @@ def packed_rows_diff(attn: str, dev: torch.device, dtype: torch.dtype = torch.fl
 def check_flash_packing() -> Check:
     """4 packed rows, flattened as a run flattens them, through flash_attention_2 vs their examples one by one with
     sdpa, bf16: loss and gradients (CUDA and flash-attn only)."""
-    dev = _device()
-    if dev.type != "cuda":
-        return Check("flash_packing", "skip", None, 2e-2, "needs a CUDA GPU")
-    if importlib.util.find_spec("flash_attn") is None:
-        return Check("flash_packing", "skip", None, 2e-2, "flash-attn not installed")
-    diff = packed_rows_diff("flash_attention_2", dev, torch.bfloat16)
+    skip = _gpu_skip("flash_packing", 2e-2, "flash_attn", "flash-attn")
+    if skip:
+        return skip
+    diff = packed_rows_diff("flash_attention_2", _device(), torch.bfloat16)
     return _judge("flash_packing", diff, 2e-2, "4 packed rows (examples 2-12 tokens) flattened through "
                                                "flash_attention_2 vs the examples alone with sdpa, bf16: loss and "
                                                "gradients")
