@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from finetune import patches
 from finetune.config import RunConfig
-from finetune.errors import ConfigError, RunFailure
+from finetune.errors import ConfigError
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel.layout import SIZE_KEYS, Layout, head_problems
 
@@ -190,14 +190,16 @@ def fix_zero3_average(engine, lay: Layout) -> bool:
         True when the engine is a ZeRO-3 engine under SP and was patched.
 
     Raises:
-        RunFailure: a ZeRO-3 engine under SP whose optimizer lacks the method (renamed or restructured upstream):
-            training on would give gradients ``sp`` times too small.
+        RunFailure: a ZeRO-3 engine under SP on an unchecked DeepSpeed version, or whose optimizer lacks the method
+            (renamed or restructured upstream): training on would give gradients ``sp`` times too small.
     """
     if lay.sp == 1 or engine.zero_optimization_stage() != 3:
         return False
-    problem = check_zero3_average(3, lay.sp)
-    if problem:
-        raise RunFailure(problem)
+    import deepspeed
+
+    patches.require_version("deepspeed", deepspeed.__version__, ZERO3_SP_AVERAGE_CHECKED,
+                            "finetune's correction of ZeRO-3's reduce-scatter average under sequence parallelism")
+
     def average_over_data_parallel(reduce_scatter):
         def average(params, communication_data_type):
             return [g.mul(lay.sp) for g in reduce_scatter(params, communication_data_type)]

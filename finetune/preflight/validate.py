@@ -186,8 +186,10 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"({padded} positions), more than the model has ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''}); set data.max_seq_len="
                             f"{usable // sp * sp} or lower")
-    checks.check(cfg, config, None, recipe.capabilities.parallel, problems,
-                 {d: said(offering(lambda c, d=d: d in c.parallel)) for d in (sequence.DIMENSION, tensor.DIMENSION)})
+    asked = cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.tiled_mlp
+    offered = ({d: said(offering(lambda c, d=d: d in c.parallel)) for d in (sequence.DIMENSION, tensor.DIMENSION)}
+               if asked else None)  # only for the lines of a refusal: it imports every recipe
+    checks.check(cfg, config, None, recipe.capabilities.parallel, problems, offered)
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
