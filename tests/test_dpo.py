@@ -4,15 +4,18 @@ Runs (2 CPU ranks, fp32, ``tests/configs/parity_dpo.yaml``: 8 pairs per step = 2
 accumulation 2, 4 steps, sigmoid loss with label smoothing 0.1 and an RPO term 0.2, so every part of the loss is
 exercised), all sharing one fresh tokenization/reference cache:
 
-* ZeRO-0 (computes the reference log-probabilities: the log says "computed") and ZeRO-3 (the log says "reused"):
-  per-step ``train/loss`` and ``train/grad_norm`` equal :func:`dpo_reference` (one process, full logits, a frozen
+* ZeRO-3 with sequence parallelism 2 (data-parallel size 1, micro batch 2 x accumulation 4: the same 8 pairs per
+  step; computes the reference log-probabilities on half sequences: the log says "computed") and ZeRO-0
+  data-parallel (the log says "reused"): per-step ``train/loss`` and ``train/grad_norm`` equal
+  :func:`dpo_reference` (one process, full logits, a frozen
   copy of the initial model as the reference, forwarded at every step) at the parity battery's tolerances (loss
   1e-5 relative, grad norm 1e-4); golden losses (``tests/parity_golden.json``, ``dpo-z0``, with how they were made
   in ``dpo-z0-made-with``; regenerate with ``PARITY_UPDATE_GOLDEN=1 pytest tests/test_dpo.py -k golden``). The cached reference values equal a forward of
   the initial model at 1e-6.
 * A resume of the ZeRO-0 run from its step-2 checkpoint repeats steps 3-4 exactly and reuses the reference.
-* LoRA at ZeRO-2 and ZeRO-3 (RPO off, no warmup): the reference is the base model (adapters off), so step 1's
-  loss is exactly ``log 2`` and step 2's is not (the adapters moved, the reference did not).
+* LoRA at ZeRO-2 (data-parallel) and ZeRO-3 with sequence parallelism 2 (RPO off, no warmup): the reference is
+  the base model (adapters off), so step 1's loss is exactly ``log 2`` and step 2's is not (the adapters moved,
+  the reference did not); step 2 is the same under both (SP + LoRA = data parallelism, 1e-5).
 
 The shipped ``dpo_gsm8k.yaml`` learns (extended): held-out reward accuracy above 0.5.
 
@@ -149,15 +152,20 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dpo-cache")
 
 
+SP = ["ds.zero_optimization.stage=3", "parallel.sequence_parallel_size=2", "train.gradient_accumulation_steps=4"]
+"""ZeRO-3 with sequence parallelism 2 on the 2 ranks (data-parallel size 1): the same 8 pairs per optimizer step as
+the data-parallel runs (micro batch 2 x accumulation 4), each sequence cut in two."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache) -> dict[str, tuple[Path, str]]:
-    """The ZeRO-0 run first (fresh cache: computes the reference), then ZeRO-3 (reuses it)."""
+    """ZeRO-3 under sequence parallelism first (fresh cache: computes the reference on half sequences), then ZeRO-0
+    data-parallel (reuses it)."""
     out = {}
-    for stage in (0, 3):
-        run = tmp_path_factory.mktemp(f"dpo-z{stage}") / "run"
-        proc = ok(launch(CONFIG, [f"output_dir={run}", f"ds.zero_optimization.stage={stage}",
-                                  f"data.cache_dir={cache}"]))
-        out[f"z{stage}"] = (run, proc.stdout)
+    for name, over in (("z3-sp2", SP), ("z0", ["ds.zero_optimization.stage=0"])):
+        run = tmp_path_factory.mktemp(f"dpo-{name}") / "run"
+        proc = ok(launch(CONFIG, [f"output_dir={run}", *over, f"data.cache_dir={cache}"]))
+        out[name] = (run, proc.stdout)
     return out
 
 
@@ -166,7 +174,9 @@ def reference(runs, cache) -> dict:
     return dpo_reference(_cfg(cache), world=2, steps=4)
 
 
-def test_zero0_and_zero3_equal_the_textbook_dpo(runs, reference):
+def test_zero0_and_zero3_sequence_parallel_equal_the_textbook_dpo(runs, reference):
+    """Both runs equal the one-process reference; under SP each pair's log-probabilities are the sums of two ranks'
+    halves (a differentiable all-reduce), the pair counted once: loss 1e-5, grad norm 1e-4."""
     for name, (run, log) in runs.items():
         losses = train_losses(run)
         assert sorted(losses) == [1, 2, 3, 4]
@@ -179,12 +189,15 @@ def test_zero0_and_zero3_equal_the_textbook_dpo(runs, reference):
         assert 0.0 <= rows[4]["train/rewards/accuracies"] <= 1.0
         assert "eval/rewards/accuracies" in rows[4] and "eval/perplexity" not in rows[4]
         assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
-    assert "reference log-probabilities of 34 train pairs computed" in runs["z0"][1]
-    assert "reference log-probabilities of 34 train pairs reused" in runs["z3"][1]
-    assert "validation pairs reused" in runs["z3"][1]
+    assert "layout: world 2 = data-parallel 1 x sequence-parallel 2" in runs["z3-sp2"][1]
+    assert "reference log-probabilities of 34 train pairs computed" in runs["z3-sp2"][1]
+    assert "reference log-probabilities of 34 train pairs reused" in runs["z0"][1]
+    assert "validation pairs reused" in runs["z0"][1]
 
 
 def test_cached_reference_equals_a_forward_of_the_initial_model(runs, reference, cache):
+    """The reference pass ran under sequence parallelism (half of every sequence per rank): its values equal a
+    whole-sequence forward of the initial model (1e-6)."""
     files = sorted((cache / "reference").glob("dpo-train-*.npy"))
     assert len(files) == 1, files
     stored = np.load(files[0])
@@ -235,13 +248,13 @@ def test_resume_mid_epoch_is_exact_and_reuses_the_reference(runs, cache, tmp_pat
         assert abs(loss - original[step]) <= 1e-6 * abs(original[step]), (step, loss, original[step])
 
 
-def test_lora_reference_is_the_base_model_at_zero2_and_zero3(tmp_path, cache):
+def test_lora_reference_is_the_base_model_at_zero2_and_zero3_sequence_parallel(tmp_path, cache):
     lora = ["model.lora.r=4", "train.max_steps=2", "train.save_every=0", "train.dpo.rpo_alpha=0",
             "train.warmup_steps=0", f"data.cache_dir={cache}"]
     first = {}
-    for stage in (2, 3):
+    for stage, over in ((2, ["ds.zero_optimization.stage=2"]), (3, SP)):
         run = tmp_path / f"z{stage}"
-        proc = ok(launch(CONFIG, [f"output_dir={run}", f"ds.zero_optimization.stage={stage}", *lora]))
+        proc = ok(launch(CONFIG, [f"output_dir={run}", *over, *lora]))
         assert "reference = the base model (LoRA adapters off)" in proc.stdout
         assert (run / "export" / "adapter" / "adapter_config.json").is_file()
         first[stage] = train_losses(run)

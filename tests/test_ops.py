@@ -94,6 +94,33 @@ def test_plan_big_configs(capsys, name):
     assert fits.gpu_total <= 0.9 * 6 * 2**30 < too_big.gpu_total
 
 
+def test_plan_counts_dpo_under_sequence_parallelism_and_lora():
+    """``dpo`` (2 sequences per row) at SP 2: the activations are those of half the tokens per rank, and the table's
+    'max micro' is the recommendation's (both at the SP length); LoRA: gradients and optimizer states of the
+    adapters only, the frozen base counted as parameters."""
+    from finetune.config import load_run_config
+
+    config = REPO / "finetune" / "recipes" / "configs" / "dpo_gsm8k.yaml"
+    cfg = load_run_config(config, ["parallel.sequence_parallel_size=2"])
+    text, options, best = plan.make_plan(cfg, 8, 1, 2 * 2**30, None)
+    assert "sequence parallelism 2: activations of 128 tokens per row and rank" in text
+    shape = plan.model_shape(cfg)
+    assert shape.sequences_per_row == 2 and shape.trainable == 0
+    whole = plan.activation_bytes(shape, 2 * cfg.train.micro_batch_size, cfg.data.max_seq_len, 2, False)
+    half = plan.activation_bytes(shape, 2 * cfg.train.micro_batch_size, cfg.data.max_seq_len // 2, 2, False)
+    assert options[0].gpu["activations"] == half["activations"] < whole["activations"]
+    e, mb = best
+    row = next(line for line in text.splitlines() if line.startswith(e.name + " "))
+    assert row.split()[-1] == str(mb) and f"train.micro_batch_size up to {mb} " in text
+    lora_cfg = load_run_config(config, ["parallel.sequence_parallel_size=2", "model.lora.r=8"])
+    adapted = plan.model_shape(lora_cfg)
+    assert 0 < adapted.trainable < adapted.params / 100 and adapted.params > shape.params
+    _, lora_options, _ = plan.make_plan(lora_cfg, 8, 1, 2 * 2**30, None)
+    z0 = next(o for o in lora_options if (o.stage, o.offload, o.checkpointing) == (0, False, False))
+    assert z0.gpu["gradients"] == adapted.trainable * 2 and z0.gpu["Adam moments (fp32)"] == adapted.trainable * 8
+    assert z0.gpu["parameters"] == adapted.params * 2
+
+
 def test_plan_bad_arguments(capsys):
     code, _, err = _plan(capsys, [CONFIGS / "tiny_gpt.yaml", "--gpu-memory", "lots"])
     assert code == 2 and "finetune: error: --gpu-memory/--cpu-memory: 'lots' is not a memory size" in err

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "num_tokens", "reference_logps")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "row_targets", "num_tokens", "reference_logps")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
-sequence-parallel slice, :mod:`finetune.parallel.sequence`), the real-token count of packed rows and the reference model's
-log-probabilities of preference pairs."""
+sequence-parallel slice, and ``row_targets``: the whole rows' target counts, :mod:`finetune.parallel.sequence`), the
+real-token count of packed rows and the reference model's log-probabilities of preference pairs."""
 
 
 def model_inputs(batch: dict) -> dict:
@@ -38,8 +38,8 @@ def real_tokens(batch: dict):
 
 def flattens(cfg, recipe) -> bool:
     """True when the run's micro-batches go to the model as one row (:func:`flatten`): packed rows
-    (``data.packing``), a recipe whose loss takes next-token targets (its ``Capabilities.parallel`` has
-    ``"sequence"``: ``shift_labels``, ``position_ids``, no ``attention_mask``), and a flash-attention kernel
+    (``data.packing`` and a recipe that packs, ``Capabilities.packs_rows``: its loss takes next-token targets,
+    ``shift_labels``, ``position_ids``, no ``attention_mask``), and a flash-attention kernel
     (transformers' ``is_flash_attention_requested``: ``flash_attention_2/3/4`` and the ``kernels`` variants).
 
     transformers runs flash attention's variable-length kernel only on one row: ``_is_packed_sequence`` is False
@@ -47,7 +47,7 @@ def flattens(cfg, recipe) -> bool:
     """
     from transformers.utils.generic import is_flash_attention_requested
 
-    return bool(cfg.data.packing and "sequence" in recipe.capabilities.parallel
+    return bool(cfg.data.packing and recipe.capabilities.packs_rows
                 and is_flash_attention_requested(requested_attention_implementation=cfg.model.attn_implementation))
 
 

@@ -183,8 +183,10 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     lay = layout.layout(cfg)
     if cfg.parallel.tiled_mlp:
         logger.info(f"tiled MLP (DeepSpeed TiledMLP): {sequence.tile_mlps(model)} modules")
-    # Ulysses attention and the SP groups (sp > 1); a flattened micro-batch is one row
-    mpu = sequence.start_sequence_parallel(model, cfg, lay, 1 if flattens(cfg, recipe) else None)
+    # Ulysses attention and the SP groups (sp > 1): the rows the model gets per micro-batch (one when flattened; a
+    # dpo pair is two sequences)
+    rows = 1 if flattens(cfg, recipe) else cfg.train.micro_batch_size * recipe.capabilities.sequences_per_row
+    mpu = sequence.start_sequence_parallel(model, cfg, lay, rows)
     if mpu is not None:
         logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "
                     f"{lay.describe()}")

@@ -69,22 +69,6 @@ class Layout:
                 f"{self.sp_rank}, tensor-parallel rank {self.tp_rank}")
 
 
-def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) -> Layout:
-    """The layout of ``cfg`` for this process (world size and rank from the launcher, or as given).
-
-    Raises:
-        ConfigError: the world size is not a multiple of ``parallel.sequence_parallel_size`` x
-            ``parallel.tensor_parallel_size``.
-    """
-    world = dist_utils.world_size() if world is None else world
-    rank = dist_utils.rank() if rank is None else rank
-    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    if sp < 1 or tp < 1 or world % (sp * tp):
-        raise ConfigError(f"parallel: sequence-parallel size {sp} x tensor-parallel size {tp} does not divide the world "
-                          f"size {world}; use divisors of it (data-parallel size = world size / (sp x tp))")
-    return Layout(world=world, sp=sp, rank=rank, tp=tp)
-
-
 SIZE_KEYS = {"sp": "parallel.sequence_parallel_size", "tp": "parallel.tensor_parallel_size"}
 """The run-config key of each parallel size but data parallelism (which is what is left of the world size)."""
 

@@ -24,6 +24,9 @@ Long Sequence Training", arXiv:2506.13996; DeepSpeed's ``deepspeed.runtime.seque
   the sum over all ranks (every target counted once), and DeepSpeed divides the gradient sum over all ranks by the
   data-parallel size, so the loop scales by ``dp x accumulation / targets`` (:mod:`finetune.training.trainer`): SP=2 trains
   the same model as SP=1.
+* Losses of whole sequences (``dpo``: a pair's log-probabilities): every slice carries its rows' whole target
+  counts (``row_targets``); :func:`sum_over_sequence` adds the slices' sums over the SP group differentiably, and
+  each rank weighs what it then computes whole by :func:`sequence_weight` (``1 / sp``), so it counts once.
 * :func:`sequence_parallel_off` restores transformers' own model for work on whole sequences (the export check,
   text generation during evaluation and at the end: every rank generates its own prompts, as without SP): every
   change this module made goes through :mod:`finetune.patches`, and all of them are undone for the block.
@@ -330,6 +333,50 @@ def _packed_sdpa(sdpa):
     return attention
 
 
+def sequence_group():
+    """This rank's sequence-parallel process group (DeepSpeed's ``parallel_state_sp``, created by
+    :func:`start_sequence_parallel`), or None when sequence parallelism is off."""
+    import sys
+
+    state = sys.modules.get("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if state is None or not torch.distributed.is_initialized():
+        return None
+    try:
+        return state.get_sequence_parallel_group()
+    except AssertionError:  # DeepSpeed asserts when the groups were never created
+        return None
+
+
+def sum_over_sequence(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks of this rank's SP group, differentiably (``torch.distributed.nn.functional.
+    all_reduce``: the backward sums the gradients over the group too); ``t`` itself without SP.
+
+    For sums over a whole sequence that each rank holds a slice of (a DPO sequence's log-probability ``[rows]``):
+    every SP rank then holds the whole sums. A loss ``f`` of them that each rank adds with weight ``1 / sp``
+    (:func:`sequence_weight`) has, once DeepSpeed sums the gradients over the ranks, the gradient of ``f`` counted
+    once: each rank's slice receives ``sum over the group of f' / sp = f'``.
+    """
+    group = sequence_group()
+    if group is None:
+        return t
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, group=group)
+
+
+def sequence_rank() -> int:
+    """This rank's place in its SP group (0 without sequence parallelism)."""
+    group = sequence_group()
+    return 0 if group is None else torch.distributed.get_rank(group)
+
+
+def sequence_weight() -> float:
+    """``1 / sp`` under sequence parallelism (1.0 without): the weight of a quantity every SP rank computes whole
+    (after :func:`sum_over_sequence`) in sums over all ranks, so that it counts once."""
+    group = sequence_group()
+    return 1.0 if group is None else 1.0 / torch.distributed.get_world_size(group)
+
+
 class SequenceShard:
     """Collator wrapper: the full micro-batch of the SP group's rows -> this rank's slice of every sequence.
 
@@ -337,7 +384,8 @@ class SequenceShard:
     ``attention_mask`` ``[B, S]`` (right padding) or packed rows' ``position_ids`` ``[B, S]`` and ``num_tokens``.
     Output: ``input_ids``, ``position_ids`` and ``shift_labels`` ``[B, S' / sp]`` (int64, ``S'`` = ``S`` rounded up
     to a multiple of ``sp``) and ``num_tokens`` (0-dim int64: real tokens in this slice; for packed rows an equal
-    share of the micro-batch's count, so that the sum over the SP group is exact); no ``labels`` and no
+    share of the micro-batch's count, so that the sum over the SP group is exact), ``row_targets`` ``[B]`` (int64:
+    each whole row's target count, the same on every slice: for losses of whole sequences); no ``labels`` and no
     ``attention_mask`` (see the module docstring). Keeps ``row_seeded`` and ``set_epoch`` of the wrapped collator.
 
     Raises:
@@ -392,7 +440,7 @@ def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:
     else:
         out["num_tokens"] = real[:, part].sum()
     out.update(input_ids=ids[:, part].contiguous(), position_ids=pos[:, part].contiguous(),
-               shift_labels=shift[:, part].contiguous())
+               shift_labels=shift[:, part].contiguous(), row_targets=(shift != -100).sum(dim=1))
     return out
 
 

@@ -76,6 +76,7 @@ from finetune.engine.ds_config import (
 )
 from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
+from finetune.engine import lora
 from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
@@ -122,6 +123,9 @@ class ModelShape:
     python_activation: bool = False
     """The MLP activation stays a Python chain of ops (``model.fused_kernels: false`` on a ``gelu_new`` model):
     autograd keeps 3 more ``sbI`` tensors per layer (:mod:`finetune.engine.kernels`)."""
+    trainable: int = 0
+    """Parameters that train (``model.lora``: the adapters; the base is frozen and has no gradients or optimizer
+    states); 0 means all of ``params``."""
     sequences_per_row: int = 1
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
     of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
@@ -174,12 +178,14 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         config = load_model_config(cfg, recipe)
         with torch.device("meta"):
             model = recipe.model_class.from_config(config)
+        if cfg.model.lora is not None:  # the adapters, built on the meta device too
+            model = lora.wrap(model, cfg.model.lora, recipe.model_class, cfg.train.seed)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001  (transformers raises many types for a config it cannot build)
         raise ConfigError(f"model.path: cannot build the model of '{cfg.model.path}/config.json' on the meta "
                           f"device: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
-    params = sum(p.numel() for p in model.parameters())
+    trainable, params = lora.count_parameters(model)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     hidden = config.hidden_size
     gated = config.model_type in _GATED
@@ -196,7 +202,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       dropout=dropout,
                       target_fraction=recipe.target_fraction(cfg.data),
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
-                      sequences_per_row=recipe.capabilities.sequences_per_row)
+                      sequences_per_row=recipe.capabilities.sequences_per_row,
+                      trainable=trainable if trainable < params else 0)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -254,17 +261,18 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
         :class:`Estimate` (bytes; ``gpu`` per rank, ``cpu``/``nvme`` per node).
     """
     n, world = shape.params, gpus_per_node * nodes
+    t = shape.trainable or n  # LoRA: only the adapters have gradients and optimizer states
     w = 4 if precision == "fp32" else 2
     mixed = w == 2
     shard = 1 if stage == 0 else world
     e = Estimate(stage, offload, checkpointing, micro_batch)
     params = n * w / (world if stage == 3 else 1) + (shape.largest_layer * w if stage == 3 else 0)
-    grads = n * w / (world if stage >= 2 else 1)
-    states = {"fp32 master weights": 4 * n / shard if (mixed or stage > 0) else 0,
+    grads = t * w / (world if stage >= 2 else 1)
+    states = {"fp32 master weights": 4 * t / shard if (mixed or stage > 0) else 0,
               # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
-              "fp32 gradients": (4 * n if precision == "bf16" and stage == 1 and not offload else 4 * n / shard)
+              "fp32 gradients": (4 * t if precision == "bf16" and stage == 1 and not offload else 4 * t / shard)
               if mixed else 0,
-              "Adam moments (fp32)": 8 * n / shard}
+              "Adam moments (fp32)": 8 * t / shard}
     if offload and stage == 3:
         e.gpu["parameters"] = shape.largest_layer * w * 2  # the gathered layer (and the next, prefetched)
         e.cpu["parameters (offloaded)"] = n * w / world * gpus_per_node
@@ -352,11 +360,16 @@ def _fmt(n: float) -> str:
 
 
 def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate], precision: str, gpus_per_node: int,
-           nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None) -> str:
-    """The plan as text: a header, one table row per option, the recommendation."""
+           nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None,
+           seq: int | None = None) -> str:
+    """The plan as text: a header, one table row per option, the recommendation. ``seq``: tokens per row and rank
+    (``data.max_seq_len`` / the sequence-parallel size; default ``data.max_seq_len``)."""
+    seq = cfg.data.max_seq_len if seq is None else seq
     lines = [f"model: {shape.model_type} from {cfg.model.path}, {shape.params:,} parameters "
              f"({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads; largest layer "
-             f"{shape.largest_layer:,} parameters)",
+             f"{shape.largest_layer:,} parameters"
+             + (f"; LoRA: {shape.trainable:,} trainable, the only ones with gradients and optimizer states"
+                if shape.trainable else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
@@ -377,8 +390,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
         g = e.gpu
         optim = sum(v for k, v in g.items() if k.startswith(("fp32", "Adam")))
         fits = e.gpu_total <= gpu_bytes * (1 - GPU_HEADROOM) and (cpu_bytes is None or e.cpu_total <= cpu_bytes)
-        mb = largest_micro_batch(e, shape, ds, cfg.data.max_seq_len, gpus_per_node, nodes, precision, gpu_bytes,
-                                 cpu_bytes)
+        mb = largest_micro_batch(e, shape, ds, seq, gpus_per_node, nodes, precision, gpu_bytes, cpu_bytes)
         if fits and now is None:
             now = e
         rows.append((e.name, _fmt(g["parameters"]), _fmt(g["gradients"]), _fmt(optim),
@@ -460,4 +472,5 @@ def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, 
         if mb:
             best = (e, mb)
             break
-    return render(cfg, shape, ds, options, precision, gpus_per_node, nodes, gpu_bytes, cpu_bytes, best), options, best
+    return (render(cfg, shape, ds, options, precision, gpus_per_node, nodes, gpu_bytes, cpu_bytes, best, seq), options,
+            best)

@@ -111,7 +111,8 @@ class Capabilities:
     no ``attention_mask``; :mod:`finetune.parallel.sequence`) and their sums over the SP group equal those of the whole
     batch. ``"tensor"`` (:mod:`finetune.parallel.tensor`): tested under DeepSpeed's AutoTP (the head loss runs on the
     gathered lm_head output). :func:`finetune.parallel.checks.check` takes this set and refuses a size above 1 of
-    any dimension not in it. ``gpt_clm`` and ``sft``: both."""
+    any dimension not in it. ``gpt_clm`` and ``sft``: both; ``dpo``: ``"sequence"`` (a pair's log-probabilities are
+    summed over the SP group, :func:`finetune.parallel.sequence.sum_over_sequence`)."""
     generates_text: bool = False
     """The model continues text (causal LMs): the run can end with a sample of ``train.sample_prompt``
     (:mod:`finetune.training.generation`) and ``train.eval_generate`` is allowed (it needs the
@@ -123,6 +124,10 @@ class Capabilities:
     """Names of the metrics ``forward(..., metrics=True)`` and the ``eval_report`` hook add to the loss (logged as
     ``eval/<name>``; ``seq_cls``'s ``f1`` for two classes only): ``--check`` refuses a ``train.keep_best`` or
     ``train.early_stopping`` metric no evaluation reports, before any training."""
+    packs_rows: bool = False
+    """With ``data.packing`` on, a row holds several examples whose ``position_ids`` restart (``gpt_clm``, ``sft``):
+    under a flash-attention kernel each micro-batch is flattened into one row (:func:`finetune.data.batch.flattens`)
+    so that the variable-length kernel keeps them apart."""
     sequences_per_row: int = 1
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2), for the planner's activations."""
     one_target_per_row: bool = False

@@ -77,6 +77,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from finetune.parallel import distributed as dist_utils
+from finetune.parallel import sequence
+from finetune.parallel.layout import layout
 from finetune.data import mixture
 from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.engine.ds_config import engine_precision
@@ -325,26 +327,47 @@ def make_collator(tokenizer, data_cfg: DataConfig) -> PairCollator:
     return PairCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
 
 
+def _row_targets(batch: dict) -> torch.Tensor:
+    """Targets of each whole sequence ``[2B]`` int64: ``row_targets`` of a sequence-parallel slice, else counted
+    from ``labels``."""
+    if "row_targets" in batch:
+        return batch["row_targets"]
+    return (batch["labels"][:, 1:] != -100).sum(dim=1)
+
+
+def _valid_pairs(batch: dict) -> torch.Tensor:
+    """``[B]`` bool: the pair's chosen sequence has a target (eval filler rows have none)."""
+    rows = _row_targets(batch)
+    return rows[: rows.shape[0] // 2] > 0
+
+
 def count_targets(batch: dict) -> torch.Tensor:
-    """Pairs with a target (the chosen half of ``labels [2B, seq]``; eval filler rows have none); 0-dim int64."""
-    labels = batch["labels"]
-    return (labels[: labels.shape[0] // 2, 1:] != -100).any(dim=1).sum()
+    """Pairs with a target (the chosen half of the ``[2B, seq]`` batch; eval filler rows have none); 0-dim int64.
+    Under sequence parallelism the SP group's ranks hold slices of the same pairs: the first counts them, the others
+    count 0 (the sum over all ranks counts each pair once)."""
+    pairs = _valid_pairs(batch).sum()
+    return pairs if sequence.sequence_weight() == 1.0 or sequence.sequence_rank() == 0 else pairs * 0
 
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of every sequence's targets and their number.
 
+    Under sequence parallelism each rank holds a slice of every sequence (``shift_labels``, ``row_targets``,
+    :mod:`finetune.parallel.sequence`): the slices' sums are added over the SP group, differentiably
+    (:func:`finetune.parallel.sequence.sum_over_sequence`), so every rank gets the whole sequences' values.
+
     Args:
         model: engine or (peft-wrapped) causal LM.
-        batch: ``input_ids``, ``attention_mask``, ``labels`` ``[rows, seq]`` int64.
+        batch: ``input_ids``, ``attention_mask``, ``labels`` ``[rows, seq]`` int64, or a sequence-parallel slice
+            (``input_ids``, ``position_ids``, ``shift_labels`` ``[rows, seq / sp]``, ``row_targets`` ``[rows]``).
 
     Returns:
         ``(logps, tokens)``: ``[rows]`` float32, ``sum_t log p(labels[t+1] | ...)`` over the row's targets
         (differentiable when gradients are on), and ``[rows]`` int64 target counts.
     """
-    targets = shift_labels(batch["labels"])
+    targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
     nll, _ = token_loss_sum(model, model_inputs(batch), targets, per_row=True)
-    return -nll, (targets != -100).sum(dim=1)
+    return -sequence.sum_over_sequence(nll), _row_targets(batch)
 
 
 def _peft_model(model):
@@ -437,7 +460,9 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
         ref = ref.to(logps.dtype)
     losses, reward_c, reward_r = pair_losses(logps, tokens, ref, s)
     b = losses.shape[0]
-    valid = (batch["labels"][:b, 1:] != -100).any(dim=1).to(losses.dtype)
+    # under sequence parallelism every rank of the SP group holds the whole pairs' values: each adds 1 / sp of them
+    # (the loss, and through sum_over_sequence's backward its gradient, counts once over the group)
+    valid = _valid_pairs(batch).to(losses.dtype) * sequence.sequence_weight()
     pairs = valid.sum()
     lp = logps.detach()
     sums = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
@@ -527,22 +552,23 @@ def reference_key(cfg: RunConfig, split, precision: str) -> str:
 def reference_logps(engine, split, collator, cfg: RunConfig) -> np.ndarray:
     """``(ref_c, ref_r)`` of every pair of ``split`` with the engine's current weights; all ranks call it.
 
-    Every rank runs its shard of the rows (``rank::world``, topped up with filler rows so that all ranks run the
-    same number of forwards, as ZeRO-3 needs) in eval mode; the values are summed over ranks (each row is filled
-    by one rank).
+    Every data-parallel rank runs its shard of the rows (``dp_rank::dp``, topped up with filler rows so that all
+    ranks run the same number of forwards, as ZeRO-3 needs) in eval mode, the ranks of an SP group a slice of each
+    sequence; the values are summed over ranks (each row is filled by one rank: the first of its SP group).
 
     Returns:
         ``[rows, 2]`` float64 array (float32 sums).
     """
-    loader = eval_loader(split, collator, cfg.data, cfg.train.micro_batch_size)
-    mine = list(range(dist_utils.rank(), len(split), dist_utils.world_size()))
+    lay = layout(cfg)
+    loader = eval_loader(split, collator, cfg.data, cfg.train.micro_batch_size, lay=lay)
+    mine = list(range(lay.dp_rank, len(split), lay.dp)) if lay.sp_rank == 0 and lay.tp_rank == 0 else []
     values = torch.zeros((len(split), 2), dtype=torch.float64, device=engine.device)
     engine.eval()
     done = 0
     for batch in loader:
         logps, _ = sequence_logps(engine, to_device(batch, engine.device))
         b = logps.shape[0] // 2
-        for j in range(min(b, len(mine) - done)):
+        for j in range(max(0, min(b, len(mine) - done))):
             values[mine[done + j]] = torch.stack([logps[j], logps[b + j]]).double()
         done += b
     engine.train()
@@ -759,7 +785,8 @@ def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS,
-                capabilities=Capabilities(generates_text=True, reports_perplexity=False, sequences_per_row=2,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION}), generates_text=True,
+                                          reports_perplexity=False, sequences_per_row=2,
                                           eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps")
                                                              for v in ("chosen", "rejected"))
                                           + ("rewards/accuracies", "rewards/margins"),
