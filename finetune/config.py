@@ -148,13 +148,13 @@ class DpoConfig:
     loss_type: PreferenceLoss = "sigmoid"
     """``sigmoid``: DPO (Rafailov et al. 2023); ``ipo``: IPO (Azar et al. 2023, length-averaged log-probabilities); ``simpo``: SimPO (Meng et al. 2024, length-averaged, no reference model)."""
     beta: float = 0.1
-    """Temperature of the implicit reward ``beta * (log pi - log pi_ref)`` (SimPO: ``beta * average log pi``); > 0. TRL's default 0.1; SimPO's paper uses 2 to 2.5."""
+    """Temperature of the implicit reward ``beta * (log pi - log pi_ref)`` (SimPO: ``beta * average log pi``); > 0. TRL's default 0.1; SimPO's paper uses 2 to 2.5 (a SimPO run far from it is warned about)."""
     label_smoothing: float = 0.0
-    """Probability that a pair's preference is flipped (conservative DPO, cDPO); in [0, 0.5). sigmoid and simpo only."""
+    """Probability that a pair's preference is flipped (conservative DPO, cDPO: Mitchell 2023; not TRL 1.16's ``sigmoid``, which has none); in [0, 0.5). sigmoid and simpo only (refused with ipo)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin ``gamma`` (TRL's ``simpo_gamma``; the paper's gamma/beta ratio 0.5 at beta 1)."""
     rpo_alpha: float = 0.0
-    """Weight of an SFT term: each pair's loss adds ``rpo_alpha`` x the chosen response's mean token negative log-likelihood (RPO, Pang et al. 2024); 0: off."""
+    """Weight of an SFT term: each pair's loss adds ``rpo_alpha`` x the chosen response's mean token negative log-likelihood (RPO, Pang et al. 2024; TRL 1.16 has no such option); 0: off."""
 
 
 @dataclass

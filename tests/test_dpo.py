@@ -282,7 +282,14 @@ def test_simpo_and_ipo_losses_from_their_papers():
     torch.testing.assert_close(rc_ - rr_, 2.0 * (pc / nc - pr / nr))
     ipo = DpoConfig(loss_type="ipo", beta=0.2)
     h = (pc - rc) / nc - (pr - rr) / nr  # Azar et al. 2023 eq. 17 with length-averaged log-probabilities
-    torch.testing.assert_close(dpo.pair_losses(logps, n, ref, ipo)[0], (h - 1 / (2 * 0.2)) ** 2)
+    ipo_loss, ipo_c, ipo_r = dpo.pair_losses(logps, n, ref, ipo)
+    torch.testing.assert_close(ipo_loss, (h - 1 / (2 * 0.2)) ** 2)
+    # rewards as TRL 1.16 logs them for every loss type, IPO's included: beta x the summed log-ratio
+    torch.testing.assert_close(ipo_c, 0.2 * (pc - rc)) and torch.testing.assert_close(ipo_r, 0.2 * (pr - rr))
+    # SimPO far from the paper's settings is warned about (not refused); within them, nothing
+    assert "far from the paper's settings" in dpo.simpo_note(DpoConfig(loss_type="simpo", beta=0.1))
+    assert "gamma/beta 5.00" in dpo.simpo_note(DpoConfig(loss_type="simpo", beta=2.0, simpo_gamma=10.0))
+    assert dpo.simpo_note(simpo) is None and dpo.simpo_note(DpoConfig(beta=0.1)) is None
     sig = DpoConfig(beta=0.1)
     torch.testing.assert_close(dpo.pair_losses(logps, n, ref, sig)[0],
                                dpo_pair_loss(pc, pr, rc, rr, nc, 0.1, 0.0, 0.0))
@@ -327,7 +334,10 @@ def test_bad_pairs_are_one_line_each_before_any_model(tmp_path, capsys):
     assert _check(tmp_path, [chat], [f"data.chat_template={CHATML}"]) == 2
     err = capsys.readouterr().err
     assert "chat.parquet' row 1 of column 'chosen' is a response without an assistant turn" in err
-    assert _check(tmp_path, [_write(tmp_path / "ok.parquet", good)]) == 0
+    ok_file = _write(tmp_path / "ok.parquet", good)
+    assert _check(tmp_path, [ok_file]) == 0
+    assert _check(tmp_path, [ok_file], ["train.dpo.loss_type=ipo", "train.dpo.label_smoothing=0.1"]) == 2
+    assert "train.dpo.label_smoothing: 0.1 with loss_type ipo" in capsys.readouterr().err
 
 
 def test_tokenized_pairs_train_on_the_response_only(tmp_path):

@@ -27,18 +27,23 @@ response's tokens, from the LM head run at target positions only, in chunks
 The loss of a pair (``train.dpo``; ``l`` are log-probabilities summed over a response, ``n`` its tokens,
 ``sigma`` the logistic function, ``eps`` the label smoothing):
 
-* ``sigmoid`` (DPO; Rafailov et al. 2023, "Direct Preference Optimization", eq. 7; cDPO smoothing as in TRL):
-  ``z = beta * ((l_c - ref_c) - (l_r - ref_r))``, loss ``-(1 - eps) log sigma(z) - eps log sigma(-z)``.
+* ``sigmoid`` (DPO; Rafailov et al. 2023, "Direct Preference Optimization", eq. 7), with ``eps > 0`` conservative
+  DPO (cDPO; Mitchell 2023, "A note on DPO with noisy preferences and relationship to IPO"):
+  ``z = beta * ((l_c - ref_c) - (l_r - ref_r))``, loss ``-(1 - eps) log sigma(z) - eps log sigma(-z)``. TRL 1.16's
+  ``sigmoid`` has no smoothing; its smoothed variants are other losses (``robust``: Chowdhury et al. 2024, the
+  same terms divided by ``1 - 2 eps`` with the flipped term subtracted; ``exo_pair``: Ji et al. 2024).
 * ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
-  eq. 17; length-averaged log-probabilities as TRL computes them): ``h = (l_c/n_c - ref_c/n_c) - (l_r/n_r -
-  ref_r/n_r)``, loss ``(h - 1 / (2 beta))^2``.
+  eq. 17; length-averaged log-probabilities, as TRL 1.16 computes them): ``h = (l_c/n_c - ref_c/n_c) - (l_r/n_r -
+  ref_r/n_r)``, loss ``(h - 1 / (2 beta))^2``; no label smoothing (refused).
 * ``simpo`` (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6): no
   reference, ``z = beta * (l_c/n_c - l_r/n_r) - gamma``, loss as ``sigmoid``'s.
-* ``rpo_alpha > 0`` adds ``rpo_alpha * (-l_c / n_c)``, the chosen response's mean token NLL (Pang et al. 2024,
-  "Iterative Reasoning Preference Optimization"; TRL's ``rpo_alpha``, here per pair so that the pair weighting
-  below stays exact).
+* ``rpo_alpha > 0`` adds ``rpo_alpha * (-l_c / n_c)``, the chosen response's mean token NLL (RPO: Pang et al.
+  2024, "Iterative Reasoning Preference Optimization", eq. 3), per pair so that the pair weighting below stays
+  exact. TRL 1.16 has no ``rpo_alpha``: its ``loss_type=["sigmoid", "sft"]`` with ``loss_weights`` adds the mean
+  NLL over all chosen tokens of the batch instead (token-weighted across pairs, per process).
 
-Implicit rewards (TRL's metrics): ``beta * (l - ref)`` (IPO: of the averages), SimPO ``beta * l / n``.
+Implicit rewards (TRL's metric names and values): ``beta * (l - ref)`` (IPO too: summed log-ratios, as TRL
+logs them), SimPO ``beta * l / n``.
 ``rewards/accuracies`` is the share of pairs whose chosen reward is higher. Dropout is off (``prepare_model_config``
 sets every ``*dropout``/``*pdrop`` probability of the model config to 0, as TRL's ``disable_dropout`` default), so
 policy and reference log-probabilities are deterministic.
@@ -419,7 +424,8 @@ def pair_losses(logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | N
             losses = (h - 1 / (2 * s.beta)) ** 2
         else:
             losses = -(1 - ls) * F.logsigmoid(s.beta * h) - ls * F.logsigmoid(-s.beta * h)
-        reward_c, reward_r = s.beta * ratio[:b], s.beta * ratio[b:]
+        summed = logps - ref  # TRL logs the summed log-ratios as rewards, IPO's too
+        reward_c, reward_r = s.beta * summed[:b], s.beta * summed[b:]
     if s.rpo_alpha:
         losses = losses + s.rpo_alpha * (-logps[:b] / n[:b])
     return losses, reward_c.detach(), reward_r.detach()
@@ -472,8 +478,32 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
                       metrics={k: ((v * valid).sum(), pairs) for k, v in sums.items()})
 
 
+SIMPO_BETA = (1.0, 10.0)
+"""``beta`` range within which SimPO's settings are left unremarked: Meng et al. 2024 tune 2.0-2.5 (10 for Gemma)."""
+SIMPO_GAMMA_RATIO = (0.1, 1.6)
+"""``gamma / beta`` range of the paper's tuned settings (about 0.5 typical)."""
+
+
+def simpo_note(s: DpoConfig) -> str | None:
+    """A warning when SimPO's ``beta`` or ``simpo_gamma / beta`` lies outside the ranges of the paper's tuned
+    settings (:data:`SIMPO_BETA`, :data:`SIMPO_GAMMA_RATIO`; TRL's DPO default beta 0.1 is 20x below them), else
+    None. Not an error: the values are the user's to choose."""
+    if s.loss_type != "simpo" or s.beta <= 0:
+        return None
+    ratio = s.simpo_gamma / s.beta
+    if SIMPO_BETA[0] <= s.beta <= SIMPO_BETA[1] and SIMPO_GAMMA_RATIO[0] <= ratio <= SIMPO_GAMMA_RATIO[1]:
+        return None
+    return (f"train.dpo: SimPO with beta {s.beta} and simpo_gamma {s.simpo_gamma} (gamma/beta {ratio:.2f}) is far "
+            f"from the paper's settings (Meng et al. 2024: beta 2.0-2.5, gamma/beta about 0.5; this warning below "
+            f"beta {SIMPO_BETA[0]:g} or above {SIMPO_BETA[1]:g}, or gamma/beta outside {SIMPO_GAMMA_RATIO[0]:g}-"
+            f"{SIMPO_GAMMA_RATIO[1]:g}); e.g. train.dpo.beta=2.0 train.dpo.simpo_gamma=1.0")
+
+
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
-    """The recipe with ``train.dpo`` bound into ``forward``."""
+    """The recipe with ``train.dpo`` bound into ``forward``; logs :func:`simpo_note`'s warning when there is one."""
+    note = simpo_note(cfg.train.dpo)
+    if note:
+        logger.warning(note)
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
 
 
@@ -632,6 +662,10 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
         problems.append(f"train.dpo.beta: {s.beta} must be > 0 (TRL's default 0.1)")
     if not 0 <= s.label_smoothing < 0.5:
         problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} must be in [0, 0.5)")
+    elif s.label_smoothing and s.loss_type == "ipo":
+        problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} with loss_type ipo, whose loss (Azar et al. "
+                        f"2023, eq. 17) has no flipped-preference term to smooth; set train.dpo.label_smoothing=0 or "
+                        f"use loss_type sigmoid (cDPO)")
     if s.rpo_alpha < 0:
         problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} must be >= 0")
     conversational = False
