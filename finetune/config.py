@@ -36,7 +36,7 @@ Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "c
                     "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 LossWeighting = Literal["token", "micro_batch"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
-PreferenceLoss = Literal["sigmoid", "ipo", "simpo"]
+PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo"]
 Mode = Literal["min", "max"]
 
 
@@ -146,7 +146,7 @@ class DpoConfig:
     """Preference training (recipe ``dpo``): the loss over chosen/rejected pairs (docs/preference.md)."""
 
     loss_type: PreferenceLoss = "sigmoid"
-    """``sigmoid``: DPO (Rafailov et al. 2023); ``ipo``: IPO (Azar et al. 2023, length-averaged log-probabilities); ``simpo``: SimPO (Meng et al. 2024, length-averaged, no reference model)."""
+    """``sigmoid``: DPO (Rafailov et al. 2023); ``ipo``: IPO (Azar et al. 2023, length-averaged log-probabilities); ``simpo``: SimPO (Meng et al. 2024, length-averaged, no reference model); ``orpo``: ORPO (Hong et al. 2024: chosen NLL + beta x log odds ratio, no reference model)."""
     beta: float = 0.1
     """Temperature of the implicit reward ``beta * (log pi - log pi_ref)`` (SimPO: ``beta * average log pi``); > 0. TRL's default 0.1; SimPO's paper uses 2 to 2.5 (a SimPO run far from it is warned about)."""
     label_smoothing: float = 0.0

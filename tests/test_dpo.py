@@ -265,7 +265,7 @@ def test_lora_reference_is_the_base_model_at_zero2_and_zero3_sequence_parallel(t
     assert abs(first[2][2] - first[3][2]) <= 1e-5 * first[2][2]
 
 
-def test_simpo_and_ipo_losses_from_their_papers():
+def test_simpo_ipo_and_orpo_losses_from_their_papers():
     """``pair_losses`` against the formulas written out here (in process, random log-probabilities)."""
     from finetune.config import DpoConfig
 
@@ -293,6 +293,24 @@ def test_simpo_and_ipo_losses_from_their_papers():
     sig = DpoConfig(beta=0.1)
     torch.testing.assert_close(dpo.pair_losses(logps, n, ref, sig)[0],
                                dpo_pair_loss(pc, pr, rc, rr, nc, 0.1, 0.0, 0.0))
+    # ORPO, Hong et al. 2024 eqs. 4-7 written with probabilities: P = exp(mean token log-probability), odds P/(1-P)
+    orpo = DpoConfig(loss_type="orpo", beta=0.25)
+    p_c, p_r = torch.exp(pc.double() / nc), torch.exp(pr.double() / nr)
+    log_or = torch.log((p_c / (1 - p_c)) / (p_r / (1 - p_r)))
+    want = (-pc.double() / nc - 0.25 * F.logsigmoid(log_or)).float()
+    got, oc, orr = dpo.pair_losses(logps, n, None, orpo)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(oc - orr, 0.25 * (pc / nc - pr / nr))
+    # and TRL 1.16's own ORPOTrainer.odds_ratio_loss (its per-pair term is beta x log sigma(log_odds))
+    from types import SimpleNamespace
+
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    trl_self = SimpleNamespace(beta=0.25, accelerator=SimpleNamespace(device="cpu"))
+    trl_losses, trl_c, _, _, trl_log_odds = ORPOTrainer.odds_ratio_loss(trl_self, pc / nc, pr / nr)
+    torch.testing.assert_close(got, -pc / nc - trl_losses)
+    torch.testing.assert_close(dpo.orpo_terms(logps, n)[0].mean(), trl_log_odds)
+    torch.testing.assert_close(oc, trl_c)
 
 
 def _write(path: Path, rows: dict) -> Path:

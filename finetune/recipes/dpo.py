@@ -1,4 +1,4 @@
-"""Preference training of any ``AutoModelForCausalLM`` on chosen/rejected pairs: DPO, IPO and SimPO.
+"""Preference training of any ``AutoModelForCausalLM`` on chosen/rejected pairs: DPO, IPO, SimPO and ORPO.
 
 Data, in TRL's two forms (per row, from the prompt's type):
 
@@ -37,13 +37,20 @@ The loss of a pair (``train.dpo``; ``l`` are log-probabilities summed over a res
   ref_r/n_r)``, loss ``(h - 1 / (2 beta))^2``; no label smoothing (refused).
 * ``simpo`` (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward", eq. 6): no
   reference, ``z = beta * (l_c/n_c - l_r/n_r) - gamma``, loss as ``sigmoid``'s.
+* ``orpo`` (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference Model", eqs. 4-7; TRL's
+  ``ORPOTrainer``): no reference; with the length-averaged ``a = l / n`` (the log of the geometric-mean token
+  probability ``P``), ``log_odds = (a_c - a_r) - (log(1 - e^a_c) - log(1 - e^a_r))`` (``log(P/(1-P))`` of chosen
+  minus rejected, computed stably with ``log1mexp``), loss ``-a_c - beta * log sigma(log_odds)``: the chosen
+  response's mean token NLL plus ``beta`` times the odds-ratio term. The NLL is per pair here (TRL's is the mean
+  over all chosen tokens of the process's batch), so the pair-weighted mean stays exact. Rewards ``beta * a``,
+  and TRL's ``nll_loss``, ``log_odds_ratio`` (``log sigma(log_odds)``) and ``log_odds_chosen`` (``log_odds``).
 * ``rpo_alpha > 0`` adds ``rpo_alpha * (-l_c / n_c)``, the chosen response's mean token NLL (RPO: Pang et al.
   2024, "Iterative Reasoning Preference Optimization", eq. 3), per pair so that the pair weighting below stays
   exact. TRL 1.16 has no ``rpo_alpha``: its ``loss_type=["sigmoid", "sft"]`` with ``loss_weights`` adds the mean
   NLL over all chosen tokens of the batch instead (token-weighted across pairs, per process).
 
 Implicit rewards (TRL's metric names and values): ``beta * (l - ref)`` (IPO too: summed log-ratios, as TRL
-logs them), SimPO ``beta * l / n``.
+logs them), SimPO and ORPO ``beta * l / n``.
 ``rewards/accuracies`` is the share of pairs whose chosen reward is higher. Dropout is off (``prepare_model_config``
 sets every ``*dropout``/``*pdrop`` probability of the model config to 0, as TRL's ``disable_dropout`` default), so
 policy and reference log-probabilities are deterministic.
@@ -403,7 +410,7 @@ def pair_losses(logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | N
     Args:
         logps: ``[2B]`` float32 policy log-probabilities, chosen then rejected.
         tokens: ``[2B]`` int64 response tokens of each sequence.
-        ref: ``[2B]`` float32 reference log-probabilities in the same order (None for ``simpo``).
+        ref: ``[2B]`` float32 reference log-probabilities in the same order (None for ``simpo`` and ``orpo``).
         s: ``train.dpo``.
 
     Returns:
@@ -417,6 +424,11 @@ def pair_losses(logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | N
         reward_c, reward_r = s.beta * avg[:b], s.beta * avg[b:]
         z = reward_c - reward_r - s.simpo_gamma
         losses = -(1 - ls) * F.logsigmoid(z) - ls * F.logsigmoid(-z)
+    elif s.loss_type == "orpo":
+        avg = logps / n
+        log_odds, nll = orpo_terms(logps, tokens)
+        losses = nll - s.beta * F.logsigmoid(log_odds)
+        reward_c, reward_r = s.beta * avg[:b], s.beta * avg[b:]
     else:
         ratio = (logps - ref) / n if s.loss_type == "ipo" else logps - ref
         h = ratio[:b] - ratio[b:]
@@ -429,6 +441,33 @@ def pair_losses(logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor | N
     if s.rpo_alpha:
         losses = losses + s.rpo_alpha * (-logps[:b] / n[:b])
     return losses, reward_c.detach(), reward_r.detach()
+
+
+REFERENCE_FREE = ("simpo", "orpo")
+"""Loss types that need no reference log-probabilities (no reference pass, no adapters-off forward)."""
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x < 0``, stably (Maechler 2012, "Accurately computing log(1 - exp(-|a|))": the
+    branch at ``-log 2``; as TRL's ORPO)."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_terms(logps: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO's log odds ratio and the chosen responses' mean token NLL, per pair.
+
+    Args:
+        logps: ``[2B]`` float32 summed log-probabilities, chosen then rejected.
+        tokens: ``[2B]`` int64 response tokens.
+
+    Returns:
+        ``(log_odds, nll)``, each ``[B]``: ``log(P_c / (1 - P_c)) - log(P_r / (1 - P_r))`` with ``P = exp(l / n)``,
+        and ``-l_c / n_c``.
+    """
+    b = logps.shape[0] // 2
+    avg = logps / tokens.clamp(min=1).to(logps.dtype)
+    log_odds = (avg[:b] - avg[b:]) - (log1mexp(avg[:b]) - log1mexp(avg[b:]))
+    return log_odds, -avg[:b]
 
 
 def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | None = None) -> LossOutput:
@@ -455,7 +494,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
     s = settings or DpoConfig()
     logps, tokens = sequence_logps(model, batch)
     ref = None
-    if s.loss_type != "simpo":
+    if s.loss_type not in REFERENCE_FREE:
         ref = batch.get(REFERENCE_COLUMN)
         if ref is None:
             if _peft_model(model) is None:
@@ -474,6 +513,9 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
     sums = {"rewards/chosen": reward_c, "rewards/rejected": reward_r,
             "rewards/accuracies": (reward_c > reward_r).to(losses.dtype), "rewards/margins": reward_c - reward_r,
             "logps/chosen": lp[:b], "logps/rejected": lp[b:]}
+    if s.loss_type == "orpo":  # TRL's ORPOTrainer metrics
+        log_odds, nll = (t.detach() for t in orpo_terms(lp, tokens))
+        sums.update({"nll_loss": nll, "log_odds_ratio": F.logsigmoid(log_odds), "log_odds_chosen": log_odds})
     return LossOutput((losses * valid).sum(), count_targets(batch),
                       metrics={k: ((v * valid).sum(), pairs) for k, v in sums.items()})
 
@@ -611,8 +653,8 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
 
     Must run before a checkpoint is restored (the reference is the model's initial weights).
     """
-    if cfg.train.dpo.loss_type == "simpo":
-        logger.info("dpo: SimPO is reference-free; no reference log-probabilities")
+    if cfg.train.dpo.loss_type in REFERENCE_FREE:
+        logger.info(f"dpo: {cfg.train.dpo.loss_type} is reference-free; no reference log-probabilities")
         return data
     if cfg.model.lora is not None:
         logger.info("dpo: reference = the base model (LoRA adapters off), a no-grad forward in each step")
@@ -662,10 +704,14 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
         problems.append(f"train.dpo.beta: {s.beta} must be > 0 (TRL's default 0.1)")
     if not 0 <= s.label_smoothing < 0.5:
         problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} must be in [0, 0.5)")
-    elif s.label_smoothing and s.loss_type == "ipo":
-        problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} with loss_type ipo, whose loss (Azar et al. "
-                        f"2023, eq. 17) has no flipped-preference term to smooth; set train.dpo.label_smoothing=0 or "
+    elif s.label_smoothing and s.loss_type in ("ipo", "orpo"):
+        paper = "Azar et al. 2023, eq. 17" if s.loss_type == "ipo" else "Hong et al. 2024, eq. 6"
+        problems.append(f"train.dpo.label_smoothing: {s.label_smoothing} with loss_type {s.loss_type}, whose loss "
+                        f"({paper}) has no flipped-preference term to smooth; set train.dpo.label_smoothing=0 or "
                         f"use loss_type sigmoid (cDPO)")
+    if s.rpo_alpha and s.loss_type == "orpo":
+        problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} with loss_type orpo, whose loss already holds the chosen "
+                        f"response's NLL; set train.dpo.rpo_alpha=0")
     if s.rpo_alpha < 0:
         problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} must be >= 0")
     conversational = False
