@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from conftest import CONFIGS, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, check_here, launch, ok, read_metrics
 from finetune.training.trainer import improved
 
 pytestmark = pytest.mark.slow
@@ -63,27 +63,27 @@ def test_early_stopping_and_keep_best_through_a_resume(tmp_path):
     assert (run / "export" / "model.safetensors").read_bytes() == exported
 
 
-def test_improved_and_config_checks():
+def test_improved_and_config_checks(capsys):
     assert improved(1.0, None, "min") and improved(0.5, 1.0, "min") and not improved(0.95, 1.0, "min", 0.1)
     assert improved(2.0, 1.0, "max") and not improved(1.05, 1.0, "max", 0.1) and not improved(math.nan, 1.0, "min")
-    bad = run_python(["finetune/run.py", "--config", str(TINY), "--check", "train.eval_every=0",
-                      "train.early_stopping.patience=-1", "train.early_stopping.min_delta=-1",
-                      "train.keep_best.metric=loss", "train.early_stopping.metric=eval/perplexity"])
-    assert bad.returncode == 2
-    lines = [line for line in bad.stdout.splitlines() if line.startswith("finetune: error: train.")]
+    code, out = check_here(["--config", TINY, "train.eval_every=0", "train.early_stopping.patience=-1",
+                            "train.early_stopping.min_delta=-1", "train.keep_best.metric=loss",
+                            "train.early_stopping.metric=eval/perplexity"], capsys)
+    assert code == 2
+    lines = [line for line in out.splitlines() if line.startswith("finetune: error: train.")]
     assert "finetune: error: train.early_stopping.patience: must be >= 0 (0: off), got -1" in lines
     assert "finetune: error: train.early_stopping.min_delta: must be >= 0, got -1.0" in lines
     assert any(line.startswith("finetune: error: train.keep_best.metric: 'loss' is not an evaluation metric")
                for line in lines), lines
     assert "finetune: error: train.keep_best: needs evaluations during training; set train.eval_every (steps " \
            "between evaluations), e.g. train.eval_every=100" in lines
-    dpo = run_python(["finetune/run.py", "--config", str(CONFIGS / "parity_dpo.yaml"), "--check",
-                      "train.eval_every=2", "train.early_stopping.patience=1",
-                      "train.early_stopping.metric=eval/perplexity", "train.keep_best.metric=eval/rewards/accuracy"])
-    assert dpo.returncode == 2 and "recipe dpo reports no eval/perplexity" in dpo.stdout
+    code, dpo = check_here(["--config", CONFIGS / "parity_dpo.yaml", "train.eval_every=2",
+                            "train.early_stopping.patience=1", "train.early_stopping.metric=eval/perplexity",
+                            "train.keep_best.metric=eval/rewards/accuracy"], capsys)
+    assert code == 2 and "recipe dpo reports no eval/perplexity" in dpo
     # a misspelt metric is refused before training, not at the first evaluation hours in
     assert "train.keep_best.metric: 'eval/rewards/accuracy' is not among the metrics this run's evaluation reports " \
-           "(did you mean 'eval/rewards/accuracies'?)" in dpo.stdout, dpo.stdout[-2000:]
+           "(did you mean 'eval/rewards/accuracies'?)" in dpo, dpo[-2000:]
 
 
 def test_nan_evaluations_are_never_an_improvement():

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from conftest import CONFIGS, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, check_here, launch, ok, read_metrics
 from finetune.training.generation import answer_of, exact_match, rouge_l
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,7 @@ def test_generation_during_eval_equals_one_process_on_the_export(tmp_path, stage
     assert b"eval/generations" in events and b"eval/rougeL" in events
 
 
-def test_exact_match_and_checks():
+def test_exact_match_and_checks(capsys):
     ref = "She pays 3 * 4 = 12 dollars.\n#### 1,200"
     assert answer_of(ref, PATTERN) == "1200"
     assert exact_match(ref, "so the total is #### 1200.", PATTERN) == 1.0  # separators and the final period
@@ -81,12 +81,12 @@ def test_exact_match_and_checks():
     assert answer_of("x = 5", r"= \d+") == "= 5"  # no group: the whole match
     assert rouge_l("the cat sat on the mat", "the cat sat on the mat") == 1.0
     assert rouge_l("the cat sat", "dogs run") == 0.0
-    bad = run_python(["finetune/run.py", "--config", str(CONFIGS / "parity_cls.yaml"), "--check",
-                      "train.eval_generate.prompts=2", "train.eval_generate.top_p=0", "train.eval_generate.answer_pattern=(x",
-                      "train.eval_generate.max_new_tokens=0"])
-    assert bad.returncode == 2
+    code, out = check_here(["--config", CONFIGS / "parity_cls.yaml", "train.eval_generate.prompts=2",
+                            "train.eval_generate.top_p=0", "train.eval_generate.answer_pattern=(x",
+                            "train.eval_generate.max_new_tokens=0"], capsys)
+    assert code == 2
     for line in ("train.eval_generate: recipe seq_cls does not generate text",
                  "train.eval_generate.top_p: must be in (0, 1], got 0",
                  "train.eval_generate.answer_pattern: '(x' is not a regular expression",
                  "train.eval_generate.max_new_tokens: must be > 0, got 0"):
-        assert f"finetune: error: {line}" in bad.stdout, bad.stdout[-2000:]
+        assert f"finetune: error: {line}" in out, out[-2000:]

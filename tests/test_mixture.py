@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
+from conftest import CONFIGS, check_here, launch, ok, read_metrics, train_losses
 
 from finetune.config import DataConfig
 from finetune.data.dataset import ResumableDistributedSampler
@@ -88,12 +88,11 @@ MIX = [SOURCES, "data.train_files=[]", "data.validation_files=[]", "data.max_tra
        "train.eval_every=4", "train.save_every=4", "train.eval_max_batches=2", "export=false"]
 
 
-def test_check_names_the_source(tmp_path):
+def test_check_names_the_source(tmp_path, capsys):
     bad = SOURCES.replace("text_column: question", "text_column: questoin").replace("weight: 3", "weight: -1")
-    proc = run_python(["finetune/run.py", "--config", str(CONFIGS / "tiny_gpt.yaml"), *MIX, bad,
-                       f"output_dir={tmp_path / 'r'}", "--check"])
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
-    assert proc.returncode == 2 and len(errors) == 2, proc.stdout[-3000:]
+    code, out = check_here(["--config", CONFIGS / "tiny_gpt.yaml", *MIX, bad, f"output_dir={tmp_path / 'r'}"], capsys)
+    errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errors) == 2, out[-3000:]
     assert "data.sources[0] (wiki): weight must be a positive number, got -1" in errors[0]
     assert errors[1].startswith("finetune: error: data.sources[1] (math): train_files: 'data/gsm8k/train.parquet' has "
                                 "no column 'questoin' (columns: question, answer); set text_column"), errors[1]

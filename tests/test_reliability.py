@@ -12,13 +12,14 @@ extended).
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CONFIGS, REPO, run_python
+from conftest import CONFIGS, REPO, check_here
 
 from finetune.lifecycle import report
 from finetune.commands import doctor
@@ -74,23 +75,25 @@ def test_absurd_numbers_are_one_line_and_exit_2(argv, expected, capsys):
     assert out == ""
 
 
-def _check(config: Path, overrides: list[str]):
-    """``python finetune/run.py --config config overrides --check`` (one process, no model)."""
-    return run_python(["finetune/run.py", "--config", str(config), *overrides, "--check"], timeout=300)
+def _check(config: Path, overrides: list[str], capsys):
+    """``finetune/run.py --config config overrides --check`` in this process (no model): ``.returncode`` and
+    ``.stdout`` (everything printed)."""
+    code, out = check_here(["--config", config, *overrides], capsys)
+    return SimpleNamespace(returncode=code, stdout=out)
 
 
 def _error_lines(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("finetune: error:")]
 
 
-def test_seq_cls_label_types_that_differ_between_files_are_one_line(tmp_path):
+def test_seq_cls_label_types_that_differ_between_files_are_one_line(tmp_path, capsys):
     """int labels in the training file, string labels in the validation file: refused before any model, in one
     line naming both files (the launch used to crash sorting the labels)."""
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     pq.write_table(pa.table({"text": ["good film", "bad film", "fine"], "label": [1, 0, 1]}), train)
     pq.write_table(pa.table({"text": ["great", "awful"], "label": ["1", "0"]}), val)
     proc = _check(CONFIGS / "parity_cls.yaml", [f"output_dir={tmp_path / 'run'}", f"data.train_files=[{train}]",
-                                                f"data.validation_files=[{val}]"])
+                                                f"data.validation_files=[{val}]"], capsys)
     errors = _error_lines(proc.stdout)
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
     assert f"int labels in '{train}' but string labels in '{val}'" in errors[0], errors
@@ -119,13 +122,13 @@ def test_categorical_labels_get_a_hint_that_fits(tmp_path):
     (REPO / "finetune/recipes/configs/sft_gsm8k.yaml", "question",
      lambda bad: {"question": bad, "answer": pa.array(["a", "b", "c"])}),
 ])
-def test_a_string_cell_that_is_not_utf8_is_one_line_naming_file_row_column(config, column, make, tmp_path):
+def test_a_string_cell_that_is_not_utf8_is_one_line_naming_file_row_column(config, column, make, tmp_path, capsys):
     """Bytes ``\\xff\\xfe`` in a parquet string column (other tools can write them): refused before any model,
     naming the file, the row and the column (the launch used to fail in tokenization with four tracebacks)."""
     bad = pa.array([b"a fine row of text", b"also fine", b"bad \xff\xfe bytes"], pa.binary()).view(pa.string())
     f = tmp_path / "bad.parquet"
     pq.write_table(pa.table(make(bad)), f)
-    proc = _check(config, [f"output_dir={tmp_path / 'run'}", "output_root=", f"data.train_files=[{f}]"])
+    proc = _check(config, [f"output_dir={tmp_path / 'run'}", "output_root=", f"data.train_files=[{f}]"], capsys)
     errors = _error_lines(proc.stdout)
     assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
     assert f"'{f}' row 2 column '{column}' is not valid UTF-8 text" in errors[0], errors

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, cpu_env, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, REPO, check_here, cpu_env, launch, ok, read_metrics, run_python
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_reference import reference_run  # noqa: E402
@@ -224,15 +224,16 @@ def test_packed_sdpa_keeps_examples_apart():
     assert not torch.allclose(got[0], plain[0], atol=1e-3) and torch.allclose(got[1], plain[1], atol=1e-6)
 
 
-def test_checks_before_any_model(tmp_path):
+RANKS = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+def test_checks_before_any_model(tmp_path, capsys):
     """World size, heads, attention, recipe, loss weighting, generation and block length: one line each, exit 2."""
-    env = cpu_env(RANK="0", WORLD_SIZE="6", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-    proc = run_python(["finetune/run.py", "--config", str(GPT), f"output_dir={tmp_path / 'r'}",
-                       "parallel.sequence_parallel_size=4", "model.attn_implementation=eager",
-                       "train.loss_weighting=micro_batch", "--check"], env=env,
-                      timeout=180)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    errs = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+    code, out = check_here(["--config", GPT, f"output_dir={tmp_path / 'r'}", "parallel.sequence_parallel_size=4",
+                            "model.attn_implementation=eager", "train.loss_weighting=micro_batch"], capsys,
+                           WORLD_SIZE="6", **RANKS)
+    assert code == 2, out[-3000:]
+    errs = [line for line in out.splitlines() if line.startswith("finetune: error:")]
     text = "\n".join(errs)
     for needle in ("parallel.sequence_parallel_size: 4 does not divide the world size 6",
                    "model.attn_implementation=eager cannot be sequence-parallel",
@@ -240,11 +241,9 @@ def test_checks_before_any_model(tmp_path):
                    "the model's 2 attention heads are not divisible by 4"):
         assert sum(needle in e for e in errs) == 1, (needle, text)
     assert not (tmp_path / "r").exists()
-    proc = run_python(["finetune/run.py", "--config", str(CONFIGS / "tiny_bert.yaml"), f"output_dir={tmp_path / 'b'}",
-                       "parallel.sequence_parallel_size=2", "--check"],
-                      env=cpu_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                                  MASTER_PORT="29999"), timeout=180)
-    assert proc.returncode == 2 and "recipe bert_mlm does not support sequence parallelism" in proc.stdout
+    code, out = check_here(["--config", CONFIGS / "tiny_bert.yaml", f"output_dir={tmp_path / 'b'}",
+                            "parallel.sequence_parallel_size=2"], capsys, WORLD_SIZE="2", **RANKS)
+    assert code == 2 and "recipe bert_mlm does not support sequence parallelism (dpo, gpt_clm and sft do)" in out
 
 
 @pytest.mark.extended
@@ -304,31 +303,30 @@ def test_tensor_parallel_equals_one_device_exports_and_resumes_on_one_rank(tmp_p
     assert _max_rel(again, ref.losses, range(4, 7)) <= 1e-5, (again, ref.losses)
 
 
-def test_tensor_parallel_checks_before_any_model(tmp_path):
+def test_tensor_parallel_checks_before_any_model(tmp_path, capsys):
     """GPT-2 (AutoTP refuses it), heads not divisible, LoRA, ZeRO-3, TP with SP, generation: one line each, exit 2."""
-    env = cpu_env(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-    proc = run_python(["finetune/run.py", "--config", str(GPT), f"output_dir={tmp_path / 'g'}",
-                       "parallel.tensor_parallel_size=4", "--check"], env=env, timeout=180)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    assert "model type 'gpt2' is not checked with DeepSpeed's AutoTP" in proc.stdout
-    assert "the model's 2 attention heads are not divisible by 4" in proc.stdout
+    code, out = check_here(["--config", GPT, f"output_dir={tmp_path / 'g'}", "parallel.tensor_parallel_size=4"],
+                           capsys, WORLD_SIZE="4", **RANKS)
+    assert code == 2, out[-3000:]
+    assert "model type 'gpt2' is not checked with DeepSpeed's AutoTP" in out
+    assert "the model's 2 attention heads are not divisible by 4" in out
     # a type outside the checked list (Phi-3's fused projections) and ZeRO-0 (rank-local gradient norms)
     phi3 = tmp_path / "phi3"
     phi3.mkdir()
     conf = json.loads((REPO / "data" / "models" / "tiny-llama" / "config.json").read_text())
     (phi3 / "config.json").write_text(json.dumps({**conf, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"]}))
-    proc = run_python(["finetune/run.py", "--config", str(SFT), f"output_dir={tmp_path / 'p'}", f"model.path={phi3}",
-                       "model.tokenizer_path=data/models/tiny-gpt2", "deepspeed=ds_configs/zero0.json",
-                       "parallel.tensor_parallel_size=2", "--check"], env=env, timeout=180)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    assert "model type 'phi3' is not checked with DeepSpeed's AutoTP" in proc.stdout
-    assert "tensor_parallel_size: 2 with ZeRO stage 0; tensor parallelism runs with ZeRO 1-2" in proc.stdout
-    proc = run_python(["finetune/run.py", "--config", str(SFT), f"output_dir={tmp_path / 's'}",
-                       "parallel.tensor_parallel_size=2", "parallel.sequence_parallel_size=2", "model.lora.r=4",
-                       "train.eval_generate.prompts=2", "--check"], env=env, timeout=180)
-    errs = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'p'}", f"model.path={phi3}",
+                            "model.tokenizer_path=data/models/tiny-gpt2", "deepspeed=ds_configs/zero0.json",
+                            "parallel.tensor_parallel_size=2"], capsys, WORLD_SIZE="4", **RANKS)
+    assert code == 2, out[-3000:]
+    assert "model type 'phi3' is not checked with DeepSpeed's AutoTP" in out
+    assert "tensor_parallel_size: 2 with ZeRO stage 0; tensor parallelism runs with ZeRO 1-2" in out
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 's'}", "parallel.tensor_parallel_size=2",
+                            "parallel.sequence_parallel_size=2", "model.lora.r=4", "train.eval_generate.prompts=2"],
+                           capsys, WORLD_SIZE="4", **RANKS)
+    errs = [line for line in out.splitlines() if line.startswith("finetune: error:")]
     text = "\n".join(errs)
-    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert code == 2, out[-3000:]
     for needle in ("tensor and sequence parallelism are not combined", "LoRA does not combine with AutoTP",
                    "parallel.tensor_parallel_size: train.eval_generate shares prompts",
                    "tensor parallelism runs with ZeRO 1-2"):

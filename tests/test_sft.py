@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, REPO, check_here, launch, ok, read_metrics
 
 TOKENIZER = REPO / "data" / "models" / "tiny-gpt2"
 CHATML = REPO / "data" / "chat_templates" / "chatml.jinja"
@@ -197,7 +197,7 @@ def _problems(tmp_path: Path, overrides: list[str]) -> list[str]:
     return []
 
 
-def test_bad_inputs_are_one_line_errors(tmp_path):
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     """Missing column, malformed messages row, no assistant turn anywhere, no chat template, unknown
     attn_implementation, no data form: each one problem line naming the key; the shipped-like config passes."""
     assert _problems(tmp_path, []) == []
@@ -225,10 +225,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     assert _problems(tmp_path, [*pair, "data.response_column=answer"]) == []
 
     # The command line: every problem at once, one 'finetune: error:' line each, exit 2, before any model.
-    proc = run_python(["finetune/run.py", "--config", str(SFT), f"output_dir={tmp_path / 'cli'}",
-                       "model.attn_implementation=flash", "data.chat_template=", "data.messages_column=msgs", "--check"])
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
-    assert proc.returncode == 2 and len(errors) == 4, proc.stdout[-3000:]  # msgs: one line per file
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'cli'}", "model.attn_implementation=flash",
+                            "data.chat_template=", "data.messages_column=msgs"], capsys)
+    errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errors) == 4, out[-3000:]  # msgs: one line per file
 
 
 STRICT_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] not in ['system', 'user', 'assistant'] -%}"
