@@ -47,6 +47,22 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   machine's load of the moment, so a slow round does not skew it); ``bare``: the loop overhead, also printed as
   a percentage of step time (``bare``'s tokens/s over ours, minus 1), pooled and round by round.
 
+``long_context`` (its own flow, not part of ``--preset all``): the longest packed sequence that trains
+``--search-steps`` (3) optimizer steps within a per-rank peak-memory budget (``--memory-budget`` MB: the peak
+resident set, ``VmHWM``, of each rank process on CPU ranks; with ``--gpu``, the largest rank's
+``torch.cuda.max_memory_allocated``, read after the launch), for ``finetune_sp2`` (SP = 2 with gradient checkpointing, activation offload and the tiled MLP; the
+chunked head loss is always on), ``finetune_sp1`` (the same levers, data parallel) and ``hf`` (Trainer + DeepSpeed
+ZeRO-3 + gradient checkpointing, ``group_texts`` blocks). All: a Llama architecture from config (4 layers, hidden
+256, 4 query / 2 key-value heads, 16.8M parameters of which 12.9M are the GPT-2 vocabulary's tied embedding), the
+GPT-2 tokenizer, the WikiText-2 test articles concatenated (EOS between them) and cut into blocks of the length
+tried, ZeRO-3, micro batch 1. Each trial is one launch, killed as soon as a rank's sampled peak exceeds the budget
+(a trial that does not fit costs only the time to reach the budget); lengths are doubled from ``--start-length``
+until one does not fit, then bisected (multiples of 256) until the bracket is at most 1/``--resolution`` of the
+longest fitting length. Every trial's peak per rank is printed (memory against length; MB per 1k tokens between
+consecutive lengths). Then, at the common length (the longest that fits every contender), the contenders are
+timed side by side (``--steps`` per launch, alternating for ``--rounds``) at the same global batch of 2 rows (SP = 2
+accumulates 2 micro-batches): tokens/s, each over ``hf``'s, and the final loss.
+
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
 ``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires, and trl); the package never
 imports them.
@@ -58,6 +74,13 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset all                      # every preset, one after the other
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
+    python scripts/bench.py --preset long_context             # longest sequence per contender in 2560 MB per rank
+    python scripts/bench.py --preset long_context --lock /tmp/heavy.lock   # each launch holds a flock(1) file
+
+From a fresh clone (CPU ranks)::
+
+    python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[bench]" \
+        && python scripts/bench.py --preset long_context
 """
 
 from __future__ import annotations
@@ -141,9 +164,34 @@ PRESETS: dict[str, dict] = {
                         "contenders": ["finetune", "bare", "hf"],
                         "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
                                  "data.max_seq_len=64", "train.micro_batch_size=4"]},
+    # The longest packed sequence that trains within a per-rank memory budget (its own flow: long_context()). A
+    # Llama architecture from config (GQA: 4 query / 2 key-value heads), GPT-2 tokenizer, WikiText-2 test articles
+    # packed into blocks of the length tried, ZeRO-3, micro batch 1, no evaluation.
+    "long_context": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml", "search": True,
+                     "overrides": ["model.path=data/models/tiny-llama", "model.tokenizer_path=data/models/tiny-gpt2",
+                                   "model.config_overrides={num_hidden_layers: 4, hidden_size: 256, "
+                                   "intermediate_size: 1024, num_attention_heads: 4, num_key_value_heads: 2, "
+                                   "head_dim: 64, max_position_embeddings: 131072}",
+                                   "deepspeed=ds_configs/zero3.json", "train.micro_batch_size=1",
+                                   "train.gradient_accumulation_steps=1", "train.warmup_steps=1", "train.lr=1e-3",
+                                   "data.validation_files=[]", "model.gradient_checkpointing=true"],
+                     # contender -> its own overrides; "hf" is Trainer + ZeRO-3 + gradient checkpointing
+                     "contenders": {"finetune_sp2": ["parallel.sequence_parallel_size=2", "parallel.tiled_mlp=true",
+                                                     "model.offload_activations=true"],
+                                    "finetune_sp1": ["parallel.sequence_parallel_size=1", "parallel.tiled_mlp=true",
+                                                     "model.offload_activations=true"],
+                                    "hf": []},
+                     "tiny": ["model.config_overrides={num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, "
+                              "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, "
+                              "max_position_embeddings: 4096}"]},
 }
 """Per preset: base run config, overrides, contenders, ``tiny`` overrides (``--tiny``: a smoke run, for tests), and
-``gpu`` (presets sized for a GPU: ``--preset all`` includes them only with ``--gpu``)."""
+``gpu`` (presets sized for a GPU: ``--preset all`` includes them only with ``--gpu``); ``search``: the
+``long_context`` flow (:func:`long_context`; not part of ``--preset all``)."""
+
+
+LONG_CONTEXT_BUDGET_MB = 2560
+"""Default ``--memory-budget`` of the ``long_context`` preset (MB per rank)."""
 
 
 def environment(gpu: bool) -> dict:
@@ -169,10 +217,11 @@ class PeakRSS(threading.Thread):
     part of the resident set that is the process's own memory, without the file pages (a memory-mapped dataset's
     pages that were read) the kernel can drop at any time."""
 
-    def __init__(self, root_pid: int, every_process: bool = False):
+    def __init__(self, root_pid: int, every_process: bool = False, budget_kb: int | None = None):
         super().__init__(daemon=True)
         self.root, self.peaks, self.anon, self.done = root_pid, {}, {}, threading.Event()
         self.every = every_process
+        self.budget, self.over = budget_kb, False  # budget: kill the root's process group once a peak exceeds it
 
     def run(self) -> None:
         import psutil
@@ -195,29 +244,50 @@ class PeakRSS(threading.Thread):
                         self.peaks[kid.pid] = max(self.peaks.get(kid.pid, 0), int(line.split()[1]))
                     elif line.startswith("RssAnon:"):
                         self.anon[kid.pid] = max(self.anon.get(kid.pid, 0), int(line.split()[1]))
+            if self.budget and not self.over and max(self.peaks.values(), default=0) > self.budget:
+                self.over = True  # fail fast: the launch (its own session) and every rank in it
+                try:
+                    os.killpg(self.root, 9)
+                except OSError:
+                    pass
             self.done.wait(0.2)
 
 
 def deepspeed_cmd(args, script: str, *script_args: str) -> list[str]:
-    """``deepspeed --num_gpus <nproc> --master_port <free port> <script> <script_args...>`` (this venv's launcher)."""
-    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
+    """``deepspeed --num_gpus <nproc> --master_port <free port> <script> <script_args...>`` (this venv's launcher),
+    under ``flock <--lock>`` when given (the lock held for this launch only)."""
+    lock = ["flock", args.lock] if getattr(args, "lock", "") else []
+    return [*lock, str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
             str(free_port()), script, *script_args]
 
 
+class OverBudget(RuntimeError):
+    """A launch killed because a rank's peak resident set exceeded the memory budget (``run_launch(budget_kb=)``)."""
+
+    def __init__(self, peaks: dict[int, int]):
+        super().__init__(f"a rank's peak resident set exceeded the budget: {peaks}")
+        self.peaks = peaks
+
+
 def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
-               anon: dict | None = None) -> tuple[float, dict[int, int]]:
+               anon: dict | None = None, budget_kb: int | None = None) -> tuple[float, dict[int, int]]:
     """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid). With
-    ``anon``, fills it with the largest sampled ``RssAnon`` kB per rank pid (:class:`PeakRSS`)."""
+    ``anon``, fills it with the largest sampled ``RssAnon`` kB per rank pid (:class:`PeakRSS`). With ``budget_kb``
+    the launch runs in a session of its own, which is killed as soon as a rank's sampled peak exceeds the budget
+    (:class:`OverBudget` is raised)."""
     start = time.time()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-        meter = PeakRSS(proc.pid)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=budget_kb is not None)
+        meter = PeakRSS(proc.pid, budget_kb=budget_kb)
         meter.start()
         try:
             code = proc.wait(timeout=timeout)
         finally:
             meter.done.set()
             meter.join()
+    if meter.over:
+        raise OverBudget(meter.peaks)
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd[:6])} ... failed (exit {code}); its output: {log}\n"
                            + log.read_text()[-3000:])
@@ -386,7 +456,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "micro_batch_size": t.micro_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "steps": steps, "lr": t.lr,
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
-            "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds}
+            "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
+            "gradient_checkpointing": m.gradient_checkpointing}
 
 
 def table(preset: str, results: list[dict]) -> str:
@@ -420,10 +491,172 @@ def warm_up(preset: dict, overrides: list[str], args, out: Path, env: dict) -> N
     print(f"  warm-up launch (untimed): {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+def longest_fitting(fits, start: int, step: int = 256, fraction: int = 8, cap: int | None = None):
+    """The longest length (a multiple of ``step``) for which ``fits(length)`` holds, assuming it is monotone:
+    doubling from ``start`` up to the first length that does not fit (halving instead while ``start`` does not fit,
+    down to ``step``), then bisection until the bracket is at most ``max(step, longest / fraction)`` wide. With
+    ``cap``, doubling stops there (the result is then a lower bound). Returns ``(longest or 0, {length: fits})``
+    in the order tried."""
+    tried: dict[int, bool] = {}
+
+    def probe(n: int) -> bool:
+        tried[n] = bool(fits(n))
+        return tried[n]
+
+    lo, hi, n = 0, None, start
+    if probe(n):
+        lo = n
+        while cap is None or 2 * n <= cap:
+            n *= 2
+            if not probe(n):
+                hi = n
+                break
+            lo = n
+        if hi is None:
+            return lo, tried
+    else:
+        hi = n
+        while n // 2 >= step and lo == 0:
+            n //= 2
+            if probe(n):
+                lo = n
+            else:
+                hi = n
+        if lo == 0:
+            return 0, tried
+    while hi - lo > max(step, lo // fraction):
+        mid = (lo + hi) // 2 // step * step
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, tried
+
+
+def long_context(preset: dict, name: str, args, root: Path, env: dict, precision: str) -> None:
+    """The ``long_context`` flow (module docstring): per contender, the longest packed length that trains
+    ``--search-steps`` steps within ``--memory-budget`` MB per rank (:func:`longest_fitting`; each trial one launch,
+    killed as soon as a rank's sampled peak exceeds the budget); then, at the common length (the longest that fits
+    every contender), the contenders timed side by side, alternating for ``--rounds`` rounds, at the same global
+    batch (SP=2: 2 micro-batches of 1 row accumulated = the 2 rows of the data-parallel contenders)."""
+    from finetune.config import load_run_config
+
+    budget_kb = args.memory_budget * 1024
+    base = [*preset["overrides"], *(preset["tiny"] if args.tiny else []), "train.log_every=1",
+            "train.eval_every=0", "train.eval_on_start=false", "train.save_every=0", "export=false",
+            "train.sample_prompt=", f"train.precision={precision}", *args.overrides]
+    contenders = [c for c in preset["contenders"] if not args.contenders or c in args.contenders.split(",")]
+
+    def overrides_for(c: str, length: int, steps: int, accumulate: bool = False) -> list[str]:
+        sp = next((int(o.split("=")[1]) for o in preset["contenders"][c] if "sequence_parallel_size" in o), 1)
+        gas = sp if accumulate else 1  # same global batch: SP=2 accumulates the rows data parallelism runs at once
+        return [*base, *preset["contenders"][c], f"data.max_seq_len={length}", f"train.max_steps={steps}",
+                f"train.gradient_accumulation_steps={gas}"]
+
+    def launch(c: str, length: int, steps: int, out: Path, budget: int | None, accumulate: bool = False) -> dict:
+        before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+        overrides = overrides_for(c, length, steps, accumulate)
+        try:
+            if c == "hf":
+                cfg = load_run_config(REPO / preset["config"], overrides)
+                spec = {**hf_spec(cfg, steps, precision), "log_every": 1}
+                if budget is None:
+                    return hf(spec, "random", args, out, env)
+                out.mkdir(parents=True)
+                (out / "spec.json").write_text(json.dumps({**spec, "sampling": "random", "out": str(out)}))
+                cmd = deepspeed_cmd(args, "scripts/bench_hf.py", "--spec", str(out / "spec.json"))
+            else:
+                if budget is None:
+                    return ours(preset, overrides, args, out, env)
+                cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides,
+                                    f"output_dir={out}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout, budget_kb=budget)
+            return {"peaks": peaks}
+        finally:
+            clean_shm(before)
+
+    trials: dict[str, list[dict]] = {c: [] for c in contenders}
+    longest: dict[str, int] = {}
+    for c in contenders:
+        def fits(length: int, c: str = c) -> bool:
+            t0 = time.perf_counter()
+            out = root / f"{name}-{c}-{length}"
+            try:
+                if args.gpu:  # GPU ranks: torch.cuda.max_memory_allocated of the largest rank, after the launch
+                    r = launch(c, length, args.search_steps, out, None)
+                    peaks = {0: (r["gpu_peak"] or 0) / 1024}
+                    ok = peaks[0] <= budget_kb
+                    why = "fits" if ok else "over budget"
+                else:
+                    peaks, ok, why = launch(c, length, args.search_steps, out, budget_kb)["peaks"], True, "fits"
+            except OverBudget as e:
+                peaks, ok, why = e.peaks, False, "over budget (killed)"
+            except RuntimeError as e:  # crashed: reported, counted as not fitting
+                peaks, ok, why = {}, False, f"failed: {str(e).splitlines()[0]}"
+            mb = sorted(round(v / 1024) for v in peaks.values())[-args.nproc:]  # the ranks (not their data workers)
+            trials[c].append({"length": length, "fits": ok, "peak_rss_mb_per_rank": mb,
+                              "seconds": round(time.perf_counter() - t0, 1)})
+            print(f"  {c:<13} {length:>7} tokens: {why:<22} peak MB per rank {mb} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            return ok
+
+        longest[c], _ = longest_fitting(fits, args.start_length, fraction=args.resolution, cap=args.max_length)
+        print(f"{name}: {c}: longest trained length {longest[c]} tokens "
+              f"(budget {args.memory_budget} MB per rank)", flush=True)
+
+    common = min(longest.values())
+    results = []
+    if common and args.rounds:
+        runs: dict[str, list[dict]] = {c: [] for c in contenders}
+        for rnd in range(args.rounds):
+            for c in contenders:
+                t0 = time.perf_counter()
+                runs[c].append(launch(c, common, args.steps, root / f"{name}-{c}-timed-{common}-{rnd}", None,
+                                      accumulate=True))
+                print(f"  round {rnd} {c:<13} at {common} tokens: {time.perf_counter() - t0:6.1f} s", flush=True)
+        rows = 2 if args.nproc >= 2 else 1
+        results = [summarize(c, r, args.skip, 5, rows) for c, r in runs.items()]
+        hf_r = next((r for r in results if r["contender"] == "hf"), None)
+        for r in results:
+            r["ratio_ours_over_this"] = None
+            if hf_r:  # this contender's tokens/s over HF's (pooled, and round by round)
+                r["ratio_ours_over_this"] = r["real_tokens_per_s"] / hf_r["real_tokens_per_s"]
+                r["ratio_ours_over_this_median_of_rounds"] = paired(r, hf_r)
+        print(table(f"{name} at the common length {common} tokens (ratio: this / hf)", results))
+    lines = [f"{name}: longest packed length that trains {args.search_steps} steps within {args.memory_budget} MB "
+             f"per rank (peak RSS on CPU ranks), {args.nproc} ranks, {precision}:",
+             f"{'contender':<14}{'longest':>9}{'peak MB/rank':>14}{'trials':>8}{'search s':>10}"]
+    for c in contenders:
+        fit = [t for t in trials[c] if t["fits"] and t["length"] == longest[c]]
+        peak = max(fit[0]["peak_rss_mb_per_rank"]) if fit and fit[0]["peak_rss_mb_per_rank"] else None
+        lines.append(f"{c:<14}{longest[c]:>9}{peak if peak is not None else 'n/a':>14}{len(trials[c]):>8}"
+                     f"{sum(t['seconds'] for t in trials[c]):>10.0f}")
+    ratios = {}
+    for a, b, target in (("finetune_sp2", "hf", 4.0), ("finetune_sp2", "finetune_sp1", 1.8)):
+        if longest.get(a) and longest.get(b):
+            ratios[f"{a}/{b}"] = longest[a] / longest[b]
+            lines.append(f"longest {a} / {b}: {longest[a] / longest[b]:.2f}x (target >= {target}x)")
+    print("\n".join(lines))
+    for c in contenders:  # peak memory against length, of the trials that trained
+        fit = sorted((t["length"], max(t["peak_rss_mb_per_rank"])) for t in trials[c]
+                     if t["fits"] and t["peak_rss_mb_per_rank"])
+        slopes = [f"{1024 * (m2 - m1) / (l2 - l1):.1f}" for (l1, m1), (l2, m2) in zip(fit, fit[1:])]
+        print(f"{name}: {c}: peak MB per rank by length: "
+              + ", ".join(f"{n}: {m}" for n, m in fit) + f"; MB per 1k tokens between them: {', '.join(slopes)}")
+    for c in contenders:
+        timed = next((r for r in results if r["contender"] == c), {})
+        print(json.dumps({"bench": name, "contender": c, "longest_length": longest[c],
+                          "memory_budget_mb": args.memory_budget, "common_length": common or None,
+                          "length_ratios": ratios, "trials": trials[c], **{k: v for k, v in timed.items()
+                                                                            if k != "contender"}}))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bert_mlm", choices=[*PRESETS, "all"])
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per launch")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per timed launch (default 40; long_context: 6, at the common length)")
     p.add_argument("--rounds", type=int, default=2, help="launches per contender, alternating")
     p.add_argument("--skip", type=int, default=3, help="warm-up steps per launch left out of the timing")
     p.add_argument("--log-every", type=int, default=1,
@@ -435,8 +668,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--contenders", default="", help="comma-separated subset of the preset's contenders")
     p.add_argument("--keep", default="", help="folder to keep the launches' run folders in (default: temporary)")
+    p.add_argument("--lock", default="", help="hold this flock(1) file during each launch (not between them), so "
+                   "other heavy jobs on the machine interleave with the benchmark's launches")
+    g = p.add_argument_group("long_context preset")
+    g.add_argument("--memory-budget", type=int, default=LONG_CONTEXT_BUDGET_MB,
+                   help="MB per rank: peak resident set (VmHWM) of each rank process on CPU ranks, "
+                   "torch.cuda.max_memory_allocated with --gpu")
+    g.add_argument("--start-length", type=int, default=2048, help="first length tried (then doubled or halved)")
+    g.add_argument("--max-length", type=int, default=None, help="stop doubling here (the result is then a bound)")
+    g.add_argument("--resolution", type=int, default=4,
+                   help="bisect until the bracket is at most 1/N of the longest fitting length (and 256 tokens)")
+    g.add_argument("--search-steps", type=int, default=3, help="optimizer steps a trial must train")
     p.add_argument("overrides", nargs="*", help="extra key=value run-config overrides for every contender")
     args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 6 if args.preset == "long_context" else 40
     if args.steps <= args.skip:
         p.error(f"--steps {args.steps} must exceed --skip {args.skip}")
     if args.log_every > 1 and (args.skip % args.log_every or args.steps % args.log_every):
@@ -451,9 +697,12 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         env.setdefault("FINETUNE_CACHE", str(root / "cache"))
-        every = [n for n, pr in PRESETS.items() if args.gpu or not pr.get("gpu")]
+        every = [n for n, pr in PRESETS.items() if (args.gpu or not pr.get("gpu")) and not pr.get("search")]
         for name in every if args.preset == "all" else [args.preset]:
             preset = PRESETS[name]
+            if preset.get("search"):
+                long_context(preset, name, args, root, env, precision)
+                continue
             tiny = [*preset["tiny"], "data.max_train_rows=400"] if args.tiny else []
             overrides = [*preset["overrides"], *tiny, f"train.max_steps={args.steps}",
                          f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_on_start=false",

@@ -7,9 +7,10 @@ them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.p
 becomes ``tokens(prompt) + tokens(response) + [EOS]`` with label -100 on the prompt, truncated, one example per row,
 padded by ``DataCollatorForSeq2Seq`` (``sft``); ``Trainer(args=TrainingArguments(deepspeed=<dict>,
 train_sampling_strategy=...))`` trains. Empty texts are dropped first for the LM presets, as the toolkit does, so both
-train on the same rows. The model, batch layout, ZeRO stage,
-precision, optimizer (torch AdamW), schedule, seed and number of steps come from the same spec as the toolkit's
-run (``--spec``, written by ``scripts/bench.py``).
+train on the same rows. The model (``config.json`` + the run config's ``config_overrides``, e.g. a Llama
+architecture built from config), batch layout, ZeRO stage (the DeepSpeed dict, ZeRO-3 included), gradient
+checkpointing (``TrainingArguments(gradient_checkpointing=...)``), precision, optimizer (torch AdamW), schedule, seed and
+number of steps come from the same spec as the toolkit's run (``--spec``, written by ``scripts/bench.py``).
 
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds),
 the non-pad tokens and positions of each collated micro-batch, and (rank 0) the logged loss of each step.
@@ -58,7 +59,8 @@ def main() -> None:
         lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
         logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0, train_sampling_strategy=spec["sampling"], bf16=half == "bf16",
-        fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available())
+        fp16=half == "fp16", deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=bool(spec.get("gradient_checkpointing")))
     data_start = time.time()
     # as transformers' examples (run_clm.py, run_mlm.py, run_glue.py): rank 0 maps first, the others read its cache
     with targs.main_process_first(desc="dataset map pre-processing"):
@@ -141,6 +143,13 @@ def main() -> None:
                 losses[state.global_step] = float(logs["loss"])
 
     torch.manual_seed(spec["seed"])
+    if spec["hf_deepspeed"].get("zero_optimization", {}).get("stage") == 3:
+        # from_config builds the model under deepspeed.zero.Init (partitioned as it is built), whose config needs
+        # the world size: DeepSpeed's process group up first (it adopts the one Trainer's arguments started)
+        import deepspeed
+
+        _ = targs.device
+        deepspeed.init_distributed()
     model = model_class.from_config(config, dtype=torch.float32)
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token

@@ -122,7 +122,9 @@ def test_shipped_run_config_validates(path, tmp_path):
     cfg = load_run_config(path, [*STAND_INS.get(path.name, []), f"output_root={root}"])
     assert cfg.output_root and not cfg.output_dir, "shipped configs name a root, so they can run again"
     resolved = validate_run(cfg, None, world_size=2, on_cpu=True)
-    assert resolved.ds["train_batch_size"] == cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps * 2
+    data_parallel = 2 // (cfg.parallel.sequence_parallel_size * cfg.parallel.tensor_parallel_size)
+    assert resolved.ds["train_batch_size"] == (cfg.train.micro_batch_size * cfg.train.gradient_accumulation_steps
+                                               * data_parallel)
     assert resolved.resume_ckpt is None and not cfg.output_dir  # the new folder is named at launch
 
     from finetune.lifecycle.run_folder import resolve_output_dir
