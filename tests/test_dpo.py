@@ -89,6 +89,14 @@ def dpo_pair_loss(pc, pr, rc, rr, n_c, beta, eps, alpha):
     return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z) + alpha * (-pc / n_c)
 
 
+def orpo_pair_loss(pc, pr, n_c, n_r, beta):
+    """Hong et al. 2024 eqs. 4-7 with probabilities: ``P = exp(l / n)``, odds ``P / (1 - P)``; the chosen mean
+    token NLL plus ``beta`` x ``-log sigma(log odds ratio)``."""
+    p_c, p_r = torch.exp(pc.double() / n_c), torch.exp(pr.double() / n_r)
+    log_or = torch.log((p_c / (1 - p_c)) / (p_r / (1 - p_r)))
+    return (-pc.double() / n_c - beta * F.logsigmoid(log_or)).float()
+
+
 def dpo_reference(cfg, world: int, steps: int) -> dict:
     """One process: the toolkit's global batches (same sampler and collator per simulated rank), the same init,
     AdamW, schedule and clipping; the loss of a step is the mean over its pairs of :func:`dpo_pair_loss` with the
@@ -124,8 +132,11 @@ def dpo_reference(cfg, world: int, steps: int) -> dict:
                 ref = full_logps(reference, b)
             pol = full_logps(model, b)
             n = (b["labels"][:, 1:] != -100).sum(-1)
-            loss = dpo_pair_loss(pol[:k], pol[k:], ref[:k], ref[k:], n[:k], s.beta, s.label_smoothing,
-                                 s.rpo_alpha).sum() / n_pairs
+            if s.loss_type == "orpo":
+                loss = orpo_pair_loss(pol[:k], pol[k:], n[:k], n[k:], s.beta).sum() / n_pairs
+            else:
+                loss = dpo_pair_loss(pol[:k], pol[k:], ref[:k], ref[k:], n[:k], s.beta, s.label_smoothing,
+                                     s.rpo_alpha).sum() / n_pairs
             loss.backward()
             total += loss.item()
         norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
@@ -263,6 +274,25 @@ def test_lora_reference_is_the_base_model_at_zero2_and_zero3_sequence_parallel(t
         assert abs(losses[1] - math.log(2)) <= 1e-6, (stage, losses)
         assert abs(losses[2] - math.log(2)) > 1e-4, (stage, losses)  # the adapters moved, the reference did not
     assert abs(first[2][2] - first[3][2]) <= 1e-5 * first[2][2]
+
+
+ORPO = ["train.dpo.loss_type=orpo", "train.dpo.beta=0.25", "train.dpo.label_smoothing=0", "train.dpo.rpo_alpha=0",
+        "ds.zero_optimization.stage=3", "export=false", "train.save_every=0"]
+
+
+def test_orpo_zero3_equals_the_paper(tmp_path, cache):
+    """ORPO at ZeRO-3, 2 ranks x accumulation 2: per-step loss and grad norm equal :func:`orpo_pair_loss` in one
+    process (no reference pass: reference-free), and TRL's ORPO metrics are logged."""
+    run = tmp_path / "orpo"
+    proc = ok(launch(CONFIG, [f"output_dir={run}", *ORPO, f"data.cache_dir={cache}"]))
+    assert "dpo: orpo is reference-free; no reference log-probabilities" in proc.stdout
+    ref = dpo_reference(_cfg(cache, ORPO), world=2, steps=4)
+    losses = train_losses(run)
+    got = [losses[s] for s in sorted(losses)]
+    assert max_rel(got, ref["losses"]) <= 1e-5, (got, ref["losses"])
+    assert max_rel(grad_norms(run), ref["grad_norms"]) <= 1e-4, (grad_norms(run), ref["grad_norms"])
+    last = [r for r in read_metrics(run) if "train/nll_loss" in r][-1]
+    assert last["train/log_odds_ratio"] < 0 and last["train/nll_loss"] > 0 and "train/log_odds_chosen" in last
 
 
 def test_simpo_ipo_and_orpo_losses_from_their_papers():
