@@ -17,6 +17,7 @@ COMMANDS = {
     "export": "a Hugging Face folder from a checkpoint",
     "evaluate": "loss, perplexity and the recipe's metrics of an export on a run config's data",
     "prepare": "tokenize a run's data into the cache its launches read, on a CPU node (no GPU, no process group)",
+    "inspect": "tokenized rows as the model gets them, trained tokens marked (label masks, packing, chat templates)",
     "plan": "memory per GPU and node of each ZeRO stage, offload and checkpointing choice",
     "doctor": "pre-flight checks of a run config on the login node",
     "report": "PNG of the training curves of run folders",
