@@ -7,7 +7,7 @@ earlier tokens of its own example. Three ways to compute that attention (forward
 * ``dense_mask``: ``sdpa`` with a ``[1, 1, S, S]`` boolean block-diagonal causal mask, what transformers'
   ``masking_utils`` builds from restarting ``position_ids`` (and what ``finetune`` built under sequence
   parallelism before); the mask keeps sdpa off its flash kernel;
-* ``per_example``: ``finetune.parallel.sequence._packed_sdpa``, the path ``finetune`` takes: each example attended
+* ``per_example``: ``finetune.parallel.sequence.packed_sdpa``, the path ``finetune`` takes: each example attended
   on its own with causal ``sdpa`` and no mask, outputs joined;
 * ``flex``: PyTorch's ``flex_attention`` with a document ``BlockMask`` (``create_block_mask``; what DeepSpeed's
   Ulysses accepts for ``flex_attention``), compiled with ``torch.compile`` as PyTorch requires for its fused
@@ -61,7 +61,7 @@ def measure(way: str, length: int, heads: int, repeats: int, seed: int) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     sys.path.insert(0, str(REPO))
-    from finetune.parallel.sequence import _packed_sdpa
+    from finetune.parallel.sequence import packed_sdpa
 
     torch.manual_seed(seed)
     gpu = torch.cuda.is_available()
@@ -79,7 +79,7 @@ def measure(way: str, length: int, heads: int, repeats: int, seed: int) -> dict:
             mask = (doc[:, None] == doc[None, :]) & (idx[:, None] >= idx[None, :])
             return sdpa_attention_forward(module, q, k, v, mask[None, None])[0]
     elif way == "per_example":
-        packed = _packed_sdpa(sdpa_attention_forward)
+        packed = packed_sdpa(sdpa_attention_forward)
 
         def attend():
             return packed(module, q, k, v, None, position_ids=pos)[0]

@@ -39,7 +39,7 @@ def test_sequence_parallel_off_and_restore_all_give_back_every_original():
     try:
         for m in attentions:
             patches.apply(patches.watch_attribute(m, "num_key_value_groups", "test"))
-        patches.apply(patches.attention_function("sdpa", sequence._packed_sdpa(sdpa_attention_forward), "test"))
+        patches.apply(patches.attention_function("sdpa", sequence.packed_sdpa(sdpa_attention_forward), "test"))
         assert sequence.tile_mlps(model) == len(mlps) == 2
         patches.apply(patches.module_global(distributed_c10d, "default_pg_timeout", timedelta(seconds=7), "test"))
         for m in attentions:  # what DeepSpeed's Ulysses forward does with SP 2 and 1 KV head (replicated twice)

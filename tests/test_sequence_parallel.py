@@ -12,7 +12,7 @@ Real launches on 2 CPU ranks (gloo's all-to-all), each rank holding half of ever
   checkpoint then resumes on 1 rank without SP (universal checkpoint): steps 11-20 equal the reference, and the
   final evaluation (sharded along the sequence in the SP run) equals the 1-rank one.
 * ``sft`` packed rows (``position_ids`` restart per example: the packed ``sdpa`` mask of
-  :func:`finetune.parallel.layout._packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
+  :func:`finetune.parallel.sequence.packed_sdpa`) on the Llama-architecture model (4 query / 2 key-value heads), ZeRO-3,
   with the memory levers on (tiled MLP, gradient checkpointing with the checkpointed hidden states offloaded):
   losses 1e-5 and grad norms 1e-4 against the reference, which has none of them (this test found ZeRO-3's reduce-scatter dividing by the world size:
   :func:`finetune.parallel.sequence.fix_zero3_average`).
@@ -200,7 +200,7 @@ def test_packed_sdpa_keeps_examples_apart():
     causal mask (and plain causal sdpa without restarts), and never hands sdpa a mask or a whole packed row."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from finetune.parallel.sequence import _packed_sdpa
+    from finetune.parallel.sequence import packed_sdpa
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 4) for _ in range(3))
@@ -216,7 +216,7 @@ def test_packed_sdpa_keeps_examples_apart():
         received.append((mask, q.shape[-2]))
         return sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
 
-    got, _ = _packed_sdpa(spy)(module, q, k, v, None, position_ids=pos)
+    got, _ = packed_sdpa(spy)(module, q, k, v, None, position_ids=pos)
     assert torch.allclose(got, want, atol=1e-6)
     # no [seq, seq] tensor: each example is attended on its own, with no mask (sdpa's causal kernels)
     assert received == [(None, 3), (None, 2), (None, 1), (None, 6)]

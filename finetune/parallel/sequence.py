@@ -105,7 +105,7 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout, micro_batch: int
     """Register DeepSpeed's Ulysses attention for ``model``'s attention implementation and create the SP groups.
 
     All ranks call it, after the model is built and before ``deepspeed.initialize`` (which takes the returned
-    ``mpu``). The core ``sdpa`` is first wrapped with :func:`_packed_sdpa` so that packed rows keep their examples
+    ``mpu``). The core ``sdpa`` is first wrapped with :func:`packed_sdpa` so that packed rows keep their examples
     apart. The attention table entry and every attention module's ``num_key_value_groups`` (which the Ulysses
     forward overwrites when it replicates key/value heads) are recorded as patches (:mod:`finetune.patches`).
 
@@ -131,7 +131,7 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout, micro_batch: int
             patches.apply(patches.watch_attribute(m, "num_key_value_groups", _KV_WHY))
     table = patches.apply(patches.attention_function(attn, ALL_ATTENTION_FUNCTIONS[attn], _ULYSSES_WHY))
     if attn == "sdpa":
-        ALL_ATTENTION_FUNCTIONS[attn] = _packed_sdpa(table.original)
+        ALL_ATTENTION_FUNCTIONS[attn] = packed_sdpa(table.original)
     config = copy.deepcopy(unwrap_config(model))
     text = config.get_text_config()
     if getattr(text, "num_key_value_heads", None) is None:  # GPT-2 and other MHA configs name no KV heads
@@ -301,7 +301,7 @@ def segments(pos: torch.Tensor) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _packed_sdpa(sdpa):
+def packed_sdpa(sdpa):
     """``sdpa`` that keeps packed examples apart when it gets no mask but ``position_ids`` that restart, without
     any ``[seq, seq]`` tensor.
 
@@ -311,7 +311,17 @@ def _packed_sdpa(sdpa):
     ``transformers.masking_utils``). Each example is attended on its own (``sdpa`` with no mask, causal: PyTorch's
     flash or memory-efficient kernel, memory linear in its length) and the outputs are joined; a dense mask of the
     gathered sequence would cost ``seq x seq`` per row in every layer and in every recomputation, and would keep
-    sdpa off its flash kernel. Rows without a restart go to ``sdpa`` as they are.
+    sdpa off its flash kernel (``scripts/bench_packed_attention.py`` measures both). Rows without a restart go to
+    ``sdpa`` as they are.
+
+    Args:
+        sdpa: transformers' attention function ``(module, query, key, value, attention_mask, *args, **kwargs) ->
+            (output, weights)``, query/key/value ``[batch, heads, seq, head_dim]``, output ``[batch, seq, heads,
+            head_dim]`` (``transformers.integrations.sdpa_attention.sdpa_attention_forward``).
+
+    Returns:
+        An attention function of the same signature; with ``position_ids`` ``[batch, seq]`` (int64) that restart and
+        no mask, it returns the joined per-example outputs and ``None`` weights.
     """
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
