@@ -104,19 +104,21 @@ class DataConfig:
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
-    """sft and dpo: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
+    """sft, dpo and reward: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo and reward: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
     response_column: str = ""
     """sft only: response column (text, trained on, followed by EOS); with ``prompt_column``."""
     chosen_column: str = "chosen"
-    """dpo only: the preferred response (text, or a list of assistant messages when the prompt is a list of messages)."""
+    """dpo and reward: the preferred response (text, or a list of assistant messages when the prompt is a list of messages)."""
     rejected_column: str = "rejected"
-    """dpo only: the dispreferred response, in the form of ``chosen_column``."""
+    """dpo and reward: the dispreferred response, in the form of ``chosen_column``."""
+    margin_column: str = ""
+    """reward only: a numeric column of per-pair margins ``m`` (TRL's ``margin``): the loss is ``-log sigma(r_chosen - r_rejected - m)``; empty: no margin (a ``margin`` column in the files is then ignored, with a warning)."""
     messages_column: str = ""
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
     chat_template: str = ""
-    """sft and dpo: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
+    """sft, dpo and reward: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: Truncation = "truncate"
-    """sft and dpo: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
+    """sft, dpo and reward: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
     group_by_length: bool = True
     """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
     transformers' ``LengthGroupedSampler``): less padding, no rank waiting for a wider one. No effect on packed rows."""
@@ -155,6 +157,14 @@ class DpoConfig:
     """SimPO's target reward margin ``gamma`` (TRL's ``simpo_gamma``; the paper's gamma/beta ratio 0.5 at beta 1)."""
     rpo_alpha: float = 0.0
     """Weight of an SFT term: each pair's loss adds ``rpo_alpha`` x the chosen response's mean token negative log-likelihood (RPO, Pang et al. 2024; TRL 1.16 has no such option); 0: off."""
+
+
+@dataclass
+class RewardConfig:
+    """Reward-model training (recipe ``reward``): the pairwise loss's extra term (docs/reward.md)."""
+
+    center_rewards_coefficient: float = 0.0
+    """Weight of ``(r_chosen + r_rejected)^2`` added to each pair's loss, pulling rewards towards mean zero (Eisenstein et al. 2023, eq. 2; TRL's ``center_rewards_coefficient``, which recommends 0.01); >= 0, 0: off."""
 
 
 @dataclass
@@ -259,6 +269,8 @@ class TrainConfig:
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference loss of the ``dpo`` recipe."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Loss of the ``reward`` recipe (a reward model trained on chosen/rejected pairs)."""
     eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
     """Generation during evaluation: exact match and ROUGE-L of answers to validation prompts."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
@@ -293,7 +305,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft`` or ``dpo`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo`` or ``reward`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

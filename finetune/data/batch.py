@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-NOT_MODEL_INPUTS = ("labels", "shift_labels", "row_targets", "num_tokens", "reference_logps")
+NOT_MODEL_INPUTS = ("labels", "shift_labels", "row_targets", "num_tokens", "reference_logps", "margin")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
 sequence-parallel slice, and ``row_targets``: the whole rows' target counts, :mod:`finetune.parallel.sequence`), the
-real-token count of packed rows and the reference model's log-probabilities of preference pairs."""
+real-token count of packed rows, the reference model's log-probabilities of preference pairs and the pairs' margins
+(``reward``)."""
 
 
 def model_inputs(batch: dict) -> dict:

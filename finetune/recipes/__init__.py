@@ -44,6 +44,7 @@ RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
     "dpo": "finetune.recipes.dpo",
     "gpt_clm": "finetune.recipes.gpt_clm",
+    "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
 }
