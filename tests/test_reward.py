@@ -7,7 +7,7 @@ every part of the loss is exercised): ZeRO-3 (in the suite) and ZeRO-0 (extended
 AdamW, schedule and clipping; the score read by hand at each sequence's last non-pad token) at the parity battery's
 tolerances (loss 1e-5 relative, grad norm 1e-4). TRL's metrics (``accuracy``, ``margin``, ``mean_reward``) are
 logged for train and eval; the export loads in ``pipeline("text-classification")`` and scores a pair as the
-reference model does.
+reference model does, and as TRL's GRPO trainer scores completions with a reward model.
 
 In process: bad inputs (missing columns, empty responses, a non-numeric or null margin, a negative centring
 coefficient, a pad token the model config does not know) are one line each before any model (``--check``, exit 2);
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, get_scheduler, pipeline
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler, pipeline
 from transformers.initialization import no_init_weights
 
 from conftest import CONFIGS, REPO, launch, ok, read_metrics, train_losses
@@ -195,6 +195,16 @@ def test_zero3_equals_the_formula_and_the_export_is_a_text_classification_reward
             want = last_token_scores(reference["model"], enc, tokenizer.pad_token_id).item()
         assert got["label"] == "reward"
         assert abs(got["score"] - want) <= 1e-4 * max(1.0, abs(want)), (got, want)
+    # as TRL 1.16's GRPOTrainer scores completions with a reward model (_calculate_rewards): loaded with
+    # num_labels=1, texts right-padded together without special tokens, logits[:, 0]
+    model = AutoModelForSequenceClassification.from_pretrained(export, num_labels=1).eval()
+    grpo_tokenizer = AutoTokenizer.from_pretrained(export)
+    model.config.pad_token_id = grpo_tokenizer.pad_token_id
+    inputs = grpo_tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right",
+                            add_special_tokens=False)
+    with torch.inference_mode():
+        rewards = model(**inputs).logits[:, 0]
+    torch.testing.assert_close(rewards, torch.tensor([o["score"] for o in scorer(texts)]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.extended  # the extended set's budget: python -m pytest -m extended
