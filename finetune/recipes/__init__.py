@@ -130,13 +130,14 @@ class Capabilities:
     under a flash-attention kernel each micro-batch is flattened into one row (:func:`finetune.data.batch.flattens`)
     so that the variable-length kernel keeps them apart."""
     sequences_per_row: int = 1
-    """Sequences the model runs per data row (``dpo``: chosen and rejected, 2), for the planner's activations."""
+    """Sequences the model runs per data row (``dpo``, ``reward``: chosen and rejected, 2), for the planner's
+    activations."""
     one_target_per_row: bool = False
-    """A row has one target, not one per position (sequence classification): the planner counts the head's logits
-    per row (``num_labels``), not per token."""
+    """A row has one target, not one per position (sequence classification: ``seq_cls``, ``reward``): the planner
+    counts the head's logits per row (``num_labels``), not per token."""
     checks_columns: bool = False
     """The ``check_data`` hook checks every column the recipe reads, so the generic parquet check does not
-    require ``data.text_column`` (``sft``, ``dpo``)."""
+    require ``data.text_column`` (``sft``, ``dpo``, ``reward``)."""
     mixes_sources: bool = True
     """The recipe trains on a weighted mixture of datasets (``data.sources``); false for ``seq_cls``, whose classes
     come from one dataset's label column."""
@@ -145,7 +146,8 @@ class Capabilities:
     an export does not carry (its evaluation is part of the training run)."""
     counts_rows: bool = False
     """The tokenize function gets every row (:mod:`finetune.data.dataset` drops no empty texts for it), skips and
-    counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``."""
+    counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``,
+    ``reward``."""
 
     def __post_init__(self) -> None:
         # a str would pass every "in" test by substring, a set would make the recipe unhashable

@@ -298,6 +298,12 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
                         f"last token that is not pad_token_id, so set model.config_overrides.pad_token_id={want}")
 
 
+def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """``finetune doctor``'s rows: ``dpo``'s (:func:`finetune.recipes.dpo.doctor_rows`, the same tokenization), the
+    share of pairs per split dropped because chosen and rejected are identical after truncation."""
+    return [("reward", status, text) for _, status, text in dpo.doctor_rows(cfg)]
+
+
 RECIPE = Recipe(name="reward", model_class=MODEL_CLASS,
                 capabilities=Capabilities(reports_perplexity=False, sequences_per_row=2, one_target_per_row=True,
                                           eval_metrics=("accuracy", "margin", "mean_reward"), checks_columns=True,
@@ -305,4 +311,4 @@ RECIPE = Recipe(name="reward", model_class=MODEL_CLASS,
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, columns=columns,
                 cache_key=cache_key, check_data=check_data, check_tokenizer=check_tokenizer,
-                prepare_model_config=prepare_model_config)
+                prepare_model_config=prepare_model_config, doctor_rows=doctor_rows)
