@@ -1,4 +1,4 @@
-"""Reward-model training (recipe ``reward``) on real runs, against a plain-PyTorch reward model written from the formula.
+"""Reward-model training (recipe ``reward``) on real runs, against a plain-PyTorch reward model from the formula.
 
 Runs (2 CPU ranks, fp32, ``tests/configs/parity_reward.yaml``: 8 pairs per step = 2 ranks x micro batch 2 x
 accumulation 2, 4 steps, the shipped GSM8K pairs with a margin column added here, TRL's centring term 0.01, so
@@ -301,5 +301,5 @@ def test_a_conversational_pair_is_two_whole_sequences(tmp_path):
     assert chosen.startswith("<|im_start|>user\nWhat is 2+2?") and "<|im_start|>assistant\nIt is 4." in chosen
     assert "It is 5." in rejected and rejected.split("assistant")[0] == chosen.split("assistant")[0]
     batch = reward.make_collator(tokenizer, cfg.data)([{k: v[0] for k, v in out.items()}])
-    assert batch["input_ids"].shape[0] == 2 and batch["labels"].tolist() == [1, 0]
+    assert batch["input_ids"].shape[0] == 2 and batch["labels"].tolist() == [0, 0]
     assert batch["margin"].tolist() == [0.5] and reward.count_targets(batch).item() == 1

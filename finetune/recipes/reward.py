@@ -11,8 +11,9 @@ classification), so the model config's ``pad_token_id`` must be the tokenizer's 
 before any model).
 
 A micro-batch of ``B`` pairs is ``[2B, seq]``: the chosen sequences, then the rejected ones, right-padded together,
-run in one forward (TRL's ``DataCollatorForPreference`` layout). ``labels`` is ``[2B]`` int64 (1 chosen, 0 rejected,
--100 on eval filler rows); ``margin`` ``[B]`` float32 when ``data.margin_column`` is set.
+run in one forward (TRL's ``DataCollatorForPreference`` layout). ``labels`` is ``[2B]`` int64: 0 (the index of the
+one output, ``reward``) on every sequence, -100 on eval filler rows, so they mark the pairs ``count_targets``
+counts; ``margin`` is ``[B]`` float32 when ``data.margin_column`` is set.
 
 Loss of a pair (TRL 1.16 ``RewardTrainer.compute_loss``; Ouyang et al. 2022 eq. 1 with a margin as Touvron et al.
 2023 eq. 2; the centring term of Eisenstein et al. 2023 eq. 2), ``r`` the model's score, ``m`` the margin (0 without
@@ -133,7 +134,7 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> RewardPairs:
 class RewardCollator:
     """Rows of pairs -> one ``[2B, longest]`` batch: ``input_ids`` and ``attention_mask`` (the B chosen sequences,
     then the B rejected ones, right-padded with the pad token, mask 0, the length rounded up to
-    ``pad_to_multiple_of``), ``labels`` ``[2B]`` (1 chosen, 0 rejected) and, when the rows have it, ``margin``
+    ``pad_to_multiple_of``), ``labels`` ``[2B]`` (0: the one output) and, when the rows have it, ``margin``
     ``[B]`` float32."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
@@ -149,7 +150,7 @@ class RewardCollator:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
             mask[i, : len(s)] = 1
-        labels = torch.tensor([1] * len(rows) + [0] * len(rows), dtype=torch.long)
+        labels = torch.zeros(len(seqs), dtype=torch.long)  # no class: marks the real pairs (eval fillers: -100)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
         if MARGIN in rows[0]:
             batch[MARGIN] = torch.tensor([r[MARGIN] for r in rows], dtype=torch.float32)
