@@ -36,6 +36,7 @@ Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "c
                     "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 LossWeighting = Literal["token", "micro_batch"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
+Optimizer = Literal["adamw", "muon"]
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo"]
 Mode = Literal["min", "max"]
 
@@ -221,10 +222,22 @@ class TrainConfig:
     """Passes over the training data (ignored when ``max_steps`` > 0)."""
     max_steps: int = 0
     """Optimizer steps to run; 0 means ``epochs`` full passes."""
+    optimizer: Optimizer = "adamw"
+    """``adamw``, or ``muon``: DeepSpeed's Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural
+    networks") on the 2-D hidden matrices, with an auxiliary AdamW (``lr``, ``adam_beta1/2``, ``adam_eps``) on the
+    embeddings, the output head and every 1-D parameter (norms, biases), as in Jordan's Muon and Liu et al. 2025, "Muon
+    is Scalable for LLM Training" (Moonlight); ZeRO 1-3, without LoRA, tensor or sequence parallelism (see
+    docs/deepspeed.md)."""
+    muon_lr: float = 0.02
+    """Peak learning rate of the Muon matrices (``optimizer: muon``; the LR schedule scales it as it scales ``lr``).
+    Default 0.02, Jordan et al. 2024's value (DeepSpeed's ``muon_lr``)."""
+    muon_momentum: float = 0.95
+    """Nesterov momentum of Muon (``optimizer: muon``); default 0.95, Jordan et al. 2024 and Moonlight's value."""
     lr: float = 5e-5
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (with ``optimizer: muon``: of the auxiliary AdamW)."""
     weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
+    """Decoupled weight decay of AdamW, and of Muon with ``optimizer: muon`` (Moonlight's fix for Muon at scale);
+    never on biases and normalization weights."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999

@@ -1,6 +1,6 @@
 """Every change finetune makes to an object of another library at run time, in one place.
 
-finetune changes four kinds of library objects, each only where the library offers no public way, each through a
+finetune changes five kinds of library objects, each only where the library offers no public way, each through a
 :class:`Patch` that records the original, is applied with :func:`apply` (which checks that the target is there and,
 where the change depends on the library's internals, that the version is one the change was checked against) and
 is undone by :meth:`Patch.restore`:
@@ -12,7 +12,9 @@ is undone by :meth:`Patch.restore`:
 * attributes that DeepSpeed's Ulysses forward overwrites on attention modules (``num_key_value_groups``):
   watched, not set, so that whole-sequence work can put them back;
 * a private method of one DeepSpeed ZeRO-3 optimizer instance (the gradient average under sequence parallelism)
-  and torch's default timeout for process groups created after ``init_process_group``.
+  and torch's default timeout for process groups created after ``init_process_group``;
+* DeepSpeed's ``set_optimizer_flags`` during ``deepspeed.initialize`` with ``train.optimizer: muon`` (finetune's
+  ``use_muon`` tags are kept, :mod:`finetune.engine.muon`).
 
 Patches applied with :func:`apply` are *active* until restored: :func:`suspended` restores every model-scope
 patch for a block and re-applies what was there on leaving (whole-sequence work under sequence parallelism: the

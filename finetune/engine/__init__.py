@@ -2,7 +2,8 @@
 
 Owns loading the model and tokenizer (:mod:`.model`: ``AutoModelFor*``, parameter groups,
 ``deepspeed.initialize``), the DeepSpeed config finetune writes (:mod:`.ds_config`: ZeRO stage, precision,
-offload, batch sizes), LoRA adapters through peft (:mod:`.lora`) and fused kernels (:mod:`.kernels`). It may
-import the parallel layout (sequence and tensor parallel wiring), the run config, logging and errors; it never
+offload, batch sizes), LoRA adapters through peft (:mod:`.lora`), fused kernels (:mod:`.kernels`) and which parameters
+DeepSpeed's Muon trains (:mod:`.muon`). It may import the parallel layout (sequence and tensor parallel wiring), the
+run config, logging, finetune's patches of other libraries and errors; it never
 imports the data pipeline, the recipes or the run's lifecycle.
 """

@@ -2,8 +2,8 @@
 
 The run config is the single source of truth for batch sizes, the optimizer and gradient clipping:
 :func:`resolve_ds_config` writes ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-``train_batch_size = micro x accumulation x world size``, ``gradient_clipping``, an AdamW
-``optimizer`` block and the ``bf16``/``fp16`` sections (``train.precision``, :func:`choose_precision`)
+``train_batch_size = micro x accumulation x world size``, ``gradient_clipping``, an AdamW (or, with
+``train.optimizer: muon``, a Muon) ``optimizer`` block and the ``bf16``/``fp16`` sections (``train.precision``, :func:`choose_precision`)
 into the dict handed to ``deepspeed.initialize``. A JSON value that contradicts them is an error
 (DeepSpeed would silently prefer one or assert mid-start-up).
 
@@ -269,7 +269,17 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
             # torch.optim.AdamW(fused=True): torch's one-pass CPU kernel (4.5x faster than the default foreach
             # path on a 5.5M-element partition, one core); DeepSpeed's own FusedAdam is CUDA-only
             params.update({"torch_adam": True, "fused": True})
-        ds["optimizer"] = {"type": "AdamW", "params": params}
+        if cfg.train.optimizer == "muon":
+            # DeepSpeed's MuonWithAuxAdam: "lr", betas, eps go to the auxiliary AdamW, "muon_lr" and "momentum" to
+            # the Muon matrices, weight_decay to both (DeepSpeedEngine._muon_param_groups)
+            params.update({"muon_lr": cfg.train.muon_lr, "momentum": cfg.train.muon_momentum})
+            ds["optimizer"] = {"type": "Muon", "params": params}
+            if zero_stage(ds) == 3:
+                # DeepSpeed's ZeRO-3 refuses Muon with reduce_scatter (its default: true; "Muon and reduce scatter
+                # cannot be used together"): gradients are then averaged with an all-reduce
+                ds["zero_optimization"] = {**ds.get("zero_optimization", {}), "reduce_scatter": False}
+        else:
+            ds["optimizer"] = {"type": "AdamW", "params": params}
     precision, _, precision_problems = choose_precision(cfg.train.precision, ds, cfg.deepspeed, on_cpu, accelerator)
     problems += precision_problems
     for section in ("bf16", "fp16"):

@@ -10,7 +10,9 @@
   the full model (the object must stay alive while the model is built: it is kept on :class:`Built`).
 * ``model.attn_implementation`` (``sdpa``, ``eager``, ``flash_attention_2``) is passed to ``from_pretrained`` /
   ``from_config`` (checked in :mod:`finetune.preflight.validate` before anything is built).
-* AdamW comes from the DeepSpeed config (built from the run config, see :mod:`finetune.engine.ds_config`);
+* AdamW (or, ``train.optimizer: muon``, DeepSpeed's Muon with its auxiliary AdamW, the parameters tagged by
+  :mod:`finetune.engine.muon`) comes from the DeepSpeed config (built from the run config, see
+  :mod:`finetune.engine.ds_config`);
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
 * ``model.fused_kernels`` (default on) replaces Python-written activations with fused kernels of the same
@@ -39,13 +41,14 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import lora
+from finetune.engine import lora, muon
 
 from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
 from finetune.data.batch import flattens
 from finetune.engine.ds_config import zero_stage
 from finetune.logs import logger
+from finetune import patches
 
 _NO_DECAY = ("bias", "layernorm", "layer_norm", "ln_", "norm.weight")
 
@@ -203,8 +206,13 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(f"engine without optimizer (evaluation): ZeRO stage {zero_stage(ds)}, no optimizer state, no "
                     f"fp32 master weights ({type(engine.optimizer).__name__ if engine.optimizer is not None else 'None'})")
         return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
-                                           config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
+    keep = []
+    if cfg.train.optimizer == "muon":  # use_muon on every parameter, by module type; DeepSpeed's by-name tagging off
+        logger.info(muon.tag(model))
+        keep = [muon.keep_tags()]
+    with patches.applied(*keep):
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+                                               config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
     if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
                     "(finetune.parallel.sequence.fix_zero3_average)")

@@ -45,11 +45,15 @@ _REFUSED_PREFIXES = ("model.", "data.")
 _FREE_DATA = {"data.cache_dir", "data.num_workers", "data.num_proc", "data.pad_to_multiple_of", "model.gradient_checkpointing",
               "model.fused_kernels"}
 _NOT_COMPARED = {"output_dir", "output_root"}
+# Keys added after checkpoints were written: absent from an older checkpoint's config, they compare as their default.
+_ADDED = ("train.optimizer", "train.muon_lr", "train.muon_momentum")
 # Keys whose change gives the model other parameters (names or shapes) than the checkpoint holds: its state dict
 # can never load, so these are refused even with --resume-allow-changes.
 _UNLOADABLE = {"model.lora", "model.lora.r", "model.lora.target_modules"}
-SCHEDULE_KEYS = ("train.lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps", "train.epochs")
-_OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps")
+SCHEDULE_KEYS = ("train.lr", "train.muon_lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps",
+                 "train.epochs")
+_OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps",
+                   "train.muon_momentum")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -65,6 +69,9 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def changes(old: dict, cfg: RunConfig) -> dict[str, tuple[Any, Any]]:
     """``key -> (checkpoint's value, this launch's value)`` for every run-config key that differs."""
     a, b = _flatten(old), _flatten(config_to_dict(cfg))
+    defaults = _flatten(config_to_dict(RunConfig()))
+    for k in _ADDED:  # a checkpoint from before these keys existed ran with what is now their default
+        a.setdefault(k, defaults[k])
     keys = [k for k in dict.fromkeys([*b, *a]) if k not in _NOT_COMPARED]
     return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
 
@@ -121,12 +128,17 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
         problems.append(f"--resume: the LoRA adapters changed ({', '.join(unloadable)}): the model's parameters no "
                         f"longer match the checkpoint's, which can then never be loaded (not even with "
                         f"--resume-allow-changes); start a new run (drop --resume), e.g. from the export as model.path")
+    if "train.optimizer" in diff:
+        was, now = diff["train.optimizer"]
+        problems.append(f"--resume: train.optimizer changed ({was!r} -> {now!r}): the checkpoint holds the other "
+                        f"optimizer's state, which cannot be loaded (not even with --resume-allow-changes); start a "
+                        f"new run (drop --resume), e.g. from the export as model.path")
     fix = "start a new run (drop --resume), or pass --resume-allow-changes to continue anyway"
     for key, (was, now) in diff.items():
         if key in ("train.micro_batch_size", "train.gradient_accumulation_steps"):
             continue
-        if key.startswith("model.lora") and unloadable:
-            continue  # one line for the whole LoRA change, below
+        if (key.startswith("model.lora") and unloadable) or key == "train.optimizer":
+            continue  # one line for the whole LoRA change, above; the optimizer's line above
         if _refused(key):
             line = f"--resume: {key} changed ({was!r} -> {now!r}): the continuation would be a different run"
             (notes if allow else problems).append(line + ("; continuing as --resume-allow-changes asks" if allow
@@ -152,12 +164,21 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
     return problems, notes
 
 
+def _decays(index: int, group: dict) -> bool:
+    """True for an optimizer group of weight-decayed parameters: group 0 of :func:`finetune.engine.model.param_groups`,
+    or under Muon (``use_muon`` in every group) both halves DeepSpeed splits it into (named ``group0-...``)."""
+    if "use_muon" in group:
+        return str(group.get("name", "")).startswith("group0-")
+    return index == 0
+
+
 def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
     """Make the restored optimizer and LR schedule follow this launch's config (after ``load_checkpoint``).
 
     DeepSpeed restores the optimizer's parameter groups and the scheduler's state from the checkpoint,
     which would silently keep the old learning rate, schedule and AdamW settings. Optimizer settings are
-    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.model.param_groups`);
+    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.model.param_groups`; under
+    Muon its two halves, :func:`_decays`; Muon's groups get ``train.muon_lr`` and ``train.muon_momentum``);
     when a schedule key changed, a new ``transformers.get_scheduler`` schedule is built for the new values
     and moved to the restored position (``last_epoch``), so the next step uses the new schedule's value.
     Nothing is touched when nothing changed (resume stays bit-exact).
@@ -170,14 +191,16 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
                 g["betas"] = (cfg.train.adam_beta1, cfg.train.adam_beta2)
             if "eps" in g:
                 g["eps"] = cfg.train.adam_eps
-            if i == 0:
+            if g.get("use_muon"):
+                g["momentum"] = cfg.train.muon_momentum
+            if _decays(i, g):
                 g["weight_decay"] = cfg.train.weight_decay
     if not any(k in diff for k in SCHEDULE_KEYS) or engine.lr_scheduler is None:
         return
     old_sched = engine.lr_scheduler
     position = old_sched.last_epoch
     for g in groups:
-        g["initial_lr"] = cfg.train.lr
+        g["initial_lr"] = cfg.train.muon_lr if g.get("use_muon") else cfg.train.lr
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
         sched = get_scheduler(cfg.train.lr_scheduler, old_sched.optimizer, num_warmup_steps=cfg.train.warmup_steps,

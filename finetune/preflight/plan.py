@@ -18,6 +18,9 @@ no GPU). For each option it adds up, per rank:
   3            N / W + largest layer   N / W               (4N + 4N (mixed) + 8N) / W
   ===========  ======================  ==================  ======================================================
 
+  With ``train.optimizer: muon`` the ``M`` parameters of the hidden matrices (:mod:`finetune.engine.muon`) keep one
+  fp32 momentum buffer (``4M``, DeepSpeed's ``MuonWithAuxAdam``) instead of Adam's ``m, v`` (``8M``); the rest keep
+  AdamW's ``8(N - M)``.
   Exception: bf16 ZeRO 1 runs DeepSpeed's ``BF16_Optimizer`` (``engine._do_optimizer_sanity_check``), whose
   fp32 gradient buffer is the whole model's (4N, not 4N/W). ZeRO 1-3 keep an fp32 copy of their parameter
   partition even in fp32 (``.clone().float()`` in DeepSpeed's ZeRO optimizers), so the 4N/W master copy is
@@ -76,7 +79,7 @@ from finetune.engine.ds_config import (
 )
 from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
-from finetune.engine import lora
+from finetune.engine import lora, muon
 from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
@@ -126,6 +129,9 @@ class ModelShape:
     trainable: int = 0
     """Parameters that train (``model.lora``: the adapters; the base is frozen and has no gradients or optimizer
     states); 0 means all of ``params``."""
+    muon: int = 0
+    """Parameters Muon trains (``train.optimizer: muon``, :func:`finetune.engine.muon.split`: the 2-D hidden
+    matrices): one fp32 momentum buffer each (4 bytes) instead of Adam's two moments (8); 0 with AdamW."""
     sequences_per_row: int = 1
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
     of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
@@ -203,7 +209,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       target_fraction=recipe.target_fraction(cfg.data),
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
                       sequences_per_row=recipe.capabilities.sequences_per_row,
-                      trainable=trainable if trainable < params else 0)
+                      trainable=trainable if trainable < params else 0,
+                      muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -272,7 +279,9 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
               # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
               "fp32 gradients": (4 * t if precision == "bf16" and stage == 1 and not offload else 4 * t / shard)
               if mixed else 0,
-              "Adam moments (fp32)": 8 * t / shard}
+              "Adam moments (fp32)": 8 * (t - shape.muon) / shard}
+    if shape.muon:  # Muon: one momentum buffer per parameter (DeepSpeed's state["momentum_buffer"])
+        states["Muon momentum (fp32)"] = 4 * shape.muon / shard
     if offload and stage == 3:
         e.gpu["parameters"] = shape.largest_layer * w * 2  # the gathered layer (and the next, prefetched)
         e.cpu["parameters (offloaded)"] = n * w / world * gpus_per_node
@@ -311,9 +320,10 @@ def cpu_rank_bytes(e: Estimate, gpus_per_node: int) -> int:
 
 def plan_options(shape: ModelShape, ds: dict, micro_batch: int, seq_len: int, gpus_per_node: int, nodes: int,
                  precision: str) -> list[Estimate]:
-    """Every ZeRO stage 0-3 x offload (stages 1-3) x gradient checkpointing, fastest first."""
+    """Every ZeRO stage 0-3 x offload (stages 1-3) x gradient checkpointing, fastest first (Muon: stages 1-3, the ones
+    it runs with, :func:`finetune.engine.muon.check`)."""
     out = [estimate(shape, ds, z, off, gc, micro_batch, seq_len, gpus_per_node, nodes, precision)
-           for z in range(4) for off in ((False,) if z == 0 else (False, True)) for gc in (False, True)]
+           for z in range(1 if shape.muon else 0, 4) for off in ((False,) if z == 0 else (False, True)) for gc in (False, True)]
     return sorted(out, key=lambda e: (e.cost, e.stage))
 
 
@@ -369,7 +379,9 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              f"({shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads; largest layer "
              f"{shape.largest_layer:,} parameters"
              + (f"; LoRA: {shape.trainable:,} trainable, the only ones with gradients and optimizer states"
-                if shape.trainable else "") + ")",
+                if shape.trainable else "")
+             + (f"; Muon: {shape.muon:,} in matrices with one fp32 momentum buffer, the rest AdamW's two moments"
+                if shape.muon else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
@@ -388,7 +400,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     rows = []
     for e in options:
         g = e.gpu
-        optim = sum(v for k, v in g.items() if k.startswith(("fp32", "Adam")))
+        optim = sum(v for k, v in g.items() if k.startswith(("fp32", "Adam", "Muon")))
         fits = e.gpu_total <= gpu_bytes * (1 - GPU_HEADROOM) and (cpu_bytes is None or e.cpu_total <= cpu_bytes)
         mb = largest_micro_batch(e, shape, ds, seq, gpus_per_node, nodes, precision, gpu_bytes, cpu_bytes)
         if fits and now is None:

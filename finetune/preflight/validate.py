@@ -17,7 +17,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.engine import lora
+from finetune.engine import lora, muon
 from finetune.data import mixture
 from finetune.parallel import checks, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -420,6 +420,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems += ds_problems
         problems += _check_trackers(ds)
         checks.check_zero_stage(cfg, zero_stage(ds), problems)
+        muon.check(cfg, zero_stage(ds), problems)
     except ConfigError as e:
         problems += e.problems
     universal = False
