@@ -190,3 +190,12 @@ def test_decayed_groups_under_muon():
     assert not resume_policy._decays(2, {"name": "group1-adam-params", "use_muon": False})
     assert resume_policy._decays(0, {}) and not resume_policy._decays(1, {})
 
+
+
+def test_the_patch_is_guarded_by_the_deepspeed_version():
+    """Another DeepSpeed may tag parameters differently or rename ``set_optimizer_flags``: refused before any model."""
+    from finetune.engine import muon
+
+    assert muon.version_problem(muon.MUON_CHECKED[-1]) is None
+    line = muon.version_problem("0.20.0")
+    assert line.startswith("train.optimizer=muon replaces DeepSpeed's set_optimizer_flags") and "0.20.0" in line

@@ -96,11 +96,35 @@ def _keep_flags(config_class, model) -> None:
         p.muon_head_dim = None
 
 
+MUON_CHECKED = ("0.19.8",)
+"""DeepSpeed versions whose ``set_optimizer_flags`` / ``_muon_param_groups`` contract :func:`keep_tags` was read
+against and tested with (``tests/test_muon.py``)."""
+
+
+def version_problem(version: str | None = None) -> str | None:
+    """The problem line when this DeepSpeed is not one of :data:`MUON_CHECKED` (None when it is)."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    if version in MUON_CHECKED:
+        return None
+    return (f"train.optimizer=muon replaces DeepSpeed's set_optimizer_flags during deepspeed.initialize, checked for "
+            f"DeepSpeed {', '.join(MUON_CHECKED)} only (this is {version}); install deepspeed=={MUON_CHECKED[-1]} "
+            f"or use train.optimizer=adamw")
+
+
 def keep_tags():
     """The patch of ``deepspeed.set_optimizer_flags`` for :func:`finetune.patches.applied` around
-    ``deepspeed.initialize``."""
+    ``deepspeed.initialize``; only on the DeepSpeed versions of :data:`MUON_CHECKED`.
+
+    Raises:
+        RunFailure: another DeepSpeed version (:func:`finetune.patches.require_version`).
+    """
     import deepspeed
 
+    patches.require_version("deepspeed", deepspeed.__version__, MUON_CHECKED,
+                            "finetune's use_muon tags by module type (DeepSpeed's set_optimizer_flags replaced)")
     return patches.module_global(deepspeed, "set_optimizer_flags", _keep_flags, KEEP_TAGS_WHY)
 
 
@@ -108,6 +132,7 @@ def check(cfg: RunConfig, stage: int, problems: list[str]) -> None:
     """Append one line per setting ``train.optimizer: muon`` cannot run with (before any model is built)."""
     if cfg.train.optimizer != "muon":
         return
+    problems += [line for line in (version_problem(),) if line]
     if stage == 0:
         problems.append("train.optimizer=muon needs ZeRO stage 1, 2 or 3 (DeepSpeed runs Muon inside its ZeRO "
                         "optimizers; without ZeRO a bf16/fp16 run would silently take SGD steps): use "
