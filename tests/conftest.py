@@ -90,6 +90,50 @@ def check_here(args: list[str], capsys, **env: str) -> tuple[int, str]:
     return code, out.out + out.err
 
 
+def scratch_model(cfg):
+    """The run's model as the engine builds it from its config (``model.init: scratch``; what
+    :func:`finetune.engine.model.scratch_model` does), fp32, on one device: the same weights from ``train.seed``."""
+    import torch
+    from transformers.initialization import no_init_weights
+
+    from finetune.engine.model import load_model_config
+    from finetune.recipes import get_recipe
+
+    recipe = get_recipe(cfg.recipe)
+    torch.manual_seed(cfg.train.seed)
+    with no_init_weights():
+        model = recipe.model_class.from_config(load_model_config(cfg, recipe), dtype=torch.float32,
+                                               attn_implementation=cfg.model.attn_implementation)
+    model.init_weights()
+    return model
+
+
+def write_parquet(path: Path, rows: dict) -> Path:
+    """``rows`` (column name -> values) written as a parquet file at ``path``; returns ``path``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(rows), path)
+    return path
+
+
+def check_files(config: str | Path, tmp_path: Path, files: list[Path], extra: list[str] = ()) -> int:
+    """``finetune/run.py --config config --check`` in this process on ``files`` as the training files (the first also
+    as the validation file), caches under ``tmp_path``; the rank variables the check sets (``RANK``,
+    ``MASTER_PORT``, ...) are removed again, so that later tests' child processes do not look like ranks. The lines
+    it prints are the caller's ``capsys``'s."""
+    from finetune.commands.train import main as train_main
+
+    saved = dict(os.environ)
+    try:
+        return train_main(["--config", str(config), "--check", f"output_dir={tmp_path / 'out'}",
+                           f"data.train_files=[{','.join(map(str, files))}]",
+                           f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert a launch succeeded, showing its output tail when not."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"

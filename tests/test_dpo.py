@@ -37,20 +37,17 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, get_scheduler
-from transformers.initialization import no_init_weights
 
-from conftest import CONFIGS, REPO, launch, ok, read_metrics, train_losses
-from finetune.commands.train import main as train_main
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, train_losses, write_parquet
 from finetune.config import load_run_config
 from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
-from finetune.engine.model import load_model_config, load_tokenizer, param_groups
+from finetune.engine.model import load_tokenizer, param_groups
 from finetune.recipes import dpo, get_recipe
 
 pytestmark = pytest.mark.slow
@@ -62,16 +59,6 @@ CHATML = REPO / "data" / "chat_templates" / "chatml.jinja"
 
 def _cfg(cache: Path, overrides: list[str] = ()):
     return load_run_config(CONFIG, [*overrides, f"data.cache_dir={cache}"])
-
-
-def _initial_model(cfg):
-    recipe = get_recipe("dpo")
-    torch.manual_seed(cfg.train.seed)
-    with no_init_weights():  # what the engine builds (finetune.engine.model.scratch_model)
-        model = recipe.model_class.from_config(load_model_config(cfg, recipe), dtype=torch.float32,
-                                               attn_implementation=cfg.model.attn_implementation)
-    model.init_weights()
-    return model
 
 
 def full_logps(model, batch: dict) -> torch.Tensor:
@@ -112,7 +99,7 @@ def dpo_reference(cfg, world: int, steps: int) -> dict:
     samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
     loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
                           drop_last=True) for smp in samplers]
-    model = _initial_model(cfg).train()
+    model = scratch_model(cfg).train()
     reference = copy.deepcopy(model).eval()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_eps, fused=True)
@@ -206,7 +193,7 @@ def test_zero0_and_zero3_sequence_parallel_equal_the_textbook_dpo(runs, referenc
     assert "validation pairs reused" in runs["z0"][1]
 
 
-def test_cached_reference_equals_a_forward_of_the_initial_model(runs, reference, cache):
+def test_cached_reference_equals_a_forward_of_thescratch_model(runs, reference, cache):
     """The reference pass ran under sequence parallelism (half of every sequence per rank): its values equal a
     whole-sequence forward of the initial model (1e-6)."""
     files = sorted((cache / "reference").glob("dpo-train-*.npy"))
@@ -343,29 +330,16 @@ def test_simpo_ipo_and_orpo_losses_from_their_papers():
     torch.testing.assert_close(oc, trl_c)
 
 
-def _write(path: Path, rows: dict) -> Path:
-    pq.write_table(pa.table(rows), path)
-    return path
-
-
 def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> int:
-    """``finetune/run.py --check`` in this process; the rank variables it sets (``RANK``, ``MASTER_PORT``, ...) are
-    removed again, so that later tests' child processes do not look like ranks."""
-    saved = dict(os.environ)
-    try:
-        return train_main(["--config", str(CONFIG), "--check", f"output_dir={tmp_path / 'out'}",
-                           f"data.train_files=[{','.join(map(str, files))}]",
-                           f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    """:func:`conftest.check_files` on this module's config."""
+    return check_files(CONFIG, tmp_path, files, extra)
 
 
 def test_bad_pairs_are_one_line_each_before_any_model(tmp_path, capsys):
     good = {"prompt": ["a?", "b?"], "chosen": ["yes", "no"], "rejected": ["no", "yes"]}
-    missing = _write(tmp_path / "missing.parquet", {"prompt": ["a?"], "chosen": ["yes"]})
-    null = _write(tmp_path / "null.parquet", {**good, "rejected": ["no", None]})
-    empty = _write(tmp_path / "empty.parquet", {**good, "chosen": ["  ", "no"]})
+    missing = write_parquet(tmp_path / "missing.parquet", {"prompt": ["a?"], "chosen": ["yes"]})
+    null = write_parquet(tmp_path / "null.parquet", {**good, "rejected": ["no", None]})
+    empty = write_parquet(tmp_path / "empty.parquet", {**good, "chosen": ["  ", "no"]})
     assert _check(tmp_path, [missing, null, empty], ["train.dpo.beta=0", "train.dpo.label_smoothing=0.5"]) == 2
     err = capsys.readouterr().err
     assert "missing.parquet' has no column 'rejected'" in err
@@ -375,14 +349,14 @@ def test_bad_pairs_are_one_line_each_before_any_model(tmp_path, capsys):
     assert "Traceback" not in err
 
     user = [{"role": "user", "content": "2+2?"}]
-    chat = _write(tmp_path / "chat.parquet", {"prompt": [user, user],
+    chat = write_parquet(tmp_path / "chat.parquet", {"prompt": [user, user],
                                               "chosen": [[{"role": "assistant", "content": "4"}],
                                                          [{"role": "user", "content": "5"}]],
                                               "rejected": [[{"role": "assistant", "content": "5"}]] * 2})
     assert _check(tmp_path, [chat], [f"data.chat_template={CHATML}"]) == 2
     err = capsys.readouterr().err
     assert "chat.parquet' row 1 of column 'chosen' is a response without an assistant turn" in err
-    ok_file = _write(tmp_path / "ok.parquet", good)
+    ok_file = write_parquet(tmp_path / "ok.parquet", good)
     assert _check(tmp_path, [ok_file]) == 0
     assert _check(tmp_path, [ok_file], ["train.dpo.loss_type=ipo", "train.dpo.label_smoothing=0.1"]) == 2
     assert "train.dpo.label_smoothing: 0.1 with loss_type ipo" in capsys.readouterr().err
@@ -471,7 +445,7 @@ def test_a_split_of_only_identical_after_truncation_is_refused(tmp_path, capsys)
     """A file whose every pair is identical within data.max_seq_len: one line naming the file and the fix, exit 2,
     before any model; at a length where the answers fit, the same file passes."""
     tokenizer = dpo.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2"))
-    same = _write(tmp_path / "same128.parquet", _identical_within(tokenizer, 128))
+    same = write_parquet(tmp_path / "same128.parquet", _identical_within(tokenizer, 128))
     assert _check(tmp_path, [same], ["data.max_seq_len=128"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "same128.parquet" in line]
     assert len(lines) == 2, lines  # train and validation (the same file)
@@ -506,7 +480,7 @@ def test_a_chat_template_that_raises_is_one_line_before_any_model(tmp_path, caps
     template = tmp_path / "strict.jinja"
     template.write_text(STRICT_TEMPLATE)
     user, robot = [{"role": "user", "content": "2+2?"}], [{"role": "robot", "content": "2+2?"}]
-    chat = _write(tmp_path / "robot.parquet", {"prompt": [user, robot],
+    chat = write_parquet(tmp_path / "robot.parquet", {"prompt": [user, robot],
                                                "chosen": [[{"role": "assistant", "content": "4"}]] * 2,
                                                "rejected": [[{"role": "assistant", "content": "5"}]] * 2})
     assert _check(tmp_path, [chat], [f"data.chat_template={template}"]) == 2

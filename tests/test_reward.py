@@ -17,7 +17,6 @@ the loss against the formula written out (margin, centring); a conversational pa
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,13 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler, pipeline
-from transformers.initialization import no_init_weights
 
-from conftest import CONFIGS, REPO, launch, ok, read_metrics, train_losses
-from finetune.commands.train import main as train_main
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, train_losses, write_parquet
 from finetune.config import RewardConfig, load_run_config
 from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
-from finetune.engine.model import load_model_config, load_tokenizer, param_groups
+from finetune.engine.model import load_tokenizer, param_groups
 from finetune.recipes import get_recipe, reward
 
 pytestmark = pytest.mark.slow
@@ -61,16 +58,6 @@ def data(tmp_path_factory) -> list[str]:
 
 def _cfg(data: list[str], cache: Path):
     return load_run_config(CONFIG, [*data, f"data.cache_dir={cache}"])
-
-
-def _initial_model(cfg):
-    recipe = get_recipe("reward")
-    torch.manual_seed(cfg.train.seed)
-    with no_init_weights():  # what the engine builds (finetune.engine.model.scratch_model)
-        model = recipe.model_class.from_config(load_model_config(cfg, recipe), dtype=torch.float32,
-                                               attn_implementation=cfg.model.attn_implementation)
-    model.init_weights()
-    return model
 
 
 def last_token_scores(model, batch: dict, pad: int) -> torch.Tensor:
@@ -101,7 +88,7 @@ def reward_reference(cfg, world: int, steps: int) -> dict:
     samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
     loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
                           drop_last=True) for smp in samplers]
-    model = _initial_model(cfg).train()
+    model = scratch_model(cfg).train()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_eps, fused=True)
     sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
@@ -244,29 +231,17 @@ def test_loss_with_margin_and_centring_is_the_formula():
     torch.testing.assert_close(plain.loss_sum, -F.logsigmoid(rc - rr).sum())
 
 
-def _write(path: Path, rows: dict) -> Path:
-    pq.write_table(pa.table(rows), path)
-    return path
-
-
 def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> int:
-    """``finetune/run.py --check`` in this process (rank variables it sets are removed again)."""
-    saved = dict(os.environ)
-    try:
-        return train_main(["--config", str(CONFIG), "--check", f"output_dir={tmp_path / 'out'}",
-                           f"data.train_files=[{','.join(map(str, files))}]",
-                           f"data.validation_files=[{files[0]}]", f"data.cache_dir={tmp_path / 'cache'}", *extra])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    """:func:`conftest.check_files` on this module's config."""
+    return check_files(CONFIG, tmp_path, files, extra)
 
 
 def test_bad_pairs_and_margins_are_one_line_each_before_any_model(tmp_path, capsys):
     good = {"prompt": ["a?", "b?"], "chosen": ["yes", "no"], "rejected": ["no", "yes"]}
-    missing = _write(tmp_path / "missing.parquet", {"prompt": ["a?"], "chosen": ["yes"], "margin": [1.0]})
-    empty = _write(tmp_path / "empty.parquet", {**good, "chosen": ["  ", "no"], "margin": [1.0, 2.0]})
-    text = _write(tmp_path / "text.parquet", {**good, "margin": ["big", "small"]})
-    null = _write(tmp_path / "null.parquet", {**good, "margin": [0.5, None]})
+    missing = write_parquet(tmp_path / "missing.parquet", {"prompt": ["a?"], "chosen": ["yes"], "margin": [1.0]})
+    empty = write_parquet(tmp_path / "empty.parquet", {**good, "chosen": ["  ", "no"], "margin": [1.0, 2.0]})
+    text = write_parquet(tmp_path / "text.parquet", {**good, "margin": ["big", "small"]})
+    null = write_parquet(tmp_path / "null.parquet", {**good, "margin": [0.5, None]})
     assert _check(tmp_path, [missing, empty, text, null],
                   ["data.margin_column=margin", "train.reward.center_rewards_coefficient=-1"]) == 2
     err = capsys.readouterr().err
@@ -278,7 +253,7 @@ def test_bad_pairs_and_margins_are_one_line_each_before_any_model(tmp_path, caps
     assert "train.reward.center_rewards_coefficient: -1.0 must be >= 0" in err
     assert len(lines) == 6, lines  # missing.parquet is the validation file too: its line twice
     assert "Traceback" not in err
-    ok_file = _write(tmp_path / "ok.parquet", good)
+    ok_file = write_parquet(tmp_path / "ok.parquet", good)
     assert _check(tmp_path, [ok_file]) == 0
     assert _check(tmp_path, [ok_file], ["model.config_overrides={num_labels: 1, pad_token_id: 0}"]) == 2
     err = capsys.readouterr().err

@@ -48,20 +48,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from finetune.config import DataConfig, RunConfig, load_run_config
+from finetune.config import DataConfig, RunConfig
 from finetune.data import mixture, tokenization
 from finetune.data.dataset import (
     RowSeededCollate,
     expand_files,
     holdout,
     load_splits,
-    remember_checked,
     validation_rows,
 )
 from finetune.engine.model import load_model_config, load_tokenizer
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
-from finetune.preflight.validate import check_inputs
+from finetune.preflight.validate import checked_inputs_config
 from finetune.recipes import Recipe, recipe_for
 
 SPLITS = ("train", "validation")
@@ -345,13 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--color: '{args.color}' unknown (choose one of: {', '.join(COLORS)})")
         if problems:
             raise ConfigError(problems)
-        load_problems: list[str] = []
-        cfg = load_run_config(args.config, args.overrides, problems=load_problems)
-        marks: list = []
-        problems = load_problems + check_inputs(cfg, marks)[0]
-        if problems:
-            raise ConfigError(problems)
-        remember_checked(marks)
+        cfg = checked_inputs_config(args.config, args.overrides)
         recipe = recipe_for(cfg)
         tokenizer = load_tokenizer(cfg, recipe)
         splits = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)

@@ -27,22 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-proc", type=int, default=0,
                    help="tokenizing processes (default: data.num_proc, else the CPUs this process may use, at most 32)")
     args = p.parse_intermixed_args(argv)
-    from finetune.config import load_run_config
-    from finetune.data.dataset import default_cache_dir, load_splits, remember_checked
+    from finetune.data.dataset import default_cache_dir, load_splits
     from finetune.engine.model import load_tokenizer
+    from finetune.preflight.validate import checked_inputs_config
     from finetune.recipes import recipe_for
-    from finetune.preflight.validate import check_inputs
 
     try:
         if args.num_proc < 0:
             raise ConfigError(f"--num-proc: must be >= 0, got {args.num_proc}")
-        load_problems: list[str] = []
-        cfg = load_run_config(args.config, args.overrides, problems=load_problems)
-        marks: list = []
-        problems = load_problems + check_inputs(cfg, marks)[0]
-        if problems:
-            raise ConfigError(problems)
-        remember_checked(marks)
+        cfg = checked_inputs_config(args.config, args.overrides)
         start = time.monotonic()
         recipe = recipe_for(cfg)
         splits = load_splits(recipe, load_tokenizer(cfg, recipe), cfg.data, cfg.train.seed, args.num_proc)

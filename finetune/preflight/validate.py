@@ -318,6 +318,23 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
+def checked_inputs_config(config: str | Path, overrides: list[str]) -> RunConfig:
+    """The run config of ``config`` + ``overrides`` once its inputs pass :func:`check_inputs` (the data verbs:
+    ``finetune prepare``, ``finetune inspect``); the valid files' UTF-8 marks are written.
+
+    Raises:
+        ConfigError: every problem of the config or its inputs, one line each.
+    """
+    load_problems: list[str] = []
+    cfg = load_run_config(config, overrides, problems=load_problems)
+    marks: list[Path] = []
+    problems = load_problems + check_inputs(cfg, marks)[0]
+    if problems:
+        raise ConfigError(problems)
+    remember_checked(marks)
+    return cfg
+
+
 def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[str], list[str]]:
     """The checks of the run's inputs, a part of :func:`validate_run` that needs neither a world size nor an output
     folder (``finetune prepare`` runs them alone): recipe, model and tokenizer files, data files and columns, the
