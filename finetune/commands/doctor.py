@@ -372,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="run config (YAML or JSON)")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
     p.add_argument("--world-size", type=int, default=None,
-                   help="ranks of the planned launch, for the batch-size checks (default: WORLD_SIZE or 1)")
+                   help="ranks of the planned launch, for the batch-size and layout checks (default: WORLD_SIZE, "
+                        "else the fewest ranks the config's layout needs: sequence x tensor-parallel size)")
     p.add_argument("--nodes", type=int, default=None,
                    help="nodes of the planned launch, for the multi-node checks (default: SLURM_JOB_NUM_NODES or 1)")
     args = p.parse_intermixed_args(argv)
@@ -385,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_run_config(args.config, args.overrides)
     except ConfigError as e:
         return report_error(e)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    # on a login node no launcher says the world size: check the fewest ranks the layout can run on (an SP = 2
+    # config is not "blocked" by a world of 1 it will never be launched with)
+    world = (args.world_size or int(os.environ.get("WORLD_SIZE", "0") or 0)
+             or max(1, cfg.parallel.sequence_parallel_size) * max(1, cfg.parallel.tensor_parallel_size))
     nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
     rows = diagnose(cfg, world, nodes)
     print(render(rows))
