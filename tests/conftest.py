@@ -108,6 +108,32 @@ def scratch_model(cfg):
     return model
 
 
+def simulated_ranks(cfg, world: int) -> tuple:
+    """The toolkit's training batches of ``world`` data-parallel ranks, in one process, for the one-process
+    references: the recipe's tokenizer and tokenized splits, its collator, each rank's sampler (:func:`finetune.data.dataset.
+    train_sampler`, global batch ``micro x accumulation x world``) and loader (row-seeded collation, as a launch).
+
+    Returns:
+        ``(tokenizer, splits, collator, samplers, loaders)``.
+    """
+    from torch.utils.data import DataLoader
+
+    from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    t, recipe = cfg.train, get_recipe(cfg.recipe)
+    tokenizer = load_tokenizer(cfg, recipe)
+    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
+    collator = recipe.make_collator(tokenizer, cfg.data)
+    rows = IndexedRows(splits.train)
+    mb, gas = t.micro_batch_size, t.gradient_accumulation_steps
+    samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
+    loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
+                          drop_last=True) for smp in samplers]
+    return tokenizer, splits, collator, samplers, loaders
+
+
 def write_parquet(path: Path, rows: dict) -> Path:
     """``rows`` (column name -> values) written as a parquet file at ``path``; returns ``path``."""
     import pyarrow as pa

@@ -41,12 +41,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, get_scheduler
 
-from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, train_losses, write_parquet
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, simulated_ranks, train_losses, write_parquet
 from finetune.config import load_run_config
-from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
+from finetune.data.dataset import load_splits
 from finetune.engine.model import load_tokenizer, param_groups
 from finetune.recipes import dpo, get_recipe
 
@@ -90,15 +89,8 @@ def dpo_reference(cfg, world: int, steps: int) -> dict:
     reference log-probabilities from a frozen copy of the initial model."""
     torch.set_num_threads(1)
     t, s = cfg.train, cfg.train.dpo
-    recipe = get_recipe("dpo")
-    tokenizer = load_tokenizer(cfg, recipe)
-    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
-    collator = recipe.make_collator(tokenizer, cfg.data)
-    rows = IndexedRows(splits.train)
-    mb, gas = t.micro_batch_size, t.gradient_accumulation_steps
-    samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
-    loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
-                          drop_last=True) for smp in samplers]
+    _, splits, collator, samplers, loaders = simulated_ranks(cfg, world)
+    gas = t.gradient_accumulation_steps
     model = scratch_model(cfg).train()
     reference = copy.deepcopy(model).eval()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),

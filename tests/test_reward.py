@@ -24,14 +24,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler, pipeline
 
-from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, train_losses, write_parquet
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, simulated_ranks, train_losses, write_parquet
 from finetune.config import RewardConfig, load_run_config
-from finetune.data.dataset import IndexedRows, RowSeededCollate, load_splits, train_sampler
-from finetune.engine.model import load_tokenizer, param_groups
-from finetune.recipes import get_recipe, reward
+from finetune.engine.model import param_groups
+from finetune.recipes import reward
 
 pytestmark = pytest.mark.slow
 
@@ -79,15 +77,8 @@ def reward_reference(cfg, world: int, steps: int) -> dict:
     AdamW, schedule and clipping; the loss of a step is the mean over its pairs of :func:`reward_pair_loss`."""
     torch.set_num_threads(1)
     t, c = cfg.train, cfg.train.reward.center_rewards_coefficient
-    recipe = get_recipe("reward")
-    tokenizer = load_tokenizer(cfg, recipe)
-    splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
-    collator = recipe.make_collator(tokenizer, cfg.data)
-    rows = IndexedRows(splits.train)
-    mb, gas = t.micro_batch_size, t.gradient_accumulation_steps
-    samplers = [train_sampler(rows, cfg.data, mb * gas * world, world, r, t.seed) for r in range(world)]
-    loaders = [DataLoader(rows, batch_size=mb, sampler=smp, collate_fn=RowSeededCollate(collator, t.seed),
-                          drop_last=True) for smp in samplers]
+    tokenizer, splits, collator, samplers, loaders = simulated_ranks(cfg, world)
+    gas = t.gradient_accumulation_steps
     model = scratch_model(cfg).train()
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
                             eps=t.adam_eps, fused=True)

@@ -358,7 +358,7 @@ def count_targets(batch: dict) -> torch.Tensor:
     Under sequence parallelism the SP group's ranks hold slices of the same pairs: the first counts them, the others
     count 0 (the sum over all ranks counts each pair once)."""
     pairs = _valid_pairs(batch).sum()
-    return pairs if sequence.sequence_weight() == 1.0 or sequence.sequence_rank() == 0 else pairs * 0
+    return pairs if sequence.sequence_rank() == 0 else pairs * 0
 
 
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
