@@ -105,3 +105,9 @@ class LossOutput:
     counts: torch.Tensor | None = None
     """With ``metrics=True``, optionally: a fixed-shape float64 tensor summed over eval batches and ranks and
     handed to the recipe's ``eval_report`` (``seq_cls``: the confusion matrix)."""
+    aux_loss: torch.Tensor | None = None
+    """A loss already averaged within the micro-batch, added to its loss *after* the token weighting (0-dim float32,
+    differentiable), or None: a mixture-of-experts model's load-balancing loss times its ``router_aux_loss_coef``
+    (:func:`finetune.engine.moe.router_terms`). The loop optimizes ``loss_sum`` over the global batch's targets /
+    their number + the mean of ``aux_loss`` over the global batch's micro-batches (:mod:`finetune.training.trainer`);
+    evaluation reports the ``loss_sum`` part only."""

@@ -19,6 +19,8 @@
   function (:func:`finetune.engine.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
   ``deepspeed.initialize`` (:func:`finetune.engine.lora.apply`); only trainable parameters reach the optimizer.
+* Under ZeRO-3 the sparse blocks of a mixture-of-experts model are DeepSpeed leaf modules, gathered whole
+  (:func:`finetune.engine.moe.mark_leaf_modules`), before ``deepspeed.initialize``.
 * ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention is registered for the built model and its
   groups go to ``deepspeed.initialize`` as the ``mpu`` (:mod:`finetune.parallel.sequence`).
 * ``build_engine(..., optimizer=False)`` (``finetune evaluate``): no optimizer, no LR schedule, no fp32 master
@@ -41,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import lora, muon
+from finetune.engine import lora, moe, muon
 
 from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
@@ -182,6 +184,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
                 f"{zero_stage(ds)}, attention {attn}")
     if cfg.model.fused_kernels:
         logger.info(f"fused kernels: {kernels.fuse(model)}")
+    if zero_stage(ds) == 3 and (leaves := moe.mark_leaf_modules(model)):  # before deepspeed.initialize
+        logger.info(f"mixture of experts: ZeRO-3 gathers each {', '.join(leaves)} whole (leaf modules: a rank that "
+                    f"routes no token to an expert still joins every all-gather)")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
     lay = layout.layout(cfg)
     if cfg.parallel.tiled_mlp:

@@ -361,7 +361,7 @@ def count_targets(batch: dict) -> torch.Tensor:
     return pairs if sequence.sequence_rank() == 0 else pairs * 0
 
 
-def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, batch: dict, router: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of every sequence's targets and their number.
 
     Under sequence parallelism each rank holds a slice of every sequence (``shift_labels``, ``row_targets``,
@@ -372,13 +372,15 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         model: engine or (peft-wrapped) causal LM.
         batch: ``input_ids``, ``attention_mask``, ``labels`` ``[rows, seq]`` int64, or a sequence-parallel slice
             (``input_ids``, ``position_ids``, ``shift_labels`` ``[rows, seq / sp]``, ``row_targets`` ``[rows]``).
+        router: filled with a mixture of experts' router loss term and statistics
+            (:func:`finetune.recipes.lm_loss.token_loss_sum`); None: not asked for.
 
     Returns:
         ``(logps, tokens)``: ``[rows]`` float32, ``sum_t log p(labels[t+1] | ...)`` over the row's targets
         (differentiable when gradients are on), and ``[rows]`` int64 target counts.
     """
     targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
-    nll, _ = token_loss_sum(model, model_inputs(batch), targets, per_row=True)
+    nll, _ = token_loss_sum(model, model_inputs(batch), targets, per_row=True, router=router)
     return -sequence.sum_over_sequence(nll), _row_targets(batch)
 
 
@@ -487,12 +489,15 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
 
     Returns:
         :class:`~finetune.data.batch.LossOutput`: ``loss_sum`` 0-dim float32 over pairs, ``targets`` the pair count.
+        A mixture-of-experts policy adds its router's load-balancing term (``aux_loss``, of the forward over the
+        chosen and rejected rows together) and router statistics (:func:`finetune.engine.moe.router_terms`).
 
     Raises:
         ValueError: a DPO or IPO batch has no ``reference_logps`` and the model no adapters to turn off.
     """
     s = settings or DpoConfig()
-    logps, tokens = sequence_logps(model, batch)
+    router: dict = {}  # a mixture of experts: its load-balancing loss term and router statistics
+    logps, tokens = sequence_logps(model, batch, router)
     ref = None
     if s.loss_type not in REFERENCE_FREE:
         ref = batch.get(REFERENCE_COLUMN)
@@ -517,7 +522,8 @@ def forward(model, batch: dict, metrics: bool = False, settings: DpoConfig | Non
         log_odds, nll = (t.detach() for t in orpo_terms(lp, tokens))
         sums.update({"nll_loss": nll, "log_odds_ratio": F.logsigmoid(log_odds), "log_odds_chosen": log_odds})
     return LossOutput((losses * valid).sum(), count_targets(batch),
-                      metrics={k: ((v * valid).sum(), pairs) for k, v in sums.items()})
+                      metrics={**{k: ((v * valid).sum(), pairs) for k, v in sums.items()}, **router.get("metrics", {})},
+                      aux_loss=router.get("aux_loss"))
 
 
 SIMPO_BETA = (1.0, 10.0)

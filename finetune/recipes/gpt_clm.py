@@ -100,10 +100,12 @@ def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
 
     Returns:
         :class:`~finetune.recipes.LossOutput` with the cross-entropy summed over targets (0-dim float32, as
-        transformers' ``ForCausalLMLoss`` with a sum).
+        transformers' ``ForCausalLMLoss`` with a sum).  For a mixture-of-experts model also its router's load-balancing
+        loss term (``aux_loss``) and router statistics as metrics (:func:`finetune.engine.moe.router_terms`).
     """
-    loss, _ = token_loss_sum(model, model_inputs(batch), next_token_targets(batch))
-    return LossOutput(loss, count_targets(batch))
+    router: dict = {}  # a mixture of experts: its load-balancing loss term and router statistics
+    loss, _ = token_loss_sum(model, model_inputs(batch), next_token_targets(batch), router=router)
+    return LossOutput(loss, count_targets(batch), router.get("metrics", {}), aux_loss=router.get("aux_loss"))
 
 
 def next_token_targets(batch: dict) -> torch.Tensor:

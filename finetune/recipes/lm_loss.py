@@ -56,6 +56,7 @@ import transformers
 from torch.utils.checkpoint import checkpoint
 
 from finetune import patches
+from finetune.engine import moe
 from finetune.parallel import distributed as dist_utils
 from finetune.logs import logger
 
@@ -277,7 +278,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bool = False,
-                   per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   per_row: bool = False, router: dict | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``model(**inputs)`` with its head and cross-entropy only at the positions where ``targets != -100``.
 
     Args:
@@ -288,6 +289,9 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bo
         count_correct: also return how many target positions have their target as the argmax (evaluation).
         per_row: sum per sequence instead: ``[batch]`` float32, the negative log-likelihood of each row's targets
             (preference losses need one log-probability per sequence); never on the fused kernel.
+        router: a dict to fill with the router's loss term and statistics when the model is a mixture of experts
+            (it is then asked for its router logits): :func:`finetune.engine.moe.router_terms`'s ``aux_loss`` and
+            ``metrics``; left empty for a dense model. None: the router logits are not asked for.
 
     Returns:
         ``(loss_sum, correct)``: the cross-entropy summed over target positions (0-dim float32, fp32 logits;
@@ -302,8 +306,9 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bo
     head = find_head(model)
     emb = unwrap(model).get_output_embeddings()
     vocab = getattr(emb, "out_features", None) or getattr(unwrap(model).config, "vocab_size", 32768)
+    extra = moe.router_inputs(unwrap(model).config) if router is not None else {}
     with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct, per_row) as state:
-        out = model(**inputs)
+        out = model(**inputs, **extra)
     got = out.logits
     if state.loss is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} never called its output head {type(head).__name__}; "
@@ -312,4 +317,6 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bo
         raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
                            f"before returning it (e.g. logit soft-capping or scaling); the target-position loss "
                            f"does not support such models")
+    if extra:
+        router.update(moe.router_terms(unwrap(model).config, out, inputs.get("attention_mask")))
     return got, state.correct

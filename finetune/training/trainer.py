@@ -27,6 +27,9 @@ parallelism (:mod:`finetune.parallel.sequence`) each rank sums its slice of ever
 targets once, and DeepSpeed sums the gradients of all ``D x SP`` ranks and divides by ``D``: the same gradient.
 ``loss_weighting: micro_batch``: each micro-batch loss is its own mean (``sum_i l_i / n_micro``) and the
 optimized loss is the mean of those means, DeepSpeed's plain behaviour.
+A loss that is a mean of its own (``LossOutput.aux_loss``: a mixture of experts' load-balancing loss times its
+coefficient) is added to the micro-batch loss after the weighting, so the gradient gets ``mean over the D x G
+micro-batches of aux`` (:mod:`finetune.engine.moe`); ``train/loss`` is the token part only.
 The loss sum comes from the recipe (``forward``: "batch -> loss sum", see :mod:`finetune.recipes`), never from
 the model: models do not all honour ``num_items_in_batch`` (``BertForMaskedLM`` ignores it and always returns
 its own mean); the LM recipes run the output head and the cross-entropy at target positions only.
@@ -359,7 +362,9 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload \
                 else contextlib.nullcontext():  # model.offload_activations: what checkpointing keeps goes to the host
             out = recipe.forward(engine, batch)  # the recipe runs the model on everything but the labels
-        loss = non_finite_to_nan_grads(out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1)))
+        lm = out.loss_sum / (denom if token_weighted else out.targets.clamp(min=1))
+        # an MoE router's load-balancing term is a mean of its own: added after the weighting (LossOutput.aux_loss)
+        loss = non_finite_to_nan_grads(lm if out.aux_loss is None else lm + out.aux_loss)
         meter.lap("forward")
         engine.backward(loss)
         meter.lap("backward")
@@ -369,7 +374,7 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
                 _skip_update_stage0(engine)
         engine.step()
         meter.lap("optimizer")
-        step_loss += loss.detach().double() / gas
+        step_loss += lm.detach().double() / gas  # train/loss: the token loss (an aux loss is logged on its own)
         for name, (num, den) in out.metrics.items():
             metrics[name] = metrics.get(name, 0) + torch.stack([num.detach(), den.detach()]).double()
         meter.count(batch)  # non-pad tokens (attention mask, or num_tokens of packed rows), positions
