@@ -6,7 +6,8 @@ partitioned, and ZeRO-0) against one device with 2 accumulation steps, which run
 (the aux loss is a mean per micro-batch, so the split into micro-batches is part of what a step optimizes). Per step
 ``train/loss`` (the token part), ``train/aux_loss`` and the router statistics agree at the parity battery's
 tolerances (``tests/test_parity.py``: losses 1e-5 relative, grad norms 1e-4), and so do the grad norms, which
-carry the aux loss's gradient.
+carry the aux loss's gradient. The step-1 grad norm is also checked against the definition computed in this process
+(the gradient of the LM token mean + ``coef x`` the mean of the two micro-batches' aux losses).
 
 The batch in which one rank routes no token to some expert is made from the data: the row rank 1 trains on at step
 1 is one byte repeated (``"a" * 40``). With causal attention over identical values every position of such a row has
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, launch, ok, read_metrics, scratch_model, simulated_ranks, write_parquet
+from conftest import CONFIGS, check_here, launch, ok, read_metrics, scratch_model, simulated_ranks, write_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -114,20 +115,41 @@ def test_zero3_two_ranks_equal_one_device_with_an_idle_expert(data, one_device, 
     model = scratch_model(cfg)
     first = [next(iter(loader)) for loader in loaders]
     assert first[1]["input_ids"].unique().numel() <= 2  # the repeated byte (and the EOS the tokenizer appends)
-    with torch.no_grad():
-        outs = [gpt_clm.forward(model, batch) for batch in first]
+    outs = [gpt_clm.forward(model, batch) for batch in first]
     idle = [float(o.metrics["router/idle_experts"][0]) for o in outs]
     assert idle[0] == 0 and idle[1] >= 2, idle  # 2 layers x 4 experts: at least one layer leaves 2 idle on rank 1
     step1 = _steps(run)[1]
     assert step1["train/router/idle_experts"] == pytest.approx(sum(idle) / 2)  # logged: the mean of the two ranks
     aux = [float(o.metrics["aux_loss"][0]) for o in outs]
     assert step1["train/aux_loss"] == pytest.approx(sum(aux) / 2, rel=1e-5)
-    # the aux term is part of the optimized loss: its coefficient times the model's own aux loss, per micro-batch
+    # the aux term is part of the optimized loss: its coefficient times the model's own aux loss, per micro-batch; the
+    # logged step-1 gradient norm (before clipping) is that of "LM token mean + coef x mean of the micro-batch aux
+    # losses" (measured 2.5e-9 relative), and without the aux term it would differ (by 1.9e-4)
     assert float(outs[0].aux_loss) == pytest.approx(0.01 * aux[0], rel=1e-6)
+    lm = sum(o.loss_sum for o in outs) / sum(o.targets for o in outs)
+
+    def grad_norm(loss) -> float:
+        model.zero_grad()
+        loss.backward(retain_graph=True)
+        return float(torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in model.parameters()
+                                  if p.grad is not None]).norm())
+
+    assert step1["train/grad_norm"] == pytest.approx(grad_norm(lm + sum(o.aux_loss for o in outs) / 2), rel=1e-5)
+    assert step1["train/grad_norm"] != pytest.approx(grad_norm(lm), rel=1e-5)
     shares = [step1[f"train/router/expert{e}_share"] for e in range(4)]
     assert math.isclose(sum(shares), 1.0, rel_tol=1e-9) and 1.0 <= step1["train/router/max_load"] <= 2.0
     final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
     assert "eval/aux_loss" in final and "eval/router/idle_experts" in final
+
+
+def test_moe_refuses_split_micro_batches(capsys, tmp_path):
+    """Sequence and tensor parallelism split the micro-batch the router's loss is defined on: refused by --check."""
+    for key in ("parallel.sequence_parallel_size=2", "parallel.tensor_parallel_size=2"):
+        code, out = check_here(["--config", MOE, f"output_dir={tmp_path / 'r'}", key, "deepspeed=ds_configs/zero2.json"],
+                               capsys, WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29999")
+        assert code == 2 and f"{key.split('=')[0]}: 'data/models/tiny-qwen3-moe/config.json' (model_type qwen3_moe) is " \
+            f"a mixture of experts (4 experts, top-2)" in out, out[-2000:]
 
 
 @pytest.mark.extended

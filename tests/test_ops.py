@@ -121,6 +121,41 @@ def test_plan_counts_dpo_under_sequence_parallelism_and_lora():
     assert z0.gpu["parameters"] == adapted.params * 2
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_plan_and_doctor_count_active_experts(capsys, model, tmp_path):
+    """A mixture of experts: total and active parameters (non-expert + top_k / experts of the expert ones, counted here
+    from transformers' own modules), activations of the top-k experts, the whole sparse block as ZeRO-3's largest
+    gather, and doctor's ``moe`` row (a warning without a load-balancing loss)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.config import load_run_config
+
+    config = REPO / "finetune" / "recipes" / "configs" / "gpt_clm_moe.yaml"
+    over = [f"model.path=data/models/{model}", f"output_dir={tmp_path / 'run'}"]
+    hf = AutoConfig.from_pretrained(REPO / "data" / "models" / model)
+    with torch.device("meta"):
+        built = AutoModelForCausalLM.from_config(hf)
+    total = sum(p.numel() for p in built.parameters())
+    experts = sum(p.numel() for n, p in built.named_parameters() if ".mlp.experts." in n)
+    active = total - experts + experts * hf.num_experts_per_tok // 4
+    block = sum(p.numel() for p in built.model.layers[0].mlp.parameters())
+    shape = plan.model_shape(load_run_config(config, over))
+    assert (shape.params, shape.expert_params, plan.active_parameters(shape)) == (total, experts, active)
+    assert shape.largest_layer == block and shape.intermediate == 2 * 64 and shape.gated_mlp
+    code, out, err = _plan(capsys, [config, *over, "--gpus-per-node", "2"])
+    assert code == 0, err
+    assert (f"{total:,} parameters" in out and f"mixture of experts: 4 experts, top-2, {active:,} active per token"
+            in out), out
+    assert doctor.main([str(config), *over]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe"))
+    assert row.split()[1] == "ok" and f"{active:,} active per token" in row and f"up to {block:,} parameters" in row
+    doctor.main([str(config), *over, "model.config_overrides={router_aux_loss_coef: 0.0}"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe"))
+    assert row.split()[1] == "warn" and "router_aux_loss_coef is 0" in row
+    assert plan.active_parameters(plan.model_shape(load_run_config(CONFIGS / "tiny_gpt.yaml"))) == 102_714  # dense
+
+
 def test_plan_bad_arguments(capsys):
     code, _, err = _plan(capsys, [CONFIGS / "tiny_gpt.yaml", "--gpu-memory", "lots"])
     assert code == 2 and "finetune: error: --gpu-memory/--cpu-memory: 'lots' is not a memory size" in err

@@ -14,6 +14,9 @@ Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exi
   would train in there (:func:`finetune.engine.ds_config.describe_precision`).
 * ``disk``: free space in the output folder vs one checkpoint plus the export (parameters from the model
   built on the meta device, :func:`finetune.preflight.plan.model_shape`).
+* ``moe`` (mixture-of-experts models only, :mod:`finetune.engine.moe`): experts, top-k, total and active parameters
+  per token, the router's load-balancing coefficient (a warning when it is 0: nothing then balances the experts'
+  load) and, under ZeRO-3, the size of the sparse block gathered whole.
 * ``folders``: output and tokenization cache folders can be written (a file is created and removed).
 * ``launcher``: what the launch would see: Slurm variables, a DeepSpeed hostfile, MASTER_ADDR/PORT.
 * ``multinode`` (with ``--nodes N`` > 1, or inside a multi-node Slurm job): the output and cache folders on a
@@ -44,11 +47,11 @@ from finetune.data import mixture
 from finetune.config import RunConfig, deep_merge, load_run_config
 from finetune.data.dataset import default_cache_dir, expand_files
 from finetune.parallel.distributed import slurm_head_node
-from finetune.engine.ds_config import describe_precision, load_ds_json
+from finetune.engine.ds_config import describe_precision, load_ds_json, zero_stage
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.airgap.manifest import weights_problems
-from finetune.preflight.plan import model_shape, run_precision
+from finetune.preflight.plan import active_parameters, model_shape, run_precision
 from finetune.recipes import RECIPES, get_recipe
 from finetune.preflight.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
 
@@ -342,6 +345,27 @@ def _offline_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _moe_rows(cfg: RunConfig, ds: dict) -> list[tuple[str, str, str]]:
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []
+    try:
+        shape = model_shape(cfg)
+    except ConfigError:
+        return []  # the config rows report it
+    if not shape.experts:
+        return []
+    gather = (f"; ZeRO-3 gathers each sparse block whole (a leaf module): up to {shape.largest_layer:,} parameters at "
+              f"once" if zero_stage(ds) == 3 else "")
+    what = (f"{shape.experts} experts, top-{shape.top_k}: {shape.params:,} parameters, {active_parameters(shape):,} "
+            f"active per token (non-expert + {shape.top_k}/{shape.experts} of the {shape.expert_params:,} expert "
+            f"parameters){gather}")
+    if shape.aux_loss_coef <= 0:
+        return [("moe", "warn", f"{what}; router_aux_loss_coef is 0: nothing balances the experts' load (set "
+                                f"model.config_overrides={{router_aux_loss_coef: 0.001}})")]
+    return [("moe", "ok", f"{what}; load-balancing loss x {shape.aux_loss_coef:g} trained and logged (train/aux_loss, "
+                          f"train/router/*)")]
+
+
 def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, str, str]]:
     """Every doctor row ``(area, status, detail)`` for ``cfg`` on ``nodes`` nodes (status ``ok``, ``warn`` or
     ``FAIL``)."""
@@ -349,7 +373,8 @@ def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, 
                                                  else [])
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
-    rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _folder_rows(cfg) + _launcher_rows()
+    rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _moe_rows(cfg, ds) + _folder_rows(cfg)
+    rows += _launcher_rows()
     rows += _multinode_rows(cfg, nodes) + _offline_rows(cfg)
     return rows
 

@@ -45,6 +45,11 @@ no GPU). For each option it adds up, per rank:
 * **DeepSpeed buffers** from the DeepSpeed config: ZeRO 1/2 ``reduce_bucket_size`` (x2 with ``overlap_comm``)
   and ``allgather_bucket_size``; ZeRO 3 ``reduce_bucket_size`` and ``stage3_prefetch_bucket_size``; ZeRO 0 one
   flat gradient bucket for the all-reduce; each in the gradient dtype and never more than the model itself.
+* **Mixtures of experts** (:mod:`finetune.engine.moe`): the model states count every parameter (all experts are
+  trained and kept), the activations those of the ``k`` experts each token passes (intermediate size ``k x`` the
+  expert's), and under ZeRO 3 the largest gather is a whole sparse MoE block (a leaf module, gathered at once). The
+  header gives total and active parameters: active = the non-expert ones + ``k / E`` of the expert ones
+  (``E`` routed experts, top-``k``).
 * **CPU RAM per node** also holds each rank's copy of the model while it is loaded (fp32, ``4N``; under ZeRO 3
   ``zero.Init`` builds it partitioned: one layer), as in DeepSpeed's estimators.
 
@@ -79,7 +84,7 @@ from finetune.engine.ds_config import (
 )
 from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
-from finetune.engine import lora, muon
+from finetune.engine import lora, moe, muon
 from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
@@ -132,10 +137,28 @@ class ModelShape:
     muon: int = 0
     """Parameters Muon trains (``train.optimizer: muon``, :func:`finetune.engine.muon.split`: the 2-D hidden
     matrices): one fp32 momentum buffer each (4 bytes) instead of Adam's two moments (8); 0 with AdamW."""
+    expert_params: int = 0
+    """Parameters of the routed experts of a mixture of experts (:func:`finetune.engine.moe.expert_parameter_count`);
+    0 for a dense model."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: dense)."""
+    top_k: int = 0
+    """Experts each token passes (0: dense)."""
+    aux_loss_coef: float = 0.0
+    """The router's load-balancing loss coefficient (``router_aux_loss_coef``; 0 for a dense model)."""
     sequences_per_row: int = 1
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
     of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
     log-probabilities are computed before training)."""
+
+
+def active_parameters(shape: ModelShape) -> int:
+    """Parameters one token passes through: all of a dense model's; for a mixture of experts the non-expert ones
+    plus ``top_k / experts`` of the expert ones (:func:`finetune.engine.moe.active_parameters`)."""
+    if not shape.experts:
+        return shape.params
+    return moe.active_parameters(shape.params, shape.expert_params,
+                                 moe.MoeShape(experts=shape.experts, top_k=shape.top_k, aux_loss_coef=0.0))
 
 
 @dataclass
@@ -194,8 +217,14 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     trainable, params = lora.count_parameters(model)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     hidden = config.hidden_size
-    gated = config.model_type in _GATED
+    routed = moe.moe_shape(config)
+    gated = config.model_type in _GATED or routed is not None
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    expert_params = 0
+    if routed is not None:  # the k experts a token passes; ZeRO-3 gathers each sparse block whole (a leaf module)
+        intermediate = routed.top_k * (getattr(config, "moe_intermediate_size", None) or intermediate)
+        expert_params = moe.expert_parameter_count(model)
+        largest = max([largest] + [sum(p.numel() for p in b.parameters()) for b in moe.sparse_blocks(model)])
     attn = getattr(config, "_attn_implementation", None) or "sdpa"
     dropout = any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
                   if "dropout" in k or k.endswith("_pdrop"))
@@ -210,7 +239,9 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
                       sequences_per_row=recipe.capabilities.sequences_per_row,
                       trainable=trainable if trainable < params else 0,
-                      muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0)
+                      muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
+                      expert_params=expert_params, experts=routed.experts if routed else 0,
+                      top_k=routed.top_k if routed else 0, aux_loss_coef=routed.aux_loss_coef if routed else 0.0)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -381,7 +412,10 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              + (f"; LoRA: {shape.trainable:,} trainable, the only ones with gradients and optimizer states"
                 if shape.trainable else "")
              + (f"; Muon: {shape.muon:,} in matrices with one fp32 momentum buffer, the rest AdamW's two moments"
-                if shape.muon else "") + ")",
+                if shape.muon else "")
+             + (f"; mixture of experts: {shape.experts} experts, top-{shape.top_k}, {active_parameters(shape):,} "
+                f"active per token (non-expert + {shape.top_k}/{shape.experts} of the {shape.expert_params:,} expert "
+                f"parameters)" if shape.experts else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"

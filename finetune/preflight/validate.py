@@ -17,7 +17,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.engine import lora, muon
+from finetune.engine import lora, moe, muon
 from finetune.data import mixture
 from finetune.parallel import checks, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -125,7 +125,8 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     ``model.gradient_checkpointing`` the model cannot take (:func:`finetune.engine.lora.check`), an unreadable
     tokenizer, missing special tokens (the recipe's ``prepare_tokenizer``; EOS for packed ``gpt_clm``), a
     ``model.attn_implementation`` the model class does not support,
-    and token ids beyond the model's ``vocab_size``. Runs only when the folders and the recipe are valid
+    and token ids beyond the model's ``vocab_size``; a mixture-of-experts model (:func:`finetune.engine.moe.moe_shape`)
+    with sequence or tensor parallelism or tiled MLPs (its router's loss is defined on whole micro-batches). Runs only when the folders and the recipe are valid
     (their own problems are reported elsewhere).
     """
     model_dir = Path(cfg.model.path) if cfg.model.path else None
@@ -190,6 +191,15 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     offered = ({d: said(offering(lambda c, d=d: d in c.parallel)) for d in (sequence.DIMENSION, tensor.DIMENSION)}
                if asked else None)  # only for the lines of a refusal: it imports every recipe
     checks.check(cfg, config, None, recipe.capabilities.parallel, problems, offered)
+    shape = moe.moe_shape(config)
+    beside = [f"{key}={value}" for key, value in (("parallel.sequence_parallel_size", cfg.parallel.sequence_parallel_size),
+                                                   ("parallel.tensor_parallel_size", cfg.parallel.tensor_parallel_size),
+                                                   ("parallel.tiled_mlp", cfg.parallel.tiled_mlp)) if value not in (1, False)]
+    if shape is not None and beside:  # the router's loss and statistics are defined per whole micro-batch
+        problems.append(f"{beside[0].split('=')[0]}: {where} is a mixture of experts ({shape.experts} experts, top-"
+                        f"{shape.top_k}), and its router's load-balancing loss is defined on whole micro-batches, "
+                        f"which {', '.join(beside)} splits; finetune does not train MoE models with it yet: leave it "
+                        f"at {'1' if 'size' in beside[0] else 'false'}")
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
         return  # reported by _check_model
     try:
