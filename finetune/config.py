@@ -99,15 +99,17 @@ class DataConfig:
     text_pair_column: str = ""
     """seq_cls only: second text column for sentence pairs (NLI, paraphrase), tokenized as a pair; empty: single texts."""
     label_column: str = "label"
-    """seq_cls only: class label column (ints or strings; the sorted training labels become the model's id2label)."""
+    """seq_cls: class label column (ints or strings; the sorted training labels become the model's id2label); kto: the desirability column (bool, or ints 0/1: true = desirable)."""
     max_seq_len: int = 128
     """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
-    """sft, dpo and reward: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo and reward: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
+    """sft, dpo, kto and reward: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo, kto and reward: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
     response_column: str = ""
     """sft only: response column (text, trained on, followed by EOS); with ``prompt_column``."""
+    completion_column: str = "completion"
+    """kto only: the completion column (text, or a list of assistant messages when the prompt is a list of messages; TRL's unpaired form)."""
     chosen_column: str = "chosen"
     """dpo and reward: the preferred response (text, or a list of assistant messages when the prompt is a list of messages)."""
     rejected_column: str = "rejected"
@@ -117,9 +119,9 @@ class DataConfig:
     messages_column: str = ""
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
     chat_template: str = ""
-    """sft, dpo and reward: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
+    """sft, dpo, kto and reward: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: Truncation = "truncate"
-    """sft, dpo and reward: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
+    """sft, dpo, kto and reward: an example longer than ``max_seq_len`` is cut to it (``truncate``) or left out (``drop``); counted in the log."""
     group_by_length: bool = True
     """Fill each global batch with rows of similar length (mega-batches sorted by length, shuffled as batches, as
     transformers' ``LengthGroupedSampler``): less padding, no rank waiting for a wider one. No effect on packed rows."""
@@ -158,6 +160,18 @@ class DpoConfig:
     """SimPO's target reward margin ``gamma`` (TRL's ``simpo_gamma``; the paper's gamma/beta ratio 0.5 at beta 1)."""
     rpo_alpha: float = 0.0
     """Weight of an SFT term: each pair's loss adds ``rpo_alpha`` x the chosen response's mean token negative log-likelihood (RPO, Pang et al. 2024; TRL 1.16 has no such option); 0: off."""
+
+
+@dataclass
+class KtoConfig:
+    """Preference training on unpaired rows (recipe ``kto``): KTO's loss (Ethayarajh et al. 2024; docs/preference.md)."""
+
+    beta: float = 0.1
+    """Temperature of the implicit reward ``beta * (log pi - log pi_ref)``; > 0. TRL's default 0.1."""
+    desirable_weight: float = 1.0
+    """Weight of a desirable row's loss (TRL's ``desirable_weight``; the paper's lambda_D); > 0."""
+    undesirable_weight: float = 1.0
+    """Weight of an undesirable row's loss (TRL's ``undesirable_weight``; the paper's lambda_U); > 0."""
 
 
 @dataclass
@@ -282,6 +296,8 @@ class TrainConfig:
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference loss of the ``dpo`` recipe."""
+    kto: KtoConfig = field(default_factory=KtoConfig)
+    """Loss of the ``kto`` recipe (unpaired desirable/undesirable rows)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Loss of the ``reward`` recipe (a reward model trained on chosen/rejected pairs)."""
     eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
@@ -318,7 +334,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo`` or ``reward`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto`` or ``reward`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

@@ -17,11 +17,12 @@ tokens in ``[[...]]`` (``--color never``, or ``auto`` when stdout is not a termi
 each EOS of a packed block without them). Trained positions show their target: for a masked LM the original token,
 whatever the input holds there (``[MASK]``, a random token or the token itself; the header counts the changed ones).
 A recipe with one target per row (``Capabilities.one_target_per_row``) shows the row's label and its name. A recipe
-with several sequences per row (``Capabilities.sequences_per_row``: ``dpo``) shows each: chosen, then rejected.
+with several sequences per row (``Capabilities.sequences_per_row``: ``dpo``, ``kto``) shows each under its name
+(``Capabilities.sequence_names``): chosen, then rejected; kto's completion, then its KL pair.
 
 Warnings (``finetune: warning: ...`` on stderr; the exit status stays 0), for recipes that train on answers to
 prompts (those that generate text and take their rows apart themselves: ``Capabilities.generates_text`` and
-``counts_rows``, i.e. ``sft`` and ``dpo``):
+``counts_rows``, i.e. ``sft``, ``dpo`` and ``kto``):
 
 * an example with no trained token (its labels are all -100): a chat template that renders no assistant turn, or one
   whose ``{% generation %}`` markers enclose nothing;
@@ -125,7 +126,8 @@ def collated_sequences(recipe: Recipe, tokenizer, cfg: RunConfig, rows: list[dic
     batch = collate([{**r, "_index": i} for i, r in enumerate(rows)])
     n = len(rows)
     per_row = recipe.capabilities.sequences_per_row
-    names = ("chosen", "rejected") if per_row == 2 else tuple(f"sequence {j}" for j in range(per_row))
+    names = recipe.capabilities.sequence_names or (("chosen", "rejected") if per_row == 2
+                                                   else tuple(f"sequence {j}" for j in range(per_row)))
     id2label = {}
     if batch["labels"].dim() == 1:
         try:

@@ -44,6 +44,7 @@ RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
     "dpo": "finetune.recipes.dpo",
     "gpt_clm": "finetune.recipes.gpt_clm",
+    "kto": "finetune.recipes.kto",
     "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
@@ -78,6 +79,11 @@ def as_is(recipe: Recipe, cfg: RunConfig) -> Recipe:
 def no_pass(engine, data, cfg: RunConfig):
     """Default ``before_training``: the data as it is, no pass over it."""
     return data
+
+
+def same_batches(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
+    """Default ``before_step``: the step's micro-batches as they are."""
+    return micro
 
 
 def no_generation(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
@@ -130,8 +136,11 @@ class Capabilities:
     under a flash-attention kernel each micro-batch is flattened into one row (:func:`finetune.data.batch.flattens`)
     so that the variable-length kernel keeps them apart."""
     sequences_per_row: int = 1
-    """Sequences the model runs per data row (``dpo``, ``reward``: chosen and rejected, 2), for the planner's
-    activations."""
+    """Sequences the model runs per data row (``dpo``, ``reward``: chosen and rejected, 2; ``kto``: the completion
+    and its mismatched KL pair, 2), for the planner's activations."""
+    sequence_names: tuple[str, ...] = ()
+    """What ``finetune inspect`` calls each of a row's sequences (the collator's batch holds the first sequence of
+    every row, then the second, ...); empty: ``chosen``, ``rejected`` for two, else ``sequence <j>``."""
     one_target_per_row: bool = False
     """A row has one target, not one per position (sequence classification: ``seq_cls``, ``reward``): the planner
     counts the head's logits per row (``num_labels``), not per token."""
@@ -208,6 +217,13 @@ class Recipe:
     """``(engine, data, cfg) -> data``: a pass over the data with the model's initial weights, after the engine is
     built and before a checkpoint is restored; returns the :class:`finetune.data.dataset.TrainData` to train on (``dpo``:
     the reference log-probabilities of every pair, cached, as a column of both splits). All ranks call it."""
+    before_step: Callable[[Any, list[dict], RunConfig], list[dict]] = same_batches
+    """``(engine, micro_batches, cfg) -> micro_batches``: called by the loop on every rank with the ``gas``
+    collated micro-batches (on the host) of each optimizer step, before the step's collective and any
+    ``forward``; returns the batches the step trains on. For values that depend on the whole global batch: ``kto``
+    runs its KL pairs with no gradient, all-reduces the KL estimate over the data-parallel ranks and stores it in
+    every batch. It may run the model (ZeRO-3: every rank runs the same number of forwards) and collectives.
+    Default: the batches as they are."""
     columns: Callable[[DataConfig], list[str]] = text_column
     """``(data_cfg) -> list[str]``: parquet columns the tokenize function reads; part of the tokenized-cache key,
     checked by ``finetune doctor`` and for valid UTF-8 before any model is built."""

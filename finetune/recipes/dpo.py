@@ -162,7 +162,7 @@ def prepare_model_config(model_config, data_cfg: DataConfig):
     return model_config
 
 
-def _as_messages(response) -> list[dict] | None:
+def as_messages(response) -> list[dict] | None:
     """A conversational response: a list of messages as it is, a string as one assistant message."""
     if isinstance(response, str):
         return [{"role": "assistant", "content": response}]
@@ -179,7 +179,7 @@ def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[
             if prompt.strip() and isinstance(chosen, str) and chosen.strip():
                 pairs.append((tokenizer(prompt, add_special_tokens=True)["input_ids"], chosen))
             continue
-        messages = _as_messages(chosen)
+        messages = as_messages(chosen)
         if prompt is None or message_problem(prompt) or not messages:
             continue
         answer = " ".join(m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
@@ -221,7 +221,7 @@ class PairExamples:
         conversational response has no assistant turn."""
         if isinstance(prompt, str):
             return encode_pair(self.tokenizer, prompt, response)
-        messages = _as_messages(response)
+        messages = as_messages(response)
         if not messages or not any(m.get("role") == "assistant" for m in messages if isinstance(m, dict)):
             return None
         template = self._template()
@@ -654,8 +654,8 @@ def reference_logps(engine, split, collator, cfg: RunConfig) -> np.ndarray:
 
 
 def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
-    """Attach the reference log-probabilities of every pair to both splits (``reference_logps``), computed once per
-    tokenized split and initial model and cached in ``<cache>/reference/``; the data as it is for SimPO and LoRA.
+    """Attach the reference log-probabilities of every pair to both splits (``reference_logps``, :func:`attach_reference`);
+    the data as it is for SimPO and LoRA.
 
     Must run before a checkpoint is restored (the reference is the model's initial weights).
     """
@@ -665,15 +665,24 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     if cfg.model.lora is not None:
         logger.info("dpo: reference = the base model (LoRA adapters off), a no-grad forward in each step")
         return data
+    return attach_reference(engine, data, cfg, "dpo", "pairs")
+
+
+def attach_reference(engine, data: TrainData, cfg: RunConfig, name: str, what: str) -> TrainData:
+    """Both splits with the ``reference_logps`` column: :func:`reference_logps` of every row (its two sequences: the
+    collator's first and second half), computed once per tokenized split and initial model and cached in
+    ``<cache>/reference/<name>-<split>-<key>.npy`` (:func:`reference_key`), else read from there. All ranks call it,
+    before a checkpoint is restored. ``name`` is the recipe (the cache file's prefix and the log's), ``what`` the
+    rows' name in the log (``pairs``, ``rows``)."""
     precision = engine_precision(engine)
     folder = default_cache_dir(cfg.data) / "reference"
     splits = {}
-    for name in ("train", "validation"):
-        split = getattr(data.splits, name)
-        path = folder / f"dpo-{name}-{reference_key(cfg, split, precision)}.npy"
+    for split_name in ("train", "validation"):
+        split = getattr(data.splits, split_name)
+        path = folder / f"{name}-{split_name}-{reference_key(cfg, split, precision)}.npy"
         if not dist_utils.any_rank(not path.is_file(), engine.device):
             values = np.load(path)
-            logger.info(f"dpo: reference log-probabilities of {len(split):,} {name} pairs reused ({path})")
+            logger.info(f"{name}: reference log-probabilities of {len(split):,} {split_name} {what} reused ({path})")
         else:
             start = time.monotonic()
             values = reference_logps(engine, split, data.collator, cfg)
@@ -684,9 +693,9 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
                     np.save(f, values)
                 os.replace(tmp, path)
             dist_utils.barrier()
-            logger.info(f"dpo: reference log-probabilities of {len(split):,} {name} pairs computed in "
+            logger.info(f"{name}: reference log-probabilities of {len(split):,} {split_name} {what} computed in "
                         f"{time.monotonic() - start:.1f} s (saved to {path})")
-        splits[name] = split.add_column(REFERENCE_COLUMN, values.tolist())
+        splits[split_name] = split.add_column(REFERENCE_COLUMN, values.tolist())
     return with_splits(dataclasses.replace(data.splits, **splits), data.collator, cfg)
 
 
@@ -762,7 +771,7 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                         continue
                     conversational = True
                     problem = message_problem(prompt)
-                    messages = _as_messages(response)
+                    messages = as_messages(response)
                     if problem is None and messages is not None:
                         problem = message_problem(messages)
                         if problem is None and not any(m["role"] == "assistant" for m in messages):
@@ -774,7 +783,7 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                                         f"messages (prompt) and assistant messages (chosen, rejected)")
                         break
             if len(problems) == file_start and any(not isinstance(p, str) for p in prompts):
-                templates.check(key, f, columns(d), ((i, col, list(p) + _as_messages(responses[col][i]))
+                templates.check(key, f, columns(d), ((i, col, list(p) + as_messages(responses[col][i]))
                                                      for i, p in enumerate(prompts) if not isinstance(p, str)
                                                      for col in (d.chosen_column, d.rejected_column)), problems)
         if files and len(problems) == split_start:

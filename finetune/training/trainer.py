@@ -3,6 +3,7 @@
 Per optimizer step, on every rank::
 
     micro = [next(batches) for _ in range(gradient_accumulation_steps)]
+    micro = recipe.before_step(engine, micro, cfg)                      # whole-batch values (kto's KL estimate)
     N, stop = all_reduce([sum(count_targets(b) for b in micro), stop signal here?])  # the step's collective
     if stop: save a checkpoint of the last step, return
     for b in micro:
@@ -597,7 +598,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         while state.step < total_steps:
             for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, lay.dp, resume_from, begin):
                 meter.lap("data_wait")
-                log_now = cadence.log(state.step + 1)
+                micro = recipe.before_step(engine, micro, cfg)  # the default returns them as they are
                 targets, stop = step_collective(recipe, micro, by_token, stop_flag, engine.device, lay.replicas)
                 if stop:  # the rows drawn for this step are trained on resume
                     saver.save(state, unless_saved=True)
@@ -608,7 +609,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 pbar.update(1)
                 if guard.check(engine, state):
                     window.add(loss, metrics)
-                if log_now:
+                if cadence.log(state.step):  # the step just trained
                     window.write(state, grad_norm)
                 if cadence.eval(state.step):
                     if evals.run(state, "step"):  # train.early_stopping: saved, the end of the run follows
