@@ -17,6 +17,9 @@ exercised), all sharing one fresh tokenization/reference cache:
   the base model (adapters off), so step 1's loss is exactly ``log 2`` and step 2's is not (the adapters moved,
   the reference did not); step 2 is the same under both (SP + LoRA = data parallelism, 1e-5).
 
+ORPO (reference-free) at ZeRO-3 and, extended, at ZeRO-0, 2 ranks x accumulation 2: per-step loss and grad norm equal
+:func:`orpo_pair_loss` in one process.
+
 The shipped ``dpo_gsm8k.yaml`` learns (extended): held-out reward accuracy above 0.5.
 
 Checks before any model (``--check``, in process): missing columns, null/empty responses, conversational rows
@@ -256,22 +259,33 @@ def test_lora_reference_is_the_base_model_at_zero2_and_zero3_sequence_parallel(t
 
 
 ORPO = ["train.dpo.loss_type=orpo", "train.dpo.beta=0.25", "train.dpo.label_smoothing=0", "train.dpo.rpo_alpha=0",
-        "ds.zero_optimization.stage=3", "export=false", "train.save_every=0"]
+        "export=false", "train.save_every=0"]
 
 
-def test_orpo_zero3_equals_the_paper(tmp_path, cache):
-    """ORPO at ZeRO-3, 2 ranks x accumulation 2: per-step loss and grad norm equal :func:`orpo_pair_loss` in one
-    process (no reference pass: reference-free), and TRL's ORPO metrics are logged."""
+def _orpo_equals_the_paper(tmp_path, cache, stage: int) -> None:
+    """ORPO at ZeRO ``stage``, 2 ranks x accumulation 2: per-step loss and grad norm equal :func:`orpo_pair_loss` in
+    one process (no reference pass: reference-free), and TRL's ORPO metrics are logged."""
     run = tmp_path / "orpo"
-    proc = ok(launch(CONFIG, [f"output_dir={run}", *ORPO, f"data.cache_dir={cache}"]))
+    over = [*ORPO, f"ds.zero_optimization.stage={stage}"]
+    proc = ok(launch(CONFIG, [f"output_dir={run}", *over, f"data.cache_dir={cache}"]))
     assert "dpo: orpo is reference-free; no reference log-probabilities" in proc.stdout
-    ref = dpo_reference(_cfg(cache, ORPO), world=2, steps=4)
+    ref = dpo_reference(_cfg(cache, over), world=2, steps=4)
     losses = train_losses(run)
     got = [losses[s] for s in sorted(losses)]
     assert max_rel(got, ref["losses"]) <= 1e-5, (got, ref["losses"])
     assert max_rel(grad_norms(run), ref["grad_norms"]) <= 1e-4, (grad_norms(run), ref["grad_norms"])
     last = [r for r in read_metrics(run) if "train/nll_loss" in r][-1]
     assert last["train/log_odds_ratio"] < 0 and last["train/nll_loss"] > 0 and "train/log_odds_chosen" in last
+
+
+def test_orpo_zero3_equals_the_paper(tmp_path, cache):
+    _orpo_equals_the_paper(tmp_path, cache, 3)
+
+
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_orpo_zero0_equals_the_paper(tmp_path, cache):
+    """At ZeRO-0 (the loop's own gradient norm, DeepSpeed's plain data parallelism) too."""
+    _orpo_equals_the_paper(tmp_path, cache, 0)
 
 
 def test_simpo_ipo_and_orpo_losses_from_their_papers():

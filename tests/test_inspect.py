@@ -22,7 +22,7 @@ from finetune.data.dataset import RowSeededCollate, load_splits
 from finetune.engine.model import load_tokenizer
 from finetune.recipes import recipe_for
 
-HEADER = re.compile(r"^--- row (\d+)(?: (chosen|rejected))?: (\d+) tokens, (?:(\d+) trained(?:, (\d+) examples?)?"
+HEADER = re.compile(r"^--- row (\d+)(?: (chosen|rejected|completion|KL))?: (\d+) tokens, (?:(\d+) trained(?:, (\d+) examples?)?"
                     r"(?: \((\d+) changed in the input[^)]*\))?|label (.+))$")
 MARKED = re.compile(r"\[\[(.*?)\]\]", re.S)
 
@@ -149,6 +149,27 @@ def test_dpo_shows_chosen_and_rejected(capsys):
         prompt = chosen["text"].split("[[")[0]
         assert prompt and rejected["text"].startswith(prompt)  # the shared prompt, untrained in both
     assert "warning" not in err
+
+
+def test_kto_shows_the_completion_and_its_kl_pair(capsys):
+    """Each row as its completion, then its KL pair: the same prompt (untrained) with the previous row's completion
+    (trained, as the collator labels it)."""
+    code, out, err = _inspect(capsys, [CONFIGS / "parity_kto.yaml", "--rows", 2, "--color", "never"])
+    assert code == 0, err
+    batch, rows, cfg, _ = _collated(CONFIGS / "parity_kto.yaml", n=2)
+    shown = _shown(out)
+    assert [(s["row"], s["which"]) for s in shown] == [(0, "completion"), (0, "KL"), (1, "completion"), (1, "KL")]
+    for s in shown:
+        k = s["row"] + (2 if s["which"] == "KL" else 0)  # [2B, seq]: completions, then KL pairs
+        assert s["tokens"] == int(batch["attention_mask"][k].sum())
+        assert s["trained"] == int((batch["labels"][k] != -100).sum()) > 0
+        assert s["text"].count("[[") == 1
+    for completion, kl in (shown[0:2], shown[2:4]):
+        prompt = completion["text"].split("[[")[0]
+        assert prompt and kl["text"].startswith(prompt + "[[") and kl["text"] != completion["text"]
+    previous = MARKED.findall(shown[0]["text"])[0]  # row 1's KL pair holds row 0's completion (both cut at 128)
+    kl_of_next = MARKED.findall(shown[3]["text"])[0]
+    assert previous.startswith(kl_of_next[:20]) and "warning" not in err
 
 
 def test_bert_mlm_marks_the_masked_positions(capsys):

@@ -210,3 +210,17 @@ def test_bad_rows_are_one_line_each_before_any_model(tmp_path, capsys):
     assert "needs at least 2 rows" in capsys.readouterr().err
     ok_file = write_parquet(tmp_path / "ok.parquet", good)
     assert check_files(CONFIG, tmp_path, [ok_file]) == 0
+
+
+def test_plan_counts_the_completion_and_its_kl_pair():
+    """``finetune plan``: a kto row is two sequences (its completion and its KL pair), as a dpo pair: the same
+    activation memory as ``parity_dpo.yaml`` (the same model, micro batch 2 and 128 tokens)."""
+    from finetune.preflight import plan
+
+    kto_cfg, dpo_cfg = load_run_config(CONFIG), load_run_config(CONFIGS / "parity_dpo.yaml")
+    assert plan.model_shape(kto_cfg).sequences_per_row == 2
+    kto_options = plan.make_plan(kto_cfg, 2, 1, 80 * 2**30, None)[1]
+    dpo_options = plan.make_plan(dpo_cfg, 2, 1, 80 * 2**30, None)[1]
+    assert [e.gpu for e in kto_options] == [e.gpu for e in dpo_options]
+    sft_cfg = load_run_config(CONFIG, ["recipe=sft", "data.prompt_column=prompt", "data.response_column=completion"])
+    assert plan.model_shape(sft_cfg).sequences_per_row == 1
