@@ -12,7 +12,8 @@ grad norm 1e-4). Step 1's ``z`` is 0 (policy = reference); step 2's is positive,
 * ZeRO-0, micro batch 1 x accumulation 4 (extended): the same values as the textbook (and so as the ZeRO-3 run).
 
 Checks before any model (``--check``, in process): missing columns, empty completions, labels that are not
-true/false (an int 2, a string column, a null), a split of one row, bad ``train.kto`` values: one line each, exit 2.
+true/false (an int 2, a string column, a null), a split of one row, a conversational completion without an assistant
+turn, bad ``train.kto`` values: one line each, exit 2. ``finetune plan`` counts a row as two sequences.
 """
 
 from __future__ import annotations
@@ -208,6 +209,14 @@ def test_bad_rows_are_one_line_each_before_any_model(tmp_path, capsys):
     one = write_parquet(tmp_path / "one.parquet", {k: v[:1] for k, v in good.items()})
     assert check_files(CONFIG, tmp_path, [one]) == 2
     assert "needs at least 2 rows" in capsys.readouterr().err
+    user = [{"role": "user", "content": "2+2?"}]
+    chat = write_parquet(tmp_path / "chat.parquet", {"prompt": [user, user],
+                                                     "completion": [[{"role": "assistant", "content": "4"}],
+                                                                    [{"role": "user", "content": "5"}]],
+                                                     "label": [True, False]})
+    assert check_files(CONFIG, tmp_path, [chat], [f"data.chat_template={REPO / 'data/chat_templates/chatml.jinja'}"]) == 2
+    assert "chat.parquet' row 1 of column 'completion' is a completion without an assistant turn" in \
+        capsys.readouterr().err
     ok_file = write_parquet(tmp_path / "ok.parquet", good)
     assert check_files(CONFIG, tmp_path, [ok_file]) == 0
 
