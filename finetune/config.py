@@ -322,6 +322,11 @@ class ParallelConfig:
     """Ranks that share each sequence (DeepSpeed Ulysses / ALST: each holds ``seq / size`` tokens of every row and
     attention exchanges heads for sequence with all-to-all); causal-LM recipes ``gpt_clm`` and ``sft``; 1: off.
     Data-parallel size = world size / this."""
+    expert_parallel_size: int = 1
+    """Ranks that share the experts of each mixture-of-experts layer (DeepSpeed AutoEP: each rank of a group holds
+    ``experts / size`` of them and tokens travel to their experts by all-to-all; everything else, and the rows, stay
+    data-parallel over all ranks); recipe ``gpt_clm`` on models with an AutoEP preset (Qwen3-MoE, Mixtral, ...),
+    without LoRA, Muon, sequence or tensor parallelism; 1: off. The data-parallel size stays the world size."""
     tiled_mlp: bool = False
     """Compute each layer's MLP (modules named ``*.mlp``: Llama, Qwen, Mistral, GPT-2) in tiles of about
     ``hidden_size`` tokens along the sequence, recomputed in backward (DeepSpeed's ``TiledMLP``, from ALST): its

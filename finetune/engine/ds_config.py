@@ -24,6 +24,7 @@ from deepspeed.runtime.config import DeepSpeedConfig
 
 from finetune.config import RunConfig, deep_merge
 from finetune.errors import ConfigError
+from finetune.parallel import expert
 
 # Top-level keys read outside DeepSpeedConfig.__init__ (optional sections, launcher and op settings).
 _EXTRA_TOP_LEVEL_KEYS = {
@@ -261,6 +262,9 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
         # so it gets micro x accumulation x world; the rows of a step are still micro x accumulation x dp.
         ds["tensor_parallel"] = {**ds.get("tensor_parallel", {}), "autotp_size": tp, "vocab_parallel_lm_head": False}
         ds["train_batch_size"] = expected * tp
+    ep_section = expert.ds_section(cfg)
+    if ep_section:  # AutoEP: experts over ep-rank groups; the rows (and train_batch_size) stay data-parallel over all
+        ds["expert_parallel"] = ep_section
     ds.setdefault("steps_per_print", 10**9)  # our own loop logs; keep DeepSpeed's periodic prints quiet
     if "optimizer" not in ds and "scheduler" not in ds:
         params = {"lr": cfg.train.lr, "betas": [cfg.train.adam_beta1, cfg.train.adam_beta2], "eps": cfg.train.adam_eps,

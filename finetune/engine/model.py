@@ -45,7 +45,7 @@ from finetune.engine import kernels
 
 from finetune.engine import lora, moe, muon
 
-from finetune.parallel import layout, sequence
+from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
 from finetune.data.batch import flattens
 from finetune.engine.ds_config import zero_stage
@@ -203,20 +203,26 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         return get_scheduler(cfg.train.lr_scheduler, optimizer, num_warmup_steps=cfg.train.warmup_steps,
                              num_training_steps=total_steps)
 
+    # AutoEP (parallel.expert_parallel_size > 1) reads transformers' output-capture registry during initialize
+    autoep = [p for p in [expert.registry_patch()] if p is not None] if "expert_parallel" in ds else []
     if not optimizer:
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False, mpu=mpu)
+        with patches.applied(*autoep):
+            engine, _, _, _ = deepspeed.initialize(model=model, config=ds, dist_init_required=False, mpu=mpu)
         if has_optimizer(engine):  # a DeepSpeed that builds one anyway would allocate its state: say so, loudly
             raise RuntimeError(f"DeepSpeed built an optimizer ({type(engine.optimizer).__name__}) for an engine "
                                f"without one")
         logger.info(f"engine without optimizer (evaluation): ZeRO stage {zero_stage(ds)}, no optimizer state, no "
                     f"fp32 master weights ({type(engine.optimizer).__name__ if engine.optimizer is not None else 'None'})")
         return Built(engine=engine, model_config=model_config, hf_ds_config=hf_ds)
-    keep = []
+    keep = list(autoep)
     if cfg.train.optimizer == "muon":  # use_muon on every parameter, by module type; DeepSpeed's by-name tagging off
         logger.info(muon.tag(model))
-        keep = [muon.keep_tags()]
+        keep.append(muon.keep_tags())
     with patches.applied(*keep):
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, cfg.train.weight_decay),
+        groups = param_groups(model, cfg.train.weight_decay)
+        if "expert_parallel" in ds:  # DeepSpeed splits each named group into its dense and expert parameters
+            groups = expert.name_groups(groups)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
                                                config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
     if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "

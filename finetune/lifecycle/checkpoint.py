@@ -198,7 +198,8 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
         tmp.write_text(json.dumps({"step": state.step, "world_size": dist_utils.world_size(),
                                    "zero_stage": engine.zero_optimization_stage(),
                                    "sequence_parallel_size": par.get("sequence_parallel_size", 1),
-                                   "tensor_parallel_size": par.get("tensor_parallel_size", 1), "time": time.time()}))
+                                   "tensor_parallel_size": par.get("tensor_parallel_size", 1),
+                                   "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time()}))
         os.replace(tmp, ckdir / tag / MARKER)
         if keep_last > 0:
             try:
@@ -212,7 +213,7 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
 
 def marker(ckpt: Path) -> dict:
     """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``sequence_parallel_size``,
-    ``tensor_parallel_size`` (absent from older checkpoints: 1), ``time``."""
+    ``tensor_parallel_size``, ``expert_parallel_size`` (absent from older checkpoints: 1), ``time``."""
     return json.loads((ckpt / MARKER).read_text())
 
 
@@ -273,6 +274,7 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], lis
     * ZeRO 1/2 checkpoint on ZeRO 1/2, or ZeRO-3 on ZeRO-3, with another world size or stage: through the
       universal copy (:func:`to_universal`); exact (the continuation's losses equal the uninterrupted run's;
       :func:`load` repairs two things DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong).
+    * Expert parallelism (AutoEP) on either side: only the same world size, ZeRO stage and expert-parallel size.
     * Refused: between ZeRO-3 and ZeRO 0-2 (the universal copy keeps the model-state files of its
       source stage, which the other stages do not read), from ZeRO 0 to ZeRO 1-3 (nothing to convert:
       ``ds_to_universal`` reads ZeRO shards), from shards to ZeRO 0 (DeepSpeed loads universal
@@ -286,6 +288,14 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], lis
     meta = marker(ckpt)
     stage = zero_stage(ds)
     old_world, old_stage = meta.get("world_size", world_size), meta.get("zero_stage", stage)
+    old_ep, ep = meta.get("expert_parallel_size", 1), (ds.get("expert_parallel") or {}).get("autoep_size", 1)
+    if max(old_ep, ep) > 1 and (old_world, old_stage, old_ep) != (world_size, stage, ep):
+        return [f"--resume: '{ckpt}' was saved with world size {old_world}, ZeRO stage {old_stage} and expert-parallel "
+                f"size {old_ep}, this launch has {world_size}, {stage} and {ep}: an AutoEP checkpoint holds each "
+                f"expert-parallel rank's experts in its own files, and finetune does not convert them to another "
+                f"layout (DeepSpeed's ds_to_universal expert conversion is not checked here); resume with "
+                f"{old_world} ranks, ZeRO stage {old_stage} and parallel.expert_parallel_size={old_ep}, or export it "
+                f"(the end-of-run export gathers the experts) and start a new run from the export"], [], False
     if (old_world, old_stage) == (world_size, stage):
         return [], [], False
     change = (f"'{ckpt}' was saved with world size {old_world} and ZeRO stage {old_stage}, this launch has world "

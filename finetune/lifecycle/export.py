@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 from transformers.integrations import deepspeed as hf_ds
 
 from finetune.parallel import distributed as dist_utils
+from finetune.parallel import expert
 from finetune.engine import lora
 from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
 from finetune.lifecycle.model_card import CARD, write_card
@@ -68,6 +69,10 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"export: '{ckpt}' is a tensor-parallel checkpoint (one file per tensor-parallel rank); the "
                           f"training launch exports it at its end; to export this step, resume it for 0 more steps "
                           f"(--resume {ckpt} train.max_steps=<its step>)")
+    if list(ckpt.glob("layer_*_expert_*_model_states.pt")):
+        raise ConfigError(f"export: '{ckpt}' is an expert-parallel (AutoEP) checkpoint (one file per expert); the "
+                          f"training launch exports it at its end, gathering the experts; to export this step, resume "
+                          f"it for 0 more steps (--resume {ckpt} train.max_steps=<its step>)")
     if list(ckpt.glob("*zero_pp_rank_*optim_states.pt")) and not list(ckpt.glob("bf16_zero_*")):
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
     states = ckpt / "mp_rank_00_model_states.pt"
@@ -125,8 +130,9 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         run_dir: the run folder (default: ``ckpt/../..``), for the model config, tokenizer and recipe.
         keep_previous: when ``out_dir`` holds an earlier export (a resumed run finishing again), move it
             to ``<out_dir>-step<N>`` once the new export is complete instead of refusing.
-        state: the full state dict to write instead of the checkpoint's (a tensor-parallel engine's, gathered by
-            :func:`engine_state_dict`; the checkpoint holds one file per tensor-parallel rank).
+        state: the full state dict to write instead of the checkpoint's (a tensor- or expert-parallel engine's,
+            gathered by :func:`engine_state_dict`; the checkpoint holds one file per tensor-parallel rank, or each
+            rank's experts apart).
         chosen_by: why this checkpoint, for the model card (``export_check.json``'s ``chosen_by``); None: the
             caller named it.
 
@@ -310,7 +316,9 @@ def check_logit_diff(diff: float, tolerance: float) -> None:
 
 
 def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Under tensor parallelism (AutoTP): the engine's full state dict on rank 0 (fp32 CPU tensors of the original
+    """Under expert parallelism (AutoEP): the engine's state dict in the Hugging Face layout on rank 0, the experts
+    gathered (:func:`finetune.parallel.expert.hf_state_dict`); the checkpoint holds each rank's experts apart. Under
+    tensor parallelism (AutoTP): the engine's full state dict on rank 0 (fp32 CPU tensors of the original
     shapes; DeepSpeed's ``_consolidated_16bit_state_dict`` gathers the split layers, in the training dtype), None on
     the other ranks. None without tensor parallelism (the export reads the checkpoint). All ranks call it.
 
@@ -321,6 +329,8 @@ def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
     Raises:
         RunFailure: the engine has no ``_consolidated_16bit_state_dict`` (renamed upstream).
     """
+    if expert.uses_autoep(engine):  # AutoEP: each rank holds experts / ep; gathered back into the HF layout
+        return expert.hf_state_dict(engine)
     if getattr(engine, "autotp_size", lambda: 0)() <= 1:
         return None
     gather = getattr(engine, "_consolidated_16bit_state_dict", None)

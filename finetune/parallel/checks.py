@@ -1,7 +1,8 @@
 """Every check of the parallel layout of a run, in one entry point, before any model is built.
 
 :func:`check` runs the size rules of :mod:`finetune.parallel.layout` once, then each dimension's own rules
-(:mod:`finetune.parallel.sequence`, :mod:`finetune.parallel.tensor`); :func:`check_zero_stage` those that need
+(:mod:`finetune.parallel.sequence`, :mod:`finetune.parallel.tensor`, :mod:`finetune.parallel.expert`);
+:func:`check_zero_stage` those that need
 the resolved DeepSpeed config. A new dimension adds its module's ``check`` here and its name to the recipes'
 ``Capabilities.parallel``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from finetune.config import RunConfig
-from finetune.parallel import sequence, tensor
+from finetune.parallel import expert, sequence, tensor
 from finetune.parallel.layout import size_problems
 
 
@@ -24,16 +25,17 @@ def check(cfg: RunConfig, model_config, world: int | None, supported: Collection
         model_config: the transformers config (head counts, model type), or None.
         world: the world size of the launch, or None when unknown (``finetune doctor`` without ``--world-size``).
         supported: the parallel dimensions the recipe supports (its ``Capabilities.parallel``: ``"sequence"``,
-            ``"tensor"``).
+            ``"tensor"``, ``"expert"``).
         problems: where the lines go.
         offered: dimension name -> the recipes that support it, as the lines say them (``"gpt_clm and sft"``).
     """
     if world is not None:
         problems += size_problems(world, max(1, cfg.parallel.sequence_parallel_size),
-                                  max(1, cfg.parallel.tensor_parallel_size))
+                                  max(1, cfg.parallel.tensor_parallel_size), max(1, cfg.parallel.expert_parallel_size))
     offered = offered or {}
     sequence.check(cfg, model_config, supported, problems, offered.get(sequence.DIMENSION, ""))
     tensor.check(cfg, model_config, supported, problems, offered.get(tensor.DIMENSION, ""))
+    expert.check(cfg, model_config, supported, problems, offered.get(expert.DIMENSION, ""))
 
 
 def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:

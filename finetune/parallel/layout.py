@@ -1,11 +1,12 @@
 """The layout of the ranks and every rule about the sizes of the parallel dimensions, computed here once.
 
-**Layout** (:class:`Layout`, in the spirit of torchtitan's ``ParallelDims``): ``world = dp x sp x tp`` (sequence
-and tensor parallelism are not combined). The sequence-parallel (SP) and tensor-parallel (TP) groups are runs of
-consecutive ranks, as DeepSpeed builds them (``parallel_state_sp``; AutoTP's mesh with TP inner): ranks
-``[i * sp, (i + 1) * sp)`` share the rows of data-parallel rank ``i``. The samplers, the evaluation shards, the
-global batch (``micro x accumulation x dp``), the loss scaling and the logs use the data-parallel rank and size,
-never the global ones.
+**Layout** (:class:`Layout`, in the spirit of torchtitan's ``ParallelDims``): ``world = dp x sp x tp`` (sequence and
+tensor parallelism are not combined); expert parallelism (``ep``, DeepSpeed AutoEP) shards the experts over runs of
+``ep`` consecutive ranks without cutting the rows, so it is not a factor of ``dp``. The sequence-parallel (SP) and
+tensor-parallel (TP) groups are runs of consecutive ranks, as DeepSpeed builds them (``parallel_state_sp``; AutoTP's
+mesh with TP inner): ranks ``[i * sp, (i + 1) * sp)`` share the rows of data-parallel rank ``i``. The samplers, the
+evaluation shards, the global batch (``micro x accumulation x dp``), the loss scaling and the logs use the data-
+parallel rank and size, never the global ones.
 
 The rules: :func:`size_problems` (each size divides the world size), :func:`data_parallel_size` (the data-parallel
 size of any world and split, a checkpoint's included) and :func:`head_problems` (heads divisible by a size); the
@@ -35,6 +36,10 @@ class Layout:
     """Global rank."""
     tp: int = 1
     """Tensor-parallel size (``parallel.tensor_parallel_size``)."""
+    ep: int = 1
+    """Expert-parallel size (``parallel.expert_parallel_size``): ranks that share the experts of each MoE layer
+    (DeepSpeed AutoEP). It does not cut the rows: every rank of an expert-parallel group reads its own, so ``dp`` is
+    unchanged; the ranks holding the same experts (``world / ep``, every ``ep``-th rank) average their gradients."""
 
     @property
     def dp(self) -> int:
@@ -57,6 +62,13 @@ class Layout:
         return self.rank % self.tp
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (``rank % ep``, consecutive ranks as DeepSpeed's
+        ``_create_expert_and_data_parallel`` builds them): it holds experts ``[ep_rank x E / ep, (ep_rank + 1) x E /
+        ep)`` of each MoE layer of ``E`` experts."""
+        return self.rank % self.ep
+
+    @property
     def replicas(self) -> int:
         """Ranks that hold the same rows and so compute the same sums (target counts, losses, tokens): ``tp``. Sums
         all-reduced over every rank are divided by it; SP ranks hold disjoint slices and count once each."""
@@ -65,19 +77,22 @@ class Layout:
     def describe(self) -> str:
         """``layout: world 4 = data-parallel 2 x sequence-parallel 2 x tensor-parallel 1; this rank ...`` (logs)."""
         return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp} x tensor-parallel "
-                f"{self.tp}; this rank (global {self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank "
-                f"{self.sp_rank}, tensor-parallel rank {self.tp_rank}")
+                f"{self.tp}{f' (experts over {self.ep}-rank groups)' if self.ep > 1 else ''}; this rank (global "
+                f"{self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank {self.sp_rank}, "
+                f"tensor-parallel rank {self.tp_rank}{f', expert-parallel rank {self.ep_rank}' if self.ep > 1 else ''}")
 
 
-SIZE_KEYS = {"sp": "parallel.sequence_parallel_size", "tp": "parallel.tensor_parallel_size"}
+SIZE_KEYS = {"sp": "parallel.sequence_parallel_size", "tp": "parallel.tensor_parallel_size",
+             "ep": "parallel.expert_parallel_size"}
 """The run-config key of each parallel size but data parallelism (which is what is left of the world size)."""
 
 
-def size_problems(world: int, sp: int, tp: int) -> list[str]:
+def size_problems(world: int, sp: int, tp: int, ep: int = 1) -> list[str]:
     """One line per parallel size above 1 that does not divide ``world`` (sizes below 1 are
-    :func:`finetune.parallel.checks.check`'s)."""
+    :func:`finetune.parallel.checks.check`'s). ``ep``: DeepSpeed's AutoEP builds expert-parallel groups of ``ep``
+    consecutive ranks (``build_folding_spec``: the stage size must be a multiple of ``ep``)."""
     out = []
-    for size, key in ((sp, SIZE_KEYS["sp"]), (tp, SIZE_KEYS["tp"])):
+    for size, key in ((sp, SIZE_KEYS["sp"]), (tp, SIZE_KEYS["tp"]), (ep, SIZE_KEYS["ep"])):
         if size > 1 and world % size:
             out.append(f"{key}: {size} does not divide the world size {world}; launch a multiple of {size} ranks or "
                        f"choose a divisor of {world}")
@@ -133,9 +148,10 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
     """
     world = dist_utils.world_size() if world is None else world
     rank = dist_utils.rank() if rank is None else rank
-    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    problems = size_problems(world, sp, tp) + [f"{SIZE_KEYS[k]}: {v} must be 1 (off) or more"
-                                               for k, v in (("sp", sp), ("tp", tp)) if v < 1]
+    sp, tp, ep = (cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size,
+                  cfg.parallel.expert_parallel_size)
+    problems = size_problems(world, sp, tp, ep) + [f"{SIZE_KEYS[k]}: {v} must be 1 (off) or more"
+                                                   for k, v in (("sp", sp), ("tp", tp), ("ep", ep)) if v < 1]
     if problems:
         raise ConfigError(problems[0])
-    return Layout(world=world, sp=sp, rank=rank, tp=tp)
+    return Layout(world=world, sp=sp, rank=rank, tp=tp, ep=ep)

@@ -19,7 +19,7 @@ from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
 from finetune.engine import lora, moe, muon
 from finetune.data import mixture
-from finetune.parallel import checks, layout, sequence, tensor
+from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
@@ -187,8 +187,10 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"({padded} positions), more than the model has ({key}={positions}"
                             f"{f', {usable} usable' if usable != positions else ''}); set data.max_seq_len="
                             f"{usable // sp * sp} or lower")
-    asked = cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.tiled_mlp
-    offered = ({d: said(offering(lambda c, d=d: d in c.parallel)) for d in (sequence.DIMENSION, tensor.DIMENSION)}
+    asked = (cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.tiled_mlp
+             or cfg.parallel.expert_parallel_size > 1)
+    offered = ({d: said(offering(lambda c, d=d: d in c.parallel))
+                for d in (sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION)}
                if asked else None)  # only for the lines of a refusal: it imports every recipe
     checks.check(cfg, config, None, recipe.capabilities.parallel, problems, offered)
     shape = moe.moe_shape(config)
@@ -429,7 +431,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
     sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    problems += layout.size_problems(world_size, sp, tp)
+    problems += layout.size_problems(world_size, sp, tp, cfg.parallel.expert_parallel_size)
     dp = layout.data_parallel_size(world_size, sp, tp)  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:

@@ -115,11 +115,13 @@ class Capabilities:
     """The parallel dimensions beyond data parallelism that the recipe's hooks are correct under: the ``DIMENSION``
     names of the :mod:`finetune.parallel` modules. ``"sequence"`` (:mod:`finetune.parallel.sequence`): ``forward``
     and ``count_targets`` take sequence-parallel slices (``shift_labels`` instead of ``labels``, ``position_ids``,
-    no ``attention_mask``; :mod:`finetune.parallel.sequence`) and their sums over the SP group equal those of the whole
-    batch. ``"tensor"`` (:mod:`finetune.parallel.tensor`): tested under DeepSpeed's AutoTP (the head loss runs on the
-    gathered lm_head output). :func:`finetune.parallel.checks.check` takes this set and refuses a size above 1 of
-    any dimension not in it. ``gpt_clm`` and ``sft``: both; ``dpo``: ``"sequence"`` (a pair's log-probabilities are
-    summed over the SP group, :func:`finetune.parallel.sequence.sum_over_sequence`)."""
+    no ``attention_mask``; :mod:`finetune.parallel.sequence`) and their sums over the SP group equal those of the
+    whole batch. ``"tensor"`` (:mod:`finetune.parallel.tensor`): tested under DeepSpeed's AutoTP (the head loss runs
+    on the gathered lm_head output). ``"expert"`` (:mod:`finetune.parallel.expert`): tested under DeepSpeed's AutoEP
+    (the MoE blocks replaced, the losses equal to EP=1). :func:`finetune.parallel.checks.check` takes this set and
+    refuses a size above 1 of any dimension not in it. ``gpt_clm``: all three; ``sft``: sequence and tensor;
+    ``dpo``: ``"sequence"`` (a pair's log-probabilities are summed over the SP group,
+    :func:`finetune.parallel.sequence.sum_over_sequence`)."""
     generates_text: bool = False
     """The model continues text (causal LMs): the run can end with a sample of ``train.sample_prompt``
     (:mod:`finetune.training.generation`) and ``train.eval_generate`` is allowed (it needs the

@@ -21,7 +21,7 @@ from transformers import (
 
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
-from finetune.parallel import sequence, tensor
+from finetune.parallel import expert, sequence, tensor
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.lm_loss import token_loss_sum
 
@@ -137,7 +137,8 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 
 
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS,
-                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION}), packs_rows=True,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION}),
+                                          packs_rows=True,
                                           generates_text=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
