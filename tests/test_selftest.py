@@ -1,7 +1,8 @@
-"""``finetune selftest``: the CPU subset on 2 CPU ranks under DeepSpeed's launcher (rows, skips with reasons, JSON
-into a folder that did not exist, the sequence-parallel row at ZeRO-3 against one device), and the checks' power to
-fail: a head loss off by 0.1% and a check that raises are ``FAIL`` rows; bad arguments (an unknown check, an existing
-or unwritable ``--json``) are one line and exit 2 before any check runs."""
+"""``finetune selftest``: the CPU subset on 2 CPU ranks under DeepSpeed's launcher (rows, skips with reasons, JSON into
+a folder that did not exist, the sequence-parallel row at ZeRO-3 and the expert-parallel row (DeepSpeed AutoEP)
+against one device), and the checks' power to fail: a head loss off by 0.1% and a check that raises are ``FAIL``
+rows; bad arguments (an unknown check, an existing or unwritable ``--json``) are one line and exit 2 before any check
+runs."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     assert report["world_size"] == 2
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(selftest.CHECKS)
-    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step", "sequence_parallel"):
+    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step", "sequence_parallel",
+                 "expert_parallel"):
         assert rows[name]["status"] == "pass", rows[name]
         assert rows[name]["measured"] <= rows[name]["tolerance"]
     assert "gloo, 2 rank(s)" in rows["collectives"]["detail"]
@@ -42,7 +44,9 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     sp = rows["sequence_parallel"]
     assert "sequence-parallel 2, ZeRO-3" in sp["detail"] and "grad norm" in sp["detail"], sp
     assert sp["tolerance"] <= 1e-4
-    assert "6 passed, 0 failed, 4 skipped" in proc.stdout
+    # DeepSpeed AutoEP over both ranks (2 experts each) against transformers' MoE in one process
+    assert "EP = 2 (2 MoE layers replaced, 4 experts" in rows["expert_parallel"]["detail"], rows["expert_parallel"]
+    assert "7 passed, 0 failed, 4 skipped" in proc.stdout
     assert proc.stdout.count("check              status") == 1  # rank 0 prints the table
 
 

@@ -26,6 +26,10 @@ laptop and on a GPU node. Checks (``CHECKS``):
   :func:`~finetune.parallel.sequence.fix_zero3_average`) at ZeRO-3 against the same padded batch on one device in one
   process: the loss and the global gradient norm (a reduce-scatter that divides by the world size instead of the
   data-parallel size halves the norm at SP = 2). Needs 2 or more ranks.
+* ``expert_parallel``: three steps of DeepSpeed AutoEP over all the ranks (EP = world size; a tiny Qwen3-MoE with
+  ``2 x world`` experts, finetune's settings of :mod:`finetune.parallel.expert`) against transformers' own MoE
+  blocks on the whole batch in one process: the per-step losses. On GPU nodes it runs what CPU ranks never select
+  (DeepSpeed's Triton grouped GEMM, NCCL's all-to-all); see docs/parallelism.md. Needs 2 or more ranks.
 
 Tolerances are relative differences ``|a - b| / max(|b|, 1e-12)`` (max over elements) unless the check is exact.
 """
@@ -439,6 +443,71 @@ def check_sequence_parallel(lr: float = 1e-3) -> Check:
                   f"grad norm {norm:.6f} vs {ref_norm:.6f} ({norm_diff:.1e})")
 
 
+def tiny_moe(experts: int, seed: int = 0):
+    """A tiny Qwen3-MoE (2 layers, hidden 64, ``experts`` experts of 32, top-2, vocabulary 128), fp32, no
+    dropout, the same weights from ``seed``."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def check_expert_parallel(steps: int = 3, lr: float = 1e-2) -> Check:
+    """DeepSpeed AutoEP over all ranks (EP = world size, ``2 x world`` experts, ZeRO-2, finetune's AutoEP settings:
+    :mod:`finetune.parallel.expert`) against the same tiny Qwen3-MoE with transformers' own MoE blocks on the whole
+    batch in one process (EP = 1): the per-step losses. On GPUs this runs the kernels CPU ranks never select
+    (DeepSpeed's Triton grouped GEMM on sm80/sm86, NCCL's all-to-all). Skipped on one rank."""
+    from finetune.parallel import expert
+
+    w, r = dist_utils.world_size(), dist_utils.rank()
+    tol = 1e-5 if _device().type == "cpu" else 1e-4
+    if w < 2:
+        return Check("expert_parallel", "skip", None, tol, "needs 2 or more ranks (EP = the ranks of the node): run "
+                                                           "it under a launcher")
+    import deepspeed
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2 * w, 16), generator=g)
+    model = tiny_moe(2 * w)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ref = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(float(loss))
+    mine = ids.chunk(w)[r].to(_device())
+    model = tiny_moe(2 * w)
+    cfg = RunConfig()
+    cfg.parallel.expert_parallel_size = w
+    ds = {"train_micro_batch_size_per_gpu": mine.shape[0], "gradient_accumulation_steps": 1,
+          "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0, "expert_parallel": expert.ds_section(cfg),
+          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+          "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    fix = [p for p in [expert.registry_patch()] if p is not None]
+    with patches.applied(*fix):
+        engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                          model_parameters=expert.name_groups([{"params": list(model.parameters())}]))
+    got = []
+    for _ in range(steps):
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        got.append(float(mean) / w)
+    layers = len(expert._layers(engine.module))
+    engine.destroy()
+    diff = max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
+    return _judge("expert_parallel", diff, tol,
+                  f"DeepSpeed AutoEP, EP = {w} ({layers} MoE layers replaced, {2 * w} experts, top-2, ZeRO-2) vs "
+                  f"transformers' MoE in one process: losses {', '.join(f'{x:.6f}' for x in got)}")
+
+
 CHECKS = {
     "collectives": check_collectives,
     "chunked_head": check_chunked_head,
@@ -450,6 +519,7 @@ CHECKS = {
     "zero3_step": lambda: check_zero_step(3),
     "fp16_step": check_fp16_step,
     "sequence_parallel": check_sequence_parallel,
+    "expert_parallel": check_expert_parallel,
 }
 """Check name -> function returning a :class:`Check`; run in this order, on every rank in lockstep."""
 
