@@ -12,7 +12,9 @@ optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
 * ``hf_grouped``: ``Trainer`` with ``train_sampling_strategy="group_by_length"`` (``group_by_length=True`` of
   transformers 4; ``LengthGroupedSampler``, per rank; unpacked presets only);
 * ``hf_rebalance``: ``Trainer`` with ``train_sampling_strategy="batch_rebalance"`` (new in transformers 5: balances
-  padded cost across ranks and accumulation steps of each global batch; unpacked presets only).
+  padded cost across ranks and accumulation steps of each global batch; unpacked presets only);
+* ``finetune[<optimizer>]`` (``--optimizer adamw,muon``, instead of the preset's contenders): ``finetune`` with
+  ``train.optimizer=<optimizer>``, one contender per setting: loss after the same steps and time per step side by side.
 
 Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks; HF with ``run_clm.py``'s
 ``group_texts``), ``seq_cls`` (the shipped SST-2 classifier; HF as ``run_glue.py``: ``DataCollatorWithPadding``) and
@@ -74,6 +76,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset all                      # every preset, one after the other
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
+    python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
     python scripts/bench.py --preset long_context             # longest sequence per contender in 2560 MB per rank
     python scripts/bench.py --preset long_context --lock /tmp/heavy.lock   # each launch holds a flock(1) file
 
@@ -667,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
     p.add_argument("--contenders", default="", help="comma-separated subset of the preset's contenders")
     p.add_argument("--keep", default="", help="folder to keep the launches' run folders in (default: temporary)")
+    p.add_argument("--optimizer", default="", help="comma-separated finetune optimizers (train.optimizer: adamw,muon): "
+                   "the contenders are then finetune[<optimizer>] each, side by side in the same rounds")
     p.add_argument("--lock", default="", help="hold this flock(1) file during each launch (not between them), so "
                    "other heavy jobs on the machine interleave with the benchmark's launches")
     g = p.add_argument_group("long_context preset")
@@ -717,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
             warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
             runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
+            if args.optimizer:  # finetune against itself, one optimizer setting per contender
+                runs = {f"finetune[{o}]": [] for o in args.optimizer.split(",")}
             for rnd in range(args.rounds):
                 for c in runs:
                     out = root / f"{name}-{c}-{rnd}"
@@ -725,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if c == "finetune":
                             runs[c].append(ours(preset, overrides, args, out, env))
+                        elif c.startswith("finetune["):
+                            runs[c].append(ours(preset, [*overrides, f"train.optimizer={c[9:-1]}"], args, out, env))
                         elif c == "trl":
                             runs[c].append(trl(spec, args, out, env))
                         elif c == "bare":
@@ -736,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
             rows = t.micro_batch_size * t.gradient_accumulation_steps * args.nproc  # global batch (dpo: pairs)
             results = [summarize(c, r, args.skip, max(5, args.log_every), rows) for c, r in runs.items()]
-            base = results[0]["real_tokens_per_s"] if "finetune" in runs else None
+            base = results[0]["real_tokens_per_s"] if results[0]["contender"].startswith("finetune") else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
                 if base and results[0]["mfu"] is not None and r is not results[0]:  # same model: FLOPs per real token
