@@ -108,6 +108,42 @@ def scratch_model(cfg):
     return model
 
 
+def reference_optimizer(model, t, steps: int):
+    """The engine's optimizer in one process, for the one-process references: AdamW (fused) on
+    :func:`finetune.engine.model.param_groups`, the ``train.lr_scheduler`` schedule over ``steps``, and clipping at
+    ``train.max_grad_norm`` of the global gradient norm summed in fp64 (as ZeRO computes it).
+
+    Args:
+        model: the trainable model.
+        t: the run config's ``train`` section.
+        steps: optimizer steps of the schedule.
+
+    Returns:
+        ``step() -> float``: clips, steps the optimizer and the schedule, zeroes the gradients, and returns the
+        gradient norm before clipping.
+    """
+    import torch
+    from transformers import get_scheduler
+
+    from finetune.engine.model import param_groups
+
+    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_eps, fused=True)
+    sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> float:
+        norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
+                            if p.grad is not None]).norm()
+        torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm.float())
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return float(norm)
+
+    return step
+
+
 def simulated_ranks(cfg, world: int) -> tuple:
     """The toolkit's training batches of ``world`` data-parallel ranks, in one process, for the one-process
     references: the recipe's tokenizer and tokenized splits, its collator, each rank's sampler (:func:`finetune.data.dataset.

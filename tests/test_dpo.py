@@ -44,12 +44,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, get_scheduler
+from transformers import AutoTokenizer
 
-from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, simulated_ranks, train_losses, write_parquet
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, reference_optimizer, scratch_model, \
+    simulated_ranks, train_losses, write_parquet
 from finetune.config import load_run_config
 from finetune.data.dataset import load_splits
-from finetune.engine.model import load_tokenizer, param_groups
+from finetune.engine.model import load_tokenizer
 from finetune.recipes import dpo, get_recipe
 
 pytestmark = pytest.mark.slow
@@ -96,10 +97,7 @@ def dpo_reference(cfg, world: int, steps: int) -> dict:
     gas = t.gradient_accumulation_steps
     model = scratch_model(cfg).train()
     reference = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)
-    sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    params = [p for p in model.parameters() if p.requires_grad]
+    step = reference_optimizer(model, t, steps)
     for smp in samplers:
         smp.set_epoch(0)
     its = [iter(dl) for dl in loaders]
@@ -121,14 +119,9 @@ def dpo_reference(cfg, world: int, steps: int) -> dict:
                                      s.rpo_alpha).sum() / n_pairs
             loss.backward()
             total += loss.item()
-        norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
-                            if p.grad is not None]).norm()
-        torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm.float())
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        norm = step()
         out["losses"].append(total)
-        out["grad_norms"].append(float(norm))
+        out["grad_norms"].append(norm)
     return out
 
 

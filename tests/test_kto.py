@@ -23,12 +23,9 @@ import copy
 import pyarrow.parquet as pq
 import pytest
 import torch
-from transformers import get_scheduler
-
-from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, simulated_ranks, \
-    train_losses, write_parquet
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, reference_optimizer, scratch_model, \
+    simulated_ranks, train_losses, write_parquet
 from finetune.config import load_run_config
-from finetune.engine.model import param_groups
 from finetune.recipes import kto
 from test_dpo import full_logps, grad_norms, max_rel
 
@@ -64,10 +61,7 @@ def kto_reference(cfg, world: int, steps: int, split=None) -> dict:
     gas = t.gradient_accumulation_steps
     model = scratch_model(cfg).train()
     reference = copy.deepcopy(model).eval()
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)
-    sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    params = [p for p in model.parameters() if p.requires_grad]
+    step = reference_optimizer(model, t, steps)
     its = []
     for smp, dl in zip(samplers, loaders):
         smp.set_epoch(0)
@@ -103,14 +97,9 @@ def kto_reference(cfg, world: int, steps: int, split=None) -> dict:
                 out["toolkit"].append(sum(kto.forward(model, {**b, kto.KL_COLUMN: z_tool}, settings=s).loss_sum
                                           for b in o_micro).item() / rows)
                 out["per_micro"].append(sum(kto.forward(model, b, settings=s).loss_sum for b in o_micro).item() / rows)
-        norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
-                            if p.grad is not None]).norm()
-        torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm.float())
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        norm = step()
         out["losses"].append(total)
-        out["grad_norms"].append(float(norm))
+        out["grad_norms"].append(norm)
         out["kls"].append(float(z))
     return out
 

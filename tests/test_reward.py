@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler, pipeline
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
-from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, simulated_ranks, train_losses, write_parquet
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, reference_optimizer, scratch_model, \
+    simulated_ranks, train_losses, write_parquet
 from finetune.config import RewardConfig, load_run_config
-from finetune.engine.model import param_groups
 from finetune.recipes import reward
 
 pytestmark = pytest.mark.slow
@@ -80,10 +80,7 @@ def reward_reference(cfg, world: int, steps: int) -> dict:
     tokenizer, splits, collator, samplers, loaders = simulated_ranks(cfg, world)
     gas = t.gradient_accumulation_steps
     model = scratch_model(cfg).train()
-    opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, fused=True)
-    sched = get_scheduler(t.lr_scheduler, opt, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-    params = [p for p in model.parameters() if p.requires_grad]
+    step = reference_optimizer(model, t, steps)
     for smp in samplers:
         smp.set_epoch(0)
     its = [iter(dl) for dl in loaders]
@@ -99,14 +96,9 @@ def reward_reference(cfg, world: int, steps: int) -> dict:
             loss.backward()
             total += loss.item()
             right += int((r[:k] > r[k:]).sum())
-        norm = torch.stack([torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params
-                            if p.grad is not None]).norm()
-        torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm.float())
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        norm = step()
         out["losses"].append(total)
-        out["grad_norms"].append(float(norm))
+        out["grad_norms"].append(norm)
         out["accuracy"].append(right / n_pairs)
     out["model"] = model.eval()
     return out
