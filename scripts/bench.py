@@ -104,6 +104,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+REALISTIC_SHAPE = ("{num_hidden_layers: 6, hidden_size: 256, intermediate_size: 768, num_attention_heads: 4, "
+                   "num_key_value_heads: 2, head_dim: 64, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
+                   "eos_token_id: 0}")
+"""The ``dpo_realistic`` and ``reward`` presets' model: ``data/models/tiny-llama``'s config with these overrides and
+the tokenizer of ``data/models/gsm8k-bpe-8k`` (its ``<|endoftext|>``, id 0, is BOS, EOS and pad)."""
+REALISTIC_TINY = ("{num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
+                  "num_key_value_heads: 2, head_dim: 16, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
+                  "eos_token_id: 0}")
+
 PRESETS: dict[str, dict] = {
     # The issue's set-up: BERT 4 layers, hidden 256, WikiText-2 rows of up to 256 tokens, micro batch 8, ZeRO-2.
     "bert_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml",
@@ -139,15 +148,40 @@ PRESETS: dict[str, dict] = {
             # and finetune's first pairs are TRL's (reference_agreement compares them by position)
             "tiny": ["data.max_seq_len=384", "train.micro_batch_size=2"]},
     # The shipped GSM8K DPO (Llama 2 layers, hidden 64, pairs up to 256 tokens), sigmoid loss, beta 0.1: ours (reference
-    # log-probabilities computed once before training, cached across rounds) vs TRL's DPOTrainer (reference forward
-    # in every step, its default).
-    "dpo": {"config": "finetune/recipes/configs/dpo_gsm8k.yaml",
+    # log-probabilities computed once before training) vs TRL's DPOTrainer with its defaults (``trl``: reference
+    # forward in every step, gradient checkpointing) and at its best (``trl_best``: precomputed reference, no
+    # checkpointing, length grouping). ``epoch``: one epoch, the training rows are the rows the steps train (both
+    # reference passes cover them). 97% of this model's matmul FLOPs are in its LM head (50,257 tokens, hidden 64).
+    "dpo": {"config": "finetune/recipes/configs/dpo_gsm8k.yaml", "epoch": True,
             "overrides": ["train.micro_batch_size=4", "train.gradient_accumulation_steps=1",
                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
-            "contenders": ["finetune", "trl"],
+            "contenders": ["finetune", "trl", "trl_best"],
             # 384 tokens: no pair of the file's first 32 is cut, so none is dropped as identical after truncation
             # and finetune's first pairs are TRL's (reference_agreement compares them by position)
             "tiny": ["data.max_seq_len=384", "train.micro_batch_size=2"]},
+    # The same DPO on a model whose LM head has a real model's share of the matmul FLOPs (Qwen2.5-0.5B: 29%): a Llama
+    # shape of 6 layers, hidden 256, intermediate 768, 4 query / 2 key-value heads, with the 8,192-token BPE of
+    # data/models/gsm8k-bpe-8k (scripts/make_bpe_tokenizer.py; GPT-2's 50,257 tokens would need a model too large
+    # for CPU ranks): 28% at 256 tokens (lm_head_share). The docs' headline is finetune over trl_best here.
+    "dpo_realistic": {"config": "finetune/recipes/configs/dpo_gsm8k.yaml", "epoch": True,
+                      "overrides": [f"model.config_overrides={REALISTIC_SHAPE}",
+                                    "model.tokenizer_path=data/models/gsm8k-bpe-8k", "train.micro_batch_size=4",
+                                    "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
+                                    "train.warmup_steps=2", "train.lr=1e-3"],
+                      "contenders": ["finetune", "trl", "trl_best"],
+                      "tiny": [f"model.config_overrides={REALISTIC_TINY}", "data.max_seq_len=384",
+                               "train.micro_batch_size=2"]},
+    # The shipped GSM8K reward model recipe on the realistic shape's body (a one-output score head: no LM head)
+    # against TRL's RewardTrainer, defaults (gradient checkpointing, random order) and best (no checkpointing,
+    # length grouping); the held-out accuracy of the 200 test pairs after the timed steps (``heldout``).
+    "reward": {"config": "finetune/recipes/configs/reward_gsm8k.yaml", "epoch": True, "heldout": True,
+               "overrides": [f"model.config_overrides={{num_labels: 1, {REALISTIC_SHAPE[1:-1]}}}",
+                             "model.tokenizer_path=data/models/gsm8k-bpe-8k", "train.micro_batch_size=4",
+                             "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
+                             "train.warmup_steps=2", "train.lr=1e-3"],
+               "contenders": ["finetune", "trl", "trl_best"],
+               "tiny": [f"model.config_overrides={{num_labels: 1, {REALISTIC_TINY[1:-1]}}}",
+                        "data.max_seq_len=384", "train.micro_batch_size=2"]},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
@@ -313,8 +347,10 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}")
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/accuracy" in r]
     rows = [r for r in rows if "train/loss" in r]
-    accuracies = [r["train/rewards/accuracies"] for r in rows if "train/rewards/accuracies" in r]
+    accuracies = [r.get("train/rewards/accuracies", r.get("train/accuracy")) for r in rows
+                  if "train/rewards/accuracies" in r or "train/accuracy" in r]
     records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
@@ -332,7 +368,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             mfu.append(r.get("train/mfu"))
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
-            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies}
+            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies,
+            "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None}
 
 
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
@@ -366,13 +403,20 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
 
 
-def trl(spec: dict, args, out: Path, env: dict) -> dict:
-    """One launch of ``scripts/bench_trl.py`` (TRL's ``DPOTrainer``); the same records as :func:`hf`."""
+TRL_VARIANTS = {"trl": "defaults", "trl_best": "best"}
+"""Contender -> ``scripts/bench_trl.py``'s ``variant`` (TRL's defaults, or every speed option of TRL that applies)."""
+
+
+def trl(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_trl.py`` (TRL's ``DPOTrainer`` or ``RewardTrainer`` by the spec's recipe, with
+    its ``variant``: ``defaults`` or ``best``); the same records as :func:`hf`, and the held-out metrics (reward)."""
     out.mkdir(parents=True)
-    (out / "spec.json").write_text(json.dumps({**spec, "out": str(out)}))
+    (out / "spec.json").write_text(json.dumps({**spec, "variant": variant, "out": str(out)}))
     cmd = deepspeed_cmd(args, "scripts/bench_trl.py", "--spec", str(out / "spec.json"))
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
-    return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+    records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+    heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
+    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_pairs": heldout.get("pairs")}
 
 
 def reference_agreement(cache: Path, trl_out: Path) -> str:
@@ -402,7 +446,7 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
 def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_step: int = 0) -> dict:
     """Pool the launches of one contender (see the module docstring for each number)."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
-    mfu, cpu, accuracy = [], [], []
+    mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout = [], [], [], 0, 0.0, []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -421,6 +465,10 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
         if r.get("reward_accuracies"):
             accuracy.append(statistics.fmean(r["reward_accuracies"][-last:]))
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
+        e2e_tokens += sum(r["tokens"][:len(ends)])  # every step, from the launcher's start to the last step's end
+        e2e_seconds += ends[-1] - r["start"]
+        if r.get("heldout_accuracy") is not None:
+            heldout.append(r["heldout_accuracy"])
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "rows_per_s": rows_per_step * len(step_times) / seconds if rows_per_step else None,
@@ -432,7 +480,11 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             "step_time_median_s_per_round": medians, "peak_rss_per_rank_mb_per_round": peaks,
             "mfu": statistics.median(mfu) if mfu else None,
             "rank0_cpu_s_per_step": statistics.median(cpu), "rank0_cpu_s_per_step_per_round": cpu,
-            "final_reward_accuracy": statistics.fmean(accuracy) if accuracy else None}
+            "final_reward_accuracy": statistics.fmean(accuracy) if accuracy else None,
+            "e2e_real_tokens_per_s": e2e_tokens / e2e_seconds, "e2e_seconds_per_launch": e2e_seconds / len(runs),
+            "e2e_real_tokens_per_s_per_round": [sum(r["tokens"][:len(r["ends"])]) / (r["ends"][-1] - r["start"])
+                                                for r in runs],
+            "heldout_accuracy": statistics.fmean(heldout) if heldout else None}
 
 
 def paired(ours: dict, this: dict) -> float:
@@ -440,6 +492,42 @@ def paired(ours: dict, this: dict) -> float:
     which hits both of a pair alike): the median over rounds of ours/this real tokens/s."""
     return statistics.median(a / b for a, b in zip(ours["real_tokens_per_s_per_round"],
                                                    this["real_tokens_per_s_per_round"]))
+
+
+def lm_head_share(cfg, seq_len: int | None = None) -> str:
+    """The LM head's share of the model's matmul FLOPs per position (forward; backward scales every term alike), as
+    one printable line: head ``2 h V`` (the output projection: hidden ``h`` x vocabulary ``V``) over head + layers,
+    the layers counted as ``2 N`` (``N``: the weights of every ``nn.Linear`` / ``Conv1D`` but the head, i.e. the
+    layers' matmul parameters; embedding lookups cost none) plus attention's ``4 L s d_attn`` (scores and weighted
+    sum over ``s`` positions of context, ``L`` layers, ``d_attn`` = heads x head size; Kaplan et al. 2020, "Scaling
+    Laws for Neural Language Models", table 1, with both matmuls counted), at ``s`` = ``seq_len`` (default
+    ``data.max_seq_len``: the full context, the smallest share). Models without an LM head (classifiers, the reward
+    model's one score) report 0% (their output layer is counted with the layers). The model is built from its config
+    (``model.path`` + ``config_overrides``) on the meta device: no weights, no memory."""
+    import torch
+    import transformers
+    from transformers.pytorch_utils import Conv1D
+
+    config = transformers.AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    for k, v in (cfg.model.config_overrides or {}).items():
+        setattr(config, k, v)
+    auto = {"bert_mlm": transformers.AutoModelForMaskedLM, "seq_cls": transformers.AutoModelForSequenceClassification,
+            "reward": transformers.AutoModelForSequenceClassification}.get(cfg.recipe,
+                                                                           transformers.AutoModelForCausalLM)
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    head = model.get_output_embeddings()
+    head_w = head.weight.numel() if head is not None else 0
+    body = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head)
+    text = config.get_text_config()
+    h, layers = text.hidden_size, text.num_hidden_layers
+    d_attn = text.num_attention_heads * (getattr(text, "head_dim", None) or h // text.num_attention_heads)
+    s = seq_len or cfg.data.max_seq_len
+    head_f, layer_f = 2 * head_w, 2 * body + 4 * layers * s * d_attn
+    what = (f"LM head {head_w / h:,.0f} x {h}" if head is not None else "no LM head (a classifier's output only)")
+    return (f"LM-head share of the matmul FLOPs per position {head_f / (head_f + layer_f):.1%} ({what}: "
+            f"{head_f / 1e6:.1f} MFLOP; layers {2 * body / 1e6:.1f} MFLOP of weights + {4 * layers * s * d_attn / 1e6:.1f} "
+            f"of attention at {s} positions; {layers} layers, hidden {h})")
 
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
@@ -471,7 +559,9 @@ def table(preset: str, results: list[dict]) -> str:
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
             ("rows/s", "{:.1f}", "rows_per_s"), ("final loss", "{:.4f}", "final_loss"),
             ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
-            ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu")]
+            ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
+            ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),
+            ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out acc", "{:.3f}", "heldout_accuracy")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "n/a" for _, fmt, key in cols]
@@ -713,12 +803,21 @@ def main(argv: list[str] | None = None) -> int:
                          "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
                          f"train.precision={precision}", *args.overrides]
             cfg = load_run_config(REPO / preset["config"], overrides)
-            spec = {**hf_spec(cfg, args.steps, precision), "log_every": args.log_every}
+            t = cfg.train
+            if preset.get("epoch"):  # one epoch: the rows the steps train (both sides' reference passes cover them)
+                overrides.append(f"data.max_train_rows="
+                                 f"{args.steps * t.micro_batch_size * t.gradient_accumulation_steps * args.nproc}")
+            if preset.get("heldout"):  # one evaluation of every held-out pair after the last step (not timed)
+                overrides += [f"train.eval_every={args.steps}", "train.eval_max_batches=0"]
+            cfg = load_run_config(REPO / preset["config"], overrides)
+            spec = {**hf_spec(cfg, args.steps, precision), "log_every": args.log_every,
+                    "validation_files": cfg.data.validation_files if preset.get("heldout") else []}
             t = cfg.train
             print(f"{name}: {cfg.model.path} {cfg.model.config_overrides}, max_seq_len {cfg.data.max_seq_len}, "
                   f"micro {t.micro_batch_size} x accum {t.gradient_accumulation_steps} x {args.nproc} ranks, "
                   f"{cfg.deepspeed}, {precision}, seed {t.seed}, {args.steps} steps x {args.rounds} rounds "
                   f"(first {args.skip} per launch not timed)", flush=True)
+            print(f"{name}: {lm_head_share(cfg)}", flush=True)
             warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
             runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
@@ -731,11 +830,14 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     try:
                         if c == "finetune":
+                            if cfg.recipe == "dpo":  # each launch computes its reference (end-to-end column)
+                                for f in (Path(env["FINETUNE_CACHE"]) / "reference").glob("dpo-*.npy"):
+                                    f.unlink()
                             runs[c].append(ours(preset, overrides, args, out, env))
                         elif c.startswith("finetune["):
                             runs[c].append(ours(preset, [*overrides, f"train.optimizer={c[9:-1]}"], args, out, env))
-                        elif c == "trl":
-                            runs[c].append(trl(spec, args, out, env))
+                        elif c in TRL_VARIANTS:
+                            runs[c].append(trl(spec, TRL_VARIANTS[c], args, out, env))
                         elif c == "bare":
                             runs[c].append(bare(preset, overrides, args, out, env, t.gradient_accumulation_steps))
                         else:
@@ -751,6 +853,8 @@ def main(argv: list[str] | None = None) -> int:
                 if base and results[0]["mfu"] is not None and r is not results[0]:  # same model: FLOPs per real token
                     r["mfu"] = results[0]["mfu"] * r["real_tokens_per_s"] / base
                 r["ratio_ours_over_this_median_of_rounds"] = paired(results[0], r) if base else None
+                r["e2e_ratio_ours_over_this"] = (results[0]["e2e_real_tokens_per_s"] / r["e2e_real_tokens_per_s"]
+                                                 if base else None)
             print(table(name, results))
             if base and "bare" in runs:
                 bare_r = results[list(runs).index("bare")]
@@ -759,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * overhead:+.1f}% step time (all rounds pooled); {100 * (1 / paired(results[0], bare_r) - 1):+.1f}% "
                       f"(round by round, median over rounds); rank 0's CPU time per step "
                       f"{100 * (results[0]['rank0_cpu_s_per_step'] / bare_r['rank0_cpu_s_per_step'] - 1):+.1f}%")
-            if "trl" in runs and "finetune" in runs:
+            if "trl" in runs and "finetune" in runs and cfg.recipe == "dpo":
                 print(reference_agreement(Path(env["FINETUNE_CACHE"]), root / f"{name}-trl-0"))
             for r in results:
                 print(json.dumps({"bench": name, **r}))
