@@ -19,8 +19,21 @@ optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
 Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks; HF with ``run_clm.py``'s
 ``group_texts``), ``seq_cls`` (the shipped SST-2 classifier; HF as ``run_glue.py``: ``DataCollatorWithPadding``) and
 ``sft`` (the shipped GSM8K prompt/response SFT; ours packs examples into rows, HF trains one padded example per row
-with the same answer-only labels) and ``dpo`` (the shipped GSM8K DPO against ``trl``: TRL's ``DPOTrainer``,
-``scripts/bench_trl.py``; pairs/s is real tokens/s over the tokens per pair, the same rows on both sides).
+with the same answer-only labels), ``dpo`` (the shipped GSM8K DPO; its model spends 96% of its matmul FLOPs in the
+LM head), ``dpo_realistic`` (the same DPO on a model whose LM head has a real 0.5B-1B model's share, 28%: a Llama
+shape of 6 layers, hidden 256, with the 8,192-token BPE of ``data/models/gsm8k-bpe-8k``) and ``reward`` (the shipped
+GSM8K reward model recipe on that shape's body; held-out accuracy of the 200 test pairs after the timed steps).
+Preference contenders (``scripts/bench_trl.py``; pairs/s is real tokens/s over the tokens per pair, the same rows on
+both sides):
+
+* ``trl``: TRL's ``DPOTrainer`` / ``RewardTrainer`` with its defaults (DPO: a reference model run on every batch;
+  gradient checkpointing on, ``DPOConfig``'s and ``RewardConfig``'s default; random order);
+* ``trl_best``: TRL with every speed option of TRL 1.16 that applies (``precompute_ref_log_probs=True`` and no
+  reference model, gradient checkpointing as ours, length-grouped batches; the module docstring of
+  ``scripts/bench_trl.py`` names each option and the ones that do not apply).
+
+The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
+``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
 
 An untimed warm-up launch comes first (:func:`warm_up`: DeepSpeed's one-time builds of its CPU ops), then the
 contenders alternate (``finetune, hf, hf_grouped, finetune, ...``) for ``--rounds`` rounds so drifting machine load
@@ -40,7 +53,17 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
 * MFU (GPUs of the peak table in ``finetune/logs.py``; n/a on CPUs): ``finetune``'s logged ``train/mfu``, median
   over the timed steps; the other contenders' from their real tokens/s (same model, same FLOPs per real token);
-* rows/s: rows of the global batch (pairs for ``dpo``) per second of the timed steps;
+* rows/s: rows of the global batch (pairs for ``dpo`` and ``reward``) per second of the timed steps;
+* end to end (``e2e``): real tokens of every step of a launch (warm-up steps included) over the wall time from
+  starting the launcher to the end of the last optimizer step, all rounds pooled (``e2e s``: that time, mean per
+  launch; ``e2e ours/this``: finetune's end-to-end tokens/s over this contender's). It includes start-up, data
+  preparation, and the reference log-probabilities: finetune's reference pass (before the first step, over the
+  training and validation pairs; its cached values are removed before each launch) and TRL's precomputation
+  (``trl_best``; TRL's datasets cache is per launch, so it tokenizes and precomputes each time); finetune's
+  tokenized data are cached across rounds (a few seconds for the first round);
+* held-out accuracy (``reward``): the share of the 200 test pairs ranked right after the last step (finetune:
+  ``eval/accuracy`` of one evaluation at ``--steps``; TRL: ``trainer.evaluate()``; neither timed; each side keeps
+  the pairs that fit ``max_seq_len`` its own way);
 * final loss: mean training loss of the last 5 steps, or of the last ``--log-every`` steps (each step taking its
   log window's mean) when that is more (the rows differ between contenders, so compare within noise); ``dpo``:
   also the final reward accuracy (``rewards/accuracies``, train, same window);
@@ -65,6 +88,9 @@ consecutive lengths). Then, at the common length (the longest that fits every co
 timed side by side (``--steps`` per launch, alternating for ``--rounds``) at the same global batch of 2 rows (SP = 2
 accumulates 2 micro-batches): tokens/s, each over ``hf``'s, and the final loss.
 
+Every preset first prints its model's LM-head share of the matmul FLOPs per position (:func:`lm_head_share`: head
+``2 h V`` over head + ``2 x`` the layers' matmul weights + attention's ``4 L s d_attn``).
+
 Prints a table and one JSON line per contender (``{"bench": preset, "contender": ..., ...}``). Needs the
 ``bench`` extra (``pip install -e .[bench]``: accelerate, which HF Trainer requires, and trl); the package never
 imports them.
@@ -74,6 +100,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py                                   # bert_mlm, 2 ranks, 40 steps, 2 rounds
     python scripts/bench.py --preset gpt_clm --steps 60 --rounds 3
     python scripts/bench.py --preset all                      # every preset, one after the other
+    python scripts/bench.py --preset dpo_realistic --lock /tmp/heavy.lock   # finetune vs TRL (defaults and best)
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
     python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
@@ -762,6 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default="", help="folder to keep the launches' run folders in (default: temporary)")
     p.add_argument("--optimizer", default="", help="comma-separated finetune optimizers (train.optimizer: adamw,muon): "
                    "the contenders are then finetune[<optimizer>] each, side by side in the same rounds")
+    p.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up launch (smoke runs: the "
+                   "first contender's launch then pays DeepSpeed's one-time op builds, if any)")
     p.add_argument("--lock", default="", help="hold this flock(1) file during each launch (not between them), so "
                    "other heavy jobs on the machine interleave with the benchmark's launches")
     g = p.add_argument_group("long_context preset")
@@ -818,7 +847,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cfg.deepspeed}, {precision}, seed {t.seed}, {args.steps} steps x {args.rounds} rounds "
                   f"(first {args.skip} per launch not timed)", flush=True)
             print(f"{name}: {lm_head_share(cfg)}", flush=True)
-            warm_up(preset, overrides, args, root / f"{name}-warmup", env)
+            if not args.no_warm_up:
+                warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
             runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
             if args.optimizer:  # finetune against itself, one optimizer setting per contender

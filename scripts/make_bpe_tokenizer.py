@@ -2,7 +2,8 @@
 
 The vocabulary of the ``dpo_realistic`` and ``reward`` benchmark presets (``scripts/bench.py``): with the GPT-2
 tokenizer's 50,257 tokens, a model small enough for CPU ranks spends most of its matmul FLOPs in the LM head, unlike
-a 0.5B-8B model (6-28%); 8,192 tokens let a small Llama shape have a realistic head share. Trained with Hugging Face
+a 0.5B-8B model (8-29%: ``scripts/bench.py``'s ``lm_head_share``); 8,192 tokens let a small Llama shape have a
+realistic head share. Trained with Hugging Face
 ``tokenizers`` (``ByteLevel`` pre-tokenizer and decoder, ``BpeTrainer``, GPT-2's byte alphabet, so every text is
 encodable) on the ``prompt``, ``chosen`` and ``rejected`` texts of ``data/gsm8k_pref/train.parquet``, in file order
 (deterministic); saved as a ``PreTrainedTokenizerFast`` whose one special token ``<|endoftext|>`` (id 0) is its

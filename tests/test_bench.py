@@ -3,8 +3,10 @@
 One smoke run of the packed ``gpt_clm`` preset (its contenders: the toolkit, the bare engine loop on the toolkit's
 batches, and Hugging Face Trainer + DeepSpeed with ``group_texts``), tiny model, 1 CPU rank, 3 steps, 1 round. No
 timed assertions: the numbers are only checked to be there, finite and consistent with each other. And one smoke run
-of the ``dpo`` preset against TRL's ``DPOTrainer`` (``trl`` is in the ``test`` extra for it) and one of
-``scripts/bench_startup.py``: extended (about a minute each), like the ``gpt_clm`` smoke run (suite budget).
+of the ``dpo_realistic`` preset against TRL's ``DPOTrainer`` at its defaults and at its best (``trl`` is in the
+``test`` extra for it) and one of ``scripts/bench_startup.py``: extended (about a minute each), like the ``gpt_clm``
+smoke run (suite budget). The ``reward`` preset against TRL's ``RewardTrainer`` at its best runs in the default suite
+(no warm-up launch: about 40 s).
 """
 
 from __future__ import annotations
@@ -53,23 +55,34 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
 
 @pytest.mark.extended
 def test_dpo_benchmark_against_trl(tmp_path):
-    """The ``dpo`` preset: the toolkit against TRL's ``DPOTrainer`` (``scripts/bench_trl.py``), tiny, 1 rank, 3 steps.
+    """The ``dpo_realistic`` preset (its tiny model, the 8,192-token BPE): the toolkit against TRL's ``DPOTrainer``
+    (``scripts/bench_trl.py``) with its defaults and at its best (precomputed reference), 1 rank, 3 steps.
 
-    Both start from a policy equal to its reference, so the first losses are log 2 on both sides, and from the same
-    weights, so finetune's cached reference log-probabilities equal TRL's reference model's (1e-5 relative)."""
+    All start from a policy equal to its reference, so the first losses are log 2 on every side, and from the same
+    weights, so finetune's cached reference log-probabilities equal TRL's reference model's (1e-5 relative). The
+    end-to-end figures (launch to last step, reference passes included) are there and below the timed steps'."""
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-    proc = run_python(["scripts/bench.py", "--preset", "dpo", "--steps", "3", "--skip", "1", "--rounds", "1",
-                       "--nproc", "1", "--tiny", "--keep", str(tmp_path)], timeout=600)
+    proc = run_python(["scripts/bench.py", "--preset", "dpo_realistic", "--steps", "3", "--skip", "1", "--rounds",
+                       "1", "--nproc", "1", "--tiny", "--no-warm-up", "--keep", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
-    assert [r["contender"] for r in rows] == ["finetune", "trl"], proc.stdout[-3000:]
-    ours, trl = rows
+    assert [r["contender"] for r in rows] == ["finetune", "trl", "trl_best"], proc.stdout[-3000:]
+    ours, trl, best = rows
     for r in rows:
-        for key in ("real_tokens_per_s", "rows_per_s", "step_time_median_s", "peak_rss_per_rank_mb", "final_loss"):
+        for key in ("real_tokens_per_s", "rows_per_s", "step_time_median_s", "peak_rss_per_rank_mb", "final_loss",
+                    "e2e_real_tokens_per_s", "e2e_seconds_per_launch", "e2e_ratio_ours_over_this"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
         assert 0.0 <= r["final_reward_accuracy"] <= 1.0
-    assert trl["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / trl["real_tokens_per_s"])
-    assert abs(ours["final_loss"] - math.log(2)) < 0.05 and abs(trl["final_loss"] - math.log(2)) < 0.05
+        assert r["e2e_real_tokens_per_s"] < r["real_tokens_per_s"]  # start-up and reference pass included
+        assert abs(r["final_loss"] - math.log(2)) < 0.05
+    for other in (trl, best):
+        assert other["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / other["real_tokens_per_s"])
+        assert other["e2e_ratio_ours_over_this"] == pytest.approx(ours["e2e_real_tokens_per_s"]
+                                                                  / other["e2e_real_tokens_per_s"])
+    assert "dpo_realistic: LM-head share of the matmul FLOPs per position " in proc.stdout
+    # trl_best precomputes its reference before training (trl runs its reference model on every batch instead)
+    assert "Computing reference log probs for train dataset" in (tmp_path / "dpo_realistic-trl_best-0.log").read_text()
+    assert "Computing reference log probs" not in (tmp_path / "dpo_realistic-trl-0.log").read_text()
     # the same initial weights on both sides: finetune's cached reference = TRL's reference model's, pair by pair
     line = next(x for x in proc.stdout.splitlines() if x.startswith("dpo: reference log-probabilities of the first"))
     assert float(line.split("max relative difference ")[1].split(";")[0]) < 1e-5, line
@@ -101,4 +114,31 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     assert 0 < prepared["prepare_peak_anon_mb"] <= prepared["prepare_peak_mb"]
     assert rows["hf cold"]["data_s"] > 0
     assert "time to first step, hf cold / finetune cold: " in proc.stdout
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+
+
+def test_reward_benchmark_against_trl_best(tmp_path):
+    """The ``reward`` preset: the toolkit's reward recipe against TRL's ``RewardTrainer`` at its best (no
+    checkpointing, length-grouped batches; ``scripts/bench_trl.py``), tiny, 1 rank, 3 steps, no warm-up launch: every
+    figure there and finite, the held-out accuracy of the test pairs in [0, 1] on both sides, losses near log 2 (the
+    scores of a random score head are close), the LM-head share printed (0%: a one-output score head)."""
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    proc = run_python(["scripts/bench.py", "--preset", "reward", "--steps", "3", "--skip", "1", "--rounds", "1",
+                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
+                       "--keep", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
+    ours, best = rows
+    for r in rows:
+        for key in ("real_tokens_per_s", "rows_per_s", "step_time_median_s", "peak_rss_per_rank_mb", "final_loss",
+                    "e2e_real_tokens_per_s", "e2e_ratio_ours_over_this"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
+        assert 0.0 <= r["heldout_accuracy"] <= 1.0 and 0.0 <= r["final_reward_accuracy"] <= 1.0
+        assert abs(r["final_loss"] - math.log(2)) < 0.1
+    # pairs/s: 3 - 1 timed steps of 2 pairs over their wall time, the same definition on both sides
+    assert best["rows_per_s"] == pytest.approx(2 / best["step_time_median_s"], rel=0.5)
+    assert best["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / best["real_tokens_per_s"])
+    assert "reward: LM-head share of the matmul FLOPs per position 0.0% (no LM head" in proc.stdout
+    assert "reward:\ncontender" in proc.stdout and "held-out acc" in proc.stdout
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
