@@ -45,9 +45,9 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
 * rank 0's CPU time per timed step (``time.process_time`` of its process, all threads; median over rounds): the
   work of the contender itself, which a busy or shared machine does not inflate as it does wall time (a rank
   waiting in a gloo collective sleeps, so waiting is not counted);
-* time to first step: from starting the launcher to the end of optimizer step 1 (imports, data, model, DeepSpeed
-  set-up; the tokenized data are cached after the first round), median over rounds (n/a for ``finetune`` with
-  ``--log-every`` above 1: its first logged step is the end of the first window);
+* time to first step: from starting the launcher (with ``--lock``: from taking the lock) to the end of optimizer step
+  1 (imports, data, model, DeepSpeed set-up; the tokenized data are cached after the first round), median over rounds
+  (n/a for ``finetune`` with ``--log-every`` above 1: its first logged step is the end of the first window);
 * peak memory per rank: the largest ``VmHWM`` (peak resident set) of a launch's rank processes (CPU ranks; sampled
   every 0.2 s from ``/proc``), median over rounds (it moves by +-30 MB between identical launches; each round's
   figure is in ``peak_rss_per_rank_mb_per_round``), or ``torch.cuda.max_memory_allocated`` on GPUs;
@@ -55,12 +55,12 @@ hits all alike. Per contender (all rounds pooled; the first ``--skip`` steps of 
   over the timed steps; the other contenders' from their real tokens/s (same model, same FLOPs per real token);
 * rows/s: rows of the global batch (pairs for ``dpo`` and ``reward``) per second of the timed steps;
 * end to end (``e2e``): real tokens of every step of a launch (warm-up steps included) over the wall time from
-  starting the launcher to the end of the last optimizer step, all rounds pooled (``e2e s``: that time, mean per
-  launch; ``e2e ours/this``: finetune's end-to-end tokens/s over this contender's). It includes start-up, data
-  preparation, and the reference log-probabilities: finetune's reference pass (before the first step, over the
-  training and validation pairs; its cached values are removed before each launch) and TRL's precomputation
-  (``trl_best``; TRL's datasets cache is per launch, so it tokenizes and precomputes each time); finetune's
-  tokenized data are cached across rounds (a few seconds for the first round);
+  starting the launcher (with ``--lock``: taking the lock) to the end of the last optimizer step, all rounds pooled
+  (``e2e s``: that time, mean per launch; ``e2e ours/this``: finetune's end-to-end tokens/s over this contender's).
+  It includes start-up, data preparation, and the reference log-probabilities: finetune's reference pass (before the
+  first step, over the training and validation pairs; its cached values are removed before each launch) and TRL's
+  precomputation (``trl_best``; TRL's datasets cache is per launch, so it tokenizes and precomputes each time);
+  finetune's tokenized data are cached across rounds (a few seconds for the first round);
 * held-out accuracy (``reward``): the share of the 200 test pairs ranked right after the last step (finetune:
   ``eval/accuracy`` of one evaluation at ``--steps``; TRL: ``trainer.evaluate()``; neither timed; each side keeps
   the pairs that fit ``max_seq_len`` its own way);
@@ -286,6 +286,7 @@ class PeakRSS(threading.Thread):
         self.root, self.peaks, self.anon, self.done = root_pid, {}, {}, threading.Event()
         self.every = every_process
         self.budget, self.over = budget_kb, False  # budget: kill the root's process group once a peak exceeds it
+        self.first_child: float | None = None  # when the root was first seen with a child (flock: the lock taken)
 
     def run(self) -> None:
         import psutil
@@ -293,6 +294,8 @@ class PeakRSS(threading.Thread):
         while not self.done.is_set():
             try:
                 kids = psutil.Process(self.root).children(recursive=True)
+                if kids and self.first_child is None:
+                    self.first_child = time.time()
                 kids += [psutil.Process(self.root)] if self.every else []
             except psutil.Error:
                 kids = []
@@ -335,7 +338,9 @@ class OverBudget(RuntimeError):
 
 def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
                anon: dict | None = None, budget_kb: int | None = None) -> tuple[float, dict[int, int]]:
-    """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid). With
+    """Run ``cmd`` (a ``deepspeed`` launch) to completion; returns (start time, peak VmHWM kB per rank pid). The start
+    is when the command is started, or under ``flock`` (``--lock``) when the lock is taken (flock starts the launcher
+    as its child then; sampled every 0.2 s): the wait for the lock is no part of any figure. With
     ``anon``, fills it with the largest sampled ``RssAnon`` kB per rank pid (:class:`PeakRSS`). With ``budget_kb``
     the launch runs in a session of its own, which is killed as soon as a rank's sampled peak exceeds the budget
     (:class:`OverBudget` is raised)."""
@@ -357,6 +362,8 @@ def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
                            + log.read_text()[-3000:])
     if anon is not None:
         anon.update(meter.anon)
+    if cmd[0] == "flock" and meter.first_child is not None:
+        start = meter.first_child
     return start, meter.peaks
 
 
@@ -553,8 +560,8 @@ def lm_head_share(cfg, seq_len: int | None = None) -> str:
     head_f, layer_f = 2 * head_w, 2 * body + 4 * layers * s * d_attn
     what = (f"LM head {head_w / h:,.0f} x {h}" if head is not None else "no LM head (a classifier's output only)")
     return (f"LM-head share of the matmul FLOPs per position {head_f / (head_f + layer_f):.1%} ({what}: "
-            f"{head_f / 1e6:.1f} MFLOP; layers {2 * body / 1e6:.1f} MFLOP of weights + {4 * layers * s * d_attn / 1e6:.1f} "
-            f"of attention at {s} positions; {layers} layers, hidden {h})")
+            f"{head_f / 1e6:.1f} MFLOP; layers {2 * body / 1e6:.1f} MFLOP of weights + "
+            f"{4 * layers * s * d_attn / 1e6:.1f} of attention at {s} positions; {layers} layers, hidden {h})")
 
 
 def hf_spec(cfg, steps: int, precision: str) -> dict:
