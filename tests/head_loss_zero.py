@@ -2,12 +2,14 @@
 
 For the ``bert_mlm`` (scratch BERT, head transform + decoder tied to the word embeddings) and ``gpt_clm`` (tiny
 GPT-2, ``lm_head`` tied to ``wte``) recipes at ZeRO stages 0 and 3, with cross-entropy chunks forced down to 3 rows
-(so every micro-batch runs several checkpointed chunks and recomputes them in the backward pass): the recipe's
+(so every micro-batch runs several chunks: BERT's head checkpointed, recomputed in the backward pass; GPT-2's plain
+``Linear`` head in ``lm_loss.LinearCrossEntropy``, its gradients computed in the forward pass): the recipe's
 ``forward`` on the engine against the textbook loss of a plain copy of the model (full logits, full softmax), one
 micro-batch, same weights. ZeRO-3 runs with ``stage3_param_persistence_threshold: 0``: every parameter is
 partitioned, so the head runs only if DeepSpeed's module hooks gather it, in the forward and again for the
 recomputation in the backward. Writes ``{case: {"loss": [engine, textbook], "grad_diff": max abs,
-"grad_scale": max abs textbook grad, "partitioned": bool, "chunks": int}}``.
+"grad_scale": max abs textbook grad, "partitioned": bool, "chunks": int, "in_forward": calls of
+LinearCrossEntropy}}``.
 """
 
 from __future__ import annotations
@@ -88,14 +90,18 @@ def main(out_path: str) -> None:
             partitioned = head_weight.data.numel() == 0  # ZeRO-3: released until a module hook gathers it
             lm_loss.LOGITS_CHUNK_ELEMENTS = 3 * base.config.vocab_size  # 3 rows per chunk
             n = int(recipe.count_targets(b))
+            calls, fused = [], lm_loss.LinearCrossEntropy.apply
+            lm_loss.LinearCrossEntropy.apply = lambda *a: (calls.append(1), fused(*a))[1]
             out = recipe.forward(engine, dict(b))
+            lm_loss.LinearCrossEntropy.apply = fused
             engine.backward(out.loss_sum)
             grads = {n_: safe_get_full_grad(p).detach().float().clone() for n_, p in engine.module.named_parameters()}
             results[f"{name}-z{stage}"] = {
                 "loss": [out.loss_sum.item(), want_loss], "targets": [int(out.targets), n],
                 "grad_diff": max((grads[k] - want_grads[k]).abs().max().item() for k in want_grads),
                 "grad_scale": max(g.abs().max().item() for g in want_grads.values()),
-                "partitioned": partitioned, "chunks": -(-n // 3)}
+                "partitioned": partitioned, "chunks": -(-n // 3),
+                "in_forward": len(calls)}
             lm_loss.LOGITS_CHUNK_ELEMENTS = 2**26
             engine.destroy()
     with open(out_path, "w") as f:

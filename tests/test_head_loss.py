@@ -67,7 +67,8 @@ def _assert_same(got: tuple[float, dict], want: tuple[float, dict], what: str) -
 
 
 def test_target_positions_only_equal_full_head(monkeypatch):
-    """MLM and CLM, default chunks and 3-row checkpointed chunks: loss and every gradient as the full head (1e-6);
+    """MLM and CLM, default chunks and 3-row chunks (checkpointed for BERT's head, gradients in the forward pass for
+    GPT-2's plain ``Linear``): loss and every gradient as the full head (1e-6);
     eval's masked accuracy is the full logits' argmax accuracy; the head really saw only the target rows; the
     model's own forward is untouched afterwards."""
     from finetune.recipes import bert_mlm, gpt_clm, lm_loss
@@ -84,17 +85,24 @@ def test_target_positions_only_equal_full_head(monkeypatch):
         def spy(head_fn, *args, **kwargs):
             return chunked(lambda h: (seen.append(h.shape[0]), head_fn(h))[1], *args, **kwargs)
 
+        fused, in_forward = lm_loss.LinearCrossEntropy.apply, []  # rows the gradients-in-forward path got
+
         monkeypatch.setattr(lm_loss, "chunked_cross_entropy", spy)
+        monkeypatch.setattr(lm_loss.LinearCrossEntropy, "apply",
+                            lambda h, *a: (in_forward.append(h.shape[0]), fused(h, *a))[1])
         for rows in (None, 3):
             if rows:
                 monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", rows * model.config.vocab_size)
-            seen.clear()
+            seen.clear(), in_forward.clear()
             got = _loss_and_grads(lambda: recipe.forward(model, batch).loss_sum, model)
             _assert_same(got, want, f"{name}, chunk={rows or 'default'}")
             n = int(recipe.count_targets(batch))
-            # forward + (with several chunks) the recomputation in backward; never a row that is not a target
-            assert sum(seen) == n * (2 if rows else 1) and max(seen) <= (rows or n), seen
+            if rows and causal:  # GPT-2's plain Linear head, several chunks: gradients in the forward, no recompute
+                assert seen == [] and in_forward == [n], (seen, in_forward)
+            else:  # forward + (with several chunks) the recomputation in backward; never a row that is not a target
+                assert sum(seen) == n * (2 if rows else 1) and max(seen) <= (rows or n) and not in_forward, seen
         monkeypatch.setattr(lm_loss, "chunked_cross_entropy", chunked)
+        monkeypatch.setattr(lm_loss.LinearCrossEntropy, "apply", fused)
         monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", 2**26)
         with torch.no_grad():
             out = recipe.forward(model, batch, metrics=True)
@@ -218,7 +226,8 @@ def test_liger_fused_head_equals_chunked(monkeypatch):
 
 
 def test_zero0_and_zero3_equal_full_head(tmp_path):
-    """Real DeepSpeed, 1 rank, ZeRO 0 and 3 (every parameter partitioned), 3-row checkpointed chunks: MLM and CLM
+    """Real DeepSpeed, 1 rank, ZeRO 0 and 3 (every parameter partitioned), 3-row chunks (BERT's checkpointed, GPT-2's
+    with gradients in the forward pass, under DeepSpeed's hooks): MLM and CLM
     losses (1e-6) and full gradients (1e-6 of the largest) equal the full head's on a plain copy of the model."""
     out = tmp_path / "zero.json"
     ok(run_python(["tests/head_loss_zero.py", str(out)], env=cpu_env(MASTER_PORT=str(free_port()),
@@ -230,3 +239,4 @@ def test_zero0_and_zero3_equal_full_head(tmp_path):
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6, abs=0), (case, r)
         assert r["grad_diff"] <= 1e-5 * r["grad_scale"], (case, r)
         assert r["partitioned"] == case.endswith("z3"), (case, r)
+        assert r["in_forward"] == case.startswith("gpt_clm"), (case, r)  # GPT-2's Linear head: gradients in forward

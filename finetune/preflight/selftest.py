@@ -7,8 +7,9 @@ laptop and on a GPU node. Checks (``CHECKS``):
 
 * ``collectives``: all-reduce, all-gather, broadcast and all-to-all over the process group's backend (NCCL on
   GPUs, gloo on CPU ranks; all-to-all is what Ulysses sequence parallelism uses); small integers, so exact.
-* ``chunked_head``: finetune's chunked output-head cross-entropy (:func:`finetune.recipes.lm_loss.chunked_cross_entropy`,
-  several chunks, recomputed in backward) against the full logits: loss and head gradient, fp32.
+* ``chunked_head``: finetune's chunked output-head cross-entropy against the full logits, in both forms (several
+  chunks, checkpointed and recomputed in backward: :func:`finetune.recipes.lm_loss.chunked_cross_entropy`; gradients
+  computed in the forward pass: :class:`finetune.recipes.lm_loss.LinearCrossEntropy`): loss and head gradient, fp32.
 * ``liger_fused_ce``: Liger's fused linear cross-entropy (what causal-LM heads use on CUDA) against the same
   reference: loss and gradients (CUDA and ``liger-kernel`` only).
 * ``bf16_forward``: a tiny Llama's loss and logits in bf16 against fp32 (bf16 keeps 8 bits of mantissa).
@@ -48,7 +49,7 @@ from finetune import patches
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import layout, sequence
 from finetune.config import RunConfig
-from finetune.recipes.lm_loss import chunked_cross_entropy
+from finetune.recipes.lm_loss import LinearCrossEntropy, chunked_cross_entropy
 
 
 @dataclass
@@ -131,14 +132,20 @@ def _reference_ce(head: torch.nn.Linear, h: torch.Tensor, y: torch.Tensor) -> tu
 
 
 def check_chunked_head() -> Check:
-    """Chunked head cross-entropy (4 chunks, recomputed in backward) vs full logits: loss and weight gradient."""
+    """Chunked head cross-entropy, 4 chunks, both forms (checkpointed and recomputed in backward; gradients in the
+    forward pass, :class:`LinearCrossEntropy`) vs full logits: loss and weight gradient."""
     head, h, y = _head_case(_device())
     ref_loss, ref_grad = _reference_ce(head, h, y)
-    head.zero_grad()
-    loss, _ = chunked_cross_entropy(head, h, y, chunk=24)
-    loss.backward()
-    diff = max(rel_diff(loss, ref_loss), float((head.weight.grad - ref_grad).abs().max() / ref_grad.abs().max()))
-    return _judge("chunked_head", diff, 1e-5, "loss sum and head gradient, 96 rows in 4 chunks vs full logits, fp32")
+    diff = 0.0
+    for run in (lambda: chunked_cross_entropy(head, h, y, chunk=24)[0],
+                lambda: LinearCrossEntropy.apply(h, head.weight, head.bias, y, 24)):
+        head.zero_grad()
+        loss = run()
+        loss.backward()
+        diff = max(diff, rel_diff(loss, ref_loss),
+                   float((head.weight.grad - ref_grad).abs().max() / ref_grad.abs().max()))
+    return _judge("chunked_head", diff, 1e-5, "loss sum and head gradient, 96 rows in 4 chunks (checkpointed; "
+                                              "gradients in forward) vs full logits, fp32")
 
 
 def _gpu_skip(name: str, tolerance: float, module: str, package: str, why: str = "") -> Check | None:

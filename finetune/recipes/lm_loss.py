@@ -17,7 +17,10 @@ wasted work (for a BERT with the full vocabulary the MLM head plus cross-entropy
 * **Chunked cross-entropy.** The selected rows go through the head and ``F.cross_entropy`` in chunks
   of at most :func:`chunk_tokens` rows (fp32 logits of one chunk stay under
   :data:`LOGITS_CHUNK_ELEMENTS` elements), so the fp32 ``[targets, vocab]`` logits are never
-  materialised whole. With more than one chunk and gradients on, each chunk (head + cross-entropy) is
+  materialised whole. With more than one chunk and gradients on, a plain ``torch.nn.Linear`` head of at most
+  :data:`LOGITS_CHUNK_ELEMENTS` elements (GPT-2's, Llama's, Qwen's ``lm_head``; not for ``per_row`` sums) takes
+  :class:`LinearCrossEntropy`: each chunk's gradients are computed in the forward pass, so nothing is recomputed
+  (the PyTorch form of Liger's kernel below). Any other head has each chunk (head + cross-entropy)
   wrapped in ``torch.utils.checkpoint`` (non-reentrant), as TRL's chunked NLL does: only the chunk's
   hidden states are kept and its logits are recomputed in the backward pass, inside the head's ZeRO-3
   backward window (the head's output is what DeepSpeed hooks, so its parameters are gathered before
@@ -212,6 +215,67 @@ def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: 
     return None
 
 
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets`` whose gradients are computed in the
+    forward pass, chunk by chunk: nothing is recomputed in the backward pass and no ``[rows, vocab]`` logits outlive
+    their chunk. The PyTorch form of Liger's fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989), for
+    devices Liger's Triton kernel does not run on (CPUs): per chunk, logits ``z = h W^T + b`` (fp32), loss
+    ``logsumexp(z) - z[y]``, ``dL/dz = softmax(z) - onehot(y)``, then ``dL/dh = dL/dz W`` and
+    ``dL/dW += dL/dz^T h`` (fp32 accumulation), ``dL/db += sum(dL/dz)``. The backward pass scales the stored
+    gradients by the incoming one. Same FLOPs as autograd's forward + backward of a plain head; the checkpointed
+    chunks of :func:`chunked_cross_entropy` run the head's forward twice. The price: ``dL/dW`` (fp32, the head's
+    size) is held from the forward to the backward pass, which is why :func:`fused_head_loss` takes this path only
+    for heads of at most :data:`LOGITS_CHUNK_ELEMENTS` elements (no more than one chunk's logits).
+
+    ``apply(hidden [n, hidden], weight [vocab, hidden], bias [vocab] or None, targets [n] int64 (no -100),
+    chunk: int) -> 0-dim float32``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start:start + chunk], targets[start:start + chunk]
+            logits = F.linear(h, weight, bias).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(len(y), device=y.device), y] -= 1
+            if need_h:
+                grad_h[start:start + chunk] = grad.to(weight.dtype) @ weight
+            if need_w:
+                grad_w.addmm_(grad.t(), h.float())
+            if need_b:
+                grad_b += grad.sum(0)
+            del logits, grad
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_out).to(ctx.dtypes[0]) if grad_w is not None else None,
+                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None, None, None)
+
+
+def torch_fused_head(head: torch.nn.Module, hidden: torch.Tensor, chunk: int, count_correct: bool = False,
+                     forward_replaced: bool = False) -> bool:
+    """Whether :class:`LinearCrossEntropy` computes the head loss where Liger's kernel does not run.
+
+    It does for training (gradients on, no accuracy count) with a head that is exactly ``torch.nn.Linear`` with its
+    class's ``forward``, more than one chunk of ``chunk`` rows in ``hidden`` ``[n, hidden]`` (one chunk is not
+    recomputed anyway), and a weight of at most :data:`LOGITS_CHUNK_ELEMENTS` elements (its fp32 gradient is held
+    from the forward to the backward pass; larger heads keep the checkpointed chunks)."""
+    return (torch.is_grad_enabled() and not count_correct and type(head) is torch.nn.Linear and not forward_replaced
+            and hidden.shape[0] > chunk and head.weight.numel() <= LOGITS_CHUNK_ELEMENTS)
+
+
 def _fused_ce_sum(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of ``head(hidden)`` against ``targets`` in Liger's fused kernel (0-dim float32)."""
     loss_fn = _liger_loss_class()(reduction="sum", accum_dtype=torch.float32)
@@ -260,6 +324,11 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
         if why_not is None:
             _announce("Liger fused linear cross-entropy at the target positions (CUDA)")
             state.loss, state.correct = _fused_ce_sum(head, rows, wanted), None
+        elif not (per_row or args or kwargs) and torch_fused_head(head, rows, chunk, count_correct, own is not None):
+            _announce(f"chunked PyTorch cross-entropy at the target positions, gradients in the forward pass "
+                      f"({why_not})")
+            state.loss = LinearCrossEntropy.apply(rows, head.weight, head.bias, wanted, chunk)
+            state.correct = None
         else:
             if torch.is_grad_enabled() and why_not != "evaluation":
                 _announce(f"chunked PyTorch cross-entropy at the target positions ({why_not})")
