@@ -88,6 +88,7 @@ def main(out_path: str) -> None:
             engine.train()
             head_weight = engine.module.get_output_embeddings().weight
             partitioned = head_weight.data.numel() == 0  # ZeRO-3: released until a module hook gathers it
+            default_chunk = lm_loss.LOGITS_CHUNK_ELEMENTS
             lm_loss.LOGITS_CHUNK_ELEMENTS = 3 * base.config.vocab_size  # 3 rows per chunk
             n = int(recipe.count_targets(b))
             calls, fused = [], lm_loss.LinearCrossEntropy.apply
@@ -102,7 +103,7 @@ def main(out_path: str) -> None:
                 "grad_scale": max(g.abs().max().item() for g in want_grads.values()),
                 "partitioned": partitioned, "chunks": -(-n // 3),
                 "in_forward": len(calls)}
-            lm_loss.LOGITS_CHUNK_ELEMENTS = 2**26
+            lm_loss.LOGITS_CHUNK_ELEMENTS = default_chunk
             engine.destroy()
     with open(out_path, "w") as f:
         json.dump(results, f, indent=1)

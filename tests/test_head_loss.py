@@ -80,7 +80,7 @@ def test_target_positions_only_equal_full_head(monkeypatch):
         assert head is (model.cls if not causal else model.lm_head), "BERT: transform + decoder; GPT-2: lm_head"
         want = _loss_and_grads(lambda: _full_head(model, batch, causal)[0], model)
         seen = []  # rows of each head computation
-        chunked = lm_loss.chunked_cross_entropy
+        chunked, default_chunk = lm_loss.chunked_cross_entropy, lm_loss.LOGITS_CHUNK_ELEMENTS
 
         def spy(head_fn, *args, **kwargs):
             return chunked(lambda h: (seen.append(h.shape[0]), head_fn(h))[1], *args, **kwargs)
@@ -103,7 +103,7 @@ def test_target_positions_only_equal_full_head(monkeypatch):
                 assert sum(seen) == n * (2 if rows else 1) and max(seen) <= (rows or n) and not in_forward, seen
         monkeypatch.setattr(lm_loss, "chunked_cross_entropy", chunked)
         monkeypatch.setattr(lm_loss.LinearCrossEntropy, "apply", fused)
-        monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", 2**26)
+        monkeypatch.setattr(lm_loss, "LOGITS_CHUNK_ELEMENTS", default_chunk)
         with torch.no_grad():
             out = recipe.forward(model, batch, metrics=True)
             full_loss, logits = _full_head(model, batch, causal)

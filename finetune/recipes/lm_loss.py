@@ -18,7 +18,7 @@ wasted work (for a BERT with the full vocabulary the MLM head plus cross-entropy
   of at most :func:`chunk_tokens` rows (fp32 logits of one chunk stay under
   :data:`LOGITS_CHUNK_ELEMENTS` elements), so the fp32 ``[targets, vocab]`` logits are never
   materialised whole. With more than one chunk and gradients on, a plain ``torch.nn.Linear`` head of at most
-  :data:`LOGITS_CHUNK_ELEMENTS` elements (GPT-2's, Llama's, Qwen's ``lm_head``; not for ``per_row`` sums) takes
+  :data:`FUSED_HEAD_MAX_ELEMENTS` elements (GPT-2's, Llama's, Qwen's ``lm_head``; not for ``per_row`` sums) takes
   :class:`LinearCrossEntropy`: each chunk's gradients are computed in the forward pass, so nothing is recomputed
   (the PyTorch form of Liger's kernel below). Any other head has each chunk (head + cross-entropy)
   wrapped in ``torch.utils.checkpoint`` (non-reentrant), as TRL's chunked NLL does: only the chunk's
@@ -63,9 +63,15 @@ from finetune.engine import moe
 from finetune.parallel import distributed as dist_utils
 from finetune.logs import logger
 
-LOGITS_CHUNK_ELEMENTS = 2**26
-"""Most fp32 logits (rows x vocabulary) one chunk of the cross-entropy materialises: 256 MiB (e.g. 2,198 rows
-of BERT's 30,522-token vocabulary, 1,335 of GPT-2's 50,257)."""
+LOGITS_CHUNK_ELEMENTS = 2**24
+"""Most fp32 logits (rows x vocabulary) one chunk of the cross-entropy materialises: 64 MiB (e.g. 549 rows of
+BERT's 30,522-token vocabulary, 333 of GPT-2's 50,257). Every byte of a chunk is live at the step's memory peak (a
+fixed cost on top of the activations, which is what limits the longest trainable sequence); a few hundred rows
+still keep the head's matrix products efficient."""
+
+FUSED_HEAD_MAX_ELEMENTS = 2**26
+"""Largest head weight (vocabulary x hidden) :class:`LinearCrossEntropy` takes: its fp32 gradient (here at most
+256 MiB) is held from the forward to the backward pass; a larger head is checkpointed chunk by chunk instead."""
 
 _HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its head module (found once)
 
@@ -224,8 +230,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     ``dL/dW += dL/dz^T h`` (fp32 accumulation), ``dL/db += sum(dL/dz)``. The backward pass scales the stored
     gradients by the incoming one. Same FLOPs as autograd's forward + backward of a plain head; the checkpointed
     chunks of :func:`chunked_cross_entropy` run the head's forward twice. The price: ``dL/dW`` (fp32, the head's
-    size) is held from the forward to the backward pass, which is why :func:`fused_head_loss` takes this path only
-    for heads of at most :data:`LOGITS_CHUNK_ELEMENTS` elements (no more than one chunk's logits).
+    size) is held from the forward to the backward pass, which is why :func:`torch_fused_head` takes this path only
+    for heads of at most :data:`FUSED_HEAD_MAX_ELEMENTS` elements.
 
     ``apply(hidden [n, hidden], weight [vocab, hidden], bias [vocab] or None, targets [n] int64 (no -100),
     chunk: int) -> 0-dim float32``.
@@ -240,10 +246,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start:start + chunk], targets[start:start + chunk]
-            logits = F.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            # in place: no second [rows, vocab] tensor (logsumexp and softmax would each allocate one)
+            grad = F.linear(h, weight, bias).float()
+            grad -= grad.max(dim=-1, keepdim=True).values
+            picked = grad.gather(1, y[:, None])
+            total = grad.exp_().sum(dim=-1, keepdim=True)
+            loss += (total.log() - picked).sum()
+            grad /= total  # softmax
             grad[torch.arange(len(y), device=y.device), y] -= 1
             if need_h:
                 grad_h[start:start + chunk] = grad.to(weight.dtype) @ weight
@@ -251,7 +260,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(grad.t(), h.float())
             if need_b:
                 grad_b += grad.sum(0)
-            del logits, grad
+            del grad
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return loss
@@ -270,10 +279,10 @@ def torch_fused_head(head: torch.nn.Module, hidden: torch.Tensor, chunk: int, co
 
     It does for training (gradients on, no accuracy count) with a head that is exactly ``torch.nn.Linear`` with its
     class's ``forward``, more than one chunk of ``chunk`` rows in ``hidden`` ``[n, hidden]`` (one chunk is not
-    recomputed anyway), and a weight of at most :data:`LOGITS_CHUNK_ELEMENTS` elements (its fp32 gradient is held
+    recomputed anyway), and a weight of at most :data:`FUSED_HEAD_MAX_ELEMENTS` elements (its fp32 gradient is held
     from the forward to the backward pass; larger heads keep the checkpointed chunks)."""
     return (torch.is_grad_enabled() and not count_correct and type(head) is torch.nn.Linear and not forward_replaced
-            and hidden.shape[0] > chunk and head.weight.numel() <= LOGITS_CHUNK_ELEMENTS)
+            and hidden.shape[0] > chunk and head.weight.numel() <= FUSED_HEAD_MAX_ELEMENTS)
 
 
 def _fused_ce_sum(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
