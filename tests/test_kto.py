@@ -180,6 +180,23 @@ def test_kl_pairs_are_the_previous_rows_completion():
     assert "5 rows -> 5 examples" in fn.summary()
 
 
+def test_a_mixture_of_experts_policy_adds_its_router_loss():
+    """kto with an MoE policy (the tiny Qwen3-MoE): ``forward`` returns the router's load-balancing term (the model's
+    own ``aux_loss`` of the completion forward times ``router_aux_loss_coef``) and the router statistics, as
+    ``gpt_clm`` and ``dpo`` do (:mod:`finetune.engine.moe`)."""
+    cfg = load_run_config(CONFIG, ["model.path=data/models/tiny-qwen3-moe", "model.config_overrides={vocab_size: 50257}"])
+    model = scratch_model(cfg).train()
+    batch = dict(next(iter(simulated_ranks(cfg, 1)[4][0])))
+    batch[kto.dpo.REFERENCE_COLUMN] = torch.zeros(batch["input_ids"].shape[0])
+    batch[kto.KL_COLUMN] = torch.tensor(0.0)
+    out = kto.forward(model, batch)
+    half = batch["input_ids"].shape[0] // 2
+    own = model(input_ids=batch["input_ids"][:half], attention_mask=batch["attention_mask"][:half],
+                output_router_logits=True).aux_loss
+    assert float(out.aux_loss.detach()) == pytest.approx(model.config.router_aux_loss_coef * float(own.detach()), rel=1e-5)
+    assert out.aux_loss.requires_grad and "router/max_load" in out.metrics
+
+
 def test_bad_rows_are_one_line_each_before_any_model(tmp_path, capsys):
     good = {"prompt": ["a?", "b?"], "completion": ["yes", "no"], "label": [True, False]}
     missing = write_parquet(tmp_path / "missing.parquet", {"prompt": ["a?"], "completion": ["yes"]})

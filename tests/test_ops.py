@@ -147,6 +147,14 @@ def test_plan_and_doctor_count_active_experts(capsys, model, tmp_path):
     assert code == 0, err
     assert (f"{total:,} parameters" in out and f"mixture of experts: 4 experts, top-2, {active:,} active per token"
             in out), out
+    # expert parallelism: a rank holds half the experts; ZeRO 0 keeps them whole, ZeRO-3 partitions them anyway
+    ep = plan.model_shape(load_run_config(config, [*over, "parallel.expert_parallel_size=2"]))
+    gpu = {z: [plan.estimate(s, {}, z, False, False, 1, 64, 2, 1, "fp32").gpu for s in (shape, ep)] for z in (0, 3)}
+    assert gpu[0][0]["parameters"] - gpu[0][1]["parameters"] == experts // 2 * 4
+    assert gpu[0][0]["Adam moments (fp32)"] - gpu[0][1]["Adam moments (fp32)"] == experts // 2 * 8
+    assert gpu[3][0]["parameters"] == gpu[3][1]["parameters"]
+    code, out, _ = _plan(capsys, [config, *over, "parallel.expert_parallel_size=2", "--gpus-per-node", "2"])
+    assert code == 0 and f"expert-parallel size 2: {experts // 2:,} expert parameters per rank" in out, out
     assert doctor.main([str(config), *over]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("moe"))
     assert row.split()[1] == "ok" and f"{active:,} active per token" in row and f"up to {block:,} parameters" in row

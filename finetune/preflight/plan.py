@@ -49,7 +49,10 @@ no GPU). For each option it adds up, per rank:
   trained and kept), the activations those of the ``k`` experts each token passes (intermediate size ``k x`` the
   expert's), and under ZeRO 3 the largest gather is a whole sparse MoE block (a leaf module, gathered at once). The
   header gives total and active parameters: active = the non-expert ones + ``k / E`` of the expert ones
-  (``E`` routed experts, top-``k``).
+  (``E`` routed experts, top-``k``). With expert parallelism (``parallel.expert_parallel_size`` = ``EP``, AutoEP) a
+  rank holds ``1 / EP`` of the experts: that is what ZeRO 0 keeps of parameters, gradients and optimizer states,
+  ZeRO 1 of parameters and gradients, ZeRO 2 of parameters; ZeRO then partitions the experts over the ``world /
+  EP`` ranks of their expert-data-parallel group, the same ``1 / world`` share as without EP.
 * **CPU RAM per node** also holds each rank's copy of the model while it is loaded (fp32, ``4N``; under ZeRO 3
   ``zero.Init`` builds it partitioned: one layer), as in DeepSpeed's estimators.
 
@@ -144,6 +147,9 @@ class ModelShape:
     """Routed experts per MoE layer (0: dense)."""
     top_k: int = 0
     """Experts each token passes (0: dense)."""
+    expert_parallel: int = 1
+    """``parallel.expert_parallel_size``: under AutoEP a rank holds ``1 / expert_parallel`` of each layer's experts
+    (:mod:`finetune.parallel.expert`), before ZeRO partitions them over the expert-data-parallel group."""
     aux_loss_coef: float = 0.0
     """The router's load-balancing loss coefficient (``router_aux_loss_coef``; 0 for a dense model)."""
     sequences_per_row: int = 1
@@ -241,7 +247,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       trainable=trainable if trainable < params else 0,
                       muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
                       expert_params=expert_params, experts=routed.experts if routed else 0,
-                      top_k=routed.top_k if routed else 0, aux_loss_coef=routed.aux_loss_coef if routed else 0.0)
+                      top_k=routed.top_k if routed else 0, aux_loss_coef=routed.aux_loss_coef if routed else 0.0,
+                      expert_parallel=cfg.parallel.expert_parallel_size if routed else 1)
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -299,16 +306,20 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
         :class:`Estimate` (bytes; ``gpu`` per rank, ``cpu``/``nvme`` per node).
     """
     n, world = shape.params, gpus_per_node * nodes
-    t = shape.trainable or n  # LoRA: only the adapters have gradients and optimizer states
+    # expert parallelism (AutoEP; no LoRA or Muon with it): a rank holds 1/EP of the experts; ZeRO then partitions
+    # them over the world / EP ranks of their expert-data-parallel group, which comes to the same 1/world share
+    held = n - shape.expert_params + shape.expert_params // shape.expert_parallel
+    t_held = shape.trainable or held  # LoRA: only the adapters have gradients and optimizer states
+    t = t_held if stage == 0 else shape.trainable or n  # what the states count before "/ shard"
     w = 4 if precision == "fp32" else 2
     mixed = w == 2
     shard = 1 if stage == 0 else world
     e = Estimate(stage, offload, checkpointing, micro_batch)
-    params = n * w / (world if stage == 3 else 1) + (shape.largest_layer * w if stage == 3 else 0)
-    grads = t * w / (world if stage >= 2 else 1)
+    params = n * w / world + shape.largest_layer * w if stage == 3 else held * w
+    grads = t * w / world if stage >= 2 else t_held * w
     states = {"fp32 master weights": 4 * t / shard if (mixed or stage > 0) else 0,
               # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
-              "fp32 gradients": (4 * t if precision == "bf16" and stage == 1 and not offload else 4 * t / shard)
+              "fp32 gradients": (4 * t_held if precision == "bf16" and stage == 1 and not offload else 4 * t / shard)
               if mixed else 0,
               "Adam moments (fp32)": 8 * (t - shape.muon) / shard}
     if shape.muon:  # Muon: one momentum buffer per parameter (DeepSpeed's state["momentum_buffer"])
@@ -329,7 +340,7 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
     e.gpu.update(activation_bytes(shape, micro_batch * shape.sequences_per_row, seq_len, w, checkpointing))
     zero = ds.get("zero_optimization", {})
     if stage == 0:
-        buffers = n * w
+        buffers = held * w
     elif stage in (1, 2):
         reduce = _bucket(ds, "reduce_bucket_size", 5e8) * (2 if zero.get("overlap_comm", False) else 1)
         buffers = min(reduce, n) * w + min(_bucket(ds, "allgather_bucket_size", 5e8), n) * w
@@ -415,7 +426,9 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                 if shape.muon else "")
              + (f"; mixture of experts: {shape.experts} experts, top-{shape.top_k}, {active_parameters(shape):,} "
                 f"active per token (non-expert + {shape.top_k}/{shape.experts} of the {shape.expert_params:,} expert "
-                f"parameters)" if shape.experts else "") + ")",
+                f"parameters)" if shape.experts else "")
+             + (f"; expert-parallel size {shape.expert_parallel}: {shape.expert_params // shape.expert_parallel:,} "
+                f"expert parameters per rank" if shape.expert_parallel > 1 else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"

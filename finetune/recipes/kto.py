@@ -286,7 +286,8 @@ def forward(model, batch: dict, metrics: bool = False, settings: KtoConfig | Non
     z = batch.get(KL_COLUMN)
     if z is None:
         z = kl_estimate(kl_sums(model, batch))
-    logps, _ = dpo.sequence_logps(model, _half(batch, second=False))
+    router: dict = {}  # a mixture of experts: its load-balancing loss term and router statistics
+    logps, _ = dpo.sequence_logps(model, _half(batch, second=False), router)
     ref = _reference(batch, second=False).to(logps.dtype)
     desirable = batch["desirable"].bool()
     losses, rewards = row_losses(logps, ref, desirable, z.to(logps.device), s)
@@ -297,7 +298,8 @@ def forward(model, batch: dict, metrics: bool = False, settings: KtoConfig | Non
     sums = {"rewards/chosen": ((rewards * good).sum(), good.sum()), "rewards/rejected": ((rewards * bad).sum(), bad.sum()),
             "logps/chosen": ((lp * good).sum(), good.sum()), "logps/rejected": ((lp * bad).sum(), bad.sum()),
             "kl": (z.to(lp.device, lp.dtype) * n, n)}
-    return LossOutput((losses * valid).sum(), count_targets(batch), metrics=sums)
+    return LossOutput((losses * valid).sum(), count_targets(batch), metrics={**sums, **router.get("metrics", {})},
+                      aux_loss=router.get("aux_loss"))
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
