@@ -297,9 +297,10 @@ def check_flash_packing() -> Check:
                                                "gradients")
 
 
-def _plain_losses(steps: int, lr: float) -> list[float]:
-    """Plain PyTorch: AdamW on the whole batch in one process, fp32 on the CPU (the reference)."""
-    model, ids = tiny_llama(), _batch()
+def _plain_losses(steps: int, lr: float, model=None, ids: torch.Tensor | None = None) -> list[float]:
+    """Plain PyTorch: AdamW on the whole batch in one process, fp32 on the CPU (the reference); by default the tiny
+    Llama on :func:`_batch`."""
+    model, ids = (tiny_llama(), _batch()) if model is None else (model, ids)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     out = []
     for _ in range(steps):
@@ -478,15 +479,7 @@ def check_expert_parallel(steps: int = 3, lr: float = 1e-2) -> Check:
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 128, (2 * w, 16), generator=g)
-    model = tiny_moe(2 * w)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    ref = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(float(loss))
+    ref = _plain_losses(steps, lr, tiny_moe(2 * w), ids)
     mine = ids.chunk(w)[r].to(_device())
     model = tiny_moe(2 * w)
     cfg = RunConfig()
