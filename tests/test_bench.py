@@ -117,6 +117,7 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
 
 
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_reward_benchmark_against_trl_best(tmp_path):
     """The ``reward`` preset: the toolkit's reward recipe against TRL's ``RewardTrainer`` at its best (no
     checkpointing, length-grouped batches; ``scripts/bench_trl.py``), tiny, 1 rank, 3 steps, no warm-up launch: every
