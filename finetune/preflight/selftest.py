@@ -312,6 +312,20 @@ def _plain_losses(steps: int, lr: float, model=None, ids: torch.Tensor | None = 
     return out
 
 
+def _mean_losses(engine, ids: torch.Tensor, steps: int, w: int) -> list[float]:
+    """``steps`` optimizer steps of ``engine`` on this rank's ``ids`` (labels = inputs); per step the mean over the
+    ``w`` ranks of their losses."""
+    out = []
+    for _ in range(steps):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        torch.distributed.all_reduce(mean)
+        out.append(float(mean) / w)
+    return out
+
+
 def _engine_losses(stage: int, steps: int, lr: float, fp16: bool = False) -> list[float]:
     """DeepSpeed: the same batch split over the ranks (equal rows, no padding: the mean of the ranks' means is
     the batch mean), ZeRO ``stage``, fp32 (or fp16 with dynamic loss scaling)."""
@@ -329,14 +343,7 @@ def _engine_losses(stage: int, steps: int, lr: float, fp16: bool = False) -> lis
           "fp16": {"enabled": fp16, "initial_scale_power": 8}, "steps_per_print": 10**9,
           "wall_clock_breakdown": False}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    out = []
-    for _ in range(steps):
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        torch.distributed.all_reduce(mean)
-        out.append(float(mean) / w)
+    out = _mean_losses(engine, mine, steps, w)
     engine.destroy()
     return out
 
@@ -492,14 +499,7 @@ def check_expert_parallel(steps: int = 3, lr: float = 1e-2) -> Check:
     with patches.applied(*fix):
         engine, *_ = deepspeed.initialize(model=model, config=ds,
                                           model_parameters=expert.name_groups([{"params": list(model.parameters())}]))
-    got = []
-    for _ in range(steps):
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().float().clone()
-        torch.distributed.all_reduce(mean)
-        got.append(float(mean) / w)
+    got = _mean_losses(engine, mine, steps, w)
     layers = len(expert._layers(engine.module))
     engine.destroy()
     diff = max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
