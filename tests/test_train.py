@@ -110,8 +110,9 @@ def test_training_run(runs, recipe, stage):
 def test_plan_matches_measured_rss(runs, recipe, stage):
     """``finetune plan``'s per-rank figure for the run's own option vs the peak host memory each CPU rank added
     from just before the model was built to the end of training (``launches/1/ranks/rank<r>.json``, written by
-    finetune/lifecycle/health.py): within 50% (measured: the plan 15-30% above; CPU-rank RSS moves with the allocator). On CPU ranks the plan's model states, activations (here mostly the logits)
-    and DeepSpeed buffers all live in host memory, plus ``plan.CPU_RUNTIME_BYTES``."""
+    finetune/lifecycle/health.py): within 35% (measured: the plan 4-22% above; CPU-rank RSS moves with the
+    allocator). On CPU ranks the plan's model states, activations (here mostly the logits) and DeepSpeed buffers all
+    live in host memory, plus ``plan.CPU_RUNTIME_BYTES``."""
     from finetune.preflight import plan
     from finetune.config import load_run_config
 
@@ -124,7 +125,7 @@ def test_plan_matches_measured_rss(runs, recipe, stage):
     for r in (0, 1):
         rec = json.loads((run / "launches" / "1" / "ranks" / f"rank{r}.json").read_text())
         measured = rec["peak_rss_train_mib"] - rec["rss_before_model_mib"]
-        assert predicted == pytest.approx(measured, rel=0.5), (recipe, stage, r, predicted, measured, e.gpu)
+        assert predicted == pytest.approx(measured, rel=0.35), (recipe, stage, r, predicted, measured, e.gpu)
 
 
 @pytest.mark.parametrize(("recipe", "stage"), RUNS)
