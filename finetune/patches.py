@@ -178,6 +178,13 @@ def attention_function(name: str, fn: Callable, why: str) -> Patch:
     return Patch(ALL_ATTENTION_FUNCTIONS, name, fn, why, item=True)
 
 
+def mask_function(name: str, fn: Callable, why: str) -> Patch:
+    """A patch of transformers' attention-mask table: ``ALL_MASK_ATTENTION_FUNCTIONS[name] = fn``."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return Patch(ALL_MASK_ATTENTION_FUNCTIONS, name, fn, why, item=True)
+
+
 def instance_forward(module, forward: Callable, why: str) -> Patch:
     """A patch of one module instance's ``forward`` (the class is untouched)."""
     return Patch(module, "forward", forward, why, instance=True)

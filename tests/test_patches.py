@@ -40,12 +40,13 @@ def test_sequence_parallel_off_and_restore_all_give_back_every_original():
         for m in attentions:
             patches.apply(patches.watch_attribute(m, "num_key_value_groups", "test"))
         patches.apply(patches.attention_function("sdpa", sequence.packed_sdpa(sdpa_attention_forward), "test"))
+        patches.apply(patches.mask_function("sdpa", sequence.no_local_mask, "test"))
         assert sequence.tile_mlps(model) == len(mlps) == 2
         patches.apply(patches.module_global(distributed_c10d, "default_pg_timeout", timedelta(seconds=7), "test"))
         for m in attentions:  # what DeepSpeed's Ulysses forward does with SP 2 and 1 KV head (replicated twice)
             m.num_key_value_groups = 1
         set_values = {id(p): p.current() for p, _, _ in patches.active()}
-        assert len(set_values) == len(attentions) + 1 + len(mlps) + 1
+        assert len(set_values) == len(attentions) + 2 + len(mlps) + 1
         assert all(now is not original for _, original, now in patches.active())
 
         with sequence.sequence_parallel_off():
@@ -81,3 +82,35 @@ def test_a_missing_target_or_an_unchecked_version_fails_loudly():
     with patches.applied(patches.instance_forward(model, lambda x: x * 0, "test")):
         assert float(model(torch.ones(2)).detach().abs().sum()) == 0
     assert "forward" not in vars(model) and float(model(torch.ones(2)).detach().abs().sum()) > 0
+
+
+def test_packed_slices_get_no_local_mask_while_sequence_parallel_trains():
+    """transformers builds a ``[rows, 1, seq, seq]`` mask for a slice whose ``position_ids`` restart (packed rows);
+    while sequence parallelism trains, the mask table's ``sdpa`` entry (``sequence.no_local_mask``) makes none (the
+    Ulysses attention would discard it: nothing quadratic in the length is allocated), and
+    ``sequence_parallel_off`` gives transformers' mask back for whole-sequence work."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+    ids, pos = torch.randint(0, 64, (2, 10)), torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]] * 2)
+    received = []
+
+    def spy(module, q, k, v, mask, *args, **kwargs):  # what the attention is handed
+        received.append(mask)
+        return sdpa_attention_forward(module, q, k, v, mask, *args, **kwargs)
+
+    try:  # the spy stays through sequence_parallel_off (process scope); the mask patch is the model's
+        patches.apply(patches.Patch(ALL_ATTENTION_FUNCTIONS, "sdpa", spy, "test", item=True, scope="process"))
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+        assert len(received) == 2 and all(m is not None and m.shape == (2, 1, 10, 10) for m in received)
+        received.clear()
+        patches.apply(patches.mask_function("sdpa", sequence.no_local_mask, "test"))
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+        assert received == [None, None]
+        received.clear()
+        with sequence.sequence_parallel_off():
+            model(input_ids=ids, position_ids=pos, use_cache=False)
+            assert all(m is not None and m.shape == (2, 1, 10, 10) for m in received)
+    finally:
+        patches.restore_all()
+    assert not patches.active()

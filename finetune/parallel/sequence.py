@@ -95,6 +95,10 @@ _ULYSSES_WHY = ("DeepSpeed's Ulysses attention and the packed-row sdpa under seq
 _KV_WHY = ("DeepSpeed 0.19.8's Ulysses forward overwrites num_key_value_groups when it replicates key/value heads, "
            "which repeat_kv reads in whole-sequence work (upstream: deepspeedai/DeepSpeed#8316 carries the count per "
            "attention instead)")
+_MASK_WHY = ("transformers builds each rank's mask for its own slice before any attention runs, a [rows, 1, seq / sp, "
+             "seq / sp] tensor whenever the slice's position_ids restart (packed rows), which DeepSpeed's Ulysses "
+             "discards: the sdpa entry of the mask table returns none while sequence parallelism trains; no upstream "
+             "issue")
 _MLP_WHY = ("tiled MLPs (DeepSpeed's TiledMLP, ALST), set on the module instance (the class is untouched); "
             "no upstream issue: transformers offers no per-module forward hook that replaces the computation")
 _ZERO3_WHY = ("DeepSpeed's ZeRO-3 reduce-scatter divides gradients by the world size, not the data-parallel size, "
@@ -132,6 +136,7 @@ def start_sequence_parallel(model, cfg: RunConfig, lay: Layout, micro_batch: int
     table = patches.apply(patches.attention_function(attn, ALL_ATTENTION_FUNCTIONS[attn], _ULYSSES_WHY))
     if attn == "sdpa":
         ALL_ATTENTION_FUNCTIONS[attn] = packed_sdpa(table.original)
+        patches.apply(patches.mask_function(attn, no_local_mask, _MASK_WHY))
     config = copy.deepcopy(unwrap_config(model))
     text = config.get_text_config()
     if getattr(text, "num_key_value_heads", None) is None:  # GPT-2 and other MHA configs name no KV heads
@@ -288,6 +293,20 @@ def sequence_parallel_off():
     ``sdpa`` with a mask. All are put back as they were on leaving. No-op when nothing was changed.
     """
     return patches.suspended("model")
+
+
+def no_local_mask(*args, **kwargs) -> None:
+    """The ``sdpa`` entry of transformers' mask table (``ALL_MASK_ATTENTION_FUNCTIONS``) while sequence parallelism
+    trains: no mask.
+
+    transformers builds each rank's mask from its own slice before any attention runs; for a slice whose
+    ``position_ids`` restart (packed rows) that is a ``[rows, 1, seq / sp, seq / sp]`` boolean tensor in every
+    forward and every recomputation, quadratic in the length, and DeepSpeed's Ulysses discards it: it attends over
+    the gathered sequence and keeps examples apart by the gathered ``position_ids`` (:func:`packed_sdpa`). The model
+    then passes ``attention_mask=None``. :func:`sequence_parallel_off` puts transformers' own mask function back.
+    Takes the mask function's arguments (``batch_size``, ``q_length``, ..., ``mask_function``) and returns None.
+    """
+    return None
 
 
 def segments(pos: torch.Tensor) -> list[list[tuple[int, int]]]:
