@@ -97,10 +97,10 @@ CPU_RUNTIME_BYTES = 150 * 2**20
 """Host memory a CPU rank adds while it builds the engine and trains beyond model states, activations and
 buffers: DeepSpeed's shared-memory all-reduce buffer of the CPU accelerator (``/dev/shm/deepspeed_allreduce_
 buffer_*``, 66 MiB per rank), autograd and oneDNN workspaces, glibc heap fragmentation, evaluation and checkpoint
-saving. Measured on the four 16-step runs of ``tests/test_train.py`` (GPT-2 and BERT, ZeRO 2 and 3, tiny models):
-105-142 MiB beyond what the rest of the plan counts, more than half of their total; 150 MiB keeps the plan above
-those runs' measured peaks (by 4-22%). A constant: it matters less the bigger the model, and GPUs have no such
-share in ``torch.cuda.max_memory_allocated`` (their CUDA context is outside it)."""
+saving. Sized so that the plan stays above the peaks of the tiny 16-step runs of ``tests/test_train.py`` (GPT-2
+and BERT, ZeRO 2 and 3), where this share is more than half of the total (figures: docs/commands.md). A constant:
+it matters less the bigger the model, and GPUs have no such share in ``torch.cuda.max_memory_allocated`` (their
+CUDA context is outside it)."""
 GPU_HEADROOM = 0.10
 """Fraction of the GPU memory a plan leaves free (CUDA context, fragmentation of the caching allocator)."""
 STEP_COST = {"stage": {0: 0.0, 1: 0.01, 2: 0.02, 3: 0.15}, "checkpointing": 0.33, "offload": 1.0}
