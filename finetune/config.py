@@ -180,6 +180,8 @@ class RewardConfig:
 
     center_rewards_coefficient: float = 0.0
     """Weight of ``(r_chosen + r_rejected)^2`` added to each pair's loss, pulling rewards towards mean zero (Eisenstein et al. 2023, eq. 2; TRL's ``center_rewards_coefficient``, which recommends 0.01); >= 0, 0: off."""
+    share_prefix: bool = True
+    """Run each pair as one row, chosen then the rejected sequence's tokens after the longest token prefix the two share, the rejected ones attending to that prefix through a block mask (Wang et al. 2024, "Accelerating Direct Preference Optimization with Prefix Sharing", arXiv:2410.20305): the same scores, the shared tokens computed once. Decoder classifiers (a ``score`` head) under ``sdpa`` or ``eager``; other models and kernels run the two sequences as separate rows (docs/reward.md)."""
 
 
 @dataclass

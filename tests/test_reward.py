@@ -16,6 +16,7 @@ the loss against the formula written out (margin, centring); a conversational pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def _parity(tmp_path, data, cache, reference, stage: int) -> Path:
     for s in sorted(losses):  # TRL's metrics as exact sums over the step's pairs
         assert rows[s]["train/accuracy"] == pytest.approx(reference["accuracy"][s - 1], abs=1e-9), s
     final = rows[4]
-    for name in ("accuracy", "margin", "mean_reward"):
+    for name in ("accuracy", "margin", "mean_reward", "shared_tokens"):
         assert f"train/{name}" in final and f"eval/{name}" in final, (name, final)
+    assert final["train/shared_tokens"] > 0.3, final  # the pairs ran as shared-prefix rows (the default)
     assert 0.0 <= final["eval/accuracy"] <= 1.0 and "eval/perplexity" not in final
     assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
     return run
@@ -212,6 +214,51 @@ def test_loss_with_margin_and_centring_is_the_formula():
     # without a margin column and centring: -log sigma(r_c - r_r), TRL's plain loss
     plain = reward.forward(Scores(), {k: v for k, v in batch.items() if k != "margin"})
     torch.testing.assert_close(plain.loss_sum, -F.logsigmoid(rc - rr).sum())
+
+
+def test_shared_prefix_rows_give_the_separate_rows_scores_and_gradients():
+    """Prefix sharing (``train.reward.share_prefix``, on by default) against the ``[2B, T]`` rows run separately, on
+    GSM8K pairs whose rejected sequence shares the whole solution but its answer, one sharing only the prompt, one
+    a prefix of its chosen sequence (the rejected score then read inside the shared prefix), an eval filler pair:
+    the same scores and parameter gradients under ``sdpa``, and under ``eager`` through a LoRA wrapper, the shared
+    tokens counted, and a row shorter than the two separate ones."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = reward.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2"))
+    pairs = pq.read_table(PREF / "train.parquet").slice(0, 4).to_pylist()
+    rows = []
+    for i, p in enumerate(pairs):
+        prompt = tokenizer(p["prompt"])["input_ids"]
+        chosen = prompt + tokenizer(p["chosen"])["input_ids"] + [tokenizer.eos_token_id]
+        rejected = {1: prompt + tokenizer(" No idea.")["input_ids"] + [tokenizer.eos_token_id],
+                    2: chosen[:-5]}.get(i, prompt + tokenizer(p["rejected"])["input_ids"] + [tokenizer.eos_token_id])
+        rows.append({"input_ids": chosen, "attention_mask": [1] * len(chosen), "rejected_input_ids": rejected})
+    batch = reward.RewardCollator(tokenizer.pad_token_id)(rows)
+    batch["labels"][[3, 7]] = -100  # pair 3 is an eval filler
+    shared = reward.shared_rows(batch["input_ids"], batch["attention_mask"], tokenizer.pad_token_id)
+    lengths = batch["attention_mask"].sum(1)
+    assert shared["shared"][1] == len(tokenizer(pairs[1]["prompt"])["input_ids"])  # the prompt only
+    assert shared["shared"][2] == lengths[6] and shared["shared"][0] > 0.9 * lengths[4]
+    assert shared["input_ids"].shape[1] < batch["input_ids"].shape[1] * 2
+    cfg = load_run_config(CONFIG, [])
+    for kernel, lora in (("sdpa", False), ("eager", True)):
+        model = scratch_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_implementation=kernel)))
+        if lora:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+        got = {}
+        for share in (False, True):
+            model.zero_grad()
+            out = reward.forward(model, batch, settings=RewardConfig(share_prefix=share))
+            out.loss_sum.backward()
+            got[share] = (out, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        (plain, g0), (fast, g1) = got[False], got[True]
+        torch.testing.assert_close(fast.loss_sum, plain.loss_sum, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-6)
+        for name in ("accuracy", "margin", "mean_reward"):
+            torch.testing.assert_close(fast.metrics[name][0], plain.metrics[name][0], rtol=1e-5, atol=1e-6)
+        saved, total = fast.metrics["shared_tokens"]
+        assert plain.metrics["shared_tokens"][0] == 0 and total == lengths[[0, 1, 2, 4, 5, 6]].sum()
+        assert saved == shared["shared"][:3].sum(), (kernel, lora)
 
 
 def _check(tmp_path, files: list[Path], extra: list[str] = ()) -> int:

@@ -11,7 +11,9 @@ classification), so the model config's ``pad_token_id`` must be the tokenizer's 
 before any model).
 
 A micro-batch of ``B`` pairs is ``[2B, seq]``: the chosen sequences, then the rejected ones, right-padded together,
-run in one forward (TRL's ``DataCollatorForPreference`` layout). ``labels`` is ``[2B]`` int64: 0 (the index of the
+run in one forward (TRL's ``DataCollatorForPreference`` layout); with ``train.reward.share_prefix`` (the default)
+:func:`scores` runs each pair as one row whose rejected part reuses the prefix it shares with the chosen sequence
+(:func:`shared_rows`: the same scores, the shared tokens computed once). ``labels`` is ``[2B]`` int64: 0 (the index of the
 one output, ``reward``) on every sequence, -100 on eval filler rows, so they mark the pairs ``count_targets``
 counts; ``margin`` is ``[B]`` float32 when ``data.margin_column`` is set.
 
@@ -28,7 +30,7 @@ many pairs).
 
 Metrics (TRL's names), sums over pairs with their counts, logged for train and eval: ``accuracy`` (share of pairs
 with ``r_chosen > r_rejected``), ``margin`` (mean of ``r_chosen - r_rejected``), ``mean_reward`` (mean of all scores,
-chosen and rejected). Dropout is off (TRL's ``disable_dropout`` default). The model config gets ``num_labels: 1``,
+chosen and rejected); and ``shared_tokens``, the share of the pairs' tokens computed once for both sequences. Dropout is off (TRL's ``disable_dropout`` default). The model config gets ``num_labels: 1``,
 ``id2label {0: "reward"}`` and ``problem_type: regression``, so ``pipeline("text-classification")`` on the export
 returns the raw score (no sigmoid).
 """
@@ -173,10 +175,95 @@ def count_targets(batch: dict) -> torch.Tensor:
     return _valid_pairs(batch).sum()
 
 
-def scores(model, batch: dict) -> torch.Tensor:
-    """``[2B]`` float32: the model's one output per sequence (chosen, then rejected), read by transformers at the
-    last token that is not ``config.pad_token_id``."""
-    return model(**model_inputs(batch)).logits.float()[:, 0]
+SHARING_KERNELS = ("sdpa", "eager")
+"""Attention implementations that take a shared-prefix row's block mask (a 4D mask, which transformers' mask
+functions pass through as it is); the flash-attention kernels take no such mask."""
+
+
+def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> dict:
+    """The pairs of a ``[2B, T]`` micro-batch as ``B`` shared-prefix rows (Wang et al. 2024, "Accelerating Direct
+    Preference Optimization with Prefix Sharing", arXiv:2410.20305, for the pairwise reward loss).
+
+    Row ``i`` is chosen sequence ``i`` (``l_c`` tokens) followed by the tokens of rejected sequence ``i`` after the
+    longest token prefix the two share (``k`` tokens: the prompt at least, often more); those rejected tokens take
+    the positions they have in their own sequence (``k, k + 1, ...``) and attend to the shared prefix and to each
+    other, never to the chosen tokens after the prefix. Under causal attention the prefix's hidden states are the
+    same in both sequences, so every score equals the one of the separate rows (up to the order of float sums),
+    and the prefix is computed once: a row has ``l_c + l_r - k`` positions instead of two rows of ``max(l_c, l_r)``.
+
+    Args:
+        input_ids: ``[2B, T]`` int64, :class:`RewardCollator`'s layout (the chosen sequences, then the rejected
+            ones, right-padded).
+        attention_mask: ``[2B, T]`` int64, 1 on real tokens.
+        pad_token_id: the model config's pad token: a score is read at the sequence's last token that is not it,
+            the position transformers' sequence classification reads.
+
+    Returns:
+        ``input_ids`` ``[B, W]`` int64 (W the longest row, right-padded with ``pad_token_id``), ``position_ids``
+        ``[B, W]`` int64, ``allowed`` ``[B, 1, W, W]`` bool (query ``q`` may attend key ``j``), ``chosen_at`` and
+        ``rejected_at`` ``[B]`` int64 (the row positions whose outputs are the two scores), ``shared`` ``[B]``
+        int64 (``k``) and ``tokens`` ``[B]`` int64 (``l_c + l_r``).
+    """
+    b, t = input_ids.shape[0] // 2, input_ids.shape[1]
+    c, r = input_ids[:b], input_ids[b:]
+    lc, lr = attention_mask[:b].sum(1), attention_mask[b:].sum(1)
+    along = torch.arange(t, device=input_ids.device)
+    same = (c == r) & (along < torch.minimum(lc, lr)[:, None])
+    k = same.long().cumprod(1).sum(1)
+    n = lc + lr - k
+    w = int(n.max())
+    j = torch.arange(w, device=input_ids.device).expand(b, w)
+    in_chosen = j < lc[:, None]
+    own = j - lc[:, None] + k[:, None]  # a rejected token's index in its own sequence
+    ids = torch.where(in_chosen, c.gather(1, j.clamp(max=t - 1)), r.gather(1, own.clamp(0, t - 1)))
+    ids = torch.where(j < n[:, None], ids, torch.full_like(ids, pad_token_id))
+    position_ids = torch.where(in_chosen, j, own)
+    q, key = j[:, :, None], j[:, None, :]
+    skipped = (q >= lc[:, None, None]) & (key >= k[:, None, None]) & (key < lc[:, None, None])
+    allowed = ((key <= q) & ~skipped)[:, None]
+    last_c = (along * (c != pad_token_id)).argmax(1)  # transformers' rule: the last token that is not the pad token
+    last_r = (along * (r != pad_token_id)).argmax(1)
+    return {"input_ids": ids, "position_ids": position_ids, "allowed": allowed, "chosen_at": last_c,
+            "rejected_at": torch.where(last_r >= k, lc + last_r - k, last_r), "shared": k, "tokens": lc + lr}
+
+
+def _score_head(module):
+    """The decoder classifier's ``score`` head (transformers names it so on every decoder-only model; the shallowest
+    module of that name, a peft wrapper of it included), or None (encoders: ``classifier``)."""
+    found = [(name.count("."), m) for name, m in module.named_modules() if name.rsplit(".", 1)[-1] == "score"]
+    return min(found, key=lambda x: x[0])[1] if found else None
+
+
+def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[2B]`` float32: the model's one output per sequence (chosen, then rejected), read at the last token that is
+    not ``config.pad_token_id`` (transformers' sequence classification), and ``[B]`` int64: the tokens of each pair
+    computed once for both sequences.
+
+    With ``share_prefix``, a decoder classifier (a ``score`` head) under an attention of :data:`SHARING_KERNELS`
+    runs :func:`shared_rows` (the head's per-position outputs are read where the sequences end); otherwise the
+    ``[2B, T]`` batch runs as it is and nothing is shared.
+    """
+    module = getattr(model, "module", model)  # the DeepSpeed engine's model
+    config = getattr(module, "config", None)
+    kernel = getattr(config, "_attn_implementation", None)
+    head = _score_head(module) if share_prefix and kernel in SHARING_KERNELS else None
+    b = batch["input_ids"].shape[0] // 2
+    if head is None:
+        return model(**model_inputs(batch)).logits.float()[:, 0], torch.zeros(b, dtype=torch.long)
+    rows = shared_rows(batch["input_ids"], batch["attention_mask"], config.get_text_config().pad_token_id)
+    mask = rows["allowed"]
+    if kernel == "eager":  # eager adds the mask to the scores
+        dtype = getattr(module, "dtype", torch.float32)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    out = {}
+    handle = head.register_forward_hook(lambda _m, _i, o: out.__setitem__("logits", o))
+    try:
+        model(input_ids=rows["input_ids"], attention_mask=mask, position_ids=rows["position_ids"])
+    finally:
+        handle.remove()
+    logits, at = out["logits"], torch.arange(b, device=rows["input_ids"].device)
+    r = torch.cat([logits[at, rows["chosen_at"], 0], logits[at, rows["rejected_at"], 0]]).float()
+    return r, rows["shared"]
 
 
 def pair_losses(r_chosen: torch.Tensor, r_rejected: torch.Tensor, margin: torch.Tensor | None,
@@ -195,7 +282,8 @@ def forward(model, batch: dict, metrics: bool = False, settings: RewardConfig | 
     """The reward-model loss of one micro-batch of pairs, summed over its pairs (``count_targets``).
 
     TRL's metrics are returned at every call (train logs and evaluation) as sums over the pairs with their counts:
-    ``accuracy``, ``margin`` (per pair) and ``mean_reward`` (per score: twice the pairs).
+    ``accuracy``, ``margin`` (per pair) and ``mean_reward`` (per score: twice the pairs); and ``shared_tokens`` (the
+    prefix tokens computed once, over the pairs' tokens).
 
     Args:
         model: the engine (or a transformers sequence classifier with one output).
@@ -207,15 +295,17 @@ def forward(model, batch: dict, metrics: bool = False, settings: RewardConfig | 
         :class:`~finetune.data.batch.LossOutput`: ``loss_sum`` 0-dim float32 over pairs, ``targets`` the pair count.
     """
     s = settings or RewardConfig()
-    r = scores(model, batch)
+    r, shared = scores(model, batch, s.share_prefix)
     b = r.shape[0] // 2
     losses = pair_losses(r[:b], r[b:], batch.get(MARGIN), s.center_rewards_coefficient)
     valid = _valid_pairs(batch)
     pairs = valid.sum().to(losses.dtype)
     rc, rr = r[:b].detach(), r[b:].detach()
     zero = torch.zeros_like(rc)
+    tokens = batch["attention_mask"].sum(1)
     sums = {"accuracy": ((rc > rr).to(rc.dtype), pairs), "margin": (rc - rr, pairs),
-            "mean_reward": (rc + rr, 2 * pairs)}
+            "mean_reward": (rc + rr, 2 * pairs),
+            "shared_tokens": (shared.to(rc), torch.where(valid, tokens[:b] + tokens[b:], 0).sum().to(rc))}
     return LossOutput(torch.where(valid, losses, torch.zeros_like(losses)).sum(), count_targets(batch),
                       metrics={k: (torch.where(valid, v, zero).sum(), n) for k, (v, n) in sums.items()})
 
