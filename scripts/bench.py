@@ -22,7 +22,9 @@ Presets: ``bert_mlm`` (the issue's BERT MLM set-up), ``gpt_clm`` (packed blocks;
 with the same answer-only labels), ``dpo`` (the shipped GSM8K DPO; its model spends 96% of its matmul FLOPs in the
 LM head), ``dpo_realistic`` (the same DPO on a model whose LM head has a real 0.5B-1B model's share, 28%: a Llama
 shape of 6 layers, hidden 256, with the 8,192-token BPE of ``data/models/gsm8k-bpe-8k``) and ``reward`` (the shipped
-GSM8K reward model recipe on that shape's body; held-out accuracy of the 200 test pairs after the timed steps).
+GSM8K reward model recipe on that shape's body; held-out accuracy of the 200 test pairs after the timed steps;
+``reward_prompt_only`` the same on pairs that share only their prompt: each rejected response is the next pair's
+chosen one, where the shipped pairs share all but the final answer, the best case of the recipe's prefix sharing).
 Preference contenders (``scripts/bench_trl.py``; pairs/s is real tokens/s over the tokens per pair, the same rows on
 both sides):
 
@@ -209,6 +211,12 @@ PRESETS: dict[str, dict] = {
                "contenders": ["finetune", "trl", "trl_best"],
                "tiny": [f"model.config_overrides={{num_labels: 1, {REALISTIC_TINY[1:-1]}}}",
                         "data.max_seq_len=384", "train.micro_batch_size=2"]},
+    # The same on pairs that share only their prompt (each rejected response is the next pair's chosen one,
+    # prompt_only_pairs), as real preference data (a conversation, two answers) mostly do: the shipped GSM8K pairs
+    # share all but the final answer, the best case of the reward recipe's prefix sharing.
+    "reward_prompt_only": {"config": "finetune/recipes/configs/reward_gsm8k.yaml", "epoch": True, "heldout": True,
+                           "prompt_only": True, "overrides": [], "contenders": ["finetune", "trl", "trl_best"],
+                           "tiny": []},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
@@ -252,6 +260,7 @@ PRESETS: dict[str, dict] = {
 """Per preset: base run config, overrides, contenders, ``tiny`` overrides (``--tiny``: a smoke run, for tests), and
 ``gpu`` (presets sized for a GPU: ``--preset all`` includes them only with ``--gpu``); ``search``: the
 ``long_context`` flow (:func:`long_context`; not part of ``--preset all``)."""
+PRESETS["reward_prompt_only"].update(overrides=PRESETS["reward"]["overrides"], tiny=PRESETS["reward"]["tiny"])
 
 
 LONG_CONTEXT_BUDGET_MB = 2560
@@ -403,7 +412,9 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies,
-            "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None}
+            "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+            "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
+                                                                    if "train/shared_tokens" in r]) else None}
 
 
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
@@ -518,7 +529,9 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             "e2e_real_tokens_per_s": e2e_tokens / e2e_seconds, "e2e_seconds_per_launch": e2e_seconds / len(runs),
             "e2e_real_tokens_per_s_per_round": [sum(r["tokens"][:len(r["ends"])]) / (r["ends"][-1] - r["start"])
                                                 for r in runs],
-            "heldout_accuracy": statistics.fmean(heldout) if heldout else None}
+            "heldout_accuracy": statistics.fmean(heldout) if heldout else None,
+            "shared_tokens": statistics.fmean(shared) if (shared := [r["shared_tokens"] for r in runs
+                                                                    if r.get("shared_tokens") is not None]) else None}
 
 
 def paired(ours: dict, this: dict) -> float:
@@ -595,12 +608,26 @@ def table(preset: str, results: list[dict]) -> str:
             ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
             ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),
-            ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out acc", "{:.3f}", "heldout_accuracy")]
+            ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out acc", "{:.3f}", "heldout_accuracy"),
+            ("shared tok", "{:.2f}", "shared_tokens")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
         cells = [fmt.format(r[key]) if r.get(key) is not None else "n/a" for _, fmt, key in cols]
         lines.append(f"{r['contender']:<13}" + "".join(f"{c:>14}" for c in cells))
     return "\n".join(lines)
+
+
+def prompt_only_pairs(src: str, dst: Path) -> str:
+    """``src``'s pairs with each rejected response replaced by the next pair's chosen one (the last pair's by the
+    first's), written to ``dst``: every pair then shares only its prompt (a wrong but well-formed solution)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(src)
+    chosen = table.column("chosen").to_pylist()
+    pq.write_table(table.set_column(table.schema.get_field_index("rejected"), "rejected",
+                                    pa.array(chosen[1:] + chosen[:1])), dst)
+    return str(dst)
 
 
 def warm_up(preset: dict, overrides: list[str], args, out: Path, env: dict) -> None:
@@ -792,7 +819,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", action="store_true", help="GPU ranks (bf16); default: CPU ranks, fp32")
     p.add_argument("--tiny", action="store_true", help="small model and data: a smoke run of the benchmark")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
-    p.add_argument("--contenders", default="", help="comma-separated subset of the preset's contenders")
+    p.add_argument("--contenders", default="", help="comma-separated subset of the preset's contenders, and finetune[key=value] "
+                   "contenders: finetune with that run-config override (e.g. finetune[train.reward.share_prefix=false])")
     p.add_argument("--keep", default="", help="folder to keep the launches' run folders in (default: temporary)")
     p.add_argument("--optimizer", default="", help="comma-separated finetune optimizers (train.optimizer: adamw,muon): "
                    "the contenders are then finetune[<optimizer>] each, side by side in the same rounds")
@@ -834,7 +862,13 @@ def main(argv: list[str] | None = None) -> int:
                 long_context(preset, name, args, root, env, precision)
                 continue
             tiny = [*preset["tiny"], "data.max_train_rows=400"] if args.tiny else []
-            overrides = [*preset["overrides"], *tiny, f"train.max_steps={args.steps}",
+            derived = []
+            if preset.get("prompt_only"):
+                data = load_run_config(REPO / preset["config"]).data
+                derived = [f"data.{key}=[{prompt_only_pairs(files[0], root / f'{name}-{key}.parquet')}]"
+                           for key, files in (("train_files", data.train_files),
+                                              ("validation_files", data.validation_files))]
+            overrides = [*preset["overrides"], *derived, *tiny, f"train.max_steps={args.steps}",
                          f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_on_start=false",
                          "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
                          f"train.precision={precision}", *args.overrides]
@@ -857,7 +891,9 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_warm_up:
                 warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
-            runs: dict[str, list[dict]] = {c: [] for c in preset["contenders"] if c in chosen}
+            # finetune[key=value]: finetune with that override, a contender of its own (e.g. a lever turned off)
+            extra = [c for c in chosen if c.startswith("finetune[") and "=" in c]
+            runs: dict[str, list[dict]] = {c: [] for c in [*preset["contenders"], *extra] if c in chosen}
             if args.optimizer:  # finetune against itself, one optimizer setting per contender
                 runs = {f"finetune[{o}]": [] for o in args.optimizer.split(",")}
             for rnd in range(args.rounds):
@@ -872,7 +908,8 @@ def main(argv: list[str] | None = None) -> int:
                                     f.unlink()
                             runs[c].append(ours(preset, overrides, args, out, env))
                         elif c.startswith("finetune["):
-                            runs[c].append(ours(preset, [*overrides, f"train.optimizer={c[9:-1]}"], args, out, env))
+                            setting = c[9:-1] if "=" in c else f"train.optimizer={c[9:-1]}"
+                            runs[c].append(ours(preset, [*overrides, setting], args, out, env))
                         elif c in TRL_VARIANTS:
                             runs[c].append(trl(spec, TRL_VARIANTS[c], args, out, env))
                         elif c == "bare":

@@ -119,18 +119,23 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
 
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_reward_benchmark_against_trl_best(tmp_path):
-    """The ``reward`` preset: the toolkit's reward recipe against TRL's ``RewardTrainer`` at its best (no
-    checkpointing, length-grouped batches; ``scripts/bench_trl.py``), tiny, 1 rank, 3 steps, no warm-up launch: every
-    figure there and finite, the held-out accuracy of the test pairs in [0, 1] on both sides, losses near log 2 (the
-    scores of a random score head are close), the LM-head share printed (0%: a one-output score head)."""
+    """The ``reward_prompt_only`` preset (the ``reward`` preset on pairs that share only their prompt): the toolkit's
+    reward recipe, with prefix sharing and without (a ``finetune[key=value]`` contender), against TRL's
+    ``RewardTrainer`` at its best (no checkpointing, length-grouped batches; ``scripts/bench_trl.py``), tiny, 1 rank,
+    3 steps, no warm-up launch: every figure there and finite, the held-out accuracy of the test pairs in [0, 1] on
+    both sides, losses near log 2 (the scores of a random score head are close), the shared share of the pairs'
+    tokens reported (the prompts: some, not most), the LM-head share printed (0%: a one-output score head)."""
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
-    proc = run_python(["scripts/bench.py", "--preset", "reward", "--steps", "3", "--skip", "1", "--rounds", "1",
-                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
-                       "--keep", str(tmp_path)], timeout=600)
+    separate = "finetune[train.reward.share_prefix=false]"
+    proc = run_python(["scripts/bench.py", "--preset", "reward_prompt_only", "--steps", "3", "--skip", "1",
+                       "--rounds", "1", "--nproc", "1", "--tiny", "--no-warm-up", "--contenders",
+                       f"finetune,trl_best,{separate}", "--keep", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
-    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
-    ours, best = rows
+    assert [r["contender"] for r in rows] == ["finetune", "trl_best", separate], proc.stdout[-3000:]
+    ours, best, apart = rows
+    assert 0.05 < ours["shared_tokens"] < 0.5 and apart["shared_tokens"] == 0 and best["shared_tokens"] is None
+    rows = rows[:2]
     for r in rows:
         for key in ("real_tokens_per_s", "rows_per_s", "step_time_median_s", "peak_rss_per_rank_mb", "final_loss",
                     "e2e_real_tokens_per_s", "e2e_ratio_ours_over_this"):
@@ -140,6 +145,6 @@ def test_reward_benchmark_against_trl_best(tmp_path):
     # pairs/s: 3 - 1 timed steps of 2 pairs over their wall time, the same definition on both sides
     assert best["rows_per_s"] == pytest.approx(2 / best["step_time_median_s"], rel=0.5)
     assert best["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / best["real_tokens_per_s"])
-    assert "reward: LM-head share of the matmul FLOPs per position 0.0% (no LM head" in proc.stdout
-    assert "reward:\ncontender" in proc.stdout and "held-out acc" in proc.stdout
+    assert "reward_prompt_only: LM-head share of the matmul FLOPs per position 0.0% (no LM head" in proc.stdout
+    assert "reward_prompt_only:\ncontender" in proc.stdout and "held-out acc" in proc.stdout
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
