@@ -16,7 +16,6 @@ the loss against the formula written out (margin, centring); a conversational pa
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -240,9 +239,8 @@ def test_shared_prefix_rows_give_the_separate_rows_scores_and_gradients():
     assert shared["shared"][1] == len(tokenizer(pairs[1]["prompt"])["input_ids"])  # the prompt only
     assert shared["shared"][2] == lengths[6] and shared["shared"][0] > 0.9 * lengths[4]
     assert shared["input_ids"].shape[1] < batch["input_ids"].shape[1] * 2
-    cfg = load_run_config(CONFIG, [])
     for kernel, lora in (("sdpa", False), ("eager", True)):
-        model = scratch_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_implementation=kernel)))
+        model = scratch_model(load_run_config(CONFIG, [f"model.attn_implementation={kernel}"]))
         if lora:
             model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
         got = {}

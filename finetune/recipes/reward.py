@@ -13,9 +13,9 @@ before any model).
 A micro-batch of ``B`` pairs is ``[2B, seq]``: the chosen sequences, then the rejected ones, right-padded together,
 run in one forward (TRL's ``DataCollatorForPreference`` layout); with ``train.reward.share_prefix`` (the default)
 :func:`scores` runs each pair as one row whose rejected part reuses the prefix it shares with the chosen sequence
-(:func:`shared_rows`: the same scores, the shared tokens computed once). ``labels`` is ``[2B]`` int64: 0 (the index of the
-one output, ``reward``) on every sequence, -100 on eval filler rows, so they mark the pairs ``count_targets``
-counts; ``margin`` is ``[B]`` float32 when ``data.margin_column`` is set.
+(:func:`shared_rows`: the same scores, the shared tokens computed once). ``labels`` is ``[2B]`` int64: 0 (the index
+of the one output, ``reward``) on every sequence, -100 on eval filler rows, so they mark the pairs
+``count_targets`` counts; ``margin`` is ``[B]`` float32 when ``data.margin_column`` is set.
 
 Loss of a pair (TRL 1.16 ``RewardTrainer.compute_loss``; Ouyang et al. 2022 eq. 1 with a margin as Touvron et al.
 2023 eq. 2; the centring term of Eisenstein et al. 2023 eq. 2), ``r`` the model's score, ``m`` the margin (0 without
@@ -30,9 +30,10 @@ many pairs).
 
 Metrics (TRL's names), sums over pairs with their counts, logged for train and eval: ``accuracy`` (share of pairs
 with ``r_chosen > r_rejected``), ``margin`` (mean of ``r_chosen - r_rejected``), ``mean_reward`` (mean of all scores,
-chosen and rejected); and ``shared_tokens``, the share of the pairs' tokens computed once for both sequences. Dropout is off (TRL's ``disable_dropout`` default). The model config gets ``num_labels: 1``,
-``id2label {0: "reward"}`` and ``problem_type: regression``, so ``pipeline("text-classification")`` on the export
-returns the raw score (no sigmoid).
+chosen and rejected); and ``shared_tokens``, the share of the pairs' tokens computed once for both sequences.
+Dropout is off (TRL's ``disable_dropout`` default). The model config gets ``num_labels: 1``, ``id2label {0:
+"reward"}`` and ``problem_type: regression``, so ``pipeline("text-classification")`` on the export returns the raw
+score (no sigmoid).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from finetune.config import DataConfig, RewardConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.logs import logger
+from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, dpo
 
 MODEL_CLASS = AutoModelForSequenceClassification
@@ -234,6 +236,23 @@ def _score_head(module):
     return min(found, key=lambda x: x[0])[1] if found else None
 
 
+_ANNOUNCED: set = set()
+
+
+def _announce(shared: bool, asked: bool, kernel: str | None) -> None:
+    """Log once per process (rank 0) whether the pairs run as shared-prefix rows, and why not when asked for."""
+    key = (shared, asked, kernel)
+    if key in _ANNOUNCED or not dist_utils.is_main():
+        return
+    _ANNOUNCED.add(key)
+    if shared:
+        logger.info(f"reward: prefix sharing on ({kernel}): each pair runs as one row, the prefix its sequences "
+                    f"share computed once (train/shared_tokens)")
+    elif asked and kernel is not None:
+        logger.info(f"reward: prefix sharing off: the model is no decoder classifier with a score head under "
+                    f"{' or '.join(SHARING_KERNELS)} (it runs {kernel}); the two sequences run as separate rows")
+
+
 def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``[2B]`` float32: the model's one output per sequence (chosen, then rejected), read at the last token that is
     not ``config.pad_token_id`` (transformers' sequence classification), and ``[B]`` int64: the tokens of each pair
@@ -248,6 +267,7 @@ def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor,
     kernel = getattr(config, "_attn_implementation", None)
     head = _score_head(module) if share_prefix and kernel in SHARING_KERNELS else None
     b = batch["input_ids"].shape[0] // 2
+    _announce(head is not None, share_prefix, kernel)
     if head is None:
         return model(**model_inputs(batch)).logits.float()[:, 0], torch.zeros(b, dtype=torch.long)
     rows = shared_rows(batch["input_ids"], batch["attention_mask"], config.get_text_config().pad_token_id)
