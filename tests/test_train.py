@@ -22,10 +22,11 @@ from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
 
 RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
 # ZeRO-0 product runs are covered by tests/test_resume_changes.py (skipped steps) and test_parity.py, ZeRO-3 + CPU
-# offload (training, export) by test_parity.py's gpt-offload-z3; they left this matrix for the 25-minute budget.
+# offload (training, export) by test_parity.py's sft-llama-offload-z3; they left this matrix for the 25-minute budget.
 # The default suite runs the diagonal (GPT on ZeRO-2, BERT on ZeRO-3: both recipes, both stages); the crossed pair
 # is extended (`pytest -m extended tests/test_train.py`), also for the suite's budget. test_parity.py runs GPT
-# under ZeRO-3 (with and without CPU offload) and BERT under ZeRO-0 and ZeRO-3 against the single-device reference.
+# under ZeRO-3, Llama sft under ZeRO-3 + CPU offload and BERT under ZeRO-0 and ZeRO-3 against the single-device
+# reference.
 RUNS = [("gpt", "zero2"), ("bert", "zero3"),
         pytest.param("gpt", "zero3", marks=pytest.mark.extended),
         pytest.param("bert", "zero2", marks=pytest.mark.extended)]
