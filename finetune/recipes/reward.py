@@ -203,8 +203,8 @@ def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
     Returns:
         ``input_ids`` ``[B, W]`` int64 (W the longest row, right-padded with ``pad_token_id``), ``position_ids``
         ``[B, W]`` int64, ``allowed`` ``[B, 1, W, W]`` bool (query ``q`` may attend key ``j``), ``chosen_at`` and
-        ``rejected_at`` ``[B]`` int64 (the row positions whose outputs are the two scores), ``shared`` ``[B]``
-        int64 (``k``) and ``tokens`` ``[B]`` int64 (``l_c + l_r``).
+        ``rejected_at`` ``[B]`` int64 (the row positions whose outputs are the two scores) and ``shared`` ``[B]``
+        int64 (``k``).
     """
     b, t = input_ids.shape[0] // 2, input_ids.shape[1]
     c, r = input_ids[:b], input_ids[b:]
@@ -226,7 +226,7 @@ def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token
     last_c = (along * (c != pad_token_id)).argmax(1)  # transformers' rule: the last token that is not the pad token
     last_r = (along * (r != pad_token_id)).argmax(1)
     return {"input_ids": ids, "position_ids": position_ids, "allowed": allowed, "chosen_at": last_c,
-            "rejected_at": torch.where(last_r >= k, lc + last_r - k, last_r), "shared": k, "tokens": lc + lr}
+            "rejected_at": torch.where(last_r >= k, lc + last_r - k, last_r), "shared": k}
 
 
 def _score_head(module):
