@@ -82,7 +82,10 @@ chunked head loss is always on), ``finetune_sp1`` (the same levers, data paralle
 ZeRO-3 + gradient checkpointing, ``group_texts`` blocks). All: a Llama architecture from config (4 layers, hidden
 256, 4 query / 2 key-value heads, 16.8M parameters of which 12.9M are the GPT-2 vocabulary's tied embedding), the
 GPT-2 tokenizer, the WikiText-2 test articles concatenated (EOS between them) and cut into blocks of the length
-tried, ZeRO-3, micro batch 1. Each trial is one launch, killed as soon as a rank's sampled peak exceeds the budget
+tried, ZeRO-3, micro batch 1. On CPU ranks every contender's search trials run with glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed (``--malloc-mmap-threshold``, :data:`LONG_CONTEXT_MMAP_THRESHOLD`), so the peak
+resident set is the live tensors' peak, not what the allocator keeps after frees (the timed launches run with the
+allocator's defaults). Each trial is one launch, killed as soon as a rank's sampled peak exceeds the budget
 (a trial that does not fit costs only the time to reach the budget); lengths are doubled from ``--start-length``
 until one does not fit, then bisected (multiples of 256) until the bracket is at most 1/``--resolution`` of the
 longest fitting length. Every trial's peak per rank is printed (memory against length; MB per 1k tokens between
@@ -265,6 +268,14 @@ PRESETS["reward_prompt_only"].update(overrides=PRESETS["reward"]["overrides"], t
 
 LONG_CONTEXT_BUDGET_MB = 2560
 """Default ``--memory-budget`` of the ``long_context`` preset (MB per rank)."""
+
+LONG_CONTEXT_MMAP_THRESHOLD = 65536
+"""Default ``--malloc-mmap-threshold`` (bytes): the ``long_context`` search trials on CPU ranks run every contender
+with glibc's ``MALLOC_MMAP_THRESHOLD_`` at this size. glibc's default threshold starts at 128 KiB and rises to the
+size of each large block freed (up to 32 MiB), after which blocks of that size come from the heap and stay resident
+after they are freed; the peak resident set then counts memory no tensor holds, differently from launch to launch.
+A fixed threshold maps every block above it on its own and unmaps it when freed, so a rank's peak resident set is
+its live tensors' peak plus the runtime, the CPU counterpart of ``torch.cuda.max_memory_allocated``."""
 
 
 def environment(gpu: bool) -> dict:
@@ -707,6 +718,11 @@ def long_context(preset: dict, name: str, args, root: Path, env: dict, precision
         return [*base, *preset["contenders"][c], f"data.max_seq_len={length}", f"train.max_steps={steps}",
                 f"train.gradient_accumulation_steps={gas}"]
 
+    # the search trials' environment, the same for every contender (LONG_CONTEXT_MMAP_THRESHOLD)
+    search_env = dict(env)
+    if args.malloc_mmap_threshold and not args.gpu:
+        search_env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+
     def launch(c: str, length: int, steps: int, out: Path, budget: int | None, accumulate: bool = False) -> dict:
         before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
         overrides = overrides_for(c, length, steps, accumulate)
@@ -725,7 +741,7 @@ def long_context(preset: dict, name: str, args, root: Path, env: dict, precision
                 cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides,
                                     f"output_dir={out}")
             out.parent.mkdir(parents=True, exist_ok=True)
-            _, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout, budget_kb=budget)
+            _, peaks = run_launch(cmd, search_env, out.with_suffix(".log"), args.timeout, budget_kb=budget)
             return {"peaks": peaks}
         finally:
             clean_shm(before)
@@ -778,7 +794,8 @@ def long_context(preset: dict, name: str, args, root: Path, env: dict, precision
                 r["ratio_ours_over_this_median_of_rounds"] = paired(r, hf_r)
         print(table(f"{name} at the common length {common} tokens (ratio: this / hf)", results))
     lines = [f"{name}: longest packed length that trains {args.search_steps} steps within {args.memory_budget} MB "
-             f"per rank (peak RSS on CPU ranks), {args.nproc} ranks, {precision}:",
+             f"per rank (peak RSS on CPU ranks, MALLOC_MMAP_THRESHOLD_="
+             f"{search_env.get('MALLOC_MMAP_THRESHOLD_', 'glibc default')}), {args.nproc} ranks, {precision}:",
              f"{'contender':<14}{'longest':>9}{'peak MB/rank':>14}{'trials':>8}{'search s':>10}"]
     for c in contenders:
         fit = [t for t in trials[c] if t["fits"] and t["length"] == longest[c]]
@@ -837,6 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--resolution", type=int, default=4,
                    help="bisect until the bracket is at most 1/N of the longest fitting length (and 256 tokens)")
     g.add_argument("--search-steps", type=int, default=3, help="optimizer steps a trial must train")
+    g.add_argument("--malloc-mmap-threshold", type=int, default=LONG_CONTEXT_MMAP_THRESHOLD,
+                   help="CPU search trials: glibc's MALLOC_MMAP_THRESHOLD_ (bytes) for every contender's ranks, so "
+                   "freed blocks above it return to the OS and the peak resident set follows the live tensors; "
+                   "0: glibc's default (a threshold that grows with the blocks freed, which keeps freed memory)")
     p.add_argument("overrides", nargs="*", help="extra key=value run-config overrides for every contender")
     args = p.parse_args(argv)
     if args.steps is None:
