@@ -109,7 +109,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
     python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
-    python scripts/bench.py --preset long_context             # longest sequence per contender in 2560 MB per rank
+    python scripts/bench.py --preset long_context             # longest sequence per contender in 1280 MB per rank
     python scripts/bench.py --preset long_context --lock /tmp/heavy.lock   # each launch holds a flock(1) file
 
 From a fresh clone (CPU ranks)::
@@ -266,8 +266,11 @@ PRESETS: dict[str, dict] = {
 PRESETS["reward_prompt_only"].update(overrides=PRESETS["reward"]["overrides"], tiny=PRESETS["reward"]["tiny"])
 
 
-LONG_CONTEXT_BUDGET_MB = 2560
-"""Default ``--memory-budget`` of the ``long_context`` preset (MB per rank)."""
+LONG_CONTEXT_BUDGET_MB = 1280
+"""Default ``--memory-budget`` of the ``long_context`` preset (MB per rank). With the allocator's retention out of
+the figure (:data:`LONG_CONTEXT_MMAP_THRESHOLD`), most of this is what a rank holds at any length (the runtime,
+the ZeRO-3 partitions, the head loss's chunk); the rest already takes SP = 2 to lengths whose 3 steps take minutes
+on CPU ranks (attention's time is quadratic in the length). Figures: docs/performance.md."""
 
 LONG_CONTEXT_MMAP_THRESHOLD = 65536
 """Default ``--malloc-mmap-threshold`` (bytes): the ``long_context`` search trials on CPU ranks run every contender
