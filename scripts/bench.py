@@ -84,8 +84,8 @@ ZeRO-3 + gradient checkpointing, ``group_texts`` blocks). All: a Llama architect
 GPT-2 tokenizer, the WikiText-2 test articles concatenated (EOS between them) and cut into blocks of the length
 tried, ZeRO-3, micro batch 1. On CPU ranks every contender's search trials run with glibc's
 ``MALLOC_MMAP_THRESHOLD_`` fixed (``--malloc-mmap-threshold``, :data:`LONG_CONTEXT_MMAP_THRESHOLD`), so the peak
-resident set is the live tensors' peak, not what the allocator keeps after frees (the timed launches run with the
-allocator's defaults). Each trial is one launch, killed as soon as a rank's sampled peak exceeds the budget
+resident set is the live tensors' peak, not what the allocator keeps after frees (the timed launches run with each
+contender's own allocator settings). Each trial is one launch, killed as soon as a rank's sampled peak exceeds the budget
 (a trial that does not fit costs only the time to reach the budget); lengths are doubled from ``--start-length``
 until one does not fit, then bisected (multiples of 256) until the bracket is at most 1/``--resolution`` of the
 longest fitting length. Every trial's peak per rank is printed (memory against length; MB per 1k tokens between
@@ -820,7 +820,9 @@ def long_context(preset: dict, name: str, args, root: Path, env: dict, precision
     for c in contenders:
         timed = next((r for r in results if r["contender"] == c), {})
         print(json.dumps({"bench": name, "contender": c, "longest_length": longest[c],
-                          "memory_budget_mb": args.memory_budget, "common_length": common or None,
+                          "memory_budget_mb": args.memory_budget,
+                          "malloc_mmap_threshold": search_env.get("MALLOC_MMAP_THRESHOLD_"),
+                          "common_length": common or None,
                           "length_ratios": ratios, "trials": trials[c], **{k: v for k, v in timed.items()
                                                                             if k != "contender"}}))
 
