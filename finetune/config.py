@@ -38,6 +38,9 @@ LossWeighting = Literal["token", "micro_batch"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Optimizer = Literal["adamw", "muon"]
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo"]
+GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+ScaleRewards = Literal["group", "batch", "none"]
+SamplingLevel = Literal["token", "sequence"]
 Mode = Literal["min", "max"]
 
 
@@ -114,6 +117,8 @@ class DataConfig:
     """dpo and reward: the preferred response (text, or a list of assistant messages when the prompt is a list of messages)."""
     rejected_column: str = "rejected"
     """dpo and reward: the dispreferred response, in the form of ``chosen_column``."""
+    reward_columns: list = field(default_factory=lambda: ["answer"])
+    """grpo only: columns passed to the reward functions as keyword arguments, one value per completion (TRL's ``**kwargs``; ``exact_match`` reads the first); every file must have them."""
     margin_column: str = ""
     """reward only: a numeric column of per-pair margins ``m`` (TRL's ``margin``): the loss is ``-log sigma(r_chosen - r_rejected - m)``; empty: no margin (a ``margin`` column in the files is then ignored, with a warning)."""
     messages_column: str = ""
@@ -182,6 +187,53 @@ class RewardConfig:
     """Weight of ``(r_chosen + r_rejected)^2`` added to each pair's loss, pulling rewards towards mean zero (Eisenstein et al. 2023, eq. 2; TRL's ``center_rewards_coefficient``, which recommends 0.01); >= 0, 0: off."""
     share_prefix: bool = True
     """Run each pair as one row, chosen then the rejected sequence's tokens after the longest token prefix the two share, the rejected ones attending to that prefix through a block mask (Wang et al. 2024, "Accelerating Direct Preference Optimization with Prefix Sharing", arXiv:2410.20305): the same scores, the shared tokens computed once. Decoder classifiers (a ``score`` head) under ``sdpa`` or ``eager``; other models and kernels run the two sequences as separate rows (docs/reward.md)."""
+
+
+@dataclass
+class GrpoConfig:
+    """Online RL from rewards (recipe ``grpo``): generation, rewards and the clipped policy loss; defaults are TRL
+    1.16's ``GRPOConfig`` (docs/online-rl.md)."""
+
+    num_generations: int = 8
+    """Completions sampled per prompt (the group ``G`` whose rewards give the advantages); >= 2. A micro-batch of ``B`` prompts trains on ``B x G`` completions."""
+    max_completion_length: int = 256
+    """Tokens generated per completion at most (TRL's default is 512)."""
+    temperature: float = 1.0
+    """Sampling temperature; the training log-probabilities divide the logits by it too (as TRL); > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling's probability mass (1: off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: all)."""
+    loss_type: GrpoLoss = "dapo"
+    """How token losses are averaged (docs/online-rl.md): ``dapo`` over the active completion tokens of the whole global batch (every rank and accumulation step, exactly); ``grpo`` per completion over its tokens, then over completions; ``dr_grpo`` over completions x ``max_completion_length``; ``bnpo`` over each micro-batch's active tokens (TRL's local batch), then over micro-batches."""
+    epsilon: float = 0.2
+    """Lower clip of the importance ratio, ``1 - epsilon``, and the upper one when ``epsilon_high`` is 0; > 0."""
+    epsilon_high: float = 0.0
+    """Upper clip ``1 + epsilon_high`` (DAPO's clip-higher; its paper uses 0.28); 0: ``epsilon``."""
+    beta: float = 0.0
+    """Weight of the per-token KL to the reference (the k3 estimator, as TRL); 0: no reference pass. With LoRA the reference is the base model (adapters off); a full fine-tune with ``beta`` > 0 is refused (it would keep a second copy of the model)."""
+    num_iterations: int = 1
+    """Optimizer steps per generation batch (``mu``); only 1 is supported (the importance ratio is then 1 in value and its gradient that of the policy gradient)."""
+    importance_sampling_level: SamplingLevel = "token"
+    """``token``: one importance ratio per token; ``sequence``: one per completion, the exponent of its tokens' mean log-ratio (GSPO, Zheng et al. 2025)."""
+    scale_rewards: ScaleRewards = "group"
+    """Advantages ``r - mean(group)`` divided by the group's standard deviation (``group``), the global batch's (``batch``, Dr. GRPO's remark), or not at all (``none``); + 1e-4 as TRL."""
+    mask_truncated_completions: bool = False
+    """Leave completions that reach ``max_completion_length`` without an EOS out of the loss (DAPO)."""
+    rewards: list = field(default_factory=lambda: ["exact_match"])
+    """Reward functions, summed with ``reward_weights``: built-ins ``exact_match`` (1 when the completion's answer, found by ``answer_pattern``, equals that of the first ``data.reward_columns`` column), ``format`` (1 when ``format_pattern`` matches the completion), ``length`` (DAPO's soft overlong penalty, 0 to -1 over the last ``length_cache`` tokens), or ``path/to/file.py:function`` with TRL's signature ``f(prompts, completions, **columns) -> list[float | None]``."""
+    reward_weights: list = field(default_factory=list)
+    """One weight per reward function; empty: all 1."""
+    answer_pattern: str = "#### (-?[0-9.,]+)"
+    """``exact_match``: regular expression that finds the answer in the completion and the reference column (its first group when it has one; GSM8K's default)."""
+    format_pattern: str = ""
+    """``format``: regular expression the completion must match (``re.search``, dot matches newline)."""
+    length_cache: int = 0
+    """``length``: tokens before ``max_completion_length`` where the penalty starts (DAPO's overlong buffer); 0: a quarter of ``max_completion_length``."""
+    gather_for_generation: bool = True
+    """ZeRO-3: gather the whole model on every rank once per generation round (TRL's ``ds3_gather_for_generation``); false: generate layer by layer with ``synced_gpus`` (slower; for models that do not fit gathered)."""
+    log_completions: int = 4
+    """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage); 0: none."""
 
 
 @dataclass
@@ -302,6 +354,8 @@ class TrainConfig:
     """Loss of the ``kto`` recipe (unpaired desirable/undesirable rows)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Loss of the ``reward`` recipe (a reward model trained on chosen/rejected pairs)."""
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    """Generation, rewards and loss of the ``grpo`` recipe (online RL)."""
     eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
     """Generation during evaluation: exact match and ROUGE-L of answers to validation prompts."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
@@ -341,7 +395,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto`` or ``reward`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto``, ``reward`` or ``grpo`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

@@ -88,8 +88,9 @@ def flatten(batch: dict) -> dict:
 
 
 def to_device(batch: dict, device) -> dict:
-    """Move every tensor of ``batch`` to ``device`` (non-blocking from pinned memory)."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    """Move every tensor of ``batch`` to ``device`` (non-blocking from pinned memory); other values (``grpo``'s raw
+    prompts and reward columns) stay as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 @dataclass

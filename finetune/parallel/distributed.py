@@ -335,3 +335,12 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is True on at least one rank (one all-reduce)."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     return bool(all_reduce_sum(t).item() > 0)
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` without a process group."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]

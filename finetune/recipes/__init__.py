@@ -44,6 +44,7 @@ RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
     "dpo": "finetune.recipes.dpo",
     "gpt_clm": "finetune.recipes.gpt_clm",
+    "grpo": "finetune.recipes.grpo",
     "kto": "finetune.recipes.kto",
     "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",

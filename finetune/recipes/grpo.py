@@ -1,0 +1,743 @@
+"""GRPO: online reinforcement learning of any ``AutoModelForCausalLM`` from rewards of its own completions
+(Shao et al. 2024, "DeepSeekMath", sec. 4.1; DAPO, Yu et al. 2025; Dr. GRPO, Liu et al. 2025; GSPO, Zheng et al.
+2025; TRL 1.16's ``GRPOTrainer``, whose metric names and defaults this follows).
+
+Data: ``data.prompt_column`` (default ``prompt``: text, used verbatim, or a list of ``{role, content}`` messages
+rendered with the chat template and the assistant's turn opened) and ``data.reward_columns`` (default
+``[answer]``), which reach the reward functions (:mod:`finetune.recipes.rewards`). A row is one prompt, cut to its
+last ``data.max_seq_len`` tokens (``data.truncation: drop`` leaves longer prompts out). A micro-batch of ``B``
+prompts trains on ``B x G`` completions (``G`` = ``train.grpo.num_generations``; TRL's
+``per_device_train_batch_size`` counts completions instead).
+
+Per optimizer step (:func:`before_step`, every rank, before the step's collective):
+
+1. **Generate** ``G`` completions of each prompt of each of the step's micro-batches with the engine's model
+   (transformers' ``generate``, sampling at ``temperature``/``top_p``/``top_k``, at most ``max_completion_length``
+   tokens; :func:`finetune.training.generation.generate_completions`). Under ZeRO-3 the whole model is gathered once
+   per step (``train.grpo.gather_for_generation``, TRL's ``ds3_gather_for_generation``) or, with it off, every rank
+   generates in lockstep with ``synced_gpus``. Sampling is seeded from the micro-batch's row seeds and the step,
+   not from the RNG state, so a resumed run draws the same completions.
+2. **Score** them (every reward function on every completion; one failing function on one rank stops every rank
+   with one line naming it, :class:`finetune.recipes.rewards.RewardError`), weight and sum
+   (``reward_weights``; a completion no function scores is NaN and gets advantage 0).
+3. **Advantages**, group-relative: ``A = r - mean(r of the prompt's G completions)``, divided by the group's
+   standard deviation (``scale_rewards: group``), the global batch's (``batch``: all ranks and micro-batches), or
+   not (``none``), + 1e-4 (TRL's).
+4. With ``beta`` > 0 and LoRA, the **reference** per-token log-probabilities (adapters off, no gradient).
+
+The loss (:func:`forward`; ``pi`` at the training temperature, ``pi_old`` = ``pi`` detached since
+``num_iterations`` is 1, ``rho = pi / pi_old`` per token, or per completion with ``importance_sampling_level:
+sequence`` (GSPO: the exponent of the mean log-ratio)): per completion token
+``l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta KL_k3(pi, pi_ref)``, averaged as
+``loss_type`` says. The loop divides :func:`forward`'s sum by :func:`count_targets` summed over the global batch,
+so each is exact over the whole global batch, whatever the ranks and accumulation:
+
+=========  ==================================================  =========================================
+loss_type  loss_sum of a micro-batch                           count_targets (summed over the global batch)
+=========  ==================================================  =========================================
+dapo       sum of ``l`` over active tokens                     active completion tokens
+grpo       sum over completions of (their ``l`` sum / tokens)  completions
+dr_grpo    sum of ``l`` over active tokens / max_completion    completions
+bnpo       (sum of ``l`` / the micro-batch's active tokens)    completions
+           x the micro-batch's completions
+=========  ==================================================  =========================================
+
+TRL divides ``dapo`` by the tokens of its whole generation batch too; ``grpo``, ``dr_grpo`` and ``bnpo`` it
+normalises per micro-batch and averages over accumulation steps and processes, which equals the table when every
+micro-batch holds the same number of completions (here they always do). Active tokens: the completion up to and
+including its EOS (``mask_truncated_completions``: none of a completion that never reached EOS).
+
+The sequences the model trains on are ``[left-padded prompt | completion]`` with ``position_ids`` counting real
+tokens only, as ``generate`` placed them (TRL passes none, so a left-padded prompt's positions differ between its
+generation and its training pass); the head runs on the completion positions only, in chunks
+(:func:`completion_logps`). Dropout is off (``dpo``'s ``prepare_model_config``): ``pi_old`` is ``pi``.
+
+Evaluation (:func:`forward` on a prompt batch): one greedy completion per validation prompt, scored;
+``eval/reward`` and ``eval/rewards/<function>/mean`` (``train.keep_best`` can follow ``eval/reward``, mode max);
+``eval/loss`` is 0.
+
+Metrics (training, TRL's names): ``reward``, ``reward_std`` (the mean of the groups' standard deviations),
+``rewards/<function>/mean``, ``frac_reward_zero_std``, ``completions/mean_length``, ``completions/clipped_ratio``
+(completions without EOS), ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
+``entropy`` (mean per active token), ``kl`` (with ``beta`` > 0). A sample of each logged step's completions goes
+to ``<run>/completions.jsonl`` (``train.grpo.log_completions``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+from torch.utils.checkpoint import checkpoint
+from transformers import AutoModelForCausalLM
+
+from finetune import patches
+from finetune.config import DataConfig, GrpoConfig, RunConfig
+from finetune.data.batch import LossOutput, to_device
+from finetune.data.dataset import string_type
+from finetune.errors import ConfigError, RunFailure
+from finetune.logs import logger
+from finetune.parallel import distributed as dist_utils
+from finetune.recipes import Capabilities, Recipe, dpo, rewards
+from finetune.recipes.lm_loss import chunk_tokens, find_head, unwrap
+from finetune.recipes.sft import TemplateCheck, count_summary, message_problem, prompt_ids, template_text, \
+    tokenizer_template_problem
+
+MODEL_CLASS = AutoModelForCausalLM
+PROMPT_COLUMN = "prompt_raw"
+"""Tokenized-row column: the prompt as the data holds it (text or messages), for the reward functions."""
+COLUMN_PREFIX = "reward_column:"
+"""Tokenized-row columns ``reward_column:<name>``: the ``data.reward_columns`` values."""
+
+
+def prompt_column(data_cfg: DataConfig) -> str:
+    """``data.prompt_column``, or ``prompt`` when it is empty (TRL's name)."""
+    return data_cfg.prompt_column or "prompt"
+
+
+def columns(data_cfg: DataConfig) -> list[str]:
+    """Parquet columns the tokenize function reads: the prompt, then the reward columns."""
+    return list(dict.fromkeys([prompt_column(data_cfg), *data_cfg.reward_columns]))
+
+
+def cache_key(data_cfg: DataConfig) -> dict:
+    """The prompt truncation, chat template and reward columns."""
+    return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
+            "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left"}
+
+
+prepare_tokenizer = dpo.prepare_tokenizer
+prepare_model_config = dpo.prepare_model_config
+
+
+class PromptRows:
+    """Batched map function: rows -> tokenized prompts with their reward columns; counts what it drops.
+
+    Output columns: ``input_ids``, ``attention_mask`` (the prompt's tokens: text with the tokenizer's special
+    tokens, or messages rendered with the assistant's turn opened; longer than ``data.max_seq_len``: its last
+    ``max_seq_len`` tokens, or dropped with ``data.truncation: drop``), :data:`PROMPT_COLUMN` and one
+    ``reward_column:<name>`` per reward column. Rows with a null or empty prompt are dropped and counted.
+
+    Raises:
+        ConfigError: a conversational prompt is malformed (checked before training by :func:`check_rows`).
+    """
+
+    def __init__(self, tokenizer, data_cfg: DataConfig):
+        self.tokenizer, self.d = tokenizer, data_cfg
+        self.template = template_text(data_cfg) or None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counts (one split at a time)."""
+        self.counts: Counter = Counter()
+
+    def encode(self, prompt) -> list[int]:
+        """The prompt's token ids (uncut)."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        problem = message_problem(prompt)
+        if problem:
+            raise ConfigError(f"data.prompt_column: a row's prompt is {problem}")
+        if self.template is None:
+            from finetune.recipes.sft import chat_template
+            self.template = chat_template(self.d, self.tokenizer)
+        return prompt_ids(self.tokenizer, list(prompt), self.template)
+
+    def __call__(self, batch: dict) -> dict:
+        d, c = self.d, self.counts
+        names = columns(d)
+        out: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", PROMPT_COLUMN)}
+        out.update({COLUMN_PREFIX + n: [] for n in d.reward_columns})
+        for i, prompt in enumerate(batch[names[0]]):
+            c["rows"] += 1
+            if prompt is None or not prompt or (isinstance(prompt, str) and not prompt.strip()):
+                c["empty"] += 1
+                continue
+            ids = self.encode(prompt)
+            if len(ids) > d.max_seq_len:
+                if d.truncation == "drop":
+                    c["too_long"] += 1
+                    continue
+                c["truncated"] += 1
+                ids = ids[-d.max_seq_len:]
+            out["input_ids"].append(ids)
+            out["attention_mask"].append([1] * len(ids))
+            out[PROMPT_COLUMN].append(prompt)
+            for n in d.reward_columns:
+                out[COLUMN_PREFIX + n].append(batch[n][i])
+            c["prompts"] += 1
+            c["tokens"] += len(ids)
+        return out
+
+    def summary(self) -> str:
+        """One line: rows read, prompts kept, dropped and cut, mean prompt length."""
+        c = self.counts
+        text = count_summary("grpo", c, "prompts", [("empty", "with a null or empty prompt")],
+                             self.d.max_seq_len, "prompt")
+        if c["prompts"]:
+            text += f"; {c['tokens'] / c['prompts']:.1f} tokens per prompt (prompts longer than data.max_seq_len " \
+                    f"keep their last tokens)"
+        return text
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig) -> PromptRows:
+    """The batched map function (:class:`PromptRows`)."""
+    return PromptRows(tokenizer, data_cfg)
+
+
+class PromptCollator:
+    """Rows -> a prompt batch: ``input_ids`` and ``attention_mask`` ``[B, longest]`` int64, **left**-padded (generation
+    continues every prompt at the same position); ``labels`` ``[B]`` int64, 0 (-100 on evaluation filler rows);
+    ``row_seeds`` ``[B]`` int64 (the rows' ``_seed``: the sampling seed, independent of ranks and split); and, not
+    tensors, ``prompts`` (the raw prompts) and ``reward_columns`` (name -> ``B`` values)."""
+
+    row_seeded = True
+
+    def __init__(self, pad_token_id: int, data_cfg: DataConfig):
+        self.pad, self.names = pad_token_id, list(data_cfg.reward_columns)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, longest - n:] = torch.tensor(r["input_ids"])
+            mask[i, longest - n:] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(len(rows), dtype=torch.long),
+                "row_seeds": torch.tensor([int(r.get("_seed", 0)) for r in rows], dtype=torch.long),
+                "prompts": [r[PROMPT_COLUMN] for r in rows],
+                "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names}}
+
+
+def make_collator(tokenizer, data_cfg: DataConfig) -> PromptCollator:
+    """:class:`PromptCollator` with the tokenizer's pad token."""
+    return PromptCollator(tokenizer.pad_token_id, data_cfg)
+
+
+def count_targets(batch: dict, loss_type: str = "dapo") -> torch.Tensor:
+    """What the step's loss is a mean over (the module docstring's table): a training batch's active completion
+    tokens (``dapo``) or completions (the others); a prompt batch's (evaluation) real rows."""
+    labels = batch["labels"]
+    if labels.dim() == 1:
+        return (labels != -100).sum()
+    if loss_type == "dapo":
+        return batch["completion_mask"].sum().long()
+    return torch.tensor(labels.shape[0], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation and scoring
+# ---------------------------------------------------------------------------------------------
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def tokenizer_of(cfg: RunConfig):
+    """The run's prepared tokenizer (loaded once per process)."""
+    return _tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+
+
+_LOADED: dict[str, list] = {}
+
+
+def reward_functions(cfg: RunConfig) -> list[rewards.RewardFunction]:
+    """The run's reward functions (:func:`finetune.recipes.rewards.load`), loaded once per process and settings."""
+    g = cfg.train.grpo
+    key = json.dumps([g.rewards, g.reward_weights, cfg.data.reward_columns, g.answer_pattern, g.format_pattern,
+                      g.max_completion_length, g.length_cache], default=str)
+    if key not in _LOADED:
+        _LOADED[key] = rewards.load(cfg)
+    return _LOADED[key]
+
+
+def _seed(train_seed: int, step: int, row_seeds: torch.Tensor) -> int:
+    """A sampling seed from the rows' seeds and the step (the same on resume, whatever the rank)."""
+    return (train_seed * 1_000_003 + step * 7919 + int(row_seeds.sum()) * 31 + int(row_seeds[0])) % (2 ** 63 - 1)
+
+
+def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool, seed: int, synced: bool) -> dict:
+    """``n`` completions of each prompt of ``batch`` (``generate``, no gradient; the caller sets eval mode and, under
+    ZeRO-3, gathers the parameters or passes ``synced``).
+
+    Returns:
+        ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
+        including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
+    """
+    model = engine.module if hasattr(engine, "module") else engine
+    device = next(model.parameters()).device
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    sampling = {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k} if sample \
+        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=g.max_completion_length,
+                             num_return_sequences=n, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, synced_gpus=synced, **sampling)
+    completion = out[:, ids.shape[1]:].cpu()
+    is_eos = completion == tokenizer.eos_token_id
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(completion),), completion.shape[1]))
+    positions = torch.arange(completion.shape[1]).expand_as(completion)
+    cmask = (positions <= first[:, None]).float()
+    terminated = is_eos.any(1)
+    if completion.shape[1] == 0:  # nothing generated at all
+        cmask = cmask[:, :0]
+    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
+            "lengths": cmask.sum(1).long()}
+
+
+def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
+    ids = [row[: int(n)].tolist() for row, n in zip(completion["completion_ids"], completion["lengths"])]
+    ids = [x[:-1] if x and x[-1] == tokenizer.eos_token_id else x for x in ids]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
+
+
+def score_everywhere(functions, prompts, texts, ids, cols) -> list:
+    """Score on this rank, then agree with every rank: each rank's table, or the first failure raised on every rank
+    as :class:`~finetune.errors.RunFailure` (one line: the function, the rank, what it did), so no rank waits for
+    one that failed."""
+    try:
+        mine, error = rewards.score(functions, prompts, texts, ids, cols), None
+    except rewards.RewardError as e:
+        mine, error = None, str(e)
+    everyone = dist_utils.all_gather_object((error, mine))
+    for rank, (err, _) in enumerate(everyone):
+        if err is not None:
+            raise RunFailure(f"grpo: {err} (rank {rank}); fix the reward function, then --resume from the last "
+                             f"checkpoint")
+    return [table for _, table in everyone]
+
+
+def combine(table: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[N, F]`` rewards (NaN: not scored) -> ``[N]`` weighted sums, NaN where no function scored."""
+    total = (table * weights).nansum(1)
+    return torch.where(torch.isnan(table).all(1), torch.nan, total)
+
+
+def _nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """Standard deviation ignoring NaNs, with Bessel's correction (TRL's ``nanstd``); NaN below 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True) if dim is not None else (~torch.isnan(x)).sum()
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * count / (count - 1).clamp(min=1)
+    var = torch.where(count > 1, var, torch.nan)
+    return var.sqrt().squeeze(dim) if dim is not None else var.sqrt().reshape(())
+
+
+def advantages(rewards_: torch.Tensor, g: int, scale: str, batch_std: torch.Tensor | None = None) \
+        -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative advantages (TRL 1.16's ``_generate_and_score_completions``).
+
+    Args:
+        rewards_: ``[P g]`` float32, a prompt's ``g`` completions consecutive; NaN: unscored.
+        g: completions per prompt.
+        scale: ``group``, ``batch`` or ``none`` (``train.grpo.scale_rewards``).
+        batch_std: the global batch's reward standard deviation (``batch``).
+
+    Returns:
+        ``(advantages, group_std)``, each ``[P g]`` float32; unscored completions' advantages are 0.
+    """
+    grouped = rewards_.view(-1, g)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(g)
+    std = _nanstd(grouped, dim=1).repeat_interleave(g)
+    adv = rewards_ - mean
+    if scale == "group":
+        adv = adv / (std + 1e-4)
+    elif scale == "batch":
+        adv = adv / (batch_std + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0), std
+
+
+def _gathered(engine, g: GrpoConfig):
+    """ZeRO-3 with ``gather_for_generation``: DeepSpeed's ``GatheredParameters`` over the whole model (every rank
+    holds the full weights while generating); else a no-op."""
+    import contextlib
+    if engine.zero_optimization_stage() == 3 and g.gather_for_generation:
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+    return contextlib.nullcontext()
+
+
+def _synced(engine, g: GrpoConfig) -> bool:
+    return engine.zero_optimization_stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
+
+
+def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
+    """Generate, score and compute the advantages of the step's global batch (the module docstring's steps 1-4);
+    returns the micro-batches of prompt + completion sequences the step trains on (``input_ids``,
+    ``attention_mask``, ``position_ids``, ``labels`` ``[B G, P + C]``; ``completion_mask`` ``[B G, C]``;
+    ``prompt_length``; ``advantages``, ``rewards``, ``group_std`` ``[B G]``; ``reward_table`` ``[B G, F]``;
+    ``terminated``; ``ref_logps`` ``[B G, C]`` with ``beta`` > 0).
+
+    Raises:
+        RunFailure: a reward function failed on some rank (raised on every rank).
+    """
+    g, tok = cfg.train.grpo, tokenizer_of(cfg)
+    functions = reward_functions(cfg)
+    step = int(engine.global_steps)
+    model = engine.module
+    model.eval()
+    with _gathered(engine, g):
+        done = [generate(engine, b, g, tok, g.num_generations, True, _seed(cfg.train.seed, step, b["row_seeds"]),
+                         _synced(engine, g)) for b in micro]
+    model.train()
+    texts, ids, prompts, cols = [], [], [], {n: [] for n in cfg.data.reward_columns}
+    for b, c in zip(micro, done):
+        t, i = _texts(tok, c)
+        texts += t
+        ids += i
+        prompts += [p for p in b["prompts"] for _ in range(g.num_generations)]
+        for n in cols:
+            cols[n] += [v for v in b["reward_columns"][n] for _ in range(g.num_generations)]
+    tables = score_everywhere(functions, prompts, texts, ids, cols)
+    weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
+    mine = combine(torch.tensor(tables[dist_utils.rank()], dtype=torch.float32), weights)
+    batch_std = _nanstd(combine(torch.tensor([r for t in tables for r in t], dtype=torch.float32), weights)) \
+        if g.scale_rewards == "batch" else None
+    out, start = [], 0
+    for b, c in zip(micro, done):
+        n = len(c["completion_ids"])
+        r = mine[start:start + n]
+        adv, std = advantages(r, g.num_generations, g.scale_rewards, batch_std)
+        table = torch.tensor(tables[dist_utils.rank()][start:start + n], dtype=torch.float32).reshape(n, -1)
+        out.append(_sequences(b, c, g, adv, r, std, table))
+        start += n
+    if g.beta > 0:
+        engine.eval()
+        with dpo.adapters_off(engine), torch.no_grad():
+            for b in out:
+                b["ref_logps"] = completion_logps(engine, to_device(b, engine.device), g.temperature)[0].cpu()
+        engine.train()
+    _log_sample(cfg, step + 1, prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
+                functions)
+    return out
+
+
+def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
+    """A training micro-batch from a prompt batch and its completions."""
+    n = g.num_generations
+    prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
+    cmask = c["completion_mask"]
+    if g.mask_truncated_completions:
+        cmask = cmask * c["terminated"][:, None].float()
+    ids = torch.cat([prompt_ids, c["completion_ids"]], 1)
+    attention = torch.cat([prompt_mask, c["completion_mask"].long()], 1)
+    labels = torch.full_like(ids, -100)
+    p = prompt_ids.shape[1]
+    labels[:, p:] = torch.where(cmask.bool(), c["completion_ids"], -100)
+    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
+            "labels": labels, "completion_mask": cmask, "prompt_length": torch.tensor(p), "advantages": adv,
+            "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
+            "lengths": c["lengths"]}
+
+
+def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions) -> None:
+    """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl``."""
+    k = cfg.train.grpo.log_completions
+    if not k or not dist_utils.is_main() or not cfg.output_dir or step % max(cfg.train.log_every, 1):
+        return
+    with open(Path(cfg.output_dir) / "completions.jsonl", "a") as f:
+        for i in range(min(k, len(texts))):
+            f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": texts[i],
+                                "reward": None if math.isnan(float(r[i])) else float(r[i]),
+                                "rewards": {fn.name: (None if math.isnan(v) else v)
+                                            for fn, v in zip(functions, tables[0][i])},
+                                "advantage": float(adv[i])}, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+_HEAD_WHY = ("grpo: the LM head runs on the completion positions only and returns their per-token log-probabilities "
+             "at the sampling temperature; restored after the forward")
+
+
+def _chunk_logps(head_fn, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = head_fn(hidden).float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of the completion tokens (and their entropies) at ``temperature``.
+
+    The output head (:func:`finetune.recipes.lm_loss.find_head`) runs only on the hidden states that predict
+    completion tokens, in chunks of :func:`~finetune.recipes.lm_loss.chunk_tokens` positions (checkpointed when
+    there are several and gradients are on); its forward is replaced on the instance for this call only.
+
+    Args:
+        model: the engine, or a (peft-wrapped) causal LM.
+        batch: a training micro-batch of :func:`before_step` on the model's device.
+        temperature: the logits are divided by it (``train.grpo.temperature``).
+
+    Returns:
+        ``(logps, entropy)``, each ``[B G, C]`` float32; ``logps`` differentiable when gradients are on.
+    """
+    p = int(batch["prompt_length"])
+    targets = batch["input_ids"][:, p:]
+    head = find_head(model)
+    original = head.forward
+    state = {}
+
+    def forward(hidden, *args, **kwargs):
+        h = hidden[:, p - 1:-1]
+        rows, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        fn = lambda x: original(x, *args, **kwargs)  # noqa: E731
+        size = chunk_tokens(getattr(unwrap(model).config, "vocab_size", 32768))
+        parts = []
+        for s in range(0, rows.shape[0], size):
+            args_ = (rows[s:s + size], flat_t[s:s + size])
+            if torch.is_grad_enabled() and rows.shape[0] > size:
+                parts.append(checkpoint(lambda a, b: _chunk_logps(fn, a, b, temperature), *args_, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(fn, *args_, temperature))
+        logps = torch.cat([x[0] for x in parts]).view_as(targets)
+        state["entropy"] = torch.cat([x[1] for x in parts]).view_as(targets)
+        return logps
+
+    with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)):
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"])
+    return out.logits, state["entropy"]
+
+
+def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate per completion token (TRL 1.16's ``_compute_loss`` for ``grpo``, ``bnpo``,
+    ``dr_grpo``, ``dapo``).
+
+    Args:
+        logps, old: ``[N, C]`` float32 log-probabilities under the policy (differentiable) and at generation.
+        adv: ``[N]`` advantages.
+        mask: ``[N, C]`` float32 active tokens.
+        g: ``train.grpo``.
+        ref: ``[N, C]`` reference log-probabilities (``beta`` > 0).
+
+    Returns:
+        ``(per_token_loss [N, C], parts)``: ``parts`` holds ``[N, C]`` clip indicators (``low``, ``high``) and the
+        per-token ``kl`` (with ``ref``), detached.
+    """
+    log_ratio = logps - old
+    if g.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef1 = torch.exp(log_ratio)
+    high = g.epsilon_high or g.epsilon
+    coef2 = torch.clamp(coef1, 1 - g.epsilon, 1 + high)
+    a = adv[:, None]
+    loss = -torch.min(coef1 * a, coef2 * a)
+    parts = {"low": ((coef1 < 1 - g.epsilon) & (a < 0)).float().expand_as(mask).detach(),
+             "high": ((coef1 > 1 + high) & (a > 0)).float().expand_as(mask).detach()}
+    if ref is not None and g.beta > 0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + g.beta * kl
+        parts["kl"] = kl.detach()
+    return loss.expand_as(mask), parts
+
+
+def loss_sum(per_token: torch.Tensor, mask: torch.Tensor, g: GrpoConfig) -> torch.Tensor:
+    """A micro-batch's loss sum by ``loss_type`` (the module docstring's table), 0-dim float32."""
+    masked = per_token * mask
+    if g.loss_type == "dapo":
+        return masked.sum()
+    if g.loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    if g.loss_type == "dr_grpo":
+        return masked.sum() / g.max_completion_length
+    return masked.sum() / mask.sum().clamp(min=1.0) * mask.shape[0]  # bnpo
+
+
+def _mean(values: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    values = values.float()
+    if weights is None:
+        ok = ~torch.isnan(values)
+        return torch.nan_to_num(values).sum().double(), ok.sum().double()
+    return (values * weights).sum().double(), weights.sum().double()
+
+
+def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | None = None,
+            functions: list | None = None, cfg: RunConfig | None = None) -> LossOutput:
+    """The GRPO loss of one training micro-batch (from :func:`before_step`), summed as ``loss_type`` says, with
+    TRL's metrics; on a prompt batch (evaluation), greedy completions scored, loss 0.
+
+    Returns:
+        :class:`~finetune.data.batch.LossOutput` (``targets`` = :func:`count_targets`).
+    """
+    g = settings or GrpoConfig()
+    if batch["labels"].dim() == 1:
+        return _evaluate(model, batch, g, cfg)
+    mask = batch["completion_mask"].float()
+    logps, entropy = completion_logps(model, batch, g.temperature)
+    old = batch.get("old_logps", logps.detach())
+    per_token, parts = token_losses(logps, old, batch["advantages"].to(logps.dtype), mask, g, batch.get("ref_logps"))
+    total = loss_sum(per_token, mask, g)
+    n = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    tokens = mask.sum().double()
+    region = torch.clamp(parts["low"] + parts["high"], max=1)
+    m = {"reward": _mean(batch["rewards"]),
+         "reward_std": _mean(batch["group_std"]),
+         "frac_reward_zero_std": ((batch["group_std"].nan_to_num(0.0) < 1e-6).double().sum(), n),
+         "completions/mean_length": (batch["lengths"].double().sum(), n),
+         "completions/clipped_ratio": ((~batch["terminated"]).double().sum(), n),
+         "clip_ratio/low_mean": ((parts["low"] * mask).sum().double(), tokens),
+         "clip_ratio/high_mean": ((parts["high"] * mask).sum().double(), tokens),
+         "clip_ratio/region_mean": ((region * mask).sum().double(), tokens),
+         "entropy": ((entropy * mask).sum().double(), tokens)}
+    if "kl" in parts:
+        m["kl"] = ((parts["kl"] * mask).sum().double(), tokens)
+    for j, f in enumerate(functions or []):
+        m[f"rewards/{f.name}/mean"] = _mean(batch["reward_table"][:, j])
+    return LossOutput(total, count_targets(batch, g.loss_type), metrics=m)
+
+
+def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossOutput:
+    """A prompt batch's greedy completions (one per prompt), scored on every rank: ``reward`` and
+    ``rewards/<function>/mean`` over the real rows; loss 0."""
+    if cfg is None:
+        raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
+    tok, functions = tokenizer_of(cfg), reward_functions(cfg)
+    engine = model
+    was = unwrap(engine).training
+    unwrap(engine).eval()
+    with _gathered(engine, g) if hasattr(engine, "zero_optimization_stage") else _nothing():
+        c = generate(engine, batch, g, tok, 1, False, 0, _synced(engine, g) if hasattr(engine, "zero_optimization_stage")
+                     else False)
+    if was:
+        unwrap(engine).train()
+    texts, ids = _texts(tok, c)
+    tables = score_everywhere(functions, list(batch["prompts"]), texts, ids, dict(batch["reward_columns"]))
+    table = torch.tensor(tables[dist_utils.rank()], dtype=torch.float32).reshape(len(texts), -1)
+    weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
+    real = (batch["labels"] != -100).cpu()
+    r = combine(table, weights)
+    m = {"reward": _mean(torch.where(real, r, torch.nan))}
+    for j, f in enumerate(functions):
+        m[f"rewards/{f.name}/mean"] = _mean(torch.where(real, table[:, j], torch.nan))
+    device = batch["labels"].device
+    m = {k: (a.to(device), b.to(device)) for k, (a, b) in m.items()}
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return LossOutput(zero, count_targets(batch), metrics=m)
+
+
+def _nothing():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
+    """The recipe with ``train.grpo``, the reward functions and the run config bound into ``forward`` and
+    ``count_targets``."""
+    g = cfg.train.grpo
+    return dataclasses.replace(recipe, forward=functools.partial(forward, settings=g, functions=reward_functions(cfg),
+                                                                 cfg=cfg),
+                               count_targets=functools.partial(count_targets, loss_type=g.loss_type))
+
+
+def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """``train.eval_generate``'s prompts and references: the prompt and the first reward column as text."""
+    if not data_cfg.reward_columns:
+        return []
+    encode = PromptRows(tokenizer, data_cfg).encode
+    return [(encode(r[prompt_column(data_cfg)]), str(r[data_cfg.reward_columns[0]])) for r in rows
+            if r.get(prompt_column(data_cfg)) and r.get(data_cfg.reward_columns[0]) is not None]
+
+
+def _text_or_messages(typ) -> bool:
+    return string_type(typ) or str(typ).startswith(("list", "large_list"))
+
+
+def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """Check the grpo settings, reward functions and data before any model is built; one line per problem.
+
+    Problems: ``train.grpo`` values out of range or unsupported (``num_iterations`` > 1; ``beta`` > 0 without LoRA);
+    reward functions that cannot load (:func:`finetune.recipes.rewards.load`: path, import, name, signature, weights);
+    a file without the prompt or a reward column; a prompt column neither text nor messages; null or empty prompts
+    (the first row and their number); a malformed conversational prompt or one the chat template fails on.
+    """
+    g, d = cfg.train.grpo, cfg.data
+    if g.num_generations < 2:
+        problems.append(f"train.grpo.num_generations: {g.num_generations}; GRPO compares each completion with the "
+                        f"others of its prompt and needs at least 2")
+    for key in ("max_completion_length", "num_iterations"):
+        if getattr(g, key) < 1:
+            problems.append(f"train.grpo.{key}: {getattr(g, key)} must be >= 1")
+    if g.num_iterations > 1:
+        problems.append(f"train.grpo.num_iterations: {g.num_iterations}; only 1 is supported (one optimizer step "
+                        f"per generation batch, TRL's default)")
+    if g.temperature <= 0:
+        problems.append(f"train.grpo.temperature: {g.temperature} must be > 0 (GRPO samples its completions)")
+    if not 0 < g.top_p <= 1:
+        problems.append(f"train.grpo.top_p: {g.top_p} must be in (0, 1]")
+    if g.top_k < 0:
+        problems.append(f"train.grpo.top_k: {g.top_k} must be >= 0 (0: off)")
+    if g.epsilon <= 0 or g.epsilon_high < 0:
+        problems.append(f"train.grpo.epsilon: {g.epsilon} must be > 0 and epsilon_high {g.epsilon_high} >= 0 "
+                        f"(0: epsilon)")
+    if g.beta < 0:
+        problems.append(f"train.grpo.beta: {g.beta} must be >= 0")
+    if g.beta > 0 and cfg.model.lora is None:
+        problems.append(f"train.grpo.beta: {g.beta} > 0 needs a reference model; finetune takes the base model "
+                        f"under LoRA (model.lora) as the reference; without LoRA set beta=0 (TRL's default)")
+    if g.log_completions < 0:
+        problems.append(f"train.grpo.log_completions: {g.log_completions} must be >= 0")
+    try:
+        reward_functions(cfg)
+    except ConfigError as e:
+        problems.extend(e.problems)
+    p_col = prompt_column(d)
+    conversational = False
+    templates = TemplateCheck(cfg, prepare_tokenizer)
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                schema = pq.ParquetFile(f).schema_arrow
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            missing = [c for c in columns(d) if c not in schema.names]
+            if missing:
+                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                                f"{', '.join(schema.names)}); grpo reads data.prompt_column (default 'prompt') and "
+                                f"data.reward_columns (default ['answer'])")
+                continue
+            if not _text_or_messages(schema.field(p_col).type):
+                problems.append(f"{key}: '{f}' column '{p_col}' has type {schema.field(p_col).type}, neither text "
+                                f"nor a list of {{role, content}} messages")
+                continue
+            prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
+            empty = [i for i, v in enumerate(prompts) if v is None or not v or (isinstance(v, str) and not v.strip())]
+            if empty:
+                problems.append(f"{key}: '{f}' row {empty[0]} of column '{p_col}' is null or empty ({len(empty):,} "
+                                f"such rows); fix or remove them")
+            start = len(problems)
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, list):
+                    conversational = True
+                    problem = message_problem(prompt)
+                    if problem:
+                        problems.append(f"{key}: '{f}' row {i} of column '{p_col}' is {problem}; a conversational "
+                                        f"prompt is a list of {{role, content}} messages")
+                        break
+            if len(problems) == start and conversational:
+                templates.check(key, f, [p_col], ((i, p_col, list(p)) for i, p in enumerate(prompts)
+                                                  if isinstance(p, list)), problems)
+    if conversational and not template_text(d):
+        tokenizer_template_problem(cfg, problems)
+
+
+RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
+                capabilities=Capabilities(generates_text=True, reports_perplexity=False,
+                                          eval_metrics=("reward",), checks_columns=True, counts_rows=True,
+                                          evaluates_exports=False, mixes_sources=False),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
+                forward=forward, count_targets=count_targets, configure=configure, before_step=before_step,
+                columns=columns, cache_key=cache_key, check_data=check_rows, prepare_model_config=prepare_model_config,
+                generation_pairs=generation_pairs)

@@ -1,0 +1,223 @@
+"""Reward functions of the ``grpo`` recipe: the built-ins, user functions named by path, their checks and scoring.
+
+``train.grpo.rewards`` lists them; ``train.grpo.reward_weights`` weights their sum (TRL's ``reward_funcs`` and
+``reward_weights``). Every function is called as TRL 1.16 calls a reward function::
+
+    f(prompts=[...], completions=[...], completion_ids=[[...], ...], **columns) -> list[float | None]
+
+with one entry per completion (a prompt is repeated for each of its ``num_generations`` completions; prompts and
+completions are text, the prompt as the data holds it) and ``columns`` the ``data.reward_columns`` values of each
+completion's row. ``None`` means "does not apply to this completion" (TRL's meaning): a completion every function
+returns ``None`` for gets advantage 0. A function that raises, returns another number of values, a value that is no
+number or ``None``, or NaN is a failure named after the function (:class:`RewardError`).
+
+Built-ins:
+
+* ``exact_match``: 1.0 when the answer ``train.grpo.answer_pattern`` finds in the completion equals the one it finds
+  in the first reward column (:func:`finetune.training.generation.answer_of`'s normalisation), else 0.0; ``None``
+  when the reference has none.
+* ``format``: 1.0 when ``train.grpo.format_pattern`` matches the completion (``re.search``, ``re.DOTALL``), else 0.0.
+* ``length``: DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13; TRL's
+  ``get_soft_overlong_punishment``): 0 up to ``max_completion_length - length_cache`` tokens, then linear down to
+  -1 at ``max_completion_length``.
+
+A user function ``path/to/file.py:function`` is loaded from that file (relative to the working directory) when the
+run starts and by ``--check``: the run config names the file, so running it is what the user asked for. Nothing
+else is imported by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from finetune.errors import ConfigError
+
+BUILTINS = ("exact_match", "format", "length")
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a batch: raised, returned the wrong number of values, a non-number, or NaN.
+    ``str(err)`` names the function and what it did."""
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One entry of ``train.grpo.rewards``, loaded.
+
+    Attributes:
+        spec: the entry as written (``exact_match``, ``rewards.py:brevity``).
+        name: the metric name (``rewards/<name>/mean``): the built-in's name or the function's ``__name__``.
+        fn: the callable, TRL's signature.
+        weight: its weight in the sum.
+    """
+
+    spec: str
+    name: str
+    fn: Callable
+    weight: float
+
+
+def exact_match(prompts, completions, completion_ids, *, pattern: str, reference_column: str, **columns):
+    """``exact_match`` (module docstring): ``[N]`` of 1.0 / 0.0 / None."""
+    from finetune.training.generation import answer_of
+
+    out = []
+    for completion, reference in zip(completions, columns[reference_column]):
+        want = answer_of(str(reference), pattern) if reference is not None else None
+        out.append(None if want is None else float(answer_of(completion, pattern) == want))
+    return out
+
+
+def format_reward(prompts, completions, completion_ids, *, pattern: str, **columns):
+    """``format`` (module docstring): ``[N]`` of 1.0 / 0.0."""
+    regex = re.compile(pattern, re.DOTALL)
+    return [float(regex.search(c) is not None) for c in completions]
+
+
+def length_penalty(prompts, completions, completion_ids, *, max_length: int, cache: int, **columns):
+    """``length`` (module docstring): ``[N]`` in [-1, 0] from each completion's token count."""
+    start = max_length - cache
+    return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / cache) for ids in completion_ids]
+
+
+def _builtin(spec: str, cfg) -> Callable:
+    g, d = cfg.train.grpo, cfg.data
+    if spec == "exact_match":
+        return lambda **kw: exact_match(pattern=g.answer_pattern, reference_column=d.reward_columns[0], **kw)
+    if spec == "format":
+        return lambda **kw: format_reward(pattern=g.format_pattern, **kw)
+    return lambda **kw: length_penalty(max_length=g.max_completion_length, cache=length_cache(g), **kw)
+
+
+def length_cache(g) -> int:
+    """``train.grpo.length_cache``, or a quarter of ``max_completion_length`` when 0 (at least 1)."""
+    return g.length_cache or max(1, g.max_completion_length // 4)
+
+
+def _load_user(spec: str, key: str) -> Callable:
+    """The function ``file.py:name`` names. Raises ConfigError (one line, naming ``key``)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ConfigError(f"{key}: '{spec}' is neither a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{key}: '{path}' is no file (relative paths are from the working directory {Path.cwd()})")
+    module_name = f"finetune_reward_{abs(hash(str(file.resolve())))}"
+    try:
+        if module_name not in sys.modules:
+            spec_obj = importlib.util.spec_from_file_location(module_name, file)
+            module = importlib.util.module_from_spec(spec_obj)
+            spec_obj.loader.exec_module(module)
+            sys.modules[module_name] = module
+        module = sys.modules[module_name]
+    except Exception as e:  # noqa: BLE001  (the user's file: any error is reported as one line)
+        raise ConfigError(f"{key}: importing '{path}' failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{key}: '{path}' has no function '{name}'")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key}: the signature of '{spec}' cannot be read ({e})") from e
+    kinds = {p.kind for p in params.values()}
+    if inspect.Parameter.VAR_KEYWORD not in kinds or not all(
+            n in params or inspect.Parameter.VAR_POSITIONAL in kinds for n in ("prompts", "completions")):
+        raise ConfigError(f"{key}: '{spec}' has the signature {name}{inspect.signature(fn)}; a reward function "
+                          f"takes (prompts, completions, **kwargs) and returns one float (or None) per completion "
+                          f"(TRL's signature)")
+    return fn
+
+
+def load(cfg) -> list[RewardFunction]:
+    """The run's reward functions with their weights.
+
+    Raises:
+        ConfigError: an entry is unknown, a file is missing or fails to import, a function is missing or has
+            another signature, ``reward_weights`` has another length, ``exact_match`` without a reward column or
+            ``format`` without ``format_pattern``.
+    """
+    g = cfg.train.grpo
+    problems: list[str] = []
+    if not g.rewards:
+        problems.append("train.grpo.rewards: empty; name at least one reward function (built-ins: "
+                        f"{', '.join(BUILTINS)}; or path/to/file.py:function)")
+    if g.reward_weights and len(g.reward_weights) != len(g.rewards):
+        problems.append(f"train.grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward "
+                        f"functions; give one per function or none (all 1)")
+    out = []
+    for i, spec in enumerate(g.rewards):
+        key = f"train.grpo.rewards[{i}]"
+        spec = str(spec)
+        try:
+            if spec in BUILTINS:
+                if spec == "exact_match" and not cfg.data.reward_columns:
+                    raise ConfigError(f"{key}: exact_match compares with the first of data.reward_columns, which "
+                                      f"is empty; name the reference column (e.g. data.reward_columns=[answer])")
+                if spec == "format" and not g.format_pattern:
+                    raise ConfigError(f"{key}: format needs train.grpo.format_pattern (a regular expression)")
+                fn, name = _builtin(spec, cfg), spec
+            else:
+                fn = _load_user(spec, key)
+                name = getattr(fn, "__name__", spec.rpartition(":")[2])
+        except ConfigError as e:
+            problems.extend(e.problems)
+            continue
+        weight = float(g.reward_weights[i]) if len(g.reward_weights) == len(g.rewards) else 1.0
+        out.append(RewardFunction(spec, name, fn, weight))
+    for pattern_key in ("answer_pattern", "format_pattern"):
+        try:
+            re.compile(getattr(g, pattern_key))
+        except re.error as e:
+            problems.append(f"train.grpo.{pattern_key}: '{getattr(g, pattern_key)}' is no regular expression ({e})")
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
+def score(functions: list[RewardFunction], prompts: list, completions: list[str], completion_ids: list[list[int]],
+          columns: dict[str, list]) -> list[list[float]]:
+    """Every function's rewards of every completion.
+
+    Args:
+        functions: from :func:`load`.
+        prompts: ``N`` prompts (text, or lists of messages), one per completion.
+        completions: ``N`` completion texts (special tokens skipped).
+        completion_ids: ``N`` lists of the completion's token ids (up to its EOS, which is left out).
+        columns: ``data.reward_columns`` -> ``N`` values.
+
+    Returns:
+        ``[N][F]`` floats, NaN where a function returned ``None``.
+
+    Raises:
+        RewardError: a function raised, returned a non-list or another length, a non-number or NaN.
+    """
+    n = len(completions)
+    table = [[math.nan] * len(functions) for _ in range(n)]
+    for j, f in enumerate(functions):
+        try:
+            got = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:  # noqa: BLE001  (named and re-raised as one line)
+            raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {e}") from e
+        if not isinstance(got, (list, tuple)) or len(got) != n:
+            what = f"{len(got)} values" if isinstance(got, (list, tuple)) else f"a {type(got).__name__}"
+            raise RewardError(f"reward function {f.spec} returned {what} for {n} completions; it must return a list "
+                              f"of one float (or None) per completion")
+        for i, v in enumerate(got):
+            if v is None:
+                continue
+            if isinstance(v, str) or not hasattr(v, "__float__"):
+                raise RewardError(f"reward function {f.spec} returned {v!r} (a {type(v).__name__}) for completion "
+                                  f"{i}; return a float or None")
+            v = float(v)
+            if math.isnan(v):
+                raise RewardError(f"reward function {f.spec} returned NaN for completion {i} ({completions[i][:60]!r}); "
+                                  f"return None for a completion it does not apply to")
+            table[i][j] = v
+    return table
