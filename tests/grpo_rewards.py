@@ -1,0 +1,31 @@
+"""Reward functions for tests/test_grpo.py, loaded by path (``train.grpo.rewards``) with TRL's signature."""
+
+import os
+
+
+def has_digit(prompts, completions, **kwargs):
+    """1.0 for a completion with a digit, else 0.0; None for an empty completion (not scored)."""
+    return [None if not c else float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def fails_on_rank1(prompts, completions, **kwargs):
+    """Raises on rank 1 from its second call on (the first step trains): the failure must stop every rank."""
+    fails_on_rank1.calls = getattr(fails_on_rank1, "calls", 0) + 1
+    if os.environ.get("RANK") == "1" and fails_on_rank1.calls > 1:
+        raise ZeroDivisionError("the scorer divided by zero")
+    return [0.0] * len(completions)
+
+
+def wrong_length(prompts, completions, **kwargs):
+    """One value too few."""
+    return [0.0] * (len(completions) - 1)
+
+
+def returns_nan(prompts, completions, **kwargs):
+    """NaN for every completion."""
+    return [float("nan")] * len(completions)
+
+
+def no_kwargs(prompts, completions):
+    """TRL's signature needs **kwargs: refused by --check."""
+    return [0.0] * len(completions)

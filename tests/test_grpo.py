@@ -1,0 +1,216 @@
+"""The ``grpo`` recipe (online RL): its loss against a plain PyTorch GRPO, its advantages, its runs and its checks.
+
+* In one process (default suite): with fixed completions (teacher-forced), the recipe's loss (``forward``'s sum
+  divided by ``count_targets``) and gradients equal a plain PyTorch implementation of TRL 1.16's ``_compute_loss``
+  (full logits at the training temperature, log-softmax, clipped surrogate, k3 KL, each ``loss_type``'s
+  normalisation, token and sequence importance sampling) on one micro-batch; the group / batch / none advantages equal
+  TRL's formula; the ``--check`` lines.
+* Launched (2 CPU ranks): ZeRO-3 + LoRA + ``beta`` > 0 with the model gathered for generation trains, logs TRL's
+  metric names, writes completions.jsonl, evaluates the reward and exports (verified against the engine's logits); a
+  reward function that raises on rank 1 only ends both ranks with one line naming it (exit 4), no hang.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, scratch_model, write_parquet
+from finetune.config import GrpoConfig, load_run_config
+from finetune.recipes import grpo
+
+CONFIG = CONFIGS / "tiny_grpo.yaml"
+
+
+def textbook_loss(model, ids, attn, p, mask, adv, old, ref, g: GrpoConfig, n_seq: int) -> torch.Tensor:
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` on one process and one micro-batch, from the full logits."""
+    pos = (attn.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, p - 1:-1].float() / g.temperature
+    logps = torch.log_softmax(logits, -1).gather(-1, ids[:, p:, None]).squeeze(-1)
+    old = logps.detach() if old is None else old
+    log_ratio = logps - old
+    if g.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    coef_2 = torch.clamp(coef_1, 1 - g.epsilon, 1 + (g.epsilon_high or g.epsilon))
+    a = adv.unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * a, coef_2 * a)
+    if g.beta:
+        per_token_loss = per_token_loss + g.beta * (torch.exp(ref - logps) - (ref - logps) - 1)
+    if g.loss_type == "grpo":
+        return ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if g.loss_type == "bnpo":
+        return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    if g.loss_type == "dr_grpo":
+        return (per_token_loss * mask).sum() / (n_seq * g.max_completion_length)
+    return (per_token_loss * mask).sum() / mask.sum()  # dapo, one process, one micro-batch
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    """The tiny model, a prompt batch of 2 GSM8K questions and 4 fixed completions each (EOS at different places,
+    one never ending), as :func:`grpo.before_step` assembles a training batch."""
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    cfg = load_run_config(CONFIG)
+    tok = load_tokenizer(cfg, get_recipe("grpo"))
+    rows = pq.read_table(REPO / "data/gsm8k/train.parquet").slice(0, 2).to_pydict()
+    tokenized = grpo.tokenize_function(tok, cfg.data)({"question": rows["question"], "answer": rows["answer"]})
+    prompt_rows = [{k: tokenized[k][i] for k in tokenized} | {"_seed": i} for i in range(2)]
+    prompts = grpo.make_collator(tok, cfg.data)(prompt_rows)
+    assert prompts["attention_mask"][1].sum() < prompts["attention_mask"].shape[1]  # one prompt is left-padded
+    g = 4
+    gen = torch.Generator().manual_seed(0)
+    completion = torch.randint(100, 5000, (2 * g, 10), generator=gen)
+    for row, at in enumerate([3, 9, 0, 5, 10, 2, 7, 4]):  # 10: no EOS (truncated)
+        if at < 10:
+            completion[row, at] = tok.eos_token_id
+            completion[row, at + 1:] = tok.pad_token_id
+    is_eos = completion == tok.eos_token_id
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((2 * g,), 10))
+    cmask = (torch.arange(10)[None] <= first[:, None]).float()
+    c = {"completion_ids": completion, "completion_mask": cmask, "terminated": is_eos.any(1), "lengths": cmask.sum(1).long()}
+    model = scratch_model(cfg).eval()
+    return cfg, tok, prompts, c, model
+
+
+@pytest.mark.parametrize(("loss_type", "level", "beta"), [("dapo", "token", 0.0), ("grpo", "token", 0.04),
+                                                          ("dr_grpo", "token", 0.0), ("bnpo", "token", 0.0),
+                                                          ("dapo", "sequence", 0.04)])
+def test_forward_equals_a_plain_pytorch_grpo(fixed, loss_type, level, beta):
+    """Loss and every parameter's gradient equal the plain implementation's (1e-6 relative, 1e-6 of the largest
+    gradient) with generation-time log-probabilities that differ from the policy's, so tokens are clipped on both
+    sides, and a reference that differs too (the KL term); the clip-ratio metrics see the clipping."""
+    cfg, tok, prompts, c, model = fixed
+    g = GrpoConfig(num_generations=4, max_completion_length=10, temperature=0.7, epsilon=0.2, epsilon_high=0.28,
+                   beta=beta, loss_type=loss_type, importance_sampling_level=level)
+    rewards_ = torch.tensor([1.0, 0.0, 0.5, 0.0, 2.0, 2.0, float("nan"), 1.0])
+    adv, std = grpo.advantages(rewards_, 4, "group")
+    batch = grpo._sequences(prompts, c, g, adv, rewards_, std, rewards_[:, None])
+    p = int(batch["prompt_length"])
+    with torch.no_grad():
+        base, _ = grpo.completion_logps(model, batch, g.temperature)
+    gen = torch.Generator().manual_seed(1)
+    batch["old_logps"] = base + 0.4 * torch.randn(base.shape, generator=gen)
+    ref = base + 0.3 * torch.randn(base.shape, generator=gen)
+    if beta:
+        batch["ref_logps"] = ref
+    model.zero_grad()
+    out = grpo.forward(model, batch, settings=g)
+    ours = out.loss_sum / grpo.count_targets(batch, loss_type)
+    ours.backward()
+    ours_grads = [q.grad.clone() for q in model.parameters()]
+    model.zero_grad()
+    want = textbook_loss(model, batch["input_ids"], batch["attention_mask"], p, batch["completion_mask"], adv,
+                         batch["old_logps"], ref, g, 8)
+    want.backward()
+    assert torch.allclose(ours, want, rtol=1e-6, atol=1e-7), (ours.item(), want.item())
+    scale = max(q.grad.abs().max() for q in model.parameters())
+    worst = max((a - q.grad).abs().max() for a, q in zip(ours_grads, model.parameters()))
+    assert worst <= 1e-6 * scale, (worst, scale)
+    low, high = (out.metrics[f"clip_ratio/{k}_mean"] for k in ("low", "high"))
+    if level == "token":
+        assert low[0] > 0 and high[0] > 0, (low, high)
+    assert ("kl" in out.metrics) == bool(beta)
+    assert out.metrics["completions/clipped_ratio"][0] == 1  # one completion never reached EOS
+
+
+def test_advantages_and_masked_truncation(fixed):
+    """``scale_rewards`` group / batch / none against TRL's formula (Bessel's std, + 1e-4); an unscored completion
+    (NaN) is left out of its group's mean and gets 0; ``mask_truncated_completions`` removes the truncated one from
+    the loss (dapo counts its tokens no more)."""
+    r = torch.tensor([1.0, 0.0, 0.5, float("nan"), 2.0, 2.0, 3.0, 1.0])
+    adv, std = grpo.advantages(r, 4, "group")
+    first = torch.tensor([1.0, 0.0, 0.5])
+    assert torch.allclose(adv[:3], (first - first.mean()) / (first.std() + 1e-4)) and adv[3] == 0
+    second = r[4:]
+    assert torch.allclose(adv[4:], (second - second.mean()) / (second.std() + 1e-4))
+    batch_std = grpo._nanstd(r)
+    adv_b, _ = grpo.advantages(r, 4, "batch", batch_std)
+    scored = r[~torch.isnan(r)]
+    assert torch.isclose(batch_std, scored.std())
+    assert torch.allclose(adv_b[4:], (second - second.mean()) / (scored.std() + 1e-4))
+    adv_n, _ = grpo.advantages(r, 4, "none")
+    assert torch.allclose(adv_n[4:], second - second.mean())
+    cfg, tok, prompts, c, model = fixed
+    kept = grpo._sequences(prompts, c, GrpoConfig(num_generations=4), adv, r, std, r[:, None])
+    cut = grpo._sequences(prompts, c, GrpoConfig(num_generations=4, mask_truncated_completions=True), adv, r, std,
+                          r[:, None])
+    assert grpo.count_targets(kept) - grpo.count_targets(cut) == 10  # the completion without EOS: 10 tokens
+
+
+def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
+    """``--check``, before any model: one line per problem, exit 2."""
+    good = write_parquet(tmp_path / "good.parquet", {"question": ["1+1?", "2+2?"], "answer": ["#### 2", "#### 4"]})
+    assert check_files(CONFIG, tmp_path, [good], [
+        "train.grpo.rewards=[exact_match,tests/nowhere.py:f,tests/grpo_rewards.py:missing,tests/grpo_rewards.py:no_kwargs,format]",
+        "train.grpo.reward_weights=[1,2]", "train.grpo.num_generations=1", "train.grpo.beta=0.1",
+        "train.grpo.num_iterations=2"]) == 2
+    err = capsys.readouterr().err
+    for line in ("train.grpo.rewards[1]: 'tests/nowhere.py' is no file",
+                 "train.grpo.rewards[2]: 'tests/grpo_rewards.py' has no function 'missing'",
+                 "train.grpo.rewards[3]: 'tests/grpo_rewards.py:no_kwargs' has the signature no_kwargs(prompts, completions)",
+                 "train.grpo.rewards[4]: format needs train.grpo.format_pattern",
+                 "train.grpo.reward_weights: 2 weights for 5 reward functions",
+                 "train.grpo.num_generations: 1", "train.grpo.beta: 0.1 > 0 needs a reference model",
+                 "train.grpo.num_iterations: 2; only 1 is supported"):
+        assert line in err, (line, err)
+    assert "Traceback" not in err
+    bad = write_parquet(tmp_path / "bad.parquet", {"question": ["1+1?", "  "], "solution": ["2", "4"]})
+    assert check_files(CONFIG, tmp_path, [bad]) == 2
+    err = capsys.readouterr().err
+    assert "bad.parquet' has no column 'answer'" in err and "data.reward_columns" in err
+    assert check_files(CONFIG, tmp_path, [bad], ["data.reward_columns=[solution]"]) == 2
+    assert "bad.parquet' row 1 of column 'question' is null or empty (1 such rows)" in capsys.readouterr().err
+
+
+def test_score_names_the_function_for_each_failure():
+    """Wrong length, NaN and an exception: a RewardError naming the function; None is 'not scored' (NaN)."""
+    from finetune.recipes import rewards
+
+    cfg = load_run_config(CONFIG, ["train.grpo.rewards=[tests/grpo_rewards.py:wrong_length]", "train.grpo.reward_weights=[]"])
+    args = (["p"] * 2, ["a1", ""], [[1], []], {"answer": ["#### 1", "#### 2"]})
+    with pytest.raises(rewards.RewardError, match="wrong_length returned 1 values for 2 completions"):
+        rewards.score(rewards.load(cfg), *args)
+    cfg = load_run_config(CONFIG, ["train.grpo.rewards=[tests/grpo_rewards.py:returns_nan]", "train.grpo.reward_weights=[]"])
+    with pytest.raises(rewards.RewardError, match="returns_nan returned NaN for completion 0"):
+        rewards.score(rewards.load(cfg), *args)
+    table = rewards.score(rewards.load(load_run_config(CONFIG)), *args)
+    assert table[0] == [0.0, 1.0] and table[1][0] == 0.0 and table[1][1] != table[1][1]  # None -> NaN
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
+    """ZeRO-3, LoRA, beta 0.04, the model gathered once per step for generation (2 ranks x micro batch 1 x
+    accumulation 2): TRL's metric names in metrics.jsonl, completions.jsonl, eval/reward, the export verified."""
+    run = tmp_path / "run"
+    ok(launch(CONFIG, [f"output_dir={run}", "ds.zero_optimization.stage=3", "model.lora.r=4", "train.grpo.beta=0.04",
+                       "train.eval_every=2", "export=true", f"data.cache_dir={tmp_path / 'cache'}"]))
+    rows = read_metrics(run)
+    train = [r for r in rows if "train/loss" in r]
+    assert len(train) == 2
+    for name in ("reward", "reward_std", "rewards/length/mean", "rewards/has_digit/mean", "frac_reward_zero_std",
+                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "entropy", "kl"):
+        assert f"train/{name}" in train[0], (name, sorted(train[0]))
+    assert train[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the adapters are zero, policy = reference
+    assert any("eval/reward" in r for r in rows)
+    sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert len(sample) == 8 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])
+    assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's reward function raises at step 2: both ranks leave with exit 4 and one line naming the function and
+    the rank, well before the collective timeout."""
+    proc = launch(CONFIG, [f"output_dir={tmp_path / 'run'}", "train.grpo.rewards=[tests/grpo_rewards.py:fails_on_rank1]",
+                           "train.grpo.reward_weights=[]", f"data.cache_dir={tmp_path / 'cache'}",
+                           "train.dist_timeout_minutes=3"], timeout=170)
+    assert proc.returncode == 4, proc.stdout[-3000:]
+    assert "grpo: reward function tests/grpo_rewards.py:fails_on_rank1 raised ZeroDivisionError: the scorer divided " \
+           "by zero (rank 1)" in proc.stdout
