@@ -38,7 +38,8 @@ def cpu_env(**extra: str) -> dict:
 
 
 def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume: str | None = None,
-           timeout: int = 600, extra_args: list[str] = (), env: dict | None = None) -> subprocess.CompletedProcess:
+           timeout: int = 600, extra_args: list[str] = (), env: dict | None = None,
+           script: str = "finetune/run.py") -> subprocess.CompletedProcess:
     """Launch ``finetune/run.py --config config overrides...`` on ``nproc`` CPU ranks of this host with DeepSpeed's
     per-node launcher, from the repo root.
 
@@ -50,12 +51,14 @@ def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume
     (2-2.5 s per launch on 2 cores, start and exit), is left out. The ``deepspeed`` command itself is run by the
     README test, tests/test_launchers.py, tests/test_run_folder.py's busy-folder test and the benchmark's test.
 
+    ``script``: the entry point (a test's wrapper around ``finetune/run.py``, e.g. ``tests/grpo_teacher_forced.py``).
+
     Returns the completed process (stdout and stderr merged into ``.stdout``); does not raise on failure.
     """
     world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--log_level=info",
-           "finetune/run.py", "--config", str(config), *overrides, *extra_args]
+           script, "--config", str(config), *overrides, *extra_args]
     if resume is not None:
         cmd += ["--resume"] + ([resume] if resume != "latest" else [])
     return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

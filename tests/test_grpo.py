@@ -214,3 +214,123 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path):
     assert proc.returncode == 4, proc.stdout[-3000:]
     assert "grpo: reward function tests/grpo_rewards.py:fails_on_rank1 raised ZeroDivisionError: the scorer divided " \
            "by zero (rank 1)" in proc.stdout
+
+
+def _has_digit(text: str) -> float | None:
+    return None if not text else float(any(ch.isdigit() for ch in text))
+
+
+def grpo_reference(cfg, world: int, steps: int) -> dict:
+    """One process, the textbook way: the toolkit's global batches (same sampler and collator per simulated rank),
+    each prompt's fixed completions (:func:`grpo_teacher_forced.fixed_completions`), each sequence run alone and
+    unpadded (prompt + completion, positions from 0), its rewards (the test config's ``length`` with cache 6 and
+    ``has_digit`` x 0.5), group advantages from ``torch.std``, TRL's per-token loss, and the step's loss as
+    ``loss_type`` averages it over the **whole global batch**; the same init, AdamW, schedule and clipping."""
+    from conftest import reference_optimizer, simulated_ranks
+    from grpo_teacher_forced import fixed_completions
+
+    torch.set_num_threads(1)
+    t, g = cfg.train, cfg.train.grpo
+    tok, _, _, samplers, loaders = simulated_ranks(cfg, world)
+    model = scratch_model(cfg).train()
+    step = reference_optimizer(model, t, steps)
+    its = []
+    for smp, dl in zip(samplers, loaders):
+        smp.set_epoch(0)
+        its.append(iter(dl))
+    out = {"losses": [], "grad_norms": [], "per_micro": []}
+    for _ in range(steps):
+        micro = [next(it) for it in its for _ in range(t.gradient_accumulation_steps)]
+        seqs = []  # (prompt ids, completion ids, advantage, micro-batch)
+        for k, b in enumerate(micro):
+            for ids, mask in zip(b["input_ids"], b["attention_mask"]):
+                prompt = ids[mask.bool()].tolist()
+                done = fixed_completions(prompt, g.num_generations, tok.eos_token_id, tok.pad_token_id,
+                                         g.max_completion_length)
+                rewards_ = []
+                for c in done:
+                    text_ids = c[:-1] if c[-1] == tok.eos_token_id else c
+                    n_tok = len(text_ids)
+                    start = g.max_completion_length - g.length_cache
+                    length = 0.0 if n_tok <= start else max(-1.0, (start - n_tok) / g.length_cache)
+                    digit = _has_digit(tok.decode(text_ids, skip_special_tokens=True))
+                    rewards_.append(length + 0.5 * (digit if digit is not None else 0.0))
+                r = torch.tensor(rewards_)
+                adv = (r - r.mean()) / (r.std() + 1e-4)
+                seqs += [(prompt, c, a, k) for c, a in zip(done, adv.tolist())]
+        total_tokens = sum(len(c) for _, c, _, _ in seqs)
+        micro_tokens = {k: sum(len(c) for _, c, _, j in seqs if j == k) for k in range(len(micro))}
+        loss, per_micro = torch.zeros(()), 0.0
+        for prompt, c, a, k in seqs:
+            ids = torch.tensor([prompt + c])
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / g.temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            ratio = torch.exp(logps - logps.detach())
+            per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon) * a)
+            if g.loss_type == "dapo":
+                loss = loss + per_token.sum() / total_tokens
+                per_micro += per_token.sum().item() / micro_tokens[k] / len(micro)
+            elif g.loss_type == "grpo":
+                loss = loss + per_token.mean() / len(seqs)
+            else:
+                raise ValueError(g.loss_type)
+        loss.backward()
+        out["grad_norms"].append(step())
+        out["losses"].append(loss.item())
+        out["per_micro"].append(per_micro)
+    return out
+
+
+def _parity_run(tmp_path, name: str, overrides: list[str], nproc: int = 2):
+    from test_dpo import grad_norms
+
+    run = tmp_path / name
+    ok(launch(CONFIG, [f"output_dir={run}", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                       "train.grpo.max_completion_length=10", *overrides], nproc=nproc,
+              script="tests/grpo_teacher_forced.py"))
+    losses = {r["step"]: r["train/loss"] for r in read_metrics(run) if "train/loss" in r}
+    return [losses[1], losses[2]], grad_norms(run)
+
+
+@pytest.mark.slow
+def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
+    """ZeRO-3, 2 ranks x micro batch 1 x accumulation 2, fixed completions of different lengths: both steps' loss
+    and grad norm equal the one-process reference whose dapo loss is the mean over the global batch's active
+    tokens; a mean of per-micro-batch token means (TRL's local variants) differs from it."""
+    from test_dpo import max_rel
+
+    losses, norms = _parity_run(tmp_path, "z3", ["ds.zero_optimization.stage=3"])
+    cfg = load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                                   "train.grpo.max_completion_length=10"])
+    ref = grpo_reference(cfg, world=2, steps=2)
+    assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+    assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
+    assert min(abs(x) for x in ref["losses"]) > 1e-3, ref  # the advantages do not vanish
+    assert max_rel(ref["per_micro"], ref["losses"]) > 1e-3, ref  # per-micro-batch token means would differ
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+@pytest.mark.parametrize(("name", "overrides", "nproc"), [
+    ("z0-grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=grpo"], 2),
+    ("z0-split", ["ds.zero_optimization.stage=0", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1"], 2),
+    ("z2-world1", ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"], 1)])
+def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, overrides, nproc):
+    """ZeRO-0 with loss_type grpo (per-completion means, averaged over the global batch's completions); ZeRO-0 at
+    micro batch 2 x accumulation 1 and one rank at micro batch 2 x accumulation 2 (the same 4 prompts per step, cut
+    otherwise): each equals the reference of its own layout, and the dapo ones equal the ZeRO-3 test's reference."""
+    from test_dpo import max_rel
+
+    losses, norms = _parity_run(tmp_path, name, overrides, nproc)
+    cfg = load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                                   "train.grpo.max_completion_length=10", *overrides])
+    ref = grpo_reference(cfg, world=nproc, steps=2)
+    if "train.grpo.loss_type=grpo" in overrides:  # each completion's advantage is one per token: the loss is -mean(A) = 0
+        assert max(abs(x) for x in losses + ref["losses"]) <= 1e-6, (losses, ref["losses"])
+    else:  # the same global batches as the ZeRO-3 test's 2 ranks x micro batch 1 x accumulation 2: the same steps
+        assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+        base = grpo_reference(load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                                                       "train.grpo.max_completion_length=10"]), world=2, steps=2)
+        assert max_rel(losses, base["losses"]) <= 1e-5, (losses, base["losses"])
+    assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
+    assert min(ref["grad_norms"]) > 1e-2, ref
