@@ -221,7 +221,7 @@ class GrpoConfig:
     mask_truncated_completions: bool = False
     """Leave completions that reach ``max_completion_length`` without an EOS out of the loss (DAPO)."""
     rewards: list = field(default_factory=lambda: ["exact_match"])
-    """Reward functions, summed with ``reward_weights``: built-ins ``exact_match`` (1 when the completion's answer, found by ``answer_pattern``, equals that of the first ``data.reward_columns`` column), ``format`` (1 when ``format_pattern`` matches the completion), ``length`` (DAPO's soft overlong penalty, 0 to -1 over the last ``length_cache`` tokens), or ``path/to/file.py:function`` with TRL's signature ``f(prompts, completions, **columns) -> list[float | None]``."""
+    """Reward functions, summed with ``reward_weights``: built-ins ``exact_match`` (1 when the completion's answer, found by ``answer_pattern``, equals that of the first ``data.reward_columns`` column), ``format`` (1 when ``format_pattern`` matches the completion), ``length`` (DAPO's soft overlong penalty, 0 to -1 over the last ``length_cache`` tokens), a reward model folder (a ``reward`` export: any one-label ``AutoModelForSequenceClassification`` with its tokenizer; metric name ``reward_model``), or ``path/to/file.py:function`` with TRL's signature ``f(prompts, completions, **columns) -> list[float | None]``."""
     reward_weights: list = field(default_factory=list)
     """One weight per reward function; empty: all 1."""
     answer_pattern: str = "#### (-?[0-9.,]+)"

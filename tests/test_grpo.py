@@ -334,3 +334,34 @@ def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, 
         assert max_rel(losses, base["losses"]) <= 1e-5, (losses, base["losses"])
     assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
     assert min(ref["grad_norms"]) > 1e-2, ref
+
+
+def test_a_reward_model_folder_scores_as_trl_does(tmp_path):
+    """A folder with a one-label sequence classifier and its tokenizer is a reward function: the score of prompt +
+    completion (text joined, no special tokens, right-padded in a batch) is ``logits[:, 0]`` of that text alone; a
+    two-label model is refused with the key."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune.errors import ConfigError
+    from finetune.recipes import rewards
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2", local_files_only=True)
+    for labels in (1, 2):
+        config = AutoConfig.from_pretrained(REPO / "data/models/tiny-llama", num_labels=labels,
+                                            pad_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / f"rm{labels}")
+        tok.save_pretrained(tmp_path / f"rm{labels}")
+    cfg = load_run_config(CONFIG, [f"train.grpo.rewards=[{tmp_path / 'rm1'},length]", "train.grpo.reward_weights=[]"])
+    fns = rewards.load(cfg)
+    assert [f.name for f in fns] == ["reward_model", "length"]
+    prompts, completions = ["What is 2 + 3?", "Name a colour."], [" It is 5, of course.", " Red"]
+    table = rewards.score(fns, prompts, completions, [[1, 2, 3], [4]], {"answer": ["#### 5", "red"]})
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm1", local_files_only=True).eval()
+    for i in range(2):
+        alone = tok(prompts[i] + completions[i], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            assert table[i][0] == pytest.approx(model(**alone).logits[0, 0].item(), abs=1e-5)
+    bad = load_run_config(CONFIG, [f"train.grpo.rewards=[{tmp_path / 'rm2'}]", "train.grpo.reward_weights=[]"])
+    with pytest.raises(ConfigError, match=r"train.grpo.rewards\[0\]: .*rm2' is a model with 2 labels"):
+        rewards.load(bad)

@@ -21,6 +21,12 @@ Built-ins:
   ``get_soft_overlong_punishment``): 0 up to ``max_completion_length - length_cache`` tokens, then linear down to
   -1 at ``max_completion_length``.
 
+A **reward model**: an entry that is a folder with a ``config.json`` (a ``reward`` recipe export, or any
+``AutoModelForSequenceClassification`` with one label and its tokenizer) is loaded frozen, in fp32, on every rank
+(:class:`RewardModel`), and scores each prompt + completion as TRL 1.16 does: the texts joined (a conversational
+prompt: the messages plus the completion as the assistant's turn, rendered with the reward tokenizer's chat
+template), tokenized without special tokens, right-padded, ``logits[:, 0]``.
+
 A user function ``path/to/file.py:function`` is loaded from that file (relative to the working directory) when the
 run starts and by ``--check``: the run config names the file, so running it is what the user asked for. Nothing
 else is imported by name.
@@ -101,11 +107,66 @@ def length_cache(g) -> int:
     return g.length_cache or max(1, g.max_completion_length // 4)
 
 
+class RewardModel:
+    """A frozen sequence classifier with one label as a reward function (module docstring; TRL 1.16's
+    ``_calculate_rewards`` for an ``nn.Module`` reward). Loaded with ``from_pretrained`` from local files only
+    (``trust_remote_code`` off), fp32, eval mode, no gradients.
+
+    Args:
+        folder: the export folder (``config.json``, weights, tokenizer files).
+        key: the config key, for errors.
+
+    Raises:
+        ConfigError: the folder has no loadable model or tokenizer, or the model has another number of labels than 1.
+    """
+
+    def __init__(self, folder: Path, key: str, batch_size: int = 16):
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{key}: '{folder}' has no readable config.json ({type(e).__name__}: {e})") from e
+        if getattr(config, "num_labels", None) != 1:
+            raise ConfigError(f"{key}: '{folder}' is a model with {getattr(config, 'num_labels', None)} labels; a "
+                              f"reward model has one (recipe reward's export)")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                folder, local_files_only=True, dtype=torch.float32).eval().requires_grad_(False)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{key}: loading the reward model '{folder}' failed ({type(e).__name__}: {e})") from e
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.batch_size = batch_size
+        self.__name__ = "reward_model"
+
+    def __call__(self, prompts, completions, **columns) -> list[float]:
+        import torch
+
+        if prompts and not isinstance(prompts[0], str):
+            texts = [self.tokenizer.apply_chat_template(list(p) + [{"role": "assistant", "content": c}], tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        out: list[float] = []
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.model.to(device)  # the rank's own device (a no-op after the first call)
+        with torch.inference_mode():
+            for i in range(0, len(texts), self.batch_size):
+                enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                                     padding_side="right", add_special_tokens=False)
+                out += self.model(**enc.to(device)).logits[:, 0].float().tolist()
+        return out
+
+
 def _load_user(spec: str, key: str) -> Callable:
     """The function ``file.py:name`` names. Raises ConfigError (one line, naming ``key``)."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ConfigError(f"{key}: '{spec}' is neither a built-in ({', '.join(BUILTINS)}) nor path/to/file.py:function")
+        raise ConfigError(f"{key}: '{spec}' is neither a built-in ({', '.join(BUILTINS)}), a reward model folder "
+                          f"(with a config.json) nor path/to/file.py:function")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{key}: '{path}' is no file (relative paths are from the working directory {Path.cwd()})")
@@ -156,7 +217,10 @@ def load(cfg) -> list[RewardFunction]:
         key = f"train.grpo.rewards[{i}]"
         spec = str(spec)
         try:
-            if spec in BUILTINS:
+            if (Path(spec) / "config.json").is_file():
+                fn = RewardModel(Path(spec), key)
+                name = fn.__name__
+            elif spec in BUILTINS:
                 if spec == "exact_match" and not cfg.data.reward_columns:
                     raise ConfigError(f"{key}: exact_match compares with the first of data.reward_columns, which "
                                       f"is empty; name the reference column (e.g. data.reward_columns=[answer])")
@@ -170,6 +234,8 @@ def load(cfg) -> list[RewardFunction]:
             problems.extend(e.problems)
             continue
         weight = float(g.reward_weights[i]) if len(g.reward_weights) == len(g.rewards) else 1.0
+        if name in {f.name for f in out}:  # two reward models, or two functions of one name: rewards/<name>_<i>
+            name = f"{name}_{i}"
         out.append(RewardFunction(spec, name, fn, weight))
     for pattern_key in ("answer_pattern", "format_pattern"):
         try:
