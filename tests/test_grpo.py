@@ -188,8 +188,9 @@ def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
     """ZeRO-3, LoRA, beta 0.04, the model gathered once per step for generation (2 ranks x micro batch 1 x
     accumulation 2): TRL's metric names in metrics.jsonl, completions.jsonl, eval/reward, the export verified."""
     run = tmp_path / "run"
-    ok(launch(CONFIG, [f"output_dir={run}", "ds.zero_optimization.stage=3", "model.lora.r=4", "train.grpo.beta=0.04",
-                       "train.eval_every=2", "export=true", f"data.cache_dir={tmp_path / 'cache'}"]))
+    overrides = ["ds.zero_optimization.stage=3", "model.lora.r=4", "train.grpo.beta=0.04", "train.eval_every=2",
+                 "train.eval_on_start=true", "export=true", f"data.cache_dir={tmp_path / 'cache'}"]
+    ok(launch(CONFIG, [f"output_dir={run}", *overrides]))
     rows = read_metrics(run)
     train = [r for r in rows if "train/loss" in r]
     assert len(train) == 2
@@ -201,6 +202,23 @@ def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(sample) == 8 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])
     assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
+    # the step-0 evaluation generated greedily with the gathered ZeRO-3 weights (adapters zero): one process with the
+    # same initial weights generates the same completions
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    records = [json.loads(line) for line in (run / "eval" / "step0_completions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and (run / "eval" / "step2_completions.jsonl").is_file()
+    cfg = load_run_config(CONFIG, overrides)
+    tok = load_tokenizer(cfg, get_recipe("grpo"))
+    model = scratch_model(cfg).eval()
+    encode, collate = grpo.PromptRows(tok, cfg.data).encode, grpo.make_collator(tok, cfg.data)
+    for r in records:
+        ids = encode(r["prompt"])[-cfg.data.max_seq_len:]
+        row = {"input_ids": ids, "attention_mask": [1] * len(ids), grpo.PROMPT_COLUMN: r["prompt"],
+               grpo.COLUMN_PREFIX + "answer": ""}
+        alone = grpo.generate(model, collate([row]), cfg.train.grpo, tok, 1, False, 0, False)
+        assert grpo._texts(tok, alone)[0][0] == r["completion"], r
 
 
 @pytest.mark.slow

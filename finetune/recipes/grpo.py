@@ -195,7 +195,8 @@ class PromptCollator:
     """Rows -> a prompt batch: ``input_ids`` and ``attention_mask`` ``[B, longest]`` int64, **left**-padded (generation
     continues every prompt at the same position); ``labels`` ``[B]`` int64, 0 (-100 on evaluation filler rows);
     ``row_seeds`` ``[B]`` int64 (the rows' ``_seed``: the sampling seed, independent of ranks and split); and, not
-    tensors, ``prompts`` (the raw prompts) and ``reward_columns`` (name -> ``B`` values)."""
+    tensors, ``prompts`` (the raw prompts), ``reward_columns`` (name -> ``B`` values) and ``row_index`` (the
+    validation rows' indexes, -1 in training)."""
 
     row_seeded = True
 
@@ -212,6 +213,7 @@ class PromptCollator:
             mask[i, longest - n:] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(len(rows), dtype=torch.long),
                 "row_seeds": torch.tensor([int(r.get("_seed", 0)) for r in rows], dtype=torch.long),
+                "row_index": [int(r.get("_index", -1)) for r in rows],
                 "prompts": [r[PROMPT_COLUMN] for r in rows],
                 "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names}}
 
@@ -619,6 +621,7 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
     real = (batch["labels"] != -100).cpu()
     r = combine(table, weights)
+    _write_eval_records(engine, cfg, batch, texts, table, functions, real)
     m = {"reward": _mean(torch.where(real, r, torch.nan))}
     for j, f in enumerate(functions):
         m[f"rewards/{f.name}/mean"] = _mean(torch.where(real, table[:, j], torch.nan))
@@ -626,6 +629,36 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
     m = {k: (a.to(device), b.to(device)) for k, (a, b) in m.items()}
     zero = torch.zeros((), dtype=torch.float32, device=device)
     return LossOutput(zero, count_targets(batch), metrics=m)
+
+
+def _write_eval_records(engine, cfg: RunConfig, batch: dict, texts: list[str], table: torch.Tensor, functions,
+                        real: torch.Tensor) -> None:
+    """The evaluation's greedy completions of every rank's real rows, appended by rank 0 to
+    ``<run>/eval/step<N>_completions.jsonl`` (``N``: the optimizer steps done) and, the first 3 of a step, to
+    TensorBoard as text ``eval/completions``."""
+    mine = [{"index": i, "prompt": p, "completion": t,
+             "rewards": {f.name: (None if math.isnan(v) else v) for f, v in zip(functions, row)}}
+            for i, p, t, row, ok in zip(batch["row_index"], batch["prompts"], texts, table.tolist(), real.tolist()) if ok]
+    everyone = dist_utils.all_gather_object(mine)
+    if not dist_utils.is_main() or not cfg.output_dir:
+        return
+    step = int(getattr(engine, "global_steps", 0))
+    folder = Path(cfg.output_dir) / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step{step}_completions.jsonl"
+    fresh = not path.exists()
+    records = sorted((r for part in everyone for r in part), key=lambda r: r["index"])
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps({"step": step, **r}, default=str) + "\n")
+    writer = getattr(getattr(getattr(engine, "monitor", None), "tb_monitor", None), "summary_writer", None)
+    if writer is not None and fresh and records:
+        def cell(t) -> str:
+            return str(t).replace("|", "\\|").replace("\n", "<br>")
+        rows = [f"| {cell(str(r['prompt'])[-300:])} | {cell(r['completion'])} | {cell(r['rewards'])} |" for r in records[:3]]
+        writer.add_text("eval/completions", "\n".join(["| prompt (end) | completion | rewards |", "|---|---|---|", *rows]),
+                        step)
+        writer.flush()
 
 
 def _nothing():
