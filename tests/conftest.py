@@ -93,6 +93,60 @@ def check_here(args: list[str], capsys, **env: str) -> tuple[int, str]:
     return code, out.out + out.err
 
 
+def refused_here(args: list[str], capsys, **env: str) -> tuple[int, str]:
+    """``finetune/run.py <args>`` (a launch, not ``--check``) in this process from the repo root, for launches that
+    the checks refuse (exit 2 with ``finetune: error:`` lines before any process group, run folder or model): the
+    same path as :func:`run_python` without the interpreter start and imports (about 5 s per call). A launch that
+    passes its checks fails the test instead of training here. ``env`` and the working directory as in
+    :func:`check_here`.
+
+    Returns:
+        ``(exit code, everything printed)``.
+    """
+    from finetune.commands import train as train_command
+
+    def no_training(*_a, **_k):
+        raise AssertionError(f"the checks passed: this launch would train ({' '.join(map(str, args))})")
+
+    saved, cwd, real_train = dict(os.environ), os.getcwd(), train_command.train
+    try:
+        os.environ.update(cpu_env(**env))
+        os.chdir(REPO)
+        train_command.train = no_training
+        capsys.readouterr()
+        code = train_command.main([*map(str, args)])
+    finally:
+        train_command.train = real_train
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def finetune_here(args: list[str], capsys) -> tuple[int, str]:
+    """``python -m finetune <args>`` (``export``, ``evaluate``, ...) in this process from the repo root, for commands
+    that refuse their input before doing any work (no interpreter start: about 5 s less than :func:`run_python`).
+
+    Returns:
+        ``(exit code, everything printed)``.
+    """
+    from finetune.cli import main as cli_main
+
+    saved, cwd = dict(os.environ), os.getcwd()
+    try:
+        os.environ.update(cpu_env())
+        os.chdir(REPO)
+        capsys.readouterr()
+        code = cli_main([*map(str, args)])
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
 def scratch_model(cfg):
     """The run's model as the engine builds it from its config (``model.init: scratch``; what
     :func:`finetune.engine.model.scratch_model` does), fp32, on one device: the same weights from ``train.seed``."""
@@ -221,6 +275,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def train_losses(run_dir: Path) -> dict[int, float]:
     """Optimizer step -> logged train loss (needs ``train.log_every=1`` for every step)."""
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_run(tmp_path_factory) -> Path:
+    """The run folder of one finished launch of ``tests/configs/tiny_gpt.yaml`` as it is (GPT-2, ZeRO-2, 2 ranks, 16
+    steps, evaluations at 8 and 16, checkpoints, export), launched once per session: tests/test_train.py's GPT run
+    (which also resumes it in place) and the run tests/test_evaluate.py evaluates (a copy of it)."""
+    run = tmp_path_factory.mktemp("tiny_gpt_run") / "run"
+    ok(launch(CONFIGS / "tiny_gpt.yaml", [f"output_dir={run}", "deepspeed=ds_configs/zero2.json"]))
+    return run
 
 
 @pytest.fixture(scope="session")
