@@ -223,7 +223,8 @@ def test_report_panels_and_png(tmp_path, capsys):
         {"step": 5, "launch": 2, "train/loss": 0.05, "train/lr": 5e-4, "train/grad_norm": 1.0,
          "train/tokens_per_s": 950.0}])
     b = _metrics(tmp_path / "run_b", [{"step": s, "launch": 1, "train/loss": 5.0, "train/lr": 2e-3,
-                                       "train/grad_norm": 1.5, "train/tokens_per_s": 500.0} for s in (1, 2)])
+                                       "train/grad_norm": 1.5, "train/tokens_per_s": 500.0, "train/reward": 0.25 * s}
+                                       for s in (1, 2)])
     fig = report.build_figure({"run_a": report.read_run(a), "run_b": report.read_run(b)})
     axes = {ax.get_title(): ax for ax in fig.axes}
     assert list(axes) == list(report.PANELS)
@@ -237,6 +238,7 @@ def test_report_panels_and_png(tmp_path, capsys):
     assert lines["grad norm"]["run_a"] == ([1, 2, 3, 5], [2.0, 2.0, 2.0, 1.0])  # null (non-finite) left out
     assert lines["throughput"]["run_b"] == ([1, 2], [500.0, 500.0])
     assert set(lines["learning rate"]) == {"run_a", "run_b"}
+    assert lines["reward"] == {"run_b (train, mean over completions)": ([1, 2], [0.25, 0.5])}  # grpo
     assert all(ax.get_xlabel() == "optimizer step" and ax.get_ylabel() for ax in fig.axes)
 
     assert report_cmd.main([str(a)]) == 0
@@ -244,7 +246,7 @@ def test_report_panels_and_png(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    assert matplotlib.image.imread(png).shape[:2] == (850, 1500)
+    assert matplotlib.image.imread(png).shape[:2] == (850, 1900)
     out = tmp_path / "both.png"
     assert report_cmd.main([str(a), str(b), "--out", str(out)]) == 0 and out.is_file()
     assert report_cmd.main([str(tmp_path)]) == 2

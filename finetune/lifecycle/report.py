@@ -1,9 +1,9 @@
 """The training curves of run folders as one PNG (``finetune report``, and ``report.png`` at the end of a run).
 
 Reads each run folder's ``metrics.jsonl`` (:class:`finetune.logs.MetricsSink`; for a step written by two
-launches, the later launch's row counts) and draws six panels against the optimizer step: train and eval
+launches, the later launch's row counts) and draws seven panels against the optimizer step: train and eval
 loss, eval perplexity, accuracy (``eval/accuracy``, ``eval/masked_accuracy``, preference ``rewards/accuracies``),
-learning rate, gradient
+reward (``grpo``'s ``train/reward`` and ``eval/reward``), learning rate, gradient
 norm and training tokens/s (loss, perplexity and gradient norm on a log scale). Rendered off-screen with
 matplotlib's Agg backend, so it works on a login node without a display. ``finetune train`` writes
 ``report.png`` into the run folder at the end of every run (rank 0).
@@ -20,8 +20,8 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 from finetune.errors import ConfigError
 from finetune.logs import logger, read_metrics_file
 
-PANELS = ("loss", "perplexity", "accuracy", "learning rate", "grad norm", "throughput")
-"""Panel titles, in drawing order (row-major, 2 rows x 3 columns)."""
+PANELS = ("loss", "perplexity", "accuracy", "reward", "learning rate", "grad norm", "throughput")
+"""Panel titles, in drawing order (row-major, 2 rows x 4 columns, the last slot empty)."""
 _SERIES = {  # panel -> (metrics.jsonl key, legend suffix) drawn in it
     "loss": (("train/loss", "train"), ("eval/loss", "eval")),
     "perplexity": (("eval/perplexity", "eval"),),
@@ -29,11 +29,12 @@ _SERIES = {  # panel -> (metrics.jsonl key, legend suffix) drawn in it
                  ("train/rewards/accuracies", "train, reward accuracy"),
                  ("eval/rewards/accuracies", "eval, reward accuracy"),
                  ("eval/generation_exact_match", "eval, generation exact match"), ("eval/rougeL", "eval, ROUGE-L")),
+    "reward": (("train/reward", "train, mean over completions"), ("eval/reward", "eval, greedy")),
     "learning rate": (("train/lr", ""),),
     "grad norm": (("train/grad_norm", ""),),
     "throughput": (("train/tokens_per_s", ""),),
 }
-_YLABEL = {"loss": "cross entropy (nats/token)", "perplexity": "exp(eval loss)", "accuracy": "fraction correct",
+_YLABEL = {"loss": "cross entropy (nats/token)", "perplexity": "exp(eval loss)", "accuracy": "fraction correct", "reward": "reward (weighted sum)",
            "learning rate": "lr", "grad norm": "L2 norm before clipping", "throughput": "tokens/s (all ranks)"}
 _LOG = {"loss", "perplexity", "grad norm"}
 
@@ -76,9 +77,10 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
     One axis per :data:`PANELS` entry (``ax.get_title()`` is the panel name); each drawn line's label is
     ``"<run label>"`` or ``"<run label> (<train|eval...>)"``; a panel without data says so in its middle.
     """
-    fig = Figure(figsize=(15, 8.5), dpi=100)
+    fig = Figure(figsize=(19, 8.5), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(2, 3)
+    axes = fig.subplots(2, 4)
+    axes.flat[-1].remove()  # 7 panels in 8 slots
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, panel in zip(axes.flat, PANELS):
         ax.set_title(panel)
@@ -157,7 +159,7 @@ def eval_summary(series: dict[str, list[tuple[int, float]]]) -> str:
     steps (a resumed run's later launch winning), e.g. ``eval/loss 5.56 (step 0) -> 1.62 (step 300)``; "" when the
     run has no evaluation. ``series`` is :func:`read_run` of the run folder."""
     parts = []
-    for key in ("eval/loss", "eval/perplexity", "eval/rewards/accuracies"):
+    for key in ("eval/loss", "eval/perplexity", "eval/rewards/accuracies", "eval/reward"):
         points = series.get(key)
         if points:
             (s0, v0), (s1, v1) = points[0], points[-1]

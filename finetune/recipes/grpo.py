@@ -81,6 +81,7 @@ from finetune import patches
 from finetune.config import DataConfig, GrpoConfig, RunConfig
 from finetune.data.batch import LossOutput, to_device
 from finetune.data.dataset import string_type
+from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
@@ -268,31 +269,29 @@ def _seed(train_seed: int, step: int, row_seeds: torch.Tensor) -> int:
 
 
 def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool, seed: int, synced: bool) -> dict:
-    """``n`` completions of each prompt of ``batch`` (``generate``, no gradient; the caller sets eval mode and, under
-    ZeRO-3, gathers the parameters or passes ``synced``).
+    """``n`` completions of each prompt of ``batch`` through :class:`finetune.engine.rollout.HFGenerateRollout` (no
+    gradient; the caller holds the rollout's :meth:`~finetune.engine.rollout.HFGenerateRollout.weights`).
+
+    Args:
+        engine: the engine (or a plain causal LM).
+        batch: a prompt batch (:class:`PromptCollator`).
+        g: ``train.grpo`` (``max_completion_length``, ``temperature``, ``top_p``, ``top_k``).
+        n: completions per prompt.
+        sample: sample (else greedy).
+        seed: the sampling seed.
+        synced: generate layer by layer in lockstep (ZeRO-3 without ``gather_for_generation``).
 
     Returns:
         ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
         including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
     """
-    model = engine.module if hasattr(engine, "module") else engine
-    device = next(model.parameters()).device
-    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    sampling = {"do_sample": True, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k} if sample \
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=g.max_completion_length,
-                             num_return_sequences=n, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id, synced_gpus=synced, **sampling)
-    completion = out[:, ids.shape[1]:].cpu()
-    is_eos = completion == tokenizer.eos_token_id
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(completion),), completion.shape[1]))
-    positions = torch.arange(completion.shape[1]).expand_as(completion)
-    cmask = (positions <= first[:, None]).float()
-    terminated = is_eos.any(1)
-    if completion.shape[1] == 0:  # nothing generated at all
-        cmask = cmask[:, :0]
+    rollout = HFGenerateRollout(engine, tokenizer, gather=not synced)
+    sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
+                              top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
+    out = rollout.generate(RolloutRequest(batch["input_ids"], batch["attention_mask"]), sampling, seed)
+    p = int(out.response_start_idx[0]) if len(out.response_start_idx) else batch["input_ids"].shape[1]
+    completion, cmask = out.input_ids[:, p:], out.attention_mask[:, p:].float()
+    terminated = (completion == tokenizer.eos_token_id).any(1)
     return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
             "lengths": cmask.sum(1).long()}
 
@@ -358,18 +357,13 @@ def advantages(rewards_: torch.Tensor, g: int, scale: str, batch_std: torch.Tens
     return torch.nan_to_num(adv, nan=0.0), std
 
 
-def _gathered(engine, g: GrpoConfig):
-    """ZeRO-3 with ``gather_for_generation``: DeepSpeed's ``GatheredParameters`` over the whole model (every rank
-    holds the full weights while generating); else a no-op."""
-    import contextlib
-    if engine.zero_optimization_stage() == 3 and g.gather_for_generation:
-        import deepspeed
-        return deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
-    return contextlib.nullcontext()
+def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
+    return HFGenerateRollout(engine, tokenizer, gather=g.gather_for_generation)
 
 
 def _synced(engine, g: GrpoConfig) -> bool:
-    return engine.zero_optimization_stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return stage is not None and stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
 
 
 def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
@@ -385,12 +379,9 @@ def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
     g, tok = cfg.train.grpo, tokenizer_of(cfg)
     functions = reward_functions(cfg)
     step = int(engine.global_steps)
-    model = engine.module
-    model.eval()
-    with _gathered(engine, g):
+    with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
         done = [generate(engine, b, g, tok, g.num_generations, True, _seed(cfg.train.seed, step, b["row_seeds"]),
                          _synced(engine, g)) for b in micro]
-    model.train()
     texts, ids, prompts, cols = [], [], [], {n: [] for n in cfg.data.reward_columns}
     for b, c in zip(micro, done):
         t, i = _texts(tok, c)
@@ -608,13 +599,8 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
         raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
     tok, functions = tokenizer_of(cfg), reward_functions(cfg)
     engine = model
-    was = unwrap(engine).training
-    unwrap(engine).eval()
-    with _gathered(engine, g) if hasattr(engine, "zero_optimization_stage") else _nothing():
-        c = generate(engine, batch, g, tok, 1, False, 0, _synced(engine, g) if hasattr(engine, "zero_optimization_stage")
-                     else False)
-    if was:
-        unwrap(engine).train()
+    with _rollout(engine, g, tok).weights():
+        c = generate(engine, batch, g, tok, 1, False, 0, _synced(engine, g))
     texts, ids = _texts(tok, c)
     tables = score_everywhere(functions, list(batch["prompts"]), texts, ids, dict(batch["reward_columns"]))
     table = torch.tensor(tables[dist_utils.rank()], dtype=torch.float32).reshape(len(texts), -1)
@@ -659,11 +645,6 @@ def _write_eval_records(engine, cfg: RunConfig, batch: dict, texts: list[str], t
         writer.add_text("eval/completions", "\n".join(["| prompt (end) | completion | rewards |", "|---|---|---|", *rows]),
                         step)
         writer.flush()
-
-
-def _nothing():
-    import contextlib
-    return contextlib.nullcontext()
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:

@@ -14,7 +14,7 @@ number or ``None``, or NaN is a failure named after the function (:class:`Reward
 Built-ins:
 
 * ``exact_match``: 1.0 when the answer ``train.grpo.answer_pattern`` finds in the completion equals the one it finds
-  in the first reward column (:func:`finetune.training.generation.answer_of`'s normalisation), else 0.0; ``None``
+  in the first reward column (:func:`answer_of`, as ``train.eval_generate``), else 0.0; ``None``
   when the reference has none.
 * ``format``: 1.0 when ``train.grpo.format_pattern`` matches the completion (``re.search``, ``re.DOTALL``), else 0.0.
 * ``length``: DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13; TRL's
@@ -70,10 +70,19 @@ class RewardFunction:
     weight: float
 
 
+def answer_of(text: str, pattern: str) -> str | None:
+    """The answer ``pattern`` finds in ``text`` (its first group when it has groups, else the whole match),
+    normalised for comparison: thousands separators, ``$`` and a trailing period removed, whitespace stripped;
+    None when the pattern does not match."""
+    m = re.search(pattern, text)
+    if m is None:
+        return None
+    found = m.group(1) if m.re.groups else m.group(0)
+    return (found or "").replace(",", "").replace("$", "").strip().rstrip(".").strip()
+
+
 def exact_match(prompts, completions, completion_ids, *, pattern: str, reference_column: str, **columns):
     """``exact_match`` (module docstring): ``[N]`` of 1.0 / 0.0 / None."""
-    from finetune.training.generation import answer_of
-
     out = []
     for completion, reference in zip(completions, columns[reference_column]):
         want = answer_of(str(reference), pattern) if reference is not None else None

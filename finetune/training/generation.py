@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.lifecycle.export import plain_model_construction
+from finetune.recipes.rewards import answer_of  # noqa: F401  (the answer extraction is the reward's too)
 
 
 def sample_text(export_dir: Path, prompt: str, new_tokens: int = 120, temperature: float = 0.0, top_k: int = 0,
@@ -59,17 +59,6 @@ def write_sample(run_dir: Path, cfg) -> str:
                          cfg.train.sample_temperature, cfg.train.sample_top_k, cfg.train.seed)
     (run_dir / "sample.txt").write_text(sample + "\n")
     return sample
-
-
-def answer_of(text: str, pattern: str) -> str | None:
-    """The answer ``pattern`` finds in ``text`` (its first group when it has groups, else the whole match),
-    normalised for comparison: thousands separators, ``$`` and a trailing period removed, whitespace stripped;
-    None when the pattern does not match."""
-    m = re.search(pattern, text)
-    if m is None:
-        return None
-    found = m.group(1) if m.re.groups else m.group(0)
-    return (found or "").replace(",", "").replace("$", "").strip().rstrip(".").strip()
 
 
 def exact_match(reference: str, output: str, pattern: str) -> float | None:
