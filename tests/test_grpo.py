@@ -383,3 +383,19 @@ def test_a_reward_model_folder_scores_as_trl_does(tmp_path):
     bad = load_run_config(CONFIG, [f"train.grpo.rewards=[{tmp_path / 'rm2'}]", "train.grpo.reward_weights=[]"])
     with pytest.raises(ConfigError, match=r"train.grpo.rewards\[0\]: .*rm2' is a model with 2 labels"):
         rewards.load(bad)
+
+
+def test_plan_counts_the_rollout_and_its_kv_cache():
+    """``finetune plan``: a row trains as ``num_generations`` sequences of prompt + completion tokens, and the
+    generation's KV cache is 2 x layers x key-value heads x head size x sequences x tokens x bytes."""
+    from finetune.preflight import plan
+
+    cfg = load_run_config(CONFIG, ["train.micro_batch_size=3"])
+    text, options, _ = plan.make_plan(cfg, gpus_per_node=2, nodes=1, gpu_bytes=80 * 2**30, cpu_bytes=None)
+    shape = plan.model_shape(cfg)
+    assert shape.generation == (4, 48 + 12) and shape.sequences_per_row == 4
+    assert plan.kv_cache_bytes(shape, 3, 4) == 2 * 2 * shape.kv_heads * shape.head_dim * 3 * 4 * 60 * 4
+    assert "generation every step: 4 sequences per row of up to 60 tokens, trained as 12 sequences" in text
+    dense = plan.activation_bytes(shape, 12, 60, 4, False)
+    zero2 = next(e for e in options if e.stage == 2 and not e.offload and not e.checkpointing)
+    assert zero2.gpu["activations"] == dense["activations"]  # 3 rows x 4 completions of 60 tokens

@@ -156,6 +156,13 @@ class ModelShape:
     """Sequences the model runs per data row (``dpo``: chosen and rejected, 2): the activations of a micro batch
     of ``b`` rows are those of ``b x sequences_per_row`` sequences (no reference model is resident: its
     log-probabilities are computed before training)."""
+    kv_heads: int = 0
+    """Key-value heads (grouped-query attention; 0: ``heads``), for the generation's KV cache."""
+    head_dim: int = 0
+    """Size of one attention head (0: ``hidden / heads``)."""
+    generation: tuple[int, int] | None = None
+    """The recipe's ``rollout``: ``(sequences per row, tokens per sequence)`` generated every step (``grpo``), else
+    None."""
 
 
 def active_parameters(shape: ModelShape) -> int:
@@ -243,7 +250,10 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       dropout=dropout,
                       target_fraction=recipe.target_fraction(cfg.data),
                       python_activation=not cfg.model.fused_kernels and fusable(model) > 0,
-                      sequences_per_row=recipe.capabilities.sequences_per_row,
+                      sequences_per_row=(recipe.rollout(cfg) or (recipe.capabilities.sequences_per_row,))[0],
+                      kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                      head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
+                      generation=recipe.rollout(cfg),
                       trainable=trainable if trainable < params else 0,
                       muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
                       expert_params=expert_params, experts=routed.experts if routed else 0,
@@ -280,6 +290,16 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
     else:
         positions, per_element = b, act_bytes + (4 if act_bytes == 2 else 0) + 4 + 4
     return {"activations": layers, "logits": positions * shape.head_outputs * per_element}
+
+
+def kv_cache_bytes(shape: ModelShape, micro_batch: int, act_bytes: int) -> int:
+    """The KV cache of one micro batch's generation (bytes): ``2 (keys, values) x layers x key-value heads x head
+    size x sequences x tokens x bytes``, sequences = ``micro_batch x`` the rollout's sequences per row, tokens = its
+    tokens per sequence (``grpo``: prompt + ``max_completion_length``); 0 without a rollout."""
+    if shape.generation is None:
+        return 0
+    per_row, tokens = shape.generation
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * micro_batch * per_row * tokens * act_bytes
 
 
 def _bucket(ds: dict, key: str, default: float) -> int:
@@ -338,6 +358,9 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
     if offload:
         e.nvme = {k.replace("(offloaded)", "(nvme offload)"): v for k, v in e.cpu.items()}
     e.gpu.update(activation_bytes(shape, micro_batch * shape.sequences_per_row, seq_len, w, checkpointing))
+    if shape.generation is not None:  # generation, before the forward passes: a KV cache, and ZeRO-3 gathers the model
+        during = kv_cache_bytes(shape, micro_batch, w) + (n * w - params if stage == 3 else 0)
+        e.gpu["generation beyond training"] = max(0, during - e.gpu["activations"] - e.gpu["logits"])
     zero = ds.get("zero_optimization", {})
     if stage == 0:
         buffers = held * w
@@ -437,6 +460,15 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     if sp > 1:
         lines.append(f"sequence parallelism {sp}: activations of {math.ceil(cfg.data.max_seq_len / sp)} tokens per row "
                      f"and rank (Ulysses' all-to-all trades sequence for heads at the same size)")
+    if shape.generation:
+        per_row, tokens = shape.generation
+        w = 4 if precision == "fp32" else 2
+        kv = kv_cache_bytes(shape, cfg.train.micro_batch_size, w)
+        lines.append(f"generation every step: {per_row} sequences per row of up to {tokens} tokens, trained as "
+                     f"{cfg.train.micro_batch_size * per_row} sequences per micro batch; KV cache {_fmt(kv)} per micro "
+                     f"batch (2 x {shape.layers} layers x {shape.kv_heads} key-value heads x {shape.head_dim} x "
+                     f"{cfg.train.micro_batch_size * per_row} x {tokens} tokens), plus the whole model gathered under "
+                     f"ZeRO 3 (train.grpo.gather_for_generation); 'activ.' holds the larger of training and generation")
     if tp > 1:
         lines.append(f"tensor parallelism {tp}: not modelled; the table is for tensor-parallel size 1 (AutoTP splits "
                      f"the layers' weights and most activations by about {tp})")
@@ -453,7 +485,8 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
         if fits and now is None:
             now = e
         rows.append((e.name, _fmt(g["parameters"]), _fmt(g["gradients"]), _fmt(optim),
-                     _fmt(g["activations"] + g["logits"]), _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
+                     _fmt(g["activations"] + g["logits"] + g.get("generation beyond training", 0)),
+                     _fmt(g["DeepSpeed buffers"]), _fmt(e.gpu_total),
                      _fmt(e.cpu_total), _fmt(e.nvme_total) if e.offload else "-", "yes" if fits else "no",
                      str(mb) if mb else "-"))
 
@@ -523,7 +556,8 @@ def make_plan(cfg: RunConfig, gpus_per_node: int, nodes: int, gpu_bytes: float, 
     world = gpus_per_node * nodes
     lay = layout.layout(cfg, world=world, rank=0)
     ds = cfg_ds(cfg, lay.dp, precision)
-    seq = math.ceil(cfg.data.max_seq_len / lay.sp)  # Ulysses: every activation holds seq / sp tokens' worth per rank
+    tokens = shape.generation[1] if shape.generation else cfg.data.max_seq_len  # grpo: prompt + completion
+    seq = math.ceil(tokens / lay.sp)  # Ulysses: every activation holds seq / sp tokens' worth per rank
     options = plan_options(shape, ds, cfg.train.micro_batch_size, seq, gpus_per_node, nodes, precision)
     best = None
     for e in options:

@@ -97,6 +97,11 @@ def no_rows(cfg: RunConfig) -> list:
     return []
 
 
+def no_rollout(cfg: RunConfig) -> None:
+    """Default ``rollout``: the recipe generates nothing during training."""
+    return None
+
+
 def every_target(data_cfg: DataConfig) -> float:
     """Default ``target_fraction``: every position is a target."""
     return 1.0
@@ -256,6 +261,10 @@ class Recipe:
     doctor_rows: Callable[[RunConfig], list] = no_rows
     """``(cfg) -> [(check, status, detail)]``: rows of the recipe's own in ``finetune doctor``'s table (``dpo``: the
     share of pairs identical after truncation). Default: none."""
+    rollout: Callable[[RunConfig], tuple[int, int] | None] = no_rollout
+    """``(cfg) -> (sequences per row, tokens per sequence)`` that the recipe generates every step and then trains on
+    (``grpo``: ``num_generations`` completions of up to ``data.max_seq_len + max_completion_length`` tokens), or
+    None (default): for the planner's activations and the generation's KV cache."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``).

@@ -665,6 +665,12 @@ def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[
             if r.get(prompt_column(data_cfg)) and r.get(data_cfg.reward_columns[0]) is not None]
 
 
+def rollout(cfg: RunConfig) -> tuple[int, int]:
+    """What each row becomes every step: ``num_generations`` sequences of up to ``data.max_seq_len +
+    max_completion_length`` tokens (for ``finetune plan``)."""
+    return cfg.train.grpo.num_generations, cfg.data.max_seq_len + cfg.train.grpo.max_completion_length
+
+
 def _text_or_messages(typ) -> bool:
     return string_type(typ) or str(typ).startswith(("list", "large_list"))
 
@@ -754,4 +760,4 @@ RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, before_step=before_step,
                 columns=columns, cache_key=cache_key, check_data=check_rows, prepare_model_config=prepare_model_config,
-                generation_pairs=generation_pairs)
+                generation_pairs=generation_pairs, rollout=rollout)
