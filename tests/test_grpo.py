@@ -186,21 +186,33 @@ def test_score_names_the_function_for_each_failure():
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
     """ZeRO-3, LoRA, beta 0.04, the model gathered once per step for generation (2 ranks x micro batch 1 x
-    accumulation 2): TRL's metric names in metrics.jsonl, completions.jsonl, eval/reward, the export verified."""
+    accumulation 2), 4 steps: TRL's metric names in metrics.jsonl, completions.jsonl, eval/reward, the export verified;
+    ZeRO-3's greedy evaluation completions are one process's; a resume from step 2 repeats steps 3-4 exactly."""
     run = tmp_path / "run"
     overrides = ["ds.zero_optimization.stage=3", "model.lora.r=4", "train.grpo.beta=0.04", "train.eval_every=2",
-                 "train.eval_on_start=true", "export=true", f"data.cache_dir={tmp_path / 'cache'}"]
+                 "train.eval_on_start=true", "export=true", f"data.cache_dir={tmp_path / 'cache'}",
+                 "train.max_steps=4", "train.save_every=2"]
     ok(launch(CONFIG, [f"output_dir={run}", *overrides]))
     rows = read_metrics(run)
     train = [r for r in rows if "train/loss" in r]
-    assert len(train) == 2
+    assert len(train) == 4
     for name in ("reward", "reward_std", "rewards/length/mean", "rewards/has_digit/mean", "frac_reward_zero_std",
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "entropy", "kl"):
         assert f"train/{name}" in train[0], (name, sorted(train[0]))
     assert train[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the adapters are zero, policy = reference
     assert any("eval/reward" in r for r in rows)
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    assert len(sample) == 8 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])
+    assert len(sample) == 16 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])
+    # resume from step 2: steps 3 and 4 sample the same completions (the seeds come from the rows and the step) and
+    # train the same losses, rewards and KL
+    resumed = tmp_path / "resumed"
+    ok(launch(CONFIG, [f"output_dir={resumed}", *overrides], resume=str(run / "checkpoints" / "step2")))
+    again = {r["step"]: r for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(again) == [3, 4]
+    for r in train[2:]:
+        for key in ("train/loss", "train/reward", "train/kl", "train/entropy"):
+            assert again[r["step"]][key] == pytest.approx(r[key], rel=1e-6, abs=1e-9), (r["step"], key)
+    assert [json.loads(line) for line in (resumed / "completions.jsonl").read_text().splitlines()] == sample[8:]
     assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
     # the step-0 evaluation generated greedily with the gathered ZeRO-3 weights (adapters zero): one process with the
     # same initial weights generates the same completions
