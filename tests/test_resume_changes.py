@@ -1,8 +1,9 @@
 """``--resume`` with a changed config, a changed layout, and runs that diverge (issue 7, items 1-4 and 10).
 
 One real 8-step run (2 CPU ranks, ZeRO-2, tiny GPT-2, checkpoint at step 4) is the base; each resume
-works on a copy of it. Refusals are checked by single-process launches that carry the base run's rank
-environment (``WORLD_SIZE=2``): validation refuses before any process group or model exists.
+works on a copy of it. Refusals are checked by launches run in the test's process (``conftest.refused_here``, one
+with the base run's rank environment, ``WORLD_SIZE=2``): validation refuses before any process group or model
+exists.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, cpu_env, finished_run, free_port, launch, ok, read_metrics, run_python, train_losses
+from conftest import (CONFIGS, finetune_here, finished_run, free_port, launch, ok, read_metrics, refused_here,
+                      train_losses)
 
 CONFIG = CONFIGS / "tiny_gpt.yaml"
 BASE = ["train.max_steps=8", "train.save_every=4", "train.eval_every=0", "train.log_every=1", "export=false"]
@@ -33,11 +35,15 @@ def copy_of(base: Path, tmp_path: Path) -> Path:
 
 def two_rank_env() -> dict:
     """Rank 0 of a 2-rank world, for validation-only launches (refused before the process group starts)."""
-    return cpu_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    return dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def errors(proc) -> list[str]:
-    return [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+    return error_lines(proc.stdout)
+
+
+def error_lines(printed: str) -> list[str]:
+    return [line for line in printed.splitlines() if line.startswith("finetune: error:")]
 
 
 def snapshot(run: Path) -> dict[str, float]:
@@ -59,15 +65,16 @@ def test_run_records_and_checkpoint_config(base):
     assert "fused kernels: NewGELUActivation x2 -> F.gelu(approximate='tanh')" in log
 
 
-def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path):
+def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path, capsys):
     """Data files, seed, global batch and ZeRO stage: one line each, exit 2, nothing written."""
     run = copy_of(base, tmp_path)
     before = snapshot(run)
-    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE,
-                       "data.train_files=[data/wikitext2/validation.parquet]", "train.seed=7",
-                       "train.micro_batch_size=2", "ds.zero_optimization.stage=3", "--resume"], env=two_rank_env())
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    lines = errors(proc)
+    code, printed = refused_here(["--config", CONFIG, f"output_dir={run}", *BASE,
+                                  "data.train_files=[data/wikitext2/validation.parquet]", "train.seed=7",
+                                  "train.micro_batch_size=2", "ds.zero_optimization.stage=3", "--resume"], capsys,
+                                 **two_rank_env())
+    assert code == 2, printed[-3000:]
+    lines = error_lines(printed)
     assert any("data.train_files changed" in ln and "--resume-allow-changes" in ln for ln in lines), lines
     assert any("train.seed changed (42 -> 7)" in ln for ln in lines), lines
     assert any("global batch changed from 8 to 4" in ln for ln in lines), lines
@@ -76,25 +83,27 @@ def test_changes_that_make_another_run_are_refused_all_at_once(base, tmp_path):
     assert snapshot(run) == before, "a refused launch wrote into the run folder"
 
 
-def test_world_size_change_with_another_global_batch_refused_before_anything_is_built(base, tmp_path):
+def test_world_size_change_with_another_global_batch_refused_before_anything_is_built(base, tmp_path, capsys):
     """One rank with micro batch 3 makes a global batch of 3 rows instead of 8: refused before anything is built.
     (Another world size that keeps the global batch resumes: tests/test_world_size_resume.py.)"""
     run = copy_of(base, tmp_path)
     before = snapshot(run)
-    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={run}", *BASE,
-                       "train.micro_batch_size=3", "--resume"])
-    assert proc.returncode == 2
-    assert len(errors(proc)) == 1 and "global batch changed from 8 to 3 rows" in errors(proc)[0], proc.stdout[-3000:]
-    assert "Traceback" not in proc.stdout and "model:" not in proc.stdout
+    code, printed = refused_here(["--config", CONFIG, f"output_dir={run}", *BASE, "train.micro_batch_size=3",
+                                  "--resume"], capsys)
+    assert code == 2
+    lines = error_lines(printed)
+    assert len(lines) == 1 and "global batch changed from 8 to 3 rows" in lines[0], printed[-3000:]
+    assert "Traceback" not in printed and "model:" not in printed
     assert snapshot(run) == before, "a refused launch rewrote meta.json or something else"
 
 
-def test_export_onto_a_file_is_a_one_line_error(base, tmp_path):
+def test_export_onto_a_file_is_a_one_line_error(base, tmp_path, capsys):
     a_file = tmp_path / "model.bin"
     a_file.write_text("x")
-    proc = run_python(["-m", "finetune", "export", str(base / "checkpoints" / "step8"), str(a_file)])
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert errors(proc) == [f"finetune: error: export: '{a_file}' is a file, not a folder; give the path of a new folder"]
+    code, printed = finetune_here(["export", base / "checkpoints" / "step8", a_file], capsys)
+    assert code == 2 and "Traceback" not in printed
+    assert error_lines(printed) == [f"finetune: error: export: '{a_file}' is a file, not a folder; give the path of a "
+                                    f"new folder"]
 
 
 def test_lr_change_is_applied_and_split_change_repeats_no_row(base, tmp_path):
