@@ -236,12 +236,15 @@ def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_a_reward_function_failing_on_one_rank_stops_every_rank(tmp_path):
-    """Rank 1's reward function raises at step 2: both ranks leave with exit 4 and one line naming the function and
-    the rank, well before the collective timeout."""
+    """ZeRO-3 with ``gather_for_generation: false`` (``synced_gpus`` generation, every rank in lockstep): step 1
+    trains; rank 1's reward function raises at step 2: both ranks leave with exit 4 and one line naming the function
+    and the rank, well before the collective timeout."""
     proc = launch(CONFIG, [f"output_dir={tmp_path / 'run'}", "train.grpo.rewards=[tests/grpo_rewards.py:fails_on_rank1]",
                            "train.grpo.reward_weights=[]", f"data.cache_dir={tmp_path / 'cache'}",
-                           "train.dist_timeout_minutes=3"], timeout=170)
+                           "train.dist_timeout_minutes=3", "ds.zero_optimization.stage=3",
+                           "train.grpo.gather_for_generation=false"], timeout=170)
     assert proc.returncode == 4, proc.stdout[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r] == [1]  # synced generation trained
     assert "grpo: reward function tests/grpo_rewards.py:fails_on_rank1 raised ZeroDivisionError: the scorer divided " \
            "by zero (rank 1)" in proc.stdout
 

@@ -31,7 +31,10 @@ SHIPPED = sorted((REPO / "finetune" / "recipes" / "configs").glob("*.yaml"))
 LOCAL = {"bert_large_mlm_wikitext2_zero3.yaml": [
     "model.path=data/models/bert-large-config", "model.tokenizer_path=data/models/bert-base-uncased-tokenizer",
     "model.init=scratch", "data.train_files=[data/wikitext2/test.parquet]",
-    "data.validation_files=[data/wikitext2/validation.parquet]"]}
+    "data.validation_files=[data/wikitext2/validation.parquet]"],
+    # the export of an SFT run (the two-command chain): the model it is built from
+    "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
+                        "model.tokenizer_path=data/models/tiny-gpt2"]}
 
 
 @pytest.fixture(autouse=True)
