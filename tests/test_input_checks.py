@@ -19,14 +19,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import BIN, REPO, cpu_env, free_port, run_python
+from conftest import BIN, REPO, check_here, cpu_env, free_port, refused_here, run_python
 from launch_helpers import wait_for
 
 WIKI = REPO / "data" / "wikitext2" / "test.parquet"
 
 
 def errors_of(proc) -> list[str]:
-    return [line[len("finetune: error: "):] for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
+    return error_lines(proc.stdout)
+
+
+def error_lines(printed: str) -> list[str]:
+    return [line[len("finetune: error: "):] for line in printed.splitlines() if line.startswith("finetune: error:")]
 
 
 def wiki_texts(n: int | None = None) -> list[str]:
@@ -97,34 +101,37 @@ def test_every_problem_of_every_kind_in_one_pass(tmp_path):
     assert "DeepSpeed" not in proc.stdout and not (tmp_path / "run").exists()
 
 
-def test_print_config_and_check_run_the_launch_validation(tmp_path):
-    """``--print-config`` exits 2 on what a launch refuses (it exited 0); ``--check`` passes a good config."""
-    proc = run_python(["finetune/run.py", "--config", "tests/configs/tiny_gpt.yaml", "recipe=nope",
-                       f"model.path={tmp_path / 'none'}", "train.lr=-1", f"output_dir={tmp_path / 'run'}",
-                       "--print-config"], timeout=180)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    errs = errors_of(proc)
+def test_print_config_and_check_run_the_launch_validation(tmp_path, capsys, monkeypatch):
+    """``--print-config`` exits 2 on what a launch refuses (it exited 0); ``--check`` passes a good config (both in
+    the test's process)."""
+    code, printed = refused_here(["--config", "tests/configs/tiny_gpt.yaml", "recipe=nope",
+                                  f"model.path={tmp_path / 'none'}", "train.lr=-1", f"output_dir={tmp_path / 'run'}",
+                                  "--print-config"], capsys)
+    assert code == 2, printed[-3000:]
+    errs = error_lines(printed)
     assert len(errs) == 3 and errs[0].startswith("recipe: 'nope' unknown") and "model.path" in errs[1]
     assert errs[2] == "train.lr: must be > 0, got -1.0"
-    good = run_python(["finetune/run.py", "--config", "tests/configs/tiny_gpt.yaml", f"output_dir={tmp_path / 'r'}",
-                       "--check"], timeout=180)
-    assert good.returncode == 0 and "tests/configs/tiny_gpt.yaml: no problems found (world size 1)" in good.stdout
+    monkeypatch.chdir(REPO)
+    code, good = check_here(["--config", "tests/configs/tiny_gpt.yaml", f"output_dir={tmp_path / 'r'}"], capsys)
+    assert code == 0 and "tests/configs/tiny_gpt.yaml: no problems found (world size 1)" in good
     assert not (tmp_path / "r").exists()
 
 
-def test_bert_model_tokenizer_data_mismatches_before_any_model(tmp_path):
+def test_bert_model_tokenizer_data_mismatches_before_any_model(tmp_path, capsys):
     """GPT-2 tokenizer with a BERT config, too long a max_seq_len, an int text column and a typo in
-    config_overrides: all reported, by a launch, before a model is built or a row tokenized."""
+    config_overrides: all reported, by a launch (in the test's process), before a model is built or a row
+    tokenized."""
     ints = tmp_path / "ints.parquet"
     pq.write_table(pa.table({"text": [1, 2, 3], "body": ["a", "b", "c"]}), ints)
     cache = tmp_path / "cache"
-    proc = run_python(["finetune/run.py", "--config", "tests/configs/tiny_bert.yaml", f"output_dir={tmp_path / 'run'}",
-                       "model.tokenizer_path=data/models/tiny-gpt2", "data.max_seq_len=1024",
-                       f"data.train_files=[{ints}]", "model.config_overrides={hidden_size: 64, num_hidden_layer: 1}"],
-                      env=cpu_env(FINETUNE_CACHE=str(cache)), timeout=180)
-    assert proc.returncode == 2, proc.stdout[-3000:]
-    errs = errors_of(proc)
-    assert len(errs) == 5, proc.stdout[-3000:]
+    code, printed = refused_here(["--config", "tests/configs/tiny_bert.yaml", f"output_dir={tmp_path / 'run'}",
+                                  "model.tokenizer_path=data/models/tiny-gpt2", "data.max_seq_len=1024",
+                                  f"data.train_files=[{ints}]",
+                                  "model.config_overrides={hidden_size: 64, num_hidden_layer: 1}"], capsys,
+                                 FINETUNE_CACHE=str(cache))
+    assert code == 2, printed[-3000:]
+    errs = error_lines(printed)
+    assert len(errs) == 5, printed[-3000:]
     assert errs[0] == (f"data.train_files: '{ints}' column 'text' has type int64, not text (string); set "
                        f"data.text_column to a text column (string columns: body (string)) or convert the column "
                        f"to strings")
