@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
+from conftest import BIN, CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, refused_here, run_python
 from launch_helpers import wait_for
 
 from finetune.lifecycle import run_folder
@@ -113,13 +113,14 @@ def test_stale_lock_of_a_dead_process_is_replaced(tmp_path):
     assert not (tmp_path / ".lock").exists()
 
 
-def test_unwritable_output_dirs_are_one_line_errors(tmp_path):
+def test_unwritable_output_dirs_are_one_line_errors(tmp_path, capsys):
+    """Refused by the launch's checks (run in the test's process: ``conftest.refused_here``)."""
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     for out, needle in ((f"/proc/finetune-{os.getpid()}", "kernel file system"), (f"{a_file}/run", "is a file")):
-        proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={out}"])
-        assert proc.returncode == 2 and "Traceback" not in proc.stdout, proc.stdout[-2000:]
-        assert any(needle in ln for ln in errors(proc)), proc.stdout[-2000:]
+        code, printed = refused_here(["--config", CONFIG, f"output_dir={out}"], capsys)
+        assert code == 2 and "Traceback" not in printed, printed[-2000:]
+        assert any(needle in ln for ln in printed.splitlines() if ln.startswith("finetune: error:")), printed[-2000:]
 
 
 def test_disk_without_room_for_a_checkpoint_is_refused_before_training(tmp_path):
