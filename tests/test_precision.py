@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, run_python
+from conftest import REPO, refused_here
 from finetune.config import load_run_config
 from finetune.errors import ConfigError
 from finetune.engine.ds_config import auto_precision, choose_precision, precision_of, resolve_ds_config
@@ -86,9 +86,9 @@ def test_unknown_precision_is_refused_when_the_config_loads():
         load_run_config(TINY, ["train.precision=fp8"])
 
 
-def test_contradiction_is_one_cli_error_line(tmp_path):
-    proc = run_python(["finetune/run.py", "--config", str(TINY), f"output_dir={tmp_path / 'run'}",
-                       "train.precision=fp32", "ds.bf16.enabled=true"], timeout=180)
-    errs = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
-    assert proc.returncode == 2 and len(errs) == 1, proc.stdout[-3000:]
+def test_contradiction_is_one_cli_error_line(tmp_path, capsys):
+    code, printed = refused_here(["--config", TINY, f"output_dir={tmp_path / 'run'}", "train.precision=fp32",
+                                  "ds.bf16.enabled=true"], capsys)  # the launch's main, in this process
+    errs = [line for line in printed.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errs) == 1, printed[-3000:]
     assert "precision contradiction" in errs[0] and "train.precision=fp32" in errs[0]
