@@ -414,3 +414,22 @@ def test_plan_counts_the_rollout_and_its_kv_cache():
     dense = plan.activation_bytes(shape, 12, 60, 4, False)
     zero2 = next(e for e in options if e.stage == 2 and not e.offload and not e.checkpointing)
     assert zero2.gpu["activations"] == dense["activations"]  # 3 rows x 4 completions of 60 tokens
+
+
+def test_conversational_prompts_open_the_assistant_turn(tmp_path, capsys):
+    """A prompt given as messages is rendered with the chat template and the assistant's turn opened (what the
+    model continues); the raw messages reach the reward functions; a malformed conversation is one --check line."""
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    chat = [f"data.chat_template={REPO / 'data/chat_templates/chatml.jinja'}", "data.prompt_column=prompt"]
+    cfg = load_run_config(CONFIG, chat)
+    tok = load_tokenizer(cfg, get_recipe("grpo"))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    out = grpo.tokenize_function(tok, cfg.data)({"prompt": [messages], "answer": ["#### 4"]})
+    text = tok.decode(out["input_ids"][0])
+    assert text.endswith("<|im_start|>assistant\n") and "What is 2+2?<|endoftext|>\n<|im_start|>assistant" in text, text
+    assert out[grpo.PROMPT_COLUMN] == [messages] and out[grpo.COLUMN_PREFIX + "answer"] == ["#### 4"]
+    bad = write_parquet(tmp_path / "chat.parquet", {"prompt": [messages, [{"role": "user"}]], "answer": ["#### 4", "#### 5"]})
+    assert check_files(CONFIG, tmp_path, [bad], chat) == 2
+    assert "chat.parquet' row 1 of column 'prompt' is" in capsys.readouterr().err
