@@ -433,3 +433,14 @@ def test_conversational_prompts_open_the_assistant_turn(tmp_path, capsys):
     bad = write_parquet(tmp_path / "chat.parquet", {"prompt": [messages, [{"role": "user"}]], "answer": ["#### 4", "#### 5"]})
     assert check_files(CONFIG, tmp_path, [bad], chat) == 2
     assert "chat.parquet' row 1 of column 'prompt' is" in capsys.readouterr().err
+
+
+def test_inspect_shows_the_prompts(capsys, tmp_path):
+    """``finetune inspect`` on a grpo config shows each row's prompt tokens, no labels and no 'nothing trained'
+    warnings (training generates the completions)."""
+    from finetune.commands import inspect as inspect_cmd
+
+    assert inspect_cmd.main([str(CONFIG), f"data.cache_dir={tmp_path / 'cache'}"]) == 0
+    out = capsys.readouterr()
+    assert "prompts only: every training step generates their completions" in out.out
+    assert "--- row 0: 36 prompt tokens\nNatalia sold clips" in out.out and "warning" not in out.out + out.err

@@ -144,6 +144,9 @@ def collated_sequences(recipe: Recipe, tokenizer, cfg: RunConfig, rows: list[dic
             pos = np.arange(len(rows[r]["input_ids"]))
         inputs = batch["input_ids"][k][pos].tolist()
         labels = batch["labels"]
+        if labels.dim() == 1 and recipe.rollout(cfg) is not None:  # a prompt; training generates its completions
+            out.append(Shown(r, which, inputs, [False] * len(inputs), label=PROMPT_ONLY))
+            continue
         if labels.dim() == 1:
             value = int(labels[k])
             name = id2label.get(value, id2label.get(str(value)))
@@ -207,9 +210,15 @@ def render(tokenizer, seq: Shown, color: bool) -> str:
     return "".join(parts)
 
 
+PROMPT_ONLY = "prompt only"
+"""The label of a row whose completions training generates (a recipe with a ``rollout``: ``grpo``)."""
+
+
 def header(seq: Shown, packed: bool) -> str:
     """``--- row R[ which]: T tokens, K trained[, E examples][, C changed in the input]`` or ``..., label L``."""
     text = f"--- {seq.name()}: {len(seq.ids)} tokens"
+    if seq.label == PROMPT_ONLY:
+        return f"--- {seq.name()}: {len(seq.ids)} prompt tokens"
     if seq.label is not None:
         return f"{text}, label {seq.label}"
     text += f", {sum(seq.trained)} trained"
@@ -360,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     color = _use_color(args.color)
     packed = bool(recipe.capabilities.packs_rows and cfg.data.packing)
     one_label = bool(sequences) and sequences[0].label is not None
-    marked = ("one label per row" if one_label else
+    marked = ("prompts only: every training step generates their completions" if recipe.rollout(cfg) is not None
+              else "one label per row" if one_label else
               f"trained tokens (labels != -100) in {'green' if color else '[[...]]'}")
     print(f"finetune inspect: recipe {cfg.recipe}, {args.split} split, rows 0-{n - 1} of {len(split):,} collated as "
           f"one micro-batch; {marked}" + (f", examples separated by '{BOUNDARY.strip()}'" if packed else ""))
