@@ -126,7 +126,7 @@ def refused_here(args: list[str], capsys, **env: str) -> tuple[int, str]:
 
 def finetune_here(args: list[str], capsys) -> tuple[int, str]:
     """``python -m finetune <args>`` (``export``, ``evaluate``, ...) in this process from the repo root, for commands
-    that refuse their input before doing any work (no interpreter start: about 5 s less than :func:`run_python`).
+    that start no process group (an export, a refusal): no interpreter start, about 5 s less than :func:`run_python`.
 
     Returns:
         ``(exit code, everything printed)``.

@@ -1,11 +1,12 @@
 """``finetune evaluate`` on a real export: 2 CPU ranks under DeepSpeed's launcher (``--module finetune``).
 
-One tiny GPT-2 run (4 steps, export) and one evaluation of its run folder with the same config: the evaluation's
-``eval/loss`` and ``eval/perplexity`` equal the run's own final evaluation (1e-4 relative; the export is the
-engine's weights, checked against its logits at the end of the run), rank 0 writes the JSON beside the export; the
-evaluation runs at ZeRO-3 (the run at ZeRO-2) on an engine without optimizer (its log line). Bad input (not a run or
-export folder, an existing or unwritable ``--out``, the ``dpo`` recipe, an export of another recipe's model class) is
-one line and exit 2, before any model is built.
+The session's tiny GPT-2 run (``conftest.tiny_gpt_run``: 16 steps, export; tests/test_train.py reads it too) and one
+evaluation of a copy of its run folder with the same config: the evaluation's ``eval/loss`` and ``eval/perplexity``
+equal the run's own final evaluation (1e-4 relative; the export is the engine's weights, checked against its logits
+at the end of the run), rank 0 writes the JSON beside the export; the evaluation runs at ZeRO-3 (the run at ZeRO-2)
+on an engine without optimizer (its log line). Bad input (not a run or export folder, an existing or unwritable
+``--out``, the ``dpo`` recipe, an export of another recipe's model class) is one line and exit 2, before any model
+is built (``finetune evaluate``'s ``main`` in the test's process).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, REPO, cpu_env, free_port, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, REPO, cpu_env, finetune_here, free_port, ok, read_metrics, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,9 @@ def evaluate_on_ranks(args: list[str], nproc: int = 2) -> subprocess.CompletedPr
                           timeout=600)
 
 
-def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
+def test_evaluate_reproduces_the_final_eval_of_the_run(tiny_gpt_run, tmp_path, capsys):
     run = tmp_path / "run"
-    ok(launch(TINY, [f"output_dir={run}", "train.max_steps=4", "train.eval_every=0", "train.save_every=0"]))
+    shutil.copytree(tiny_gpt_run, run)  # the evaluation writes into its export/; tests/test_train.py reads the run
     final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
     proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY), "train.eval_generate.prompts=3",
                                  "train.eval_generate.max_new_tokens=8", "ds.zero_optimization.stage=3"]))
@@ -66,13 +67,13 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tmp_path):
     assert 1.0 < scores["wikitext2_local"]["byte_perplexity,none"] < 1e4, scores
 
     # bad input: one line each, exit 2, nothing evaluated
-    again = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(TINY), "--out", str(written[0])])
-    assert again.returncode == 2 and "exists; it is never overwritten" in again.stdout
-    nowhere = run_python(["-m", "finetune", "evaluate", str(tmp_path), "--config", str(TINY)])
-    assert nowhere.returncode == 2 and "neither a run folder with an export/ nor an export folder" in nowhere.stdout
-    dpo = run_python(["-m", "finetune", "evaluate", str(run), "--config", str(CONFIGS / "parity_dpo.yaml")])
-    assert dpo.returncode == 2 and "recipe dpo measures against its reference model, which an export does not carry" in dpo.stdout
-    assert "Traceback" not in again.stdout + nowhere.stdout + dpo.stdout
+    code, again = finetune_here(["evaluate", run, "--config", TINY, "--out", written[0]], capsys)
+    assert code == 2 and "exists; it is never overwritten" in again
+    code, nowhere = finetune_here(["evaluate", tmp_path, "--config", TINY], capsys)
+    assert code == 2 and "neither a run folder with an export/ nor an export folder" in nowhere
+    code, dpo = finetune_here(["evaluate", run, "--config", CONFIGS / "parity_dpo.yaml"], capsys)
+    assert code == 2 and "recipe dpo measures against its reference model, which an export does not carry" in dpo
+    assert "Traceback" not in again + nowhere + dpo
 
 
 def test_evaluate_refuses_before_building_a_model(tmp_path, capsys):

@@ -1,7 +1,8 @@
 """Real training runs: both recipes, ZeRO 2 and 3 (GPT/ZeRO-2 and BERT/ZeRO-3 by default), 2 CPU ranks, fp32,
 tiny models.
 
-Each run is launched once per module (``runs`` fixture) and several tests read its run folder: loss
+Each run is launched once per module (``runs`` fixture; the GPT/ZeRO-2 run once per session, as ``tiny_gpt_run``:
+tests/test_evaluate.py evaluates a copy of it) and several tests read its run folder: loss
 goes down, evaluation and TensorBoard scalars are there, checkpoints are complete, the export reloads
 with ``from_pretrained`` and reproduces the engine's logits, and a resume continues bit-for-bit.
 """
@@ -18,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CONFIGS, launch, ok, read_metrics, run_python, train_losses
+from conftest import CONFIGS, finetune_here, free_port, launch, ok, read_metrics, refused_here, train_losses
 
 RECIPES = {"gpt": CONFIGS / "tiny_gpt.yaml", "bert": CONFIGS / "tiny_bert.yaml"}
 # ZeRO-0 product runs are covered by tests/test_resume_changes.py (skipped steps) and test_parity.py, ZeRO-3 + CPU
@@ -37,12 +38,15 @@ MODEL_CLASS = {"gpt": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``runs(recipe, stage)`` -> run folder of a finished 16-step run (launched on first use)."""
+def runs(tmp_path_factory, request):
+    """``runs(recipe, stage)`` -> run folder of a finished 16-step run (launched on first use; GPT/ZeRO-2 is the
+    session's ``tiny_gpt_run``, which tests/test_evaluate.py evaluates too)."""
     cache: dict[tuple[str, str], Path] = {}
     root = tmp_path_factory.mktemp("runs")
 
     def get(recipe: str, stage: str) -> Path:
+        if (recipe, stage) == ("gpt", "zero2") and (recipe, stage) not in cache:
+            cache[recipe, stage] = request.getfixturevalue("tiny_gpt_run")
         if (recipe, stage) not in cache:
             out = root / f"{recipe}_{stage}"
             ok(launch(RECIPES[recipe], [f"output_dir={out}", f"deepspeed=ds_configs/{stage}.json"]))
@@ -170,11 +174,14 @@ def test_resume_continues_exactly(runs, recipe, stage, tmp_path):
     assert "cache hit" in (out / "logs" / "rank0.log").read_text()
 
 
-def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
-    """``--resume`` (latest) in a finished run folder has nothing left to train; a fresh start there is refused."""
+def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path, capsys):
+    """``--resume`` (latest) in a finished run folder has nothing left to train; a fresh start there is refused (by
+    rank 0's checks of a 2-rank launch, run in this process)."""
     run = runs("gpt", "zero2")
-    proc = launch(RECIPES["gpt"], [f"output_dir={run}", "deepspeed=ds_configs/zero2.json"], nproc=2)
-    assert proc.returncode != 0 and "already holds checkpoints" in proc.stdout
+    code, printed = refused_here(["--config", RECIPES["gpt"], f"output_dir={run}", "deepspeed=ds_configs/zero2.json"],
+                                 capsys, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                 MASTER_PORT=str(free_port()))
+    assert code != 0 and "already holds checkpoints" in printed
     # A kill mid-write left a torn last line: the resumed launch starts a fresh line, and its report skips the torn
     # one (counted in the log) instead of failing on it.
     metrics = run / "metrics.jsonl"
@@ -196,10 +203,10 @@ def test_resume_latest_in_same_folder_and_refusal_to_overwrite(runs, tmp_path):
     assert json.loads((run / "export-step16" / "finetune_export.json").read_text())["step"] == 16
 
 
-def test_export_command(runs, tmp_path):
-    """``python -m finetune export <checkpoint> <out>`` writes a loadable folder with its model card (``README.md``:
-    what the run logged for that step); a non-empty target is refused. The end-of-run export's card has the last
-    evaluation and the export check; a run folder without evaluation still gets a card."""
+def test_export_command(runs, tmp_path, capsys):
+    """``python -m finetune export <checkpoint> <out>`` (its ``main``, in this process) writes a loadable folder with
+    its model card (``README.md``: what the run logged for that step); a non-empty target is refused. The end-of-run
+    export's card has the last evaluation and the export check; a run folder without evaluation still gets a card."""
     import transformers
     from huggingface_hub import ModelCard
 
@@ -207,12 +214,12 @@ def test_export_command(runs, tmp_path):
 
     run = runs("bert", "zero3")
     out = tmp_path / "hf"
-    proc = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step8"), str(out)])
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    code, printed = finetune_here(["export", run / "checkpoints" / "step8", out], capsys)
+    assert code == 0, printed[-3000:]
     model = transformers.AutoModelForMaskedLM.from_pretrained(out, local_files_only=True)
     assert sum(p.numel() for p in model.parameters()) > 0
-    proc = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step8"), str(out)])
-    assert proc.returncode == 2 and "is not empty" in proc.stdout
+    code, printed = finetune_here(["export", run / "checkpoints" / "step8", out], capsys)
+    assert code == 2 and "is not empty" in printed
 
     logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in read_metrics(run)
               if "eval/loss" in r}
