@@ -11,12 +11,12 @@ prompts trains on ``B x G`` completions (``G`` = ``train.grpo.num_generations``;
 
 Per optimizer step (:func:`before_step`, every rank, before the step's collective):
 
-1. **Generate** ``G`` completions of each prompt of each of the step's micro-batches with the engine's model
-   (transformers' ``generate``, sampling at ``temperature``/``top_p``/``top_k``, at most ``max_completion_length``
-   tokens; :func:`finetune.training.generation.generate_completions`). Under ZeRO-3 the whole model is gathered once
+1. **Generate** ``G`` completions of each prompt of the step's micro-batches with the engine's model, in one
+   ``generate`` call per rank and step (transformers' ``generate``, sampling at ``temperature``/``top_p``/``top_k``,
+   at most ``max_completion_length`` tokens; :func:`generate`). Under ZeRO-3 the whole model is gathered once
    per step (``train.grpo.gather_for_generation``, TRL's ``ds3_gather_for_generation``) or, with it off, every rank
-   generates in lockstep with ``synced_gpus``. Sampling is seeded from the micro-batch's row seeds and the step,
-   not from the RNG state, so a resumed run draws the same completions.
+   generates in lockstep with ``synced_gpus``. Sampling is seeded from the rows' seeds and the step, not from the
+   RNG state, so a resumed run draws the same completions.
 2. **Score** them (every reward function on every completion; one failing function on one rank stops every rank
    with one line naming it, :class:`finetune.recipes.rewards.RewardError`), weight and sum
    (``reward_weights``; a completion no function scores is NaN and gets advantage 0).
@@ -357,6 +357,32 @@ def advantages(rewards_: torch.Tensor, g: int, scale: str, batch_std: torch.Tens
     return torch.nan_to_num(adv, nan=0.0), std
 
 
+def join_prompts(micro: list[dict], pad: int) -> dict:
+    """The prompts of several prompt batches as one: ``input_ids``, ``attention_mask`` ``[sum B, longest]``
+    (left-padded again to the longest prompt) and ``row_seeds``; a prompt's positions do not change (they count its
+    real tokens)."""
+    width = max(b["input_ids"].shape[1] for b in micro)
+    ids = torch.cat([torch.nn.functional.pad(b["input_ids"], (width - b["input_ids"].shape[1], 0), value=pad)
+                     for b in micro])
+    mask = torch.cat([torch.nn.functional.pad(b["attention_mask"], (width - b["attention_mask"].shape[1], 0))
+                      for b in micro])
+    return {"input_ids": ids, "attention_mask": mask, "row_seeds": torch.cat([b["row_seeds"] for b in micro])}
+
+
+def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
+    """:func:`generate`'s output for joined prompts cut back into one per prompt batch (``sizes`` completions each),
+    each trimmed to its own longest completion."""
+    out, start = [], 0
+    for n in sizes:
+        part = {k: v[start:start + n] for k, v in whole.items()}
+        width = int(part["lengths"].max()) if n else 0
+        part["completion_ids"], part["completion_mask"] = part["completion_ids"][:, :width], \
+            part["completion_mask"][:, :width]
+        out.append(part)
+        start += n
+    return out
+
+
 def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
     return HFGenerateRollout(engine, tokenizer, gather=g.gather_for_generation)
 
@@ -379,9 +405,11 @@ def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
     g, tok = cfg.train.grpo, tokenizer_of(cfg)
     functions = reward_functions(cfg)
     step = int(engine.global_steps)
+    joined = join_prompts(micro, tok.pad_token_id)  # one generate call for all the step's prompts on this rank
     with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
-        done = [generate(engine, b, g, tok, g.num_generations, True, _seed(cfg.train.seed, step, b["row_seeds"]),
-                         _synced(engine, g)) for b in micro]
+        whole = generate(engine, joined, g, tok, g.num_generations, True,
+                         _seed(cfg.train.seed, step, joined["row_seeds"]), _synced(engine, g))
+    done = split_completions(whole, [len(b["prompts"]) * g.num_generations for b in micro], tok.pad_token_id)
     texts, ids, prompts, cols = [], [], [], {n: [] for n in cfg.data.reward_columns}
     for b, c in zip(micro, done):
         t, i = _texts(tok, c)
