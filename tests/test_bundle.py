@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import check_here
 from hub_server import HubServer, commit_of
 
 from finetune.commands.bundle import main as bundle_main
@@ -79,14 +80,12 @@ def test_bundle_local_sources_rerun_corruption(tmp_path, capsys, offline_env, mo
     assert verify_main([str(out)]) == 0
     assert "bundle ok: " in capsys.readouterr().out
 
-    # the starting config passes the launch's own checks from the bundle folder
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-    check = subprocess.run([sys.executable, "-m", "finetune", "train", "--config", "run_config.yaml", "--check",
-                            "train.max_steps=2"], cwd=out, env=env, capture_output=True, text=True, timeout=300)
-    assert check.returncode == 0, check.stderr[-2000:]
+    # the starting config passes the launch's own checks from the bundle folder (in this process)
+    monkeypatch.chdir(out)
+    code, printed = check_here(["--config", "run_config.yaml", "train.max_steps=2"], capsys)
+    assert code == 0, printed[-2000:]
 
     # doctor on the bundle's config: offline settings fine, and the verify command for the bundle
-    monkeypatch.chdir(out)
     assert doctor_main(["run_config.yaml"]) == 0
     rows = [line.split(None, 2) for line in capsys.readouterr().out.splitlines() if line.startswith("offline")]
     assert rows == [["offline", "ok", "HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1"],
