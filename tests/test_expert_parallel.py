@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, check_here, cpu_env, launch, ok, read_metrics, run_python
+from conftest import CONFIGS, check_here, cpu_env, finetune_here, launch, ok, read_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_reference import reference_run  # noqa: E402
@@ -57,7 +57,7 @@ def _max_rel(got: dict[int, float], want: list[float], steps) -> float:
 
 
 @pytest.mark.slow
-def test_ep2_equals_one_device_exports_and_resumes(tmp_path, moe_model):
+def test_ep2_equals_one_device_exports_and_resumes(tmp_path, moe_model, capsys):
     """EP=2 on 2 ranks: losses and grad norms equal the one-device reference, the export (experts gathered) equals its
     weights and passes the logit check, ``finetune export`` of the split checkpoint says how to export it, and the
     step-3 checkpoint resumes at EP=2 with steps 4-6 equal to the reference."""
@@ -85,9 +85,8 @@ def test_ep2_equals_one_device_exports_and_resumes(tmp_path, moe_model):
     for name, tensor in exported.items():
         assert torch.allclose(tensor.float(), ref.state_dict[name], rtol=1e-4, atol=1e-4), name
 
-    refused = run_python(["-m", "finetune", "export", str(run / "checkpoints" / "step3"), str(tmp_path / "out")])
-    assert refused.returncode == 2 and "is an expert-parallel (AutoEP) checkpoint" in refused.stdout, \
-        refused.stdout[-2000:]
+    code, refused = finetune_here(["export", run / "checkpoints" / "step3", tmp_path / "out"], capsys)
+    assert code == 2 and "is an expert-parallel (AutoEP) checkpoint" in refused, refused[-2000:]
 
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
