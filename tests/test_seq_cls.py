@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, launch, ok, read_metrics, run_python, train_losses
+from conftest import REPO, launch, ok, read_metrics, refused_here, train_losses
 
 CONFIG = REPO / "finetune/recipes/configs/seq_cls_sst2.yaml"
 TRAIN, DEV = REPO / "data/sst2/train.parquet", REPO / "data/sst2/validation.parquet"
@@ -163,20 +163,22 @@ def _one_problem(*overrides: str) -> str:
     return err.value.problems[0]
 
 
-def _one_error(tmp_path: Path, *overrides: str) -> str:
+def _one_error(tmp_path: Path, capsys, *overrides: str) -> str:
+    """The launch's ``finetune: error:`` line (its ``main`` in this process: ``conftest.refused_here``)."""
     out = tmp_path / "run"
-    proc = run_python(["finetune/run.py", "--config", str(CONFIG), f"output_dir={out}", *overrides], timeout=180)
-    errs = [line for line in proc.stdout.splitlines() if line.startswith("finetune: error:")]
-    assert proc.returncode == 2 and len(errs) == 1, proc.stdout[-3000:]
+    code, printed = refused_here(["--config", CONFIG, f"output_dir={out}", *overrides], capsys)
+    errs = [line for line in printed.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errs) == 1, printed[-3000:]
     assert not out.exists() or not any(out.iterdir()), "nothing may be written before the error"
     return errs[0]
 
 
-def test_bad_labels_are_one_line_errors(tmp_path):
-    """The CLI case (exit 2, one line, nothing written) once; the other cases through ``validate_run`` itself."""
+def test_bad_labels_are_one_line_errors(tmp_path, capsys):
+    """The launch's case (exit 2, one line, nothing written; its ``main`` in this process) once; the other cases
+    through ``validate_run`` itself."""
     texts = pa.array(["good", "bad", "fine"])
     unseen = _write(tmp_path / "unseen.parquet", text=texts, label=pa.array(["positive", "neutral", "negative"]))
-    err = _one_error(tmp_path, f"data.validation_files=[{unseen}]")
+    err = _one_error(tmp_path, capsys, f"data.validation_files=[{unseen}]")
     assert str(unseen) in err and "'label'" in err and "'neutral'" in err and "no training file" in err
 
     nulls = _write(tmp_path / "nulls.parquet", text=texts, label=pa.array(["positive", None, "negative"]))
