@@ -83,7 +83,6 @@ from finetune.data.batch import LossOutput, to_device
 from finetune.data.dataset import string_type
 from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig
 from finetune.errors import ConfigError, RunFailure
-from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, dpo, rewards
 from finetune.recipes.lm_loss import chunk_tokens, find_head, unwrap
