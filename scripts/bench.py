@@ -34,6 +34,20 @@ both sides):
   reference model, gradient checkpointing as ours, length-grouped batches; the module docstring of
   ``scripts/bench_trl.py`` names each option and the ones that do not apply).
 
+``grpo``: the shipped GSM8K GRPO recipe (online RL: each step generates ``num_generations`` completions of each
+prompt with HF ``generate``, scores them, trains the clipped policy loss) on the ``dpo_realistic`` shape against
+TRL's ``GRPOTrainer`` (``scripts/bench_trl.py``: ``trl`` with ``GRPOConfig``'s defaults, gradient checkpointing
+on; ``trl_best`` with its speed options that apply on CPU ranks, named with the ones that do not in that module's
+docstring). The same prompts (the first ``--steps`` x global batch GSM8K questions), ``num_generations`` 4,
+``max_completion_length`` 64, sampling at temperature 1 (no top-p, top-k), the same reward functions
+(``scripts/bench_rewards.py``, loaded by both: format and exact match), loss ``dapo``, ``beta`` 0,
+``num_iterations`` 1, the same prompts and completions per step (``train.micro_batch_size`` counts prompts, TRL's
+``per_device_train_batch_size`` completions: micro x 4). Its rows are prompts: ``compl/s`` is rows/s x
+``num_generations``; real tokens are the trained sequences' prompt + completion tokens (completions up to their EOS;
+finetune: the step's ``attention_mask``, TRL: ``prompt_mask`` + ``completion_mask`` of each micro-batch
+``compute_loss`` trains); ``mean reward`` is the mean of every step's mean reward (all launches), ``last reward``
+that of the last steps (the final-loss window). A step's time includes its generation on both sides.
+
 The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
 ``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
 
@@ -107,6 +121,8 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset all                      # every preset, one after the other
     python scripts/bench.py --preset dpo_realistic --lock /tmp/heavy.lock   # finetune vs TRL (defaults and best)
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
+    python scripts/bench.py --preset grpo --steps 8 --rounds 2 --lock /tmp/heavy.lock   # finetune vs GRPOTrainer
+    python scripts/bench.py --preset grpo --steps 3 --skip 1 --rounds 1 --tiny --no-warm-up   # its smoke run
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
     python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
     python scripts/bench.py --preset long_context             # longest sequence per contender in 1280 MB per rank
@@ -121,6 +137,7 @@ From a fresh clone (CPU ranks)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
@@ -220,6 +237,25 @@ PRESETS: dict[str, dict] = {
     "reward_prompt_only": {"config": "finetune/recipes/configs/reward_gsm8k.yaml", "epoch": True, "heldout": True,
                            "prompt_only": True, "overrides": [], "contenders": ["finetune", "trl", "trl_best"],
                            "tiny": []},
+    # Online RL: the shipped GSM8K GRPO recipe on the realistic shape, from scratch (the shipped config starts from
+    # an SFT export of another model; random init from the seed here, as TRL's side builds it: both sides' rewards
+    # stay near 0, the comparison is of the work per step) against TRL's GRPOTrainer, defaults and best. Per step
+    # and rank: 2 prompts x 4 completions of at most 64 tokens (sampling at temperature 1, no top-p / top-k), scored by the
+    # same two functions (scripts/bench_rewards.py: format and exact match), the dapo loss, beta 0 (no reference),
+    # one optimizer step per generation batch. Prompts up to 256 tokens (GSM8K's longest training question has
+    # 189 with this BPE): none is cut, as TRL cuts none. ``epoch``: both sides draw from the same first prompts.
+    "grpo": {"config": "finetune/recipes/configs/grpo_gsm8k.yaml", "epoch": True, "grpo": True,
+             "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
+                           f"model.config_overrides={REALISTIC_SHAPE}", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
+                           "data.max_seq_len=256", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1",
+                           "deepspeed=ds_configs/zero2.json", "train.warmup_steps=0", "train.lr=1e-3",
+                           "train.grpo.num_generations=4", "train.grpo.max_completion_length=64",
+                           "train.grpo.temperature=1.0", "train.grpo.top_p=1.0", "train.grpo.top_k=0",
+                           "train.grpo.loss_type=dapo", "train.grpo.beta=0", "train.grpo.num_iterations=1",
+                           "train.grpo.rewards=[scripts/bench_rewards.py:format_reward, "
+                           "scripts/bench_rewards.py:exact_match]"],
+             "contenders": ["finetune", "trl", "trl_best"],
+             "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=16"]},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
@@ -411,7 +447,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
-    ends, cpu, tokens, positions, losses, mfu = [], [], [], [], [], []
+    ends, cpu, tokens, positions, losses, mfu, rewards = [], [], [], [], [], [], []
     prev = {"step": 0, "train/tokens_seen": 0}
     for r in rows:
         n = r["step"] - prev["step"]
@@ -423,9 +459,11 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             positions.append(window_tokens / n / r["train/padding_ratio"])
             losses.append(r["train/loss"])
             mfu.append(r.get("train/mfu"))
+            if "train/reward" in r:  # grpo: the mean reward of the window's completions
+                rewards.append(r["train/reward"])
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
-            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies,
+            "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies, "rewards": rewards,
             "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
                                                                     if "train/shared_tokens" in r]) else None}
@@ -446,8 +484,11 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
     # each step takes the loss of the log window it belongs to (the first logged step at or after it)
     losses = [next((v for k, v in logged if k >= s), None) for s in range(1, steps + 1)]
     accuracies = [v for _, v in sorted((int(k), v) for k, v in ranks[0].get("reward_accuracies", {}).items())]
+    logged_rewards = sorted((int(k), v) for k, v in ranks[0].get("rewards", {}).items())  # grpo
+    rewards = [next((v for k, v in logged_rewards if k >= s), None) for s in range(1, steps + 1)] \
+        if logged_rewards else []
     return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
-            "tokens": tokens, "positions": positions, "reward_accuracies": accuracies,
+            "tokens": tokens, "positions": positions, "reward_accuracies": accuracies, "rewards": rewards,
             "losses": losses, "peaks": peaks,
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
@@ -502,10 +543,12 @@ def bare(preset: dict, overrides: list[str], args, out: Path, env: dict, gas: in
     return rank_records(out, start, peaks, args.nproc, gas, args.steps)
 
 
-def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_step: int = 0) -> dict:
-    """Pool the launches of one contender (see the module docstring for each number)."""
+def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_step: int = 0,
+              completions_per_row: int = 0) -> dict:
+    """Pool the launches of one contender (see the module docstring for each number); ``completions_per_row``
+    (grpo: ``num_generations``) adds completions/s and the mean rewards."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
-    mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout = [], [], [], 0, 0.0, []
+    mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout, rewards, last_rewards = [], [], [], 0, 0.0, [], [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -523,6 +566,9 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
         losses.append(statistics.fmean(r["losses"][-last:]))
         if r.get("reward_accuracies"):
             accuracy.append(statistics.fmean(r["reward_accuracies"][-last:]))
+        if r.get("rewards"):  # grpo: every step's mean reward (warm-up steps included), and the last steps'
+            rewards += r["rewards"]
+            last_rewards.append(statistics.fmean(r["rewards"][-last:]))
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
         e2e_tokens += sum(r["tokens"][:len(ends)])  # every step, from the launcher's start to the last step's end
         e2e_seconds += ends[-1] - r["start"]
@@ -531,6 +577,10 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "rows_per_s": rows_per_step * len(step_times) / seconds if rows_per_step else None,
+            "completions_per_s": (completions_per_row * rows_per_step * len(step_times) / seconds
+                                  if completions_per_row and rows_per_step else None),
+            "mean_reward": statistics.fmean(rewards) if rewards else None,
+            "final_reward": statistics.fmean(last_rewards) if last_rewards else None,
             "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
             "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first) if first else None,
             "peak_rss_per_rank_mb": statistics.median(peaks) if all(peaks) else None,
@@ -546,6 +596,27 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             "heldout_accuracy": statistics.fmean(heldout) if heldout else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["shared_tokens"] for r in runs
                                                                     if r.get("shared_tokens") is not None]) else None}
+
+
+def grpo_summary(name: str, results: list[dict]) -> str:
+    """The ``grpo`` preset's lines: per contender completions/s, trained tokens/s, peak MB per rank and the mean
+    rewards, and ``finetune``'s ratios over each other contender (throughput: higher is better for us; memory:
+    ours/this, lower is better for us)."""
+    ours = results[0]
+    lines = [f"{name}: completions/s, trained (prompt + completion, non-pad) tokens/s, peak RSS MB per rank, mean "
+             f"reward over every step (and the last steps)"]
+    for r in results:
+        line = (f"  {r['contender']:<10} {r['completions_per_s']:7.2f} compl/s {r['real_tokens_per_s']:8.0f} tok/s "
+                f"{r['peak_rss_per_rank_mb'] or float('nan'):7.0f} MB/rank  reward {r['mean_reward'] or 0:.4f} "
+                f"(last {r['final_reward'] or 0:.4f})")
+        if r is not ours:
+            line += (f"  finetune/{r['contender']}: completions/s "
+                     f"{ours['completions_per_s'] / r['completions_per_s']:.2f}x, tokens/s "
+                     f"{ours['real_tokens_per_s'] / r['real_tokens_per_s']:.2f}x (by rounds "
+                     f"{r['ratio_ours_over_this_median_of_rounds']:.2f}x), peak MB per rank "
+                     f"{(ours['peak_rss_per_rank_mb'] or 0) / (r['peak_rss_per_rank_mb'] or 1):.2f}x")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def paired(ours: dict, this: dict) -> float:
@@ -609,7 +680,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "steps": steps, "lr": t.lr,
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
-            "gradient_checkpointing": m.gradient_checkpointing}
+            "gradient_checkpointing": m.gradient_checkpointing,
+            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns)}
 
 
 def table(preset: str, results: list[dict]) -> str:
@@ -618,7 +690,9 @@ def table(preset: str, results: list[dict]) -> str:
             ("step med s", "{:.3f}", "step_time_median_s"), ("IQR s", "{:.3f}", "step_time_iqr_s"),
             ("r0 CPU s", "{:.3f}", "rank0_cpu_s_per_step"),
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
-            ("rows/s", "{:.1f}", "rows_per_s"), ("final loss", "{:.4f}", "final_loss"),
+            ("rows/s", "{:.1f}", "rows_per_s"), ("compl/s", "{:.2f}", "completions_per_s"),
+            ("final loss", "{:.4f}", "final_loss"), ("mean reward", "{:.4f}", "mean_reward"),
+            ("last reward", "{:.4f}", "final_reward"),
             ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
             ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),
@@ -946,7 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
                         clean_shm(before)
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
             rows = t.micro_batch_size * t.gradient_accumulation_steps * args.nproc  # global batch (dpo: pairs)
-            results = [summarize(c, r, args.skip, max(5, args.log_every), rows) for c, r in runs.items()]
+            per_row = t.grpo.num_generations if preset.get("grpo") else 0  # grpo: rows are prompts
+            results = [summarize(c, r, args.skip, max(5, args.log_every), rows, per_row) for c, r in runs.items()]
             base = results[0]["real_tokens_per_s"] if results[0]["contender"].startswith("finetune") else None
             for r in results:
                 r["ratio_ours_over_this"] = base / r["real_tokens_per_s"] if base else None
@@ -965,6 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{100 * (results[0]['rank0_cpu_s_per_step'] / bare_r['rank0_cpu_s_per_step'] - 1):+.1f}%")
             if "trl" in runs and "finetune" in runs and cfg.recipe == "dpo":
                 print(reference_agreement(Path(env["FINETUNE_CACHE"]), root / f"{name}-trl-0"))
+            if preset.get("grpo") and base:
+                print(grpo_summary(name, results))
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

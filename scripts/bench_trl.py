@@ -1,5 +1,5 @@
-"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic`` and ``reward`` presets (run by it under
-``deepspeed``): TRL's ``DPOTrainer`` or ``RewardTrainer`` + DeepSpeed.
+"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic``, ``reward`` and ``grpo`` presets (run by it
+under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer`` or ``GRPOTrainer`` + DeepSpeed.
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
 columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
@@ -23,9 +23,43 @@ TRL's own default ``disable_dropout=True`` matches the recipes' dropout-free pol
   lack), ``use_logits_to_keep`` (no longer a ``DPOConfig`` option in 1.16; only GRPO keeps logits of the
   completion), ``use_liger_kernel`` (deprecated; Triton kernels, GPUs only).
 
+GRPO (spec recipe ``grpo``): ``GRPOTrainer(model, reward_funcs=[...], args=GRPOConfig(...), train_dataset=...,
+processing_class=tokenizer)``, the prompts in a ``prompt`` column (the data's prompt column renamed) with the reward
+columns beside it (``answer``), the reward functions the spec's ``path/to/file.py:function`` entries (the ones the
+toolkit's run loads: ``scripts/bench_rewards.py``), imported from their file. The toolkit's ``micro_batch_size``
+counts prompts, TRL's ``per_device_train_batch_size`` completions: it is ``micro_batch_size x num_generations``, so
+both train the same prompts and completions per step; ``num_generations``, ``max_completion_length``, sampling
+(``temperature``, ``top_p``, ``top_k``), ``loss_type``, ``beta``, ``epsilon``, ``scale_rewards``,
+``mask_truncated_completions`` and ``num_iterations`` (1) are the toolkit's; generation is transformers'
+``generate`` (``use_vllm=False``). TRL's prompts are not cut (it has no prompt limit; the preset's
+``data.max_seq_len`` cuts none of the toolkit's either). Variants:
+
+* ``defaults`` (``trl``): ``GRPOConfig``'s defaults otherwise: gradient checkpointing on, one generation batch per
+  optimizer step (``steps_per_generation`` = ``gradient_accumulation_steps``), dropout as the model has it (none in
+  the benchmark's Llama).
+* ``best`` (``trl_best``): every GRPO speed option of TRL 1.16 that applies on CPU ranks at ZeRO-2.
+  ``gradient_checkpointing`` as the toolkit's run (off by default: no recomputation in backward; TRL's default is
+  on); ``disable_dropout=True`` (as the toolkit; free here, the model has none). Left at their defaults, each
+  for its reason: ``steps_per_generation`` / ``generation_batch_size`` (the default already generates all of a
+  rank's completions of the step in one ``generate`` call; more steps per generation would train later steps on
+  stale completions and add an old-policy forward pass per micro-batch: other work than the toolkit's);
+  ``cache_implementation`` (``static`` pays off only when compiled, and TRL's ``GenerationConfig`` sets
+  ``disable_compile=True``; the default dynamic cache grows in place); ``torch_empty_cache_steps`` (None already;
+  it empties CUDA's cache only); ``pad_to_multiple_of`` (``auto``: none off Neuron); ``ds3_gather_for_generation``
+  (ZeRO-3 only); ``use_vllm`` / ``vllm_*`` (GPUs; the benchmark compares HF ``generate`` on both sides);
+  ``use_transformers_continuous_batching`` (transformers' paged continuous-batching engine, another generation
+  path than the ``generate`` both sides are to use; it gains when completions of very different lengths share a
+  batch); ``use_liger_kernel`` (Triton, GPUs); ``log_completions`` (off already).
+
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds), the
 non-pad tokens and positions of each collated micro-batch (DPO: chosen and rejected sequences, stacked as ours;
-reward: the same), (rank 0) the logged loss, ``rewards/accuracies`` (DPO) or ``accuracy`` (reward) of each step,
+reward: the same; GRPO: the prompt and completion masks of each micro-batch ``compute_loss`` trains, i.e. prompt +
+completion up to its EOS), (rank 0) the logged loss, ``rewards/accuracies`` (DPO), ``accuracy`` (reward) or
+``reward`` (GRPO: the mean reward of the step's completions) of each step, (GRPO) the wall seconds of each
+generation (``generate``: HF ``generate``; ``generate_and_score``: with the prompts' tokenization, scoring and the
+advantages), each training forward (``compute_loss``) and each ``training_step`` (those, the backward pass and,
+under DeepSpeed, the optimizer step: accelerate's ``backward`` runs ``engine.step()``), to show where a step's time
+goes,
 (``defaults``, DPO) TRL's reference log-probabilities of the first 4 pairs and (reward) the held-out accuracy of
 ``trainer.evaluate`` on the validation pairs after training (not timed). The model starts from the weights
 ``finetune`` builds for a scratch model (``no_init_weights`` + ``init_weights`` after the seed), so both sides have
@@ -61,6 +95,7 @@ def main() -> None:
     out = Path(spec["out"])
     rank = int(os.environ.get("RANK", 0))
     reward = spec["recipe"] == "reward"
+    grpo = spec["recipe"] == "grpo"
     best = spec.get("variant", "defaults") == "best"
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
     if tokenizer.pad_token is None:
@@ -77,7 +112,16 @@ def main() -> None:
             ds = ds.select(range(min(limit, len(ds))))
         return ds.select_columns(list(columns)).rename_columns({k: v for k, v in columns.items() if k != v})
 
-    raw = pairs(spec["train_files"], spec.get("max_train_rows") or 0)
+    def prompts(files: list[str], limit: int = 0):
+        """GRPO's rows: the prompt column as ``prompt`` (TRL's name) and the reward columns."""
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache)
+        if limit:
+            ds = ds.select(range(min(limit, len(ds))))
+        name = spec["prompt_column"] or "prompt"
+        ds = ds.select_columns(list(dict.fromkeys([name, *spec["reward_columns"]])))
+        return ds.rename_column(name, "prompt") if name != "prompt" else ds
+
+    raw = (prompts if grpo else pairs)(spec["train_files"], spec.get("max_train_rows") or 0)
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
@@ -93,6 +137,8 @@ def main() -> None:
     losses: dict[int, float] = {}
     accuracies: dict[int, float] = {}
     accuracy_key = "accuracy" if reward else "rewards/accuracies"
+    rewards: dict[int, float] = {}  # GRPO: the logged mean reward of each step
+    phases: dict[str, list[float]] = {}  # GRPO: wall seconds of each call of the timed parts (per rank)
 
     class Meter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -104,6 +150,8 @@ def main() -> None:
                 losses[state.global_step] = float(logs["loss"])
             if logs and accuracy_key in logs:
                 accuracies[state.global_step] = float(logs[accuracy_key])
+            if logs and grpo and "reward" in logs:
+                rewards[state.global_step] = float(logs["reward"])
 
     half = spec["precision"]
     common = dict(
@@ -115,12 +163,75 @@ def main() -> None:
         logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[],
         disable_tqdm=True, dataloader_num_workers=0, bf16=half == "bf16", fp16=half == "fp16",
         deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available(), max_length=spec["max_seq_len"])
-    if best:  # checkpointing as the toolkit's run; length-grouped batches (on the ``length`` column added below)
+    if grpo:  # GRPOConfig has no max_length (prompts are not cut; completions: max_completion_length)
+        del common["max_length"]
+    if best and grpo:  # checkpointing as the toolkit's run; dropout off (as the toolkit; the module docstring)
+        common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")), disable_dropout=True)
+    elif best:  # checkpointing as the toolkit's run; length-grouped batches (on the ``length`` column added below)
         # (remove_unused_columns=False keeps that column, which is no model input, for the sampler; TRL's collators
         # read their own keys only)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")),
                       train_sampling_strategy="group_by_length", remove_unused_columns=False)
-    if reward:
+    if grpo:
+        import importlib.util
+
+        from trl import GRPOConfig, GRPOTrainer
+
+        def load_reward(entry: str):
+            """A ``path/to/file.py:function`` entry of ``train.grpo.rewards``, imported from its file."""
+            path, _, name = entry.rpartition(":")
+            if not path.endswith(".py"):
+                raise SystemExit(f"bench_trl.py: reward {entry!r} is no path/to/file.py:function entry (TRL needs "
+                                 f"a callable; the grpo preset's rewards come from scripts/bench_rewards.py)")
+            module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return getattr(module, name)
+
+        g = spec["grpo"]
+        common["per_device_train_batch_size"] *= g["num_generations"]  # TRL counts completions, ours prompts
+        common["per_device_eval_batch_size"] = common["per_device_train_batch_size"]
+        gargs = GRPOConfig(**common, num_generations=g["num_generations"],
+                           max_completion_length=g["max_completion_length"], temperature=g["temperature"],
+                           top_p=g["top_p"], top_k=g["top_k"], loss_type=g["loss_type"], beta=g["beta"],
+                           epsilon=g["epsilon"], epsilon_high=g["epsilon_high"] or None,
+                           scale_rewards=g["scale_rewards"], mask_truncated_completions=g["mask_truncated_completions"],
+                           importance_sampling_level=g["importance_sampling_level"],
+                           num_iterations=g["num_iterations"], reward_weights=g["reward_weights"] or None,
+                           use_vllm=False)
+        trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(e) for e in g["rewards"]], args=gargs,
+                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()])
+        compute_loss = trainer.compute_loss
+
+        def counting_loss(model_, inputs, *a, **kw):
+            """Count the trained micro-batch: prompt + completion tokens (non-pad) and positions."""
+            pm, cm = inputs["prompt_mask"], inputs["completion_mask"]
+            counts.append((int(pm.sum() + cm.sum()), int(pm.numel() + cm.numel())))
+            return compute_loss(model_, inputs, *a, **kw)
+
+        trainer.compute_loss = counting_loss
+
+        def timed(name: str, key: str) -> None:
+            """Wall seconds of each call of the trainer's method ``name`` into ``phases[key]`` (where a step's time
+            goes: ``generate``, HF generate alone; ``generate_and_score``, with tokenizing, scoring, gathering the
+            rewards and the advantages; ``train_forward``, ``compute_loss``; ``training_step``, all of these, the
+            backward pass and, under DeepSpeed, the optimizer step)."""
+            method = getattr(trainer, name)
+
+            def run(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return method(*a, **kw)
+                finally:
+                    phases.setdefault(key, []).append(time.perf_counter() - t0)
+
+            setattr(trainer, name, run)
+
+        timed("_generate_single_turn", "generate")
+        timed("_generate_and_score_completions", "generate_and_score")
+        timed("compute_loss", "train_forward")
+        timed("training_step", "training_step")  # the above + backward + (DeepSpeed) the optimizer step
+    elif reward:
         from trl import RewardConfig, RewardTrainer
 
         # the held-out pairs are tokenized (and filtered by length) with the training pairs, evaluated after training
@@ -137,8 +248,8 @@ def main() -> None:
         reference = None if best else copy.deepcopy(model)
         trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw,
                              processing_class=tokenizer, callbacks=[Meter()])
-    if best:  # what LengthGroupedSampler measures (training and, for reward, evaluation): TRL's tokenized rows have
-        # no input_ids column
+    if best and not grpo:  # what LengthGroupedSampler measures (training and, for reward, evaluation): TRL's
+        # tokenized rows have no input_ids column
         def with_length(ds):
             if reward:
                 lengths = [len(c) + len(r) for c, r in zip(ds["chosen_ids"], ds["rejected_ids"])]
@@ -159,13 +270,14 @@ def main() -> None:
         return batch
 
     reference_first = []
-    if not reward and not best:
+    if not reward and not best and not grpo:
         # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
         # for scripts/bench.py to compare with finetune's cached ones
         first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])
         chosen, rejected = trainer.compute_ref_log_probs(trainer.ref_model, first)
         reference_first = [[float(c), float(r)] for c, r in zip(chosen.tolist(), rejected.tolist())]
-    trainer.data_collator = counting_collate
+    if not grpo:  # GRPO's collator returns the prompt rows; its trained batches are counted in compute_loss
+        trainer.data_collator = counting_collate
     trainer.train()
     heldout = None
     if reward and trainer.eval_dataset is not None:  # after the timed steps
@@ -176,6 +288,7 @@ def main() -> None:
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "reward_accuracies": accuracies,
+                                                      "rewards": rewards, "phases": phases,
                                                       "reference_logps_first": reference_first,
                                                       "heldout": heldout, "gpu_max_allocated": peak_gpu}))
     # as scripts/bench_hf.py: leave without the interpreter's teardown of gloo's threads, after a last barrier
