@@ -240,10 +240,11 @@ PRESETS: dict[str, dict] = {
     # Online RL: the shipped GSM8K GRPO recipe on the realistic shape, from scratch (the shipped config starts from
     # an SFT export of another model; random init from the seed here, as TRL's side builds it: both sides' rewards
     # stay near 0, the comparison is of the work per step) against TRL's GRPOTrainer, defaults and best. Per step
-    # and rank: 2 prompts x 4 completions of at most 64 tokens (sampling at temperature 1, no top-p / top-k), scored by the
-    # same two functions (scripts/bench_rewards.py: format and exact match), the dapo loss, beta 0 (no reference),
-    # one optimizer step per generation batch. Prompts up to 256 tokens (GSM8K's longest training question has
-    # 189 with this BPE): none is cut, as TRL cuts none. ``epoch``: both sides draw from the same first prompts.
+    # and rank: 2 prompts x 4 completions of at most 64 tokens (sampling at temperature 1, no top-p / top-k), scored
+    # by the same two functions (scripts/bench_rewards.py: format and exact match), the dapo loss, beta 0 (no
+    # reference), one optimizer step per generation batch. Prompts up to 256 tokens (GSM8K's longest training
+    # question has 189 with this BPE): none is cut, as TRL cuts none. ``epoch``: both sides draw from the same first
+    # prompts.
     "grpo": {"config": "finetune/recipes/configs/grpo_gsm8k.yaml", "epoch": True, "grpo": True,
              "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
                            f"model.config_overrides={REALISTIC_SHAPE}", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
