@@ -305,8 +305,10 @@ def grpo_reference(cfg, world: int, steps: int) -> dict:
                 per_micro += per_token.sum().item() / micro_tokens[k] / len(micro)
             elif g.loss_type == "grpo":
                 loss = loss + per_token.mean() / len(seqs)
-            else:
-                raise ValueError(g.loss_type)
+            elif g.loss_type == "dr_grpo":
+                loss = loss + per_token.sum() / (len(seqs) * g.max_completion_length)
+            else:  # bnpo: each micro-batch's token mean, averaged over the micro-batches of every rank
+                loss = loss + per_token.sum() / micro_tokens[k] / len(micro)
         loss.backward()
         out["grad_norms"].append(step())
         out["losses"].append(loss.item())
@@ -346,11 +348,18 @@ def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 @pytest.mark.parametrize(("name", "overrides", "nproc"), [
     ("z0-grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=grpo"], 2),
+    ("z3-grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=grpo"], 2),
+    ("z0-dr_grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=dr_grpo"], 2),
+    ("z3-dr_grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=dr_grpo"], 2),
+    ("z0-bnpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=bnpo"], 2),
+    ("z3-bnpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=bnpo"], 2),
     ("z0-split", ["ds.zero_optimization.stage=0", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1"], 2),
     ("z2-world1", ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"], 1)])
 def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, overrides, nproc):
-    """ZeRO-0 with loss_type grpo (per-completion means, averaged over the global batch's completions); ZeRO-0 at
-    micro batch 2 x accumulation 1 and one rank at micro batch 2 x accumulation 2 (the same 4 prompts per step, cut
+    """Every other loss type at ZeRO 0 and 3 (2 ranks x accumulation 2): grpo (per-completion means, averaged over the
+    global batch's completions), dr_grpo (the global batch's token sum / completions x max_completion_length), bnpo
+    (each micro-batch's token mean, averaged over micro-batches, TRL's local normalisation); dapo at ZeRO-0, micro
+    batch 2 x accumulation 1, and on one rank at micro batch 2 x accumulation 2 (the same 4 prompts per step, cut
     otherwise): each equals the reference of its own layout, and the dapo ones equal the ZeRO-3 test's reference."""
     from test_dpo import max_rel
 
@@ -360,13 +369,19 @@ def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, 
     ref = grpo_reference(cfg, world=nproc, steps=2)
     if "train.grpo.loss_type=grpo" in overrides:  # each completion's advantage is one per token: the loss is -mean(A) = 0
         assert max(abs(x) for x in losses + ref["losses"]) <= 1e-6, (losses, ref["losses"])
-    else:  # the same global batches as the ZeRO-3 test's 2 ranks x micro batch 1 x accumulation 2: the same steps
+    else:
         assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+    if any(o.startswith("train.micro_batch_size") for o in overrides):
+        # the same global batches as the ZeRO-3 dapo test's 2 ranks x micro batch 1 x accumulation 2: the same steps
         base = grpo_reference(load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
                                                        "train.grpo.max_completion_length=10"]), world=2, steps=2)
         assert max_rel(losses, base["losses"]) <= 1e-5, (losses, base["losses"])
     assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
     assert min(ref["grad_norms"]) > 1e-2, ref
+    if any(o in overrides for o in ("train.grpo.loss_type=dr_grpo", "train.grpo.loss_type=bnpo")):
+        dapo = grpo_reference(load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
+                                                       "train.grpo.max_completion_length=10"]), world=2, steps=2)
+        assert max_rel(losses, dapo["losses"]) > 1e-3, (losses, dapo["losses"])  # another normalisation
 
 
 def test_a_reward_model_folder_scores_as_trl_does(tmp_path):
