@@ -213,7 +213,7 @@ class GrpoConfig:
     beta: float = 0.0
     """Weight of the per-token KL to the reference (the k3 estimator, as TRL); 0: no reference pass. With LoRA the reference is the base model (adapters off); a full fine-tune with ``beta`` > 0 is refused (it would keep a second copy of the model)."""
     num_iterations: int = 1
-    """Optimizer steps per generation batch (``mu``); only 1 is supported (the importance ratio is then 1 in value and its gradient that of the policy gradient)."""
+    """Optimizer steps per generation batch (``mu``, TRL's ``num_iterations``): the sampler repeats each step's prompts this many times in a row; the first step generates, the others reuse its completions with importance ratios to the policy that generated them (its log-probabilities, one more no-gradient forward per generation batch), so ``epsilon``'s clipping acts; an epoch counts the repeated steps; a checkpoint between them keeps the batch (exact resume). 1: the ratio is 1 in value and its gradient that of the policy gradient."""
     importance_sampling_level: SamplingLevel = "token"
     """``token``: one importance ratio per token; ``sequence``: one per completion, the exponent of its tokens' mean log-ratio (GSPO, Zheng et al. 2025)."""
     scale_rewards: ScaleRewards = "group"

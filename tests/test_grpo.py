@@ -148,7 +148,7 @@ def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
     assert check_files(CONFIG, tmp_path, [good], [
         "train.grpo.rewards=[exact_match,tests/nowhere.py:f,tests/grpo_rewards.py:missing,tests/grpo_rewards.py:no_kwargs,format]",
         "train.grpo.reward_weights=[1,2]", "train.grpo.num_generations=1", "train.grpo.beta=0.1",
-        "train.grpo.num_iterations=2"]) == 2
+        "train.grpo.num_iterations=0"]) == 2
     err = capsys.readouterr().err
     for line in ("train.grpo.rewards[1]: 'tests/nowhere.py' is no file",
                  "train.grpo.rewards[2]: 'tests/grpo_rewards.py' has no function 'missing'",
@@ -156,7 +156,7 @@ def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
                  "train.grpo.rewards[4]: format needs train.grpo.format_pattern",
                  "train.grpo.reward_weights: 2 weights for 5 reward functions",
                  "train.grpo.num_generations: 1", "train.grpo.beta: 0.1 > 0 needs a reference model",
-                 "train.grpo.num_iterations: 2; only 1 is supported"):
+                 "train.grpo.num_iterations: 0 must be >= 1"):
         assert line in err, (line, err)
     assert "Traceback" not in err
     bad = write_parquet(tmp_path / "bad.parquet", {"question": ["1+1?", "  "], "solution": ["2", "4"]})
@@ -258,9 +258,10 @@ def grpo_reference(cfg, world: int, steps: int) -> dict:
     each prompt's fixed completions (:func:`grpo_teacher_forced.fixed_completions`), each sequence run alone and
     unpadded (prompt + completion, positions from 0), its rewards (the test config's ``length`` with cache 6 and
     ``has_digit`` x 0.5), group advantages from ``torch.std``, TRL's per-token loss, and the step's loss as
-    ``loss_type`` averages it over the **whole global batch**; the same init, AdamW, schedule and clipping."""
+    ``loss_type`` averages it over the **whole global batch**; the same init, AdamW, schedule and clipping. With
+    ``num_iterations`` k, each generation batch trains k steps, its ratios to the log-probabilities the model gave
+    when the batch was drawn."""
     from conftest import reference_optimizer, simulated_ranks
-    from grpo_teacher_forced import fixed_completions
 
     torch.set_num_threads(1)
     t, g = cfg.train, cfg.train.grpo
@@ -271,11 +272,57 @@ def grpo_reference(cfg, world: int, steps: int) -> dict:
     for smp, dl in zip(samplers, loaders):
         smp.set_epoch(0)
         its.append(iter(dl))
-    out = {"losses": [], "grad_norms": [], "per_micro": []}
-    for _ in range(steps):
-        micro = [next(it) for it in its for _ in range(t.gradient_accumulation_steps)]
-        seqs = []  # (prompt ids, completion ids, advantage, micro-batch)
-        for k, b in enumerate(micro):
+    out = {"losses": [], "grad_norms": [], "per_micro": [], "max_ratio_change": []}
+    cycle: tuple = ()
+    for s in range(steps):
+        if s % g.num_iterations:  # num_iterations: the generation batch of step s - s % num_iterations again
+            seqs, old = cycle
+        else:
+            micro = [next(it) for it in its for _ in range(t.gradient_accumulation_steps)]
+            seqs, old = _reference_batch(micro, g, tok), None
+            if g.num_iterations > 1:  # the generating policy's log-probabilities, no gradient
+                with torch.no_grad():
+                    old = [_logps(model, prompt, c, g) for prompt, c, _, _ in seqs]
+            cycle = seqs, old
+        total_tokens = sum(len(c) for _, c, _, _ in seqs)
+        micro_tokens = {k: sum(len(c) for _, c, _, j in seqs if j == k) for k in range(len(micro))}
+        loss, per_micro, change = torch.zeros(()), 0.0, 0.0
+        for i, (prompt, c, a, k) in enumerate(seqs):
+            logps = _logps(model, prompt, c, g)
+            ratio = torch.exp(logps - (logps.detach() if old is None else old[i]))
+            change = max(change, (ratio - 1).abs().max().item())
+            per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon) * a)
+            if g.loss_type == "dapo":
+                loss = loss + per_token.sum() / total_tokens
+                per_micro += per_token.sum().item() / micro_tokens[k] / len(micro)
+            elif g.loss_type == "grpo":
+                loss = loss + per_token.mean() / len(seqs)
+            elif g.loss_type == "dr_grpo":
+                loss = loss + per_token.sum() / (len(seqs) * g.max_completion_length)
+            else:  # bnpo: each micro-batch's token mean, averaged over the micro-batches of every rank
+                loss = loss + per_token.sum() / micro_tokens[k] / len(micro)
+        loss.backward()
+        out["grad_norms"].append(step())
+        out["losses"].append(loss.item())
+        out["per_micro"].append(per_micro)
+        out["max_ratio_change"].append(change)
+    return out
+
+
+def _logps(model, prompt: list[int], c: list[int], g) -> torch.Tensor:
+    """The completion tokens' log-probabilities of one unpadded sequence at the training temperature."""
+    ids = torch.tensor([prompt + c])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / g.temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+
+
+def _reference_batch(micro: list[dict], g, tok) -> list[tuple]:
+    """A global batch's sequences ``(prompt ids, completion ids, advantage, micro-batch)``: each prompt's fixed
+    completions, their rewards, group advantages from ``torch.std``."""
+    from grpo_teacher_forced import fixed_completions
+
+    seqs = []
+    for k, b in enumerate(micro):
             for ids, mask in zip(b["input_ids"], b["attention_mask"]):
                 prompt = ids[mask.bool()].tolist()
                 done = fixed_completions(prompt, g.num_generations, tok.eos_token_id, tok.pad_token_id,
@@ -291,29 +338,7 @@ def grpo_reference(cfg, world: int, steps: int) -> dict:
                 r = torch.tensor(rewards_)
                 adv = (r - r.mean()) / (r.std() + 1e-4)
                 seqs += [(prompt, c, a, k) for c, a in zip(done, adv.tolist())]
-        total_tokens = sum(len(c) for _, c, _, _ in seqs)
-        micro_tokens = {k: sum(len(c) for _, c, _, j in seqs if j == k) for k in range(len(micro))}
-        loss, per_micro = torch.zeros(()), 0.0
-        for prompt, c, a, k in seqs:
-            ids = torch.tensor([prompt + c])
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / g.temperature
-            logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
-            ratio = torch.exp(logps - logps.detach())
-            per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon) * a)
-            if g.loss_type == "dapo":
-                loss = loss + per_token.sum() / total_tokens
-                per_micro += per_token.sum().item() / micro_tokens[k] / len(micro)
-            elif g.loss_type == "grpo":
-                loss = loss + per_token.mean() / len(seqs)
-            elif g.loss_type == "dr_grpo":
-                loss = loss + per_token.sum() / (len(seqs) * g.max_completion_length)
-            else:  # bnpo: each micro-batch's token mean, averaged over the micro-batches of every rank
-                loss = loss + per_token.sum() / micro_tokens[k] / len(micro)
-        loss.backward()
-        out["grad_norms"].append(step())
-        out["losses"].append(loss.item())
-        out["per_micro"].append(per_micro)
-    return out
+    return seqs
 
 
 def _parity_run(tmp_path, name: str, overrides: list[str], nproc: int = 2):
@@ -347,6 +372,7 @@ def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 @pytest.mark.parametrize(("name", "overrides", "nproc"), [
+    ("z0-dapo", ["ds.zero_optimization.stage=0"], 2),
     ("z0-grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=grpo"], 2),
     ("z3-grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=grpo"], 2),
     ("z0-dr_grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=dr_grpo"], 2),
@@ -382,6 +408,36 @@ def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, 
         dapo = grpo_reference(load_run_config(CONFIG, [f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=2",
                                                        "train.grpo.max_completion_length=10"]), world=2, steps=2)
         assert max_rel(losses, dapo["losses"]) > 1e-3, (losses, dapo["losses"])  # another normalisation
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_num_iterations_reuses_the_generation_batch_and_resumes_between_its_steps(tmp_path):
+    """``num_iterations=2``, ZeRO-3, 2 ranks x accumulation 2, 3 steps: step 1 generates and trains (ratio 1), step
+    2 trains the same completions with ratios to the generation-time log-probabilities (clipping acts), step 3
+    generates the next batch; each step's loss and grad norm equal the one-process reference. A resume from the
+    checkpoint of step 1 (between the two steps of one generation batch) trains steps 2 and 3 the same: the
+    checkpoint kept the batch and its log-probabilities (regenerated from step 1's weights, the ratios would be 1)."""
+    from test_dpo import grad_norms, max_rel
+
+    overrides = ["ds.zero_optimization.stage=3", "train.grpo.num_iterations=2", "train.max_steps=3",
+                 "train.save_every=1", "train.grpo.max_completion_length=10", f"data.cache_dir={tmp_path / 'cache'}"]
+    run = tmp_path / "run"
+    ok(launch(CONFIG, [f"output_dir={run}", *overrides], script="tests/grpo_teacher_forced.py"))
+    train = {r["step"]: r for r in read_metrics(run) if "train/loss" in r}
+    losses, norms = [train[s]["train/loss"] for s in (1, 2, 3)], grad_norms(run)
+    ref = grpo_reference(load_run_config(CONFIG, overrides), world=2, steps=3)
+    assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+    assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
+    assert ref["max_ratio_change"][0] == 0 and ref["max_ratio_change"][1] > 0.05, ref  # step 2's ratios are not 1
+    assert train[2]["train/clip_ratio/region_mean"] > 0, train[2]
+    assert train[2]["train/reward"] == train[1]["train/reward"] != train[3]["train/reward"]
+    assert (run / "checkpoints" / "step1" / "recipe_state_rank1.pt").is_file()
+    resumed = tmp_path / "resumed"
+    ok(launch(CONFIG, [f"output_dir={resumed}", *overrides], resume=str(run / "checkpoints" / "step1"),
+              script="tests/grpo_teacher_forced.py"))
+    again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
+    assert sorted(again) == [2, 3] and max_rel([again[2], again[3]], losses[1:]) <= 1e-6, (again, losses)
 
 
 def test_a_reward_model_folder_scores_as_trl_does(tmp_path):

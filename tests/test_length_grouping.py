@@ -97,3 +97,20 @@ def test_plain_order_is_distributed_samplers_and_packed_rows_are_not_grouped(dat
     assert train_sampler(packed, DataConfig(), GLOBAL_BATCH, 2, 0, 1).lengths is None
     assert train_sampler(dataset, DataConfig(), GLOBAL_BATCH, 2, 0, 1).lengths is not None
     assert train_sampler(dataset, DataConfig(group_by_length=False), GLOBAL_BATCH, 2, 0, 1).lengths is None
+
+
+def test_repeat_gives_each_steps_rows_that_many_times_in_a_row(dataset):
+    """``repeat`` (grpo's ``num_iterations``): each rank's block of one step's rows (micro x accumulation) comes
+    ``repeat`` times in a row, the epoch counts the repeats, and a skip into the middle of a block (a resume between
+    two steps of one generation batch) continues there."""
+    for r in range(2):
+        once = train_sampler(dataset, DataConfig(), GLOBAL_BATCH, 2, r, 1)
+        twice = train_sampler(dataset, DataConfig(), GLOBAL_BATCH, 2, r, 1, repeat=2)
+        once.set_epoch(3)
+        twice.set_epoch(3)
+        rows, block = list(once), GLOBAL_BATCH // 2
+        steps = len(rows) // block
+        expected = [x for s in range(steps) for x in rows[s * block:(s + 1) * block] * 2] + rows[steps * block:]
+        assert list(twice) == expected and twice.num_samples == len(expected) == once.num_samples + steps * block
+        twice.set_epoch(3, skip=3 * block)  # after 3 steps: the second of step 2's repeats
+        assert list(twice) == expected[3 * block:]

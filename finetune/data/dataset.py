@@ -573,18 +573,27 @@ class ResumableDistributedSampler(DistributedSampler):
         global_batch: rows per optimizer step of all ranks (micro batch x accumulation x world size).
         mixture: with ``data.sources``, the :class:`~finetune.data.mixture.Mixture` that draws each epoch's rows.
         row_tokens: tokens per row (``[rows]``), for the mixture's shares of tokens.
+        repeat: each optimizer step's rows come ``repeat`` times in a row (``grpo``'s ``num_iterations``: one
+            generation batch trains that many optimizer steps; TRL's ``RepeatSampler``); ``num_samples`` counts the
+            repeats, so an epoch is ``repeat`` times as many steps.
+        step_rows: rows per rank and optimizer step (micro batch x accumulation), with ``repeat`` > 1.
 
     In both cases rank ``r`` takes every ``num_replicas``-th row of the global order from ``r`` on, over the
     first ``len(dataset) // num_replicas * num_replicas`` rows (``drop_last``).
     """
 
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, lengths: np.ndarray | None = None,
-                 global_batch: int = 0, mixture: "mixture_lib.Mixture | None" = None, row_tokens: np.ndarray | None = None):
+                 global_batch: int = 0, mixture: "mixture_lib.Mixture | None" = None, row_tokens: np.ndarray | None = None,
+                 repeat: int = 1, step_rows: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.skip = 0
         self.lengths = lengths if global_batch > 0 else None
         self.global_batch = global_batch
         self.mixture, self.row_tokens = mixture, row_tokens
+        self.repeat, self.step_rows = (repeat, step_rows) if repeat > 1 and step_rows > 0 else (1, 0)
+        if self.repeat > 1:
+            steps = self.num_samples // self.step_rows
+            self.num_samples = steps * self.step_rows * self.repeat + self.num_samples - steps * self.step_rows
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Select the epoch's permutation and skip its first ``skip`` samples (on this rank)."""
@@ -610,6 +619,10 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self):
         mine = self.global_order()[self.rank:self.total_size:self.num_replicas]
+        if self.repeat > 1:  # each step's block of rows ``repeat`` times; the tail that fills no step once
+            whole = len(mine) // self.step_rows * self.step_rows
+            blocks = np.repeat(np.asarray(mine[:whole]).reshape(-1, self.step_rows), self.repeat, axis=0)
+            mine = np.concatenate([blocks.reshape(-1), np.asarray(mine[whole:])])
         return map(int, mine[self.skip:])
 
     def __len__(self) -> int:
@@ -679,7 +692,7 @@ def _eval_collate(collator, seed: int):
 
 
 def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, rank: int,
-                  seed: int, mixture: "mixture_lib.Mixture | None" = None) -> ResumableDistributedSampler:
+                  seed: int, mixture: "mixture_lib.Mixture | None" = None, repeat: int = 1) -> ResumableDistributedSampler:
     """The training sampler of ``rank``: rows grouped by length per global batch when ``data.group_by_length``
     is on and the rows do not all have one length (packed CLM blocks keep the plain shuffle).
 
@@ -691,28 +704,30 @@ def train_sampler(dataset, data_cfg: DataConfig, global_batch: int, world: int, 
         rank: this rank.
         seed: ``train.seed``.
         mixture: the mixture of ``data.sources`` (each epoch's rows drawn from the sources), or None.
+        repeat: optimizer steps each global batch trains (:class:`ResumableDistributedSampler`'s ``repeat``).
     """
     base = dataset.dataset if isinstance(dataset, IndexedRows) else dataset
     lengths = row_lengths(base) if data_cfg.group_by_length or mixture is not None else None
     grouped = data_cfg.group_by_length and lengths is not None and len(lengths) > 0 and lengths.min() != lengths.max()
     return ResumableDistributedSampler(dataset, world, rank, seed, lengths, global_batch if grouped else 0, mixture,
-                                       lengths)
+                                       lengths, repeat, global_batch // max(world, 1))
 
 
 def train_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed: int,
                  gradient_accumulation_steps: int = 1, mixture: "mixture_lib.Mixture | None" = None,
-                 lay: layout.Layout | None = None) -> DataLoader:
+                 lay: layout.Layout | None = None, repeat: int = 1) -> DataLoader:
     """Per-rank training loader: shuffled, ``drop_last``, sampler of type :class:`ResumableDistributedSampler`
     (from :func:`train_sampler`) over the data-parallel ranks of ``lay`` (default: every rank data-parallel).
 
     Rows are :class:`IndexedRows` of ``dataset``; ``collate_fn`` is a :class:`RowSeededCollate` with
     ``seed`` (call its ``set_epoch`` with the sampler's), wrapped in :class:`finetune.parallel.sequence.SequenceShard`
     under sequence parallelism (the ranks of an SP group draw the same rows and keep one slice of each sequence).
+    ``repeat``: optimizer steps each global batch trains (the recipe's ``batch_repeats``).
     """
     rows = IndexedRows(dataset)
     lay = lay or layout.Layout(dist_utils.world_size(), 1, dist_utils.rank())
     sampler = train_sampler(rows, data_cfg, micro_batch * gradient_accumulation_steps * lay.dp, lay.dp,
-                            lay.dp_rank, seed, mixture)
+                            lay.dp_rank, seed, mixture, repeat)
     collate = RowSeededCollate(collator, seed)
     return DataLoader(rows, batch_size=micro_batch, sampler=sampler,
                       collate_fn=sequence.SequenceShard(collate, lay) if lay.sp > 1 else collate,
@@ -767,12 +782,16 @@ def build_train_data(recipe, cfg: RunConfig, tokenizer) -> TrainData:
     collator = recipe.make_collator(tokenizer, cfg.data)
     if flattens(cfg, recipe):
         collator = FlattenRows(collator)
-    return with_splits(load_splits(recipe, tokenizer, cfg.data, cfg.train.seed), collator, cfg)
+    return with_splits(load_splits(recipe, tokenizer, cfg.data, cfg.train.seed), collator, cfg,
+                       recipe.batch_repeats(cfg))
 
 
-def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
+def with_splits(splits: Splits, collator, cfg: RunConfig, repeat: int = 1) -> TrainData:
     """:class:`TrainData` of tokenized ``splits``: this rank's loaders with ``collator``, the steps per epoch and of
     the run (a recipe that adds columns before training, ``dpo``'s reference log-probabilities, rebuilds it here).
+
+    ``repeat``: optimizer steps each global batch trains (the recipe's ``batch_repeats``; the steps per epoch count
+    them).
 
     Raises:
         ConfigError: the training rows do not fill one global batch.
@@ -783,7 +802,7 @@ def with_splits(splits: Splits, collator, cfg: RunConfig) -> TrainData:
                                   [s.weight for s in splits.sources], cfg.train.seed)
     lay = layout.layout(cfg)
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
-                            cfg.train.gradient_accumulation_steps, mix, lay)
+                            cfg.train.gradient_accumulation_steps, mix, lay, repeat)
     if splits.sources:
         starts = np.cumsum([0] + [s.validation_rows for s in splits.sources]).tolist()
         eval_dl = {s.name: eval_loader(splits.validation.select(range(a, b)), collator, cfg.data,

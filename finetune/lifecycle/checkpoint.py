@@ -2,7 +2,8 @@
 
 Layout: ``<output_dir>/checkpoints/step<N>/`` holds DeepSpeed's files (model states, ZeRO optimizer
 shards, ``zero_to_fp32.py``), ``rng_state_rank<r>.pt`` per rank (Python, NumPy, torch CPU and
-accelerator generators, as in HF Trainer) and, last, ``COMPLETE``: a JSON marker rank 0 writes after a
+accelerator generators, as in HF Trainer), ``recipe_state_rank<r>.pt`` per rank when the recipe keeps state
+between steps (``grpo``'s reused generation batch) and, last, ``COMPLETE``: a JSON marker rank 0 writes after a
 barrier that follows every rank's writes. Only folders with the marker count as checkpoints, so a
 run killed mid-save leaves nothing a resume would load.
 
@@ -161,15 +162,27 @@ def restore_rng_state(ckpt: Path) -> None:
         get_accelerator().set_rng_state(state["accelerator"])
 
 
+RECIPE_STATE = "recipe_state_rank{rank}.pt"
+"""Per-rank file of the recipe's own state (its ``rank_state`` hook; ``grpo``'s reused generation batch)."""
+
+
+def load_rank_state(ckpt: Path):
+    """This rank's recipe state saved in ``ckpt`` (:data:`RECIPE_STATE`), or None when there is none. Read with
+    ``torch.load(weights_only=True)``: tensors and plain containers only, nothing that runs code."""
+    path = ckpt / RECIPE_STATE.format(rank=dist_utils.rank())
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
 def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None, keep_last: int = 0,
-         protect: list | None = None) -> Path:
+         protect: list | None = None, rank_state=None) -> Path:
     """Save a checkpoint on all ranks; mark it complete after every rank has written.
 
     Must be called by every rank. ``config`` (the resolved run config as a dict) is written to
     ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Once the new checkpoint is complete,
     rank 0 removes older ones beyond the newest ``keep_last`` (:func:`prune`; 0 keeps all), never those in
     ``protect`` (the checkpoint this launch resumed from, the best one of ``train.keep_best``). Returns the
-    checkpoint folder.
+    checkpoint folder. ``rank_state``: the recipe's state of this rank (its ``rank_state`` hook), saved as
+    :data:`RECIPE_STATE` when not None.
 
     Raises:
         RunFailure: the disk filled up or the folder cannot be written (the message names the folder and
@@ -181,6 +194,8 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
     try:
         engine.save_checkpoint(str(ckdir), tag=tag, client_state={"train_state": asdict(state)}, save_latest=True)
         torch.save(_rng_state(), ckdir / tag / f"rng_state_rank{dist_utils.rank()}.pt")
+        if rank_state is not None:
+            torch.save(rank_state, ckdir / tag / RECIPE_STATE.format(rank=dist_utils.rank()))
         if dist_utils.is_main() and config is not None:
             (ckdir / tag / CONFIG_FILE).write_text(dump_yaml(config))
     except (OSError, RuntimeError) as e:

@@ -102,6 +102,20 @@ def no_rollout(cfg: RunConfig) -> None:
     return None
 
 
+def once(cfg: RunConfig) -> int:
+    """Default ``batch_repeats``: each global batch trains one optimizer step."""
+    return 1
+
+
+def no_state() -> None:
+    """Default ``rank_state``: nothing of the recipe's own to checkpoint."""
+    return None
+
+
+def ignore_state(state) -> None:
+    """Default ``load_rank_state``: nothing to restore."""
+
+
 def every_target(data_cfg: DataConfig) -> float:
     """Default ``target_fraction``: every position is a target."""
     return 1.0
@@ -265,6 +279,19 @@ class Recipe:
     """``(cfg) -> (sequences per row, tokens per sequence)`` that the recipe generates every step and then trains on
     (``grpo``: ``num_generations`` completions of up to ``data.max_seq_len + max_completion_length`` tokens), or
     None (default): for the planner's activations and the generation's KV cache."""
+    batch_repeats: Callable[[RunConfig], int] = once
+    """``(cfg) -> int``: optimizer steps each global batch of rows trains, one after the other (``grpo``:
+    ``train.grpo.num_iterations``, its generation batch reused with importance ratios to the generation-time
+    policy). The training sampler yields each step's rows that many times in a row (TRL's ``RepeatSampler``), so an
+    epoch counts the repeats. Default: 1."""
+    rank_state: Callable[[], Any] = no_state
+    """``() -> object | None``: what this rank's ``before_step`` keeps between steps and a resume needs (``grpo``
+    with ``num_iterations`` > 1: the generation batch it reuses, with its generation-time log-probabilities),
+    saved by ``torch.save`` in every checkpoint as ``recipe_state_rank<r>.pt``. Default: None (nothing)."""
+    load_rank_state: Callable[[Any], None] = ignore_state
+    """``(state | None) -> None``: give back what :attr:`rank_state` returned when the checkpoint resumed from was
+    saved (None: the checkpoint has none for this rank); called on every rank before the first step of a resumed
+    launch. The recipe checks it still fits (same step, same rows) before using it."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``).

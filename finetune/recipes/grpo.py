@@ -23,10 +23,15 @@ Per optimizer step (:func:`before_step`, every rank, before the step's collectiv
 3. **Advantages**, group-relative: ``A = r - mean(r of the prompt's G completions)``, divided by the group's
    standard deviation (``scale_rewards: group``), the global batch's (``batch``: all ranks and micro-batches), or
    not (``none``), + 1e-4 (TRL's).
-4. With ``beta`` > 0 and LoRA, the **reference** per-token log-probabilities (adapters off, no gradient).
+4. With ``beta`` > 0 and LoRA, the **reference** per-token log-probabilities (adapters off, no gradient); with
+   ``num_iterations`` > 1, the generating policy's (``pi_old``, no gradient).
 
-The loss (:func:`forward`; ``pi`` at the training temperature, ``pi_old`` = ``pi`` detached since
-``num_iterations`` is 1, ``rho = pi / pi_old`` per token, or per completion with ``importance_sampling_level:
+With ``num_iterations`` = ``k`` (TRL's), each generation batch trains ``k`` optimizer steps in a row: the sampler
+repeats each step's prompts ``k`` times, the first step generates, the next ``k - 1`` reuse the batch, which every
+checkpoint keeps (:func:`rank_state`), so a resume between them is exact.
+
+The loss (:func:`forward`; ``pi`` at the training temperature, ``pi_old`` the generating policy (``pi`` detached
+when ``num_iterations`` is 1), ``rho = pi / pi_old`` per token, or per completion with ``importance_sampling_level:
 sequence`` (GSPO: the exponent of the mean log-ratio)): per completion token
 ``l = -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon_high) A) + beta KL_k3(pi, pi_ref)``, averaged as
 ``loss_type`` says. The loop divides :func:`forward`'s sum by :func:`count_targets` summed over the global batch,
@@ -83,6 +88,7 @@ from finetune.data.batch import LossOutput, to_device
 from finetune.data.dataset import string_type
 from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig
 from finetune.errors import ConfigError, RunFailure
+from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, dpo, rewards
 from finetune.recipes.lm_loss import chunk_tokens, find_head, unwrap
@@ -391,19 +397,68 @@ def _synced(engine, g: GrpoConfig) -> bool:
     return stage is not None and stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
 
 
+_REUSED: dict = {}
+"""This rank's generation batch while ``num_iterations`` > 1 reuses it: ``step`` (the optimizer steps done when it
+was generated), ``rows`` (its prompts' row seeds), ``batches`` (:func:`before_step`'s micro-batches, on the host)."""
+
+
+def _rows_key(micro: list[dict]) -> list[int]:
+    return [int(s) for b in micro for s in b["row_seeds"]]
+
+
+def rank_state() -> dict | None:
+    """The reused generation batch (:data:`_REUSED`) for the checkpoint, or None (``num_iterations`` 1)."""
+    return dict(_REUSED) if _REUSED else None
+
+
+def load_rank_state(state: dict | None) -> None:
+    """Take back :func:`rank_state`'s batch from the checkpoint resumed from (:func:`before_step` checks that it is
+    the one the next step reuses)."""
+    _REUSED.clear()
+    _REUSED.update(state or {})
+
+
+def batch_repeats(cfg: RunConfig) -> int:
+    """``train.grpo.num_iterations``: optimizer steps each generation batch trains."""
+    return max(cfg.train.grpo.num_iterations, 1)
+
+
 def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
     """Generate, score and compute the advantages of the step's global batch (the module docstring's steps 1-4);
     returns the micro-batches of prompt + completion sequences the step trains on (``input_ids``,
     ``attention_mask``, ``position_ids``, ``labels`` ``[B G, P + C]``; ``completion_mask`` ``[B G, C]``;
     ``prompt_length``; ``advantages``, ``rewards``, ``group_std`` ``[B G]``; ``reward_table`` ``[B G, F]``;
-    ``terminated``; ``ref_logps`` ``[B G, C]`` with ``beta`` > 0).
+    ``terminated``; ``ref_logps`` ``[B G, C]`` with ``beta`` > 0; ``old_logps`` ``[B G, C]`` with ``num_iterations``
+    > 1).
+
+    With ``num_iterations`` = ``k`` > 1 (TRL's), a generation batch trains ``k`` optimizer steps: the sampler gives
+    each step's prompts ``k`` times in a row (:func:`batch_repeats`), the first of them generates and stores the
+    batch with the policy's log-probabilities at generation (``old_logps``, no gradient, TRL's
+    ``old_per_token_logps``), the next ``k - 1`` train on the stored batch (kept in every checkpoint by
+    :func:`rank_state`, so a resume between them trains the same batch). A stored batch that is not the one of this
+    step's rows (a resume on another layout) is generated again from the current weights, with a warning.
 
     Raises:
         RunFailure: a reward function failed on some rank (raised on every rank).
     """
+    step, k = int(engine.global_steps), batch_repeats(cfg)
+    if k > 1 and step % k:
+        if _REUSED.get("step") == step - step % k and _REUSED.get("rows") == _rows_key(micro):
+            return _REUSED["batches"]
+        logger.warning(f"grpo: the generation batch of step {step - step % k + 1} that step {step + 1} reuses "
+                       f"(train.grpo.num_iterations={k}) is not at hand for these rows (resumed on another layout?): "
+                       f"generating it again from the current weights, which the original run did not do")
+    out = _generate_and_score(engine, micro, cfg, step)
+    if k > 1:
+        _REUSED.clear()
+        _REUSED.update(step=step - step % k, rows=_rows_key(micro), batches=out)
+    return out
+
+
+def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) -> list[dict]:
+    """:func:`before_step`'s generation, scoring, advantages and no-gradient log-probabilities."""
     g, tok = cfg.train.grpo, tokenizer_of(cfg)
     functions = reward_functions(cfg)
-    step = int(engine.global_steps)
     joined = join_prompts(micro, tok.pad_token_id)  # one generate call for all the step's prompts on this rank
     with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
         whole = generate(engine, joined, g, tok, g.num_generations, True,
@@ -430,11 +485,16 @@ def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
         table = torch.tensor(tables[dist_utils.rank()][start:start + n], dtype=torch.float32).reshape(n, -1)
         out.append(_sequences(b, c, g, adv, r, std, table))
         start += n
-    if g.beta > 0:
+    if g.beta > 0 or g.num_iterations > 1:
         engine.eval()
-        with dpo.adapters_off(engine), torch.no_grad():
+        with torch.no_grad():
             for b in out:
-                b["ref_logps"] = completion_logps(engine, to_device(b, engine.device), g.temperature)[0].cpu()
+                on_device = to_device(b, engine.device)
+                if g.num_iterations > 1:  # the policy that generated: pi_old of the batch's later steps
+                    b["old_logps"] = completion_logps(engine, on_device, g.temperature)[0].cpu()
+                if g.beta > 0:
+                    with dpo.adapters_off(engine):
+                        b["ref_logps"] = completion_logps(engine, on_device, g.temperature)[0].cpu()
         engine.train()
     _log_sample(cfg, step + 1, prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
                 functions)
@@ -705,7 +765,7 @@ def _text_or_messages(typ) -> bool:
 def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """Check the grpo settings, reward functions and data before any model is built; one line per problem.
 
-    Problems: ``train.grpo`` values out of range or unsupported (``num_iterations`` > 1; ``beta`` > 0 without LoRA);
+    Problems: ``train.grpo`` values out of range or unsupported (``beta`` > 0 without LoRA);
     reward functions that cannot load (:func:`finetune.recipes.rewards.load`: path, import, name, signature, weights);
     a file without the prompt or a reward column; a prompt column neither text nor messages; null or empty prompts
     (the first row and their number); a malformed conversational prompt or one the chat template fails on.
@@ -717,9 +777,6 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     for key in ("max_completion_length", "num_iterations"):
         if getattr(g, key) < 1:
             problems.append(f"train.grpo.{key}: {getattr(g, key)} must be >= 1")
-    if g.num_iterations > 1:
-        problems.append(f"train.grpo.num_iterations: {g.num_iterations}; only 1 is supported (one optimizer step "
-                        f"per generation batch, TRL's default)")
     if g.temperature <= 0:
         problems.append(f"train.grpo.temperature: {g.temperature} must be > 0 (GRPO samples its completions)")
     if not 0 < g.top_p <= 1:
@@ -787,4 +844,5 @@ RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, before_step=before_step,
                 columns=columns, cache_key=cache_key, check_data=check_rows, prepare_model_config=prepare_model_config,
-                generation_pairs=generation_pairs, rollout=rollout)
+                generation_pairs=generation_pairs, rollout=rollout, batch_repeats=batch_repeats,
+                rank_state=rank_state, load_rank_state=load_rank_state)

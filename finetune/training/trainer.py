@@ -495,10 +495,14 @@ class LogWindow:
 
 class Saver:
     """Checkpoints of this launch: every ``train.save_every`` steps, at the end and on a stop, each step once,
-    keeping the newest ``train.keep_last_checkpoints`` (never the one resumed from)."""
+    keeping the newest ``train.keep_last_checkpoints`` (never the one resumed from), with the recipe's own state of
+    each rank (its ``rank_state`` hook), which a resumed launch gives back to the recipe first."""
 
-    def __init__(self, engine, run_dir: Path, cfg: RunConfig, state: TrainState, resume_from: Path | None):
-        self.engine, self.run_dir, self.config = engine, run_dir, config_to_dict(cfg)
+    def __init__(self, engine, run_dir: Path, cfg: RunConfig, state: TrainState, resume_from: Path | None, recipe):
+        self.engine, self.run_dir, self.config, self.rank_state = engine, run_dir, config_to_dict(cfg), \
+            recipe.rank_state
+        if resume_from is not None:  # what the recipe keeps between steps (grpo: a reused generation batch)
+            recipe.load_rank_state(ckpt_utils.load_rank_state(resume_from))
         self.keep_last, self.resume_from = cfg.train.keep_last_checkpoints, resume_from
         self.last = state.step if resume_from else -1
 
@@ -509,7 +513,7 @@ class Saver:
             return
         best = ckpt_utils.checkpoints_dir(self.run_dir) / f"step{state.best_step}" if state.best_step >= 0 else None
         ckpt_utils.save(self.engine, self.run_dir, state, self.config, keep_last=self.keep_last,
-                        protect=[self.resume_from, best])
+                        protect=[self.resume_from, best], rank_state=self.rank_state())
         self.last = state.step
 
 
@@ -586,7 +590,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     meter = StepMeter(engine.module, engine.device, lay.world, engine_precision(engine) != "fp32")
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train", dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
-        Saver(engine, run_dir, cfg, state, resume_from)
+        Saver(engine, run_dir, cfg, state, resume_from, recipe)
     window = LogWindow(engine, sink, meter, lay.world, train_dl.sampler.num_samples, pbar, lay.dp, lay.replicas)
     evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
     engine.train()
