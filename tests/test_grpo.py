@@ -200,6 +200,7 @@ def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
                  "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "entropy", "kl"):
         assert f"train/{name}" in train[0], (name, sorted(train[0]))
     assert train[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the adapters are zero, policy = reference
+    assert all(r["time/before_step_s"] > 0 for r in train)  # generation and scoring are timed apart from forward
     assert any("eval/reward" in r for r in rows)
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(sample) == 16 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])

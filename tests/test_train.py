@@ -32,7 +32,8 @@ RUNS = [("gpt", "zero2"), ("bert", "zero3"),
         pytest.param("gpt", "zero3", marks=pytest.mark.extended),
         pytest.param("bert", "zero2", marks=pytest.mark.extended)]
 TRAIN_SCALARS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/tokens_per_s_per_device",
-                 "train/padding_ratio", "time/data_wait_s", "time/forward_s", "time/backward_s", "time/optimizer_s"}
+                 "train/padding_ratio", "time/data_wait_s", "time/before_step_s", "time/forward_s", "time/backward_s",
+                 "time/optimizer_s"}
 EVAL_SCALARS = {"eval/loss", "eval/perplexity"}
 MODEL_CLASS = {"gpt": "AutoModelForCausalLM", "bert": "AutoModelForMaskedLM"}
 

@@ -64,12 +64,14 @@ class StepMeter:
     """Throughput, padding and where the step time goes, for the training log (one per ``fit``).
 
     The loop calls :meth:`begin` at the start of every optimizer step and :meth:`lap` after each phase
-    (``data_wait``, ``forward``, ``backward``, ``optimizer``). Only on a sampled step (the logged ones) does
+    (``data_wait``, ``before_step``, ``forward``, ``backward``, ``optimizer``). Only on a sampled step (the logged ones) does
     :meth:`lap` synchronize the device and read the clock, so the other steps run without extra
     synchronisation; on those the two calls cost a bool test. The split is per optimizer step, in seconds,
     summed over its micro-batches: ``backward`` includes the gradient reduction ZeRO runs in backward hooks
     (waiting for the slowest rank shows there), ``optimizer`` is ``engine.step()``; ``forward`` of the first
-    micro-batch includes the target-count all-reduce and the copy of the batch to the device.
+    micro-batch includes the target-count all-reduce and the copy of the batch to the device; ``before_step`` is the
+    recipe's whole-batch work before it (``grpo``: generation, scoring, the no-gradient log-probabilities; ``kto``: its
+    KL pass; about 0 for the others).
 
     Args:
         model: the trained module (for MFU's FLOPs per token).
@@ -78,7 +80,7 @@ class StepMeter:
         half_precision: bf16/fp16 training (selects the peak of :data:`PEAK_FLOPS`).
     """
 
-    PHASES = ("data_wait", "forward", "backward", "optimizer")
+    PHASES = ("data_wait", "before_step", "forward", "backward", "optimizer")
 
     def __init__(self, model, device, world: int, half_precision: bool):
         self.model, self.device, self.world = model, device, world

@@ -575,8 +575,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         launch: this launch's number in the run folder (marks its ``metrics.jsonl`` rows).
         generation: :class:`finetune.training.generation.EvalGeneration` for ``train.eval_generate`` (None: off).
 
-    Returns:
-        The final :class:`TrainState`.
+    Returns: the final :class:`TrainState`.
 
     Raises:
         TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm (:class:`Guard`).
@@ -603,6 +602,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
             for micro in epoch_steps(train_dl, state, total_steps, gas, step_rows, lay.dp, resume_from, begin):
                 meter.lap("data_wait")
                 micro = recipe.before_step(engine, micro, cfg)  # the default returns them as they are
+                meter.lap("before_step")
                 targets, stop = step_collective(recipe, micro, by_token, stop_flag, engine.device, lay.replicas)
                 if stop:  # the rows drawn for this step are trained on resume
                     saver.save(state, unless_saved=True)
