@@ -474,7 +474,8 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
             cols[n] += [v for v in b["reward_columns"][n] for _ in range(g.num_generations)]
     tables = score_everywhere(functions, prompts, texts, ids, cols)
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
-    mine = combine(torch.tensor(tables[dist_utils.rank()], dtype=torch.float32), weights)
+    own = torch.tensor(tables[dist_utils.rank()], dtype=torch.float32).reshape(len(texts), -1)  # [B G, F]
+    mine = combine(own, weights)
     batch_std = _nanstd(combine(torch.tensor([r for t in tables for r in t], dtype=torch.float32), weights)) \
         if g.scale_rewards == "batch" else None
     out, start = [], 0
@@ -482,8 +483,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
         n = len(c["completion_ids"])
         r = mine[start:start + n]
         adv, std = advantages(r, g.num_generations, g.scale_rewards, batch_std)
-        table = torch.tensor(tables[dist_utils.rank()][start:start + n], dtype=torch.float32).reshape(n, -1)
-        out.append(_sequences(b, c, g, adv, r, std, table))
+        out.append(_sequences(b, c, g, adv, r, std, own[start:start + n]))
         start += n
     if g.beta > 0 or g.num_iterations > 1:
         engine.eval()
@@ -685,16 +685,15 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
     if cfg is None:
         raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
     tok, functions = tokenizer_of(cfg), reward_functions(cfg)
-    engine = model
-    with _rollout(engine, g, tok).weights():
-        c = generate(engine, batch, g, tok, 1, False, 0, _synced(engine, g))
+    with _rollout(model, g, tok).weights():
+        c = generate(model, batch, g, tok, 1, False, 0, _synced(model, g))
     texts, ids = _texts(tok, c)
     tables = score_everywhere(functions, list(batch["prompts"]), texts, ids, dict(batch["reward_columns"]))
     table = torch.tensor(tables[dist_utils.rank()], dtype=torch.float32).reshape(len(texts), -1)
     weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
     real = (batch["labels"] != -100).cpu()
     r = combine(table, weights)
-    _write_eval_records(engine, cfg, batch, texts, table, functions, real)
+    _write_eval_records(model, cfg, batch, texts, table, functions, real)
     m = {"reward": _mean(torch.where(real, r, torch.nan))}
     for j, f in enumerate(functions):
         m[f"rewards/{f.name}/mean"] = _mean(torch.where(real, table[:, j], torch.nan))
