@@ -232,6 +232,8 @@ class GrpoConfig:
     """``length``: tokens before ``max_completion_length`` where the penalty starts (DAPO's overlong buffer); 0: a quarter of ``max_completion_length``."""
     gather_for_generation: bool = True
     """ZeRO-3: gather the whole model on every rank once per generation round (TRL's ``ds3_gather_for_generation``); false: generate layer by layer with ``synced_gpus`` (slower; for models that do not fit gathered)."""
+    fast_generation: bool = True
+    """Generation prefills each prompt once for its ``num_generations`` completions (its KV cache repeated, reserved for the whole completion: no per-token concatenation) and samples by inverting the cumulative distribution (one random number per completion and token, where ``torch.multinomial`` draws one per vocabulary entry): the same greedy completions and sampling distribution as transformers' ``generate`` with ``num_return_sequences``, other draws for a seed; false: that ``generate`` call as it is. ``synced_gpus`` generation (``gather_for_generation: false``) always runs the latter."""
     log_completions: int = 4
     """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage); 0: none."""
 

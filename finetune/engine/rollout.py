@@ -16,16 +16,89 @@ every rank for a block of generation (``deepspeed.zero.GatheredParameters`` over
 decoding step runs locally. With ``gather=False`` (models that do not fit whole on one device) nothing is gathered
 and ``generate`` runs with ``synced_gpus``: every layer is gathered at every decoding step, all ranks in lockstep
 until the longest generation of any rank ends (transformers' ZeRO-3 path).
+
+With ``fast`` (``train.grpo.fast_generation``, the default) three things change, none of them the greedy
+completions or the sampling distribution: each prompt is prefilled once and its KV cache repeated for its ``n``
+completions (``generate`` with ``num_return_sequences`` prefills every copy; :meth:`HFGenerateRollout._prefill_once`),
+the cache of each full-attention layer is reserved for the whole completion and written in place
+(:class:`ReservedLayer`; ``DynamicLayer`` concatenates, a copy of the cache per layer and token), and a sampled token
+is drawn by inverting the cumulative distribution with one uniform number per row (:class:`InverseCdfSampler`), where
+``generate``'s ``torch.multinomial`` draws an exponential variate for every vocabulary entry. What each saves on the
+``grpo`` bench's model: docs/performance.md, "Against TRL's ``GRPOTrainer``".
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from deepspeed.runtime.rollout import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicLayer
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from finetune.parallel import distributed as dist_utils
+
+
+class InverseCdfSampler(LogitsProcessor):
+    """The last logits processor of a greedy ``generate``: draws each row's next token from ``softmax(scores)`` and
+    returns scores that are 0 at the drawn token and ``-inf`` elsewhere, so greedy decoding picks it.
+
+    The draw inverts the cumulative distribution (float64) at one uniform number per row: the same distribution as
+    ``torch.multinomial`` (tokens of probability 0, e.g. cut by top-k, are never drawn) from ``B`` random numbers
+    instead of ``B x V`` exponential variates (torch's multinomial, a per-step cost that grows with the vocabulary).
+    Uses torch's global RNG on the scores' device.
+    """
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """``scores`` ``[B, V]`` float (after the warpers) -> ``[B, V]`` of the same dtype, one 0 per row."""
+        cdf = scores.softmax(-1, dtype=torch.float64).cumsum_(-1)
+        u = torch.rand((len(scores), 1), dtype=torch.float64, device=scores.device) * cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, u, right=True).clamp_(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, drawn, 0.0)
+
+
+class ReservedLayer(DynamicLayer):
+    """A :class:`~transformers.cache_utils.DynamicLayer` whose keys and values are views of buffers reserved for
+    ``capacity`` positions: each decoding step writes its position in place, where ``DynamicLayer`` concatenates
+    (a copy of the whole cache, per layer and step). Past ``capacity`` it grows as ``DynamicLayer``."""
+
+    @classmethod
+    def reserve(cls, layer: DynamicLayer, capacity: int) -> "ReservedLayer":
+        """``layer``'s cached ``[B, H, T, D]`` keys and values in buffers of ``max(T, capacity)`` positions."""
+        new = cls()
+        new.dtype, new.device, new.is_initialized = layer.keys.dtype, layer.keys.device, True
+        b, h, t, d = layer.keys.shape
+        new._k = layer.keys.new_empty((b, h, max(t, capacity), d))
+        new._v = layer.values.new_empty((b, h, max(t, capacity), layer.values.shape[-1]))
+        new._k[:, :, :t].copy_(layer.keys)
+        new._v[:, :, :t].copy_(layer.values)
+        new.keys, new.values = new._k[:, :, :t], new._v[:, :, :t]
+        return new
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        t, n = self.keys.shape[-2], key_states.shape[-2]
+        if t + n > self._k.shape[-2] or key_states.shape[0] != self._k.shape[0]:
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._k[:, :, t:t + n].copy_(key_states)
+        self._v[:, :, t:t + n].copy_(value_states)
+        self.keys, self.values = self._k[:, :, :t + n], self._v[:, :, :t + n]
+        return self.keys, self.values
+
+
+def sampling_processors(sampling: SamplingConfig) -> LogitsProcessorList:
+    """``sampling``'s warpers in ``generate``'s order (temperature, top-k, top-p; each only when it changes
+    anything, as ``generate`` adds them), then :class:`InverseCdfSampler`."""
+    out = LogitsProcessorList()
+    if sampling.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:
+        out.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=sampling.top_p))
+    out.append(InverseCdfSampler())
+    return out
 
 
 class HFGenerateRollout(RolloutEngine):
@@ -36,12 +109,14 @@ class HFGenerateRollout(RolloutEngine):
         engine: the DeepSpeed engine (or a plain / peft-wrapped causal LM: one process, nothing to gather).
         tokenizer: the run's tokenizer (``pad_token_id``, ``eos_token_id``).
         gather: under ZeRO-3, gather the whole model for :meth:`weights` (else ``synced_gpus`` generation).
+        fast: one prefill per prompt and :class:`InverseCdfSampler` (module docstring); False: ``generate`` with
+            ``num_return_sequences`` and its own sampling. ``synced_gpus`` generation always runs the latter.
     """
 
     name = "hf_generate"
 
-    def __init__(self, engine, tokenizer, gather: bool = True):
-        self.engine, self.tokenizer, self.gather = engine, tokenizer, gather
+    def __init__(self, engine, tokenizer, gather: bool = True, fast: bool = True):
+        self.engine, self.tokenizer, self.gather, self.fast = engine, tokenizer, gather, fast
         self.model = getattr(engine, "module", engine)
 
     def _zero3(self) -> bool:
@@ -83,29 +158,65 @@ class HFGenerateRollout(RolloutEngine):
         device = next(self.model.parameters()).device
         ids = request.prompt_ids.to(device)
         mask = request.prompt_attention_mask.to(device)
-        if sampling.temperature > 0:
+        n = sampling.n_samples_per_prompt
+        synced = self._zero3() and not self.gather and dist_utils.world_size() > 1
+        fast = self.fast and not synced
+        if sampling.temperature > 0 and fast:
+            knobs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None,
+                     "logits_processor": sampling_processors(sampling)}
+        elif sampling.temperature > 0:
             knobs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
                      "top_k": max(sampling.top_k, 0)}
         else:
             knobs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        synced = self._zero3() and not self.gather and dist_utils.world_size() > 1
         tok = self.tokenizer
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if seed is not None:
                 torch.manual_seed(seed)
+            if fast and n > 1 and ids.shape[1] > 1 and self._caches_dynamically():
+                cache = self._prefill_once(ids, mask, n, sampling.max_new_tokens)
+                ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+                knobs |= {"past_key_values": cache, "num_return_sequences": 1}
+            else:
+                knobs["num_return_sequences"] = n
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
-                                      num_return_sequences=sampling.n_samples_per_prompt,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                       synced_gpus=synced, **knobs)
         out = out.cpu()
-        prompt_len = ids.shape[1]
+        prompt_len = request.prompt_ids.shape[1]
         response = out[:, prompt_len:]
         is_eos = response == tok.eos_token_id
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(out),), response.shape[1]))
         response_mask = (torch.arange(response.shape[1])[None] <= first[:, None]).long()
-        prompt_mask = request.prompt_attention_mask.cpu().repeat_interleave(sampling.n_samples_per_prompt, 0)
+        prompt_mask = request.prompt_attention_mask.cpu().repeat_interleave(n, 0)
         return RolloutBatch(input_ids=out, attention_mask=torch.cat([prompt_mask, response_mask], 1),
                             response_start_idx=torch.full((len(out),), prompt_len, dtype=torch.long))
+
+    def _base(self):
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def _caches_dynamically(self) -> bool:
+        """The model keeps transformers' ``DynamicCache`` (decoder-only attention models; not Mamba-like states)."""
+        base = self._base()
+        return not base.config.is_encoder_decoder and getattr(base, "_supports_default_dynamic_cache", lambda: False)()
+
+    def _prefill_once(self, ids: torch.Tensor, mask: torch.Tensor, n: int, new_tokens: int) -> DynamicCache:
+        """The KV cache of each prompt but its last token, computed once and repeated ``n`` times (``[B n]`` rows, a
+        prompt's copies consecutive, as ``num_return_sequences`` orders them), its full-attention layers reserved for
+        the whole generation (:class:`ReservedLayer`); ``generate`` then runs the last prompt token and decodes.
+        Positions as ``generate`` makes them from the left-padded mask (``cumsum - 1``, 0 on the padding), passed
+        when the model's forward takes them."""
+        base = self._base()
+        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
+        params = inspect.signature(base.forward).parameters
+        extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        if "position_ids" in params:
+            extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, :-1]
+        self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True, **extra)
+        cache.batch_repeat_interleave(n)
+        cache.layers = [ReservedLayer.reserve(x, ids.shape[1] + new_tokens) if type(x) is DynamicLayer
+                        and x.is_initialized else x for x in cache.layers]
+        return cache
 
     def sync_weights(self, step: int) -> None:
         """Nothing to push: the rollout runs on the training engine's own weights."""

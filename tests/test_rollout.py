@@ -1,0 +1,86 @@
+"""``finetune.engine.rollout``'s fast generation path against ``generate`` as it is: the same greedy completions with
+one prefill per prompt, the same sampling distribution from :class:`InverseCdfSampler`, the reserved cache layers
+equal to ``DynamicLayer``'s concatenation."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
+
+from finetune.engine.rollout import (HFGenerateRollout, InverseCdfSampler, ReservedLayer, RolloutRequest,
+                                     SamplingConfig, sampling_processors)
+
+
+class _Tok:
+    pad_token_id, eos_token_id = 0, 1
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _prompts() -> RolloutRequest:
+    """Two left-padded prompts of 9 and 5 tokens."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13], [0, 0, 0, 0, 20, 21, 22, 23, 24]])
+    return RolloutRequest(ids, (ids != 0).long())
+
+
+def test_one_prefill_per_prompt_generates_the_same_greedy_completions():
+    """Greedy, 3 completions per prompt: the fast path (each prompt prefilled once, its cache repeated and reserved)
+    writes the tokens and masks of ``generate`` on the prompts repeated 3 times."""
+    model, req = _model(), _prompts()
+    greedy = SamplingConfig(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=3)
+    fast = HFGenerateRollout(model, _Tok(), fast=True).generate(req, greedy)
+    repeated = RolloutRequest(req.prompt_ids.repeat_interleave(3, 0), req.prompt_attention_mask.repeat_interleave(3, 0))
+    plain = HFGenerateRollout(model, _Tok(), fast=False).generate(
+        repeated, SamplingConfig(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=1))
+    assert fast.input_ids.shape == (6, 9 + 12)
+    assert torch.equal(fast.input_ids, plain.input_ids)
+    assert torch.equal(fast.attention_mask, plain.attention_mask)
+    assert torch.equal(fast.response_start_idx, plain.response_start_idx)
+
+
+def test_fast_sampling_is_seeded_and_shaped_as_generate():
+    model, req = _model(), _prompts()
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, n_samples_per_prompt=4)
+    rollout = HFGenerateRollout(model, _Tok())
+    a, b = rollout.generate(req, sampling, seed=3), rollout.generate(req, sampling, seed=3)
+    plain = HFGenerateRollout(model, _Tok(), fast=False).generate(req, sampling, seed=3)
+    assert torch.equal(a.input_ids, b.input_ids) and a.input_ids.shape == plain.input_ids.shape == (8, 17)
+    assert torch.equal(a.input_ids[:, :9], plain.input_ids[:, :9])  # each prompt's completions consecutive
+    assert len({tuple(r) for r in a.input_ids[:, 9:].tolist()}) > 1  # sampled, not greedy
+
+
+def test_the_inverse_cdf_sampler_draws_from_softmax_and_never_a_cut_token():
+    """200,000 draws of one row's distribution after top-k 4 (through :func:`sampling_processors`): each kept
+    token's share within 0.005 of its probability; the cut tokens are never drawn."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, -0.5]])
+    processors = sampling_processors(SamplingConfig(max_new_tokens=1, temperature=0.8, top_k=4, top_p=1.0))
+    assert isinstance(processors[-1], InverseCdfSampler)
+    rows = logits.expand(200_000, -1).clone()
+    scores = processors(torch.zeros((len(rows), 1), dtype=torch.long), rows)
+    drawn = scores.argmax(-1)
+    assert ((scores == 0).sum(-1) == 1).all()
+    kept = (logits / 0.8).topk(4).indices[0]
+    expected = torch.zeros(8).index_put_((kept,), (logits[0, kept] / 0.8).softmax(-1))
+    share = torch.bincount(drawn, minlength=8).float() / len(rows)
+    assert torch.allclose(share, expected, atol=0.005), (share, expected)
+    assert share[expected == 0].sum() == 0
+
+
+def test_a_reserved_layer_equals_concatenation_and_grows_past_its_capacity():
+    torch.manual_seed(0)
+    dynamic = DynamicLayer()
+    dynamic.update(torch.randn(2, 2, 5, 4), torch.randn(2, 2, 5, 4))
+    reserved = ReservedLayer.reserve(dynamic, 7)
+    for _ in range(4):  # 2 steps within the capacity of 7, then 2 past it
+        k, v = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+        want, got = dynamic.update(k, v), reserved.update(k, v)
+        assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert reserved.get_seq_length() == 9
