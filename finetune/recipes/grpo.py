@@ -280,7 +280,7 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
     Args:
         engine: the engine (or a plain causal LM).
         batch: a prompt batch (:class:`PromptCollator`).
-        g: ``train.grpo`` (``max_completion_length``, ``temperature``, ``top_p``, ``top_k``).
+        g: ``train.grpo`` (``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``fast_generation``).
         n: completions per prompt.
         sample: sample (else greedy).
         seed: the sampling seed.
@@ -290,7 +290,7 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
         ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
         including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
     """
-    rollout = HFGenerateRollout(engine, tokenizer, gather=not synced)
+    rollout = HFGenerateRollout(engine, tokenizer, gather=not synced, fast=g.fast_generation)
     sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
                               top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
     out = rollout.generate(RolloutRequest(batch["input_ids"], batch["attention_mask"]), sampling, seed)
@@ -389,7 +389,7 @@ def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
 
 
 def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
-    return HFGenerateRollout(engine, tokenizer, gather=g.gather_for_generation)
+    return HFGenerateRollout(engine, tokenizer, gather=g.gather_for_generation, fast=g.fast_generation)
 
 
 def _synced(engine, g: GrpoConfig) -> bool:
