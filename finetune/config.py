@@ -41,6 +41,7 @@ PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo"]
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
 SamplingLevel = Literal["token", "sequence"]
+GenerationBackend = Literal["hf_generate", "hybrid_engine"]
 Mode = Literal["min", "max"]
 
 
@@ -234,6 +235,8 @@ class GrpoConfig:
     """ZeRO-3: gather the whole model on every rank once per generation round (TRL's ``ds3_gather_for_generation``); false: generate layer by layer with ``synced_gpus`` (slower; for models that do not fit gathered)."""
     fast_generation: bool = True
     """Generation prefills each prompt once for its ``num_generations`` completions (its KV cache repeated, reserved for the whole completion: no per-token concatenation) and samples by inverting the cumulative distribution (one random number per completion and token, where ``torch.multinomial`` draws one per vocabulary entry): the same greedy completions and sampling distribution as transformers' ``generate`` with ``num_return_sequences``, other draws for a seed; false: that ``generate`` call as it is. ``synced_gpus`` generation (``gather_for_generation: false``) always runs the latter."""
+    generation_backend: GenerationBackend = "hf_generate"
+    """What generates the completions, behind DeepSpeed's rollout interface (``deepspeed.runtime.rollout``): ``hf_generate`` (transformers' ``generate`` on the engine's module; every device, ZeRO stage and LoRA) or ``hybrid_engine`` (DeepSpeed's ``HybridEngineRollout`` on its hybrid engine: DeepSpeed's inference kernels for the generation, CUDA GPUs only, ZeRO 0-2, no LoRA, GPT-2 / GPT-Neo / GPT-NeoX / GPT-J / BLOOM / OPT / Llama models; ``finetune selftest`` checks it on a GPU node)."""
     log_completions: int = 4
     """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage); 0: none."""
 

@@ -167,6 +167,46 @@ def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
     assert "bad.parquet' row 1 of column 'question' is null or empty (1 such rows)" in capsys.readouterr().err
 
 
+def test_the_hybrid_engine_backend_is_deepspeeds_rollout_with_generates_completions(fixed, tmp_path, capsys):
+    """``generation_backend: hybrid_engine`` runs DeepSpeed's ``HybridEngineRollout`` (its ``generate`` path, EOS
+    off, padded after the first EOS): with the same seed its completions and masks equal transformers' ``generate``
+    with ``num_return_sequences`` (``fast_generation: false``), sampled and greedy, so the batch the loss sees is the
+    same; DeepSpeed's inference kernels themselves run on GPUs only (``finetune selftest``'s ``hybrid_rollout``).
+    ``--check`` refuses it on the CPU, with LoRA, under ZeRO-3 and for a model type without kernels."""
+    from types import SimpleNamespace
+
+    from finetune.engine.rollout import HFGenerateRollout, HybridEngineGenerate, RolloutRequest, SamplingConfig
+
+    cfg, tok, prompts, _, model = fixed
+    request = RolloutRequest(prompts["input_ids"], prompts["attention_mask"])
+    p = prompts["input_ids"].shape[1]
+    first = HFGenerateRollout(model, tok, fast=False).generate(
+        request, SamplingConfig(max_new_tokens=12, temperature=0.0, n_samples_per_prompt=1), seed=0)
+    eos = int(first.input_ids[0, p + 2])  # a token the model does generate ends completions early, as an EOS would
+    shim = SimpleNamespace(pad_token_id=tok.pad_token_id, eos_token_id=eos)
+    hybrid = HybridEngineGenerate(SimpleNamespace(module=model), shim)
+    plain = HFGenerateRollout(model, shim, fast=False)
+    for temperature, n in ((0.05, 3), (0.0, 1)):  # greedy evaluation: one completion per prompt
+        sampling = SamplingConfig(max_new_tokens=12, temperature=temperature, n_samples_per_prompt=n)
+        with hybrid.weights():
+            a = hybrid.generate(request, sampling, seed=5)
+        b = plain.generate(request, sampling, seed=5)
+        width = b.input_ids.shape[1]  # generate stops when every completion has ended; the hybrid rollout does not
+        assert torch.equal(a.input_ids[:, :width], b.input_ids) and (a.input_ids[:, width:] == tok.pad_token_id).all()
+        assert torch.equal(a.attention_mask[:, :width], b.attention_mask) and not a.attention_mask[:, width:].any()
+        assert (b.input_ids[:, p:] == eos).any() and (a.input_ids[:, p:] == eos).any(), "completions that end"
+    good = write_parquet(tmp_path / "good.parquet", {"question": ["1+1?", "2+2?"], "answer": ["#### 2", "#### 4"]})
+    assert check_files(CONFIG, tmp_path, [good], ["train.grpo.generation_backend=hybrid_engine", "model.lora.r=4",
+                                                  "ds.zero_optimization.stage=3", "model.path=data/models/tiny-qwen3",
+                                                  "model.tokenizer_path=data/models/tiny-qwen3"]) == 2
+    err = capsys.readouterr().err
+    for line in ("train.grpo.generation_backend: hybrid_engine needs CUDA GPUs",
+                 "train.grpo.generation_backend: hybrid_engine cannot generate with LoRA adapters",
+                 "train.grpo.generation_backend: hybrid_engine is not supported under ZeRO-3",
+                 "no inference kernels for model type 'qwen3'"):
+        assert line in err, (line, err)
+
+
 def test_score_names_the_function_for_each_failure():
     """Wrong length, NaN and an exception: a RewardError naming the function; None is 'not scored' (NaN)."""
     from finetune.recipes import rewards

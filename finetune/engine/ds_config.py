@@ -265,6 +265,12 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
     ep_section = expert.ds_section(cfg)
     if ep_section:  # AutoEP: experts over ep-rank groups; the rows (and train_batch_size) stay data-parallel over all
         ds["expert_parallel"] = ep_section
+    if cfg.train.grpo.generation_backend == "hybrid_engine":  # grpo's generation on DeepSpeed's hybrid engine
+        problems += hybrid_engine_problems(cfg, on_cpu, zero_stage(ds))
+        # DeepSpeedHybridEngine: inference kernels for generation; its workspace holds prompt + completion tokens
+        ds["hybrid_engine"] = {**ds.get("hybrid_engine", {}), "enabled": True, "inference_tp_size": 1,
+                               "release_inference_cache": False,
+                               "max_out_tokens": cfg.data.max_seq_len + cfg.train.grpo.max_completion_length}
     ds.setdefault("steps_per_print", 10**9)  # our own loop logs; keep DeepSpeed's periodic prints quiet
     if "optimizer" not in ds and "scheduler" not in ds:
         params = {"lr": cfg.train.lr, "betas": [cfg.train.adam_beta1, cfg.train.adam_beta2], "eps": cfg.train.adam_eps,
@@ -294,6 +300,32 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
     if not problems and deepspeed_checks:
         problems += _deepspeed_own_checks(ds, world_size, cfg.deepspeed)
     return ds, problems
+
+
+def hybrid_engine_problems(cfg: RunConfig, on_cpu: bool, stage: int) -> list[str]:
+    """What ``train.grpo.generation_backend: hybrid_engine`` (DeepSpeed's hybrid engine,
+    :class:`finetune.engine.rollout.HybridEngineGenerate`) cannot run with, one line each: the CPU accelerator
+    (DeepSpeed 0.19.8 has no CPU build of its inference kernels), LoRA (the kernels copy the base weights; the
+    adapters would not generate), ZeRO-3, a model type without DeepSpeed inference kernels."""
+    from finetune.engine.rollout import HYBRID_ENGINE_MODELS
+
+    key, fix = "train.grpo.generation_backend: hybrid_engine", "use generation_backend=hf_generate"
+    problems = []
+    if on_cpu:
+        problems.append(f"{key} needs CUDA GPUs (DeepSpeed's hybrid engine runs its inference kernels there, and "
+                        f"DeepSpeed has no CPU build of them); {fix}")
+    if cfg.model.lora is not None:
+        problems.append(f"{key} cannot generate with LoRA adapters (its kernels copy the base weights); {fix}")
+    if stage == 3:
+        problems.append(f"{key} is not supported under ZeRO-3 here; use ZeRO 0-2 or {fix}")
+    try:
+        model_type = json.loads((Path(cfg.model.path) / "config.json").read_text()).get("model_type", "")
+    except (OSError, ValueError):  # reported by the model checks
+        model_type = None
+    if model_type is not None and model_type not in HYBRID_ENGINE_MODELS:
+        problems.append(f"{key}: DeepSpeed's hybrid engine has no inference kernels for model type "
+                        f"'{model_type}' (it has: {', '.join(HYBRID_ENGINE_MODELS)}); {fix}")
+    return problems
 
 
 def _deepspeed_own_checks(ds: dict, world_size: int, source: str) -> list[str]:

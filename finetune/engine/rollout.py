@@ -182,15 +182,7 @@ class HFGenerateRollout(RolloutEngine):
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                       synced_gpus=synced, **knobs)
-        out = out.cpu()
-        prompt_len = request.prompt_ids.shape[1]
-        response = out[:, prompt_len:]
-        is_eos = response == tok.eos_token_id
-        first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(out),), response.shape[1]))
-        response_mask = (torch.arange(response.shape[1])[None] <= first[:, None]).long()
-        prompt_mask = request.prompt_attention_mask.cpu().repeat_interleave(n, 0)
-        return RolloutBatch(input_ids=out, attention_mask=torch.cat([prompt_mask, response_mask], 1),
-                            response_start_idx=torch.full((len(out),), prompt_len, dtype=torch.long))
+        return response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], tok.eos_token_id, n)
 
     def _base(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -220,3 +212,88 @@ class HFGenerateRollout(RolloutEngine):
 
     def sync_weights(self, step: int) -> None:
         """Nothing to push: the rollout runs on the training engine's own weights."""
+
+
+def response_batch(out: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int, eos: int, n: int) -> RolloutBatch:
+    """A :class:`~deepspeed.runtime.rollout.RolloutBatch` on the CPU from generated ``[B n, T_p + T_r]`` ids (pad after
+    each response's first EOS): the attention mask is the prompts' ``[B, T_p]`` mask repeated ``n`` times, then 1 on
+    each response up to and including its first EOS (all of it without one)."""
+    out = out.cpu()
+    response = out[:, prompt_len:]
+    is_eos = response == eos
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(out),), response.shape[1]))
+    response_mask = (torch.arange(response.shape[1])[None] <= first[:, None]).long()
+    return RolloutBatch(input_ids=out, attention_mask=torch.cat([prompt_mask.cpu().repeat_interleave(n, 0),
+                                                                 response_mask], 1),
+                        response_start_idx=torch.full((len(out),), prompt_len, dtype=torch.long))
+
+
+HYBRID_ENGINE_MODELS = ("gpt2", "gpt_neo", "gpt_neox", "gptj", "bloom", "opt", "llama")
+"""``model_type`` of the transformers causal LMs DeepSpeed 0.19.8's hybrid engine has inference kernels for (the
+transformers layer classes of its ``module_inject.replace_policy.replace_policies``)."""
+
+
+class HybridEngineGenerate(HFGenerateRollout):
+    """DeepSpeed's own :class:`~deepspeed.runtime.rollout.HybridEngineRollout` behind finetune's rollout calls
+    (``train.grpo.generation_backend: hybrid_engine``).
+
+    On CUDA GPUs, with ``hybrid_engine.enabled`` in the DeepSpeed config (the toolkit sets it for this backend), the
+    engine is DeepSpeed's ``DeepSpeedHybridEngine``: its ``eval()`` swaps the layers' forwards for DeepSpeed's
+    inference kernels (for the models of :data:`HYBRID_ENGINE_MODELS`) and ``train()`` swaps them back, so
+    :meth:`weights` switches the **engine**, not only the module. ``HybridEngineRollout`` samples through
+    ``generate`` with EOS off (every rank decodes ``max_new_tokens`` steps, what ZeRO's collectives need) and pads
+    each response after its first EOS; with ``n`` > 1 it prefills each prompt once (``use_shared_prefill``, hybrid
+    engine only). :func:`response_batch` then gives the same batch layout as :class:`HFGenerateRollout`; with the
+    same seed the completions equal those of ``generate`` with ``num_return_sequences`` (``fast=False``).
+
+    The toolkit refuses this backend before any model is built on the CPU (DeepSpeed has no CPU build of the
+    inference kernels), with LoRA (the kernels copy the base weights; the adapters would be left out), under ZeRO-3
+    and for other model types; ``finetune selftest``'s ``hybrid_rollout`` row checks it on a GPU node.
+
+    Args:
+        engine: the DeepSpeed engine (a ``DeepSpeedHybridEngine`` on GPUs; any object with a ``.module`` causal LM
+            runs ``HybridEngineRollout``'s ``generate`` path).
+        tokenizer: the run's tokenizer (``pad_token_id``, ``eos_token_id``).
+    """
+
+    name = "hybrid_engine"
+
+    def __init__(self, engine, tokenizer):
+        super().__init__(engine, tokenizer, gather=False, fast=False)
+
+    @contextlib.contextmanager
+    def weights(self):
+        """While active, the engine is in eval mode (the hybrid engine's inference forwards); training mode after."""
+        switch = self.engine if hasattr(self.engine, "eval") else self.model
+        was_training = self.model.training
+        switch.eval()
+        try:
+            yield
+        finally:
+            switch.train(was_training)
+
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None) -> RolloutBatch:
+        """As :meth:`HFGenerateRollout.generate`, through DeepSpeed's ``HybridEngineRollout``."""
+        from deepspeed.runtime.rollout import HybridEngineRollout
+        from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
+
+        device = next(self.model.parameters()).device
+        n = sampling.n_samples_per_prompt
+        shared = n > 1 and hasattr(self.engine, "prepare_shared_prefill") and not self._zero3()
+        rollout = HybridEngineRollout(self.engine, self.tokenizer, HybridEngineRolloutConfig(use_shared_prefill=shared))
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(seed)
+            batch = rollout.generate(RolloutRequest(request.prompt_ids.to(device),
+                                                    request.prompt_attention_mask.to(device)), sampling)
+        return response_batch(batch.input_ids, request.prompt_attention_mask, request.prompt_ids.shape[1],
+                              self.tokenizer.eos_token_id, n)
+
+
+def make_rollout(engine, tokenizer, backend: str = "hf_generate", gather: bool = True,
+                 fast: bool = True) -> HFGenerateRollout:
+    """The rollout of ``train.grpo.generation_backend``: :class:`HFGenerateRollout` (``hf_generate``, with
+    ``gather`` and ``fast``) or :class:`HybridEngineGenerate` (``hybrid_engine``)."""
+    if backend == "hybrid_engine":
+        return HybridEngineGenerate(engine, tokenizer)
+    return HFGenerateRollout(engine, tokenizer, gather=gather, fast=fast)

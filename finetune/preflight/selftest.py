@@ -368,6 +368,47 @@ def check_fp16_step(steps: int = 3, lr: float = 1e-3) -> Check:
     return _judge("fp16_step", diff, 2e-2, f"{steps} ZeRO-2 steps, fp16 with loss scaling vs fp32")
 
 
+def check_hybrid_rollout(new_tokens: int = 8) -> Check:
+    """DeepSpeed's hybrid engine generating through finetune's rollout (``train.grpo.generation_backend:
+    hybrid_engine``; CUDA only): a tiny Llama under ``DeepSpeedHybridEngine`` (ZeRO-0, fp32, DeepSpeed's inference
+    kernels in eval mode), 4 prompts of 16 tokens, one greedy completion each through
+    :class:`finetune.engine.rollout.HybridEngineGenerate`; then, back in training mode, the model's own forward on
+    prompt + completion: every generated token must be its argmax at that position. Measured: the largest gap
+    between the top logit and the generated token's, over the logits' largest magnitude (0 when every token is the
+    argmax; near-ties within kernel rounding pass)."""
+    name, tol = "hybrid_rollout", 1e-2
+    if _device().type != "cuda":
+        return Check(name, "skip", None, tol, "needs a CUDA GPU (DeepSpeed's hybrid engine runs its inference kernels "
+                                              "there)")
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    from finetune.engine.rollout import HybridEngineGenerate, RolloutRequest, SamplingConfig
+
+    dev = _device()
+    model = tiny_llama()
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}, "steps_per_print": 10**9,
+          "hybrid_engine": {"enabled": True, "max_out_tokens": 16 + new_tokens, "inference_tp_size": 1,
+                            "release_inference_cache": False}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    ids = _batch(rows=4, seq=16).clamp(min=2)  # 0 is the pad token, 1 the EOS: neither in the prompts
+    rollout = HybridEngineGenerate(engine, SimpleNamespace(pad_token_id=0, eos_token_id=1))
+    with rollout.weights():
+        out = rollout.generate(RolloutRequest(ids, torch.ones_like(ids)),
+                               SamplingConfig(max_new_tokens=new_tokens, temperature=0.0), seed=0)
+    engine.train()
+    with torch.no_grad():
+        logits = engine.module(input_ids=out.input_ids.to(dev)).logits[:, 15:-1].double()
+    chosen = logits.gather(-1, out.input_ids[:, 16:].to(dev)[..., None]).squeeze(-1)
+    real = out.attention_mask[:, 16:].to(dev).bool()
+    gap = float(((logits.max(-1).values - chosen) * real).max() / logits.abs().max())
+    engine.destroy()
+    return _judge(name, gap, tol, f"{int(real.sum())} greedy tokens of DeepSpeed's HybridEngineRollout on its hybrid "
+                                  "engine vs the training forward's argmax, tiny Llama, fp32")
+
+
 def sp_llama(sp: int, seed: int = 0):
     """A 2-layer Llama whose heads split over ``sp`` sequence-parallel ranks: ``lcm(4, sp)`` attention heads of
     dimension 16, 2 key/value heads when ``sp`` is even (DeepSpeed replicates them over the ranks, so grouped-query
@@ -519,6 +560,7 @@ CHECKS = {
     "zero3_step": lambda: check_zero_step(3),
     "fp16_step": check_fp16_step,
     "sequence_parallel": check_sequence_parallel,
+    "hybrid_rollout": check_hybrid_rollout,
     "expert_parallel": check_expert_parallel,
 }
 """Check name -> function returning a :class:`Check`; run in this order, on every rank in lockstep."""

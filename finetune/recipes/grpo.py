@@ -86,7 +86,7 @@ from finetune import patches
 from finetune.config import DataConfig, GrpoConfig, RunConfig
 from finetune.data.batch import LossOutput, to_device
 from finetune.data.dataset import string_type
-from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig
+from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig, make_rollout
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
@@ -290,7 +290,7 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
         ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
         including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
     """
-    rollout = HFGenerateRollout(engine, tokenizer, gather=not synced, fast=g.fast_generation)
+    rollout = make_rollout(engine, tokenizer, g.generation_backend, gather=not synced, fast=g.fast_generation)
     sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
                               top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
     out = rollout.generate(RolloutRequest(batch["input_ids"], batch["attention_mask"]), sampling, seed)
@@ -389,7 +389,7 @@ def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
 
 
 def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
-    return HFGenerateRollout(engine, tokenizer, gather=g.gather_for_generation, fast=g.fast_generation)
+    return make_rollout(engine, tokenizer, g.generation_backend, gather=g.gather_for_generation, fast=g.fast_generation)
 
 
 def _synced(engine, g: GrpoConfig) -> bool:
