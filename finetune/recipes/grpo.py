@@ -486,7 +486,10 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
         out.append(_sequences(b, c, g, adv, r, std, own[start:start + n]))
         start += n
     if g.beta > 0 or g.num_iterations > 1:
-        engine.eval()
+        # the module's mode only: a hybrid engine's eval() would swap in its inference kernels, and these passes
+        # must be the training forward's
+        module = getattr(engine, "module", engine)
+        module.eval()
         with torch.no_grad():
             for b in out:
                 on_device = to_device(b, engine.device)
@@ -495,7 +498,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
                 if g.beta > 0:
                     with dpo.adapters_off(engine):
                         b["ref_logps"] = completion_logps(engine, on_device, g.temperature)[0].cpu()
-        engine.train()
+        module.train()
     _log_sample(cfg, step + 1, prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
                 functions)
     return out
