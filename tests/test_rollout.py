@@ -84,3 +84,18 @@ def test_a_reserved_layer_equals_concatenation_and_grows_past_its_capacity():
         want, got = dynamic.update(k, v), reserved.update(k, v)
         assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert reserved.get_seq_length() == 9
+
+
+def test_decoding_keeps_a_cache_when_the_model_config_says_use_cache_false():
+    """A packed SFT export's config and generation config say ``use_cache: false`` (``recipes.sft``): every decoding
+    forward still gets one new token, on both paths."""
+    model, req = _model(), _prompts()
+    model.config.use_cache = model.generation_config.use_cache = False
+    lengths = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    for fast in (True, False):
+        lengths.clear()
+        HFGenerateRollout(model, _Tok(), fast=fast).generate(
+            req, SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=2), seed=0)
+        assert lengths[-5:] == [1] * 5, (fast, lengths)

@@ -154,6 +154,8 @@ class HFGenerateRollout(RolloutEngine):
             prompt's ``n`` completions consecutive; the response padded with the pad token after its EOS),
             ``attention_mask`` (1 on the real prompt tokens and on the response up to and including its first EOS),
             ``response_start_idx`` ``[B n]`` = ``T_p``.
+
+        Decodes with a KV cache whatever the model's ``use_cache`` says (an SFT export of packed rows says false).
         """
         device = next(self.model.parameters()).device
         ids = request.prompt_ids.to(device)
@@ -181,7 +183,7 @@ class HFGenerateRollout(RolloutEngine):
                 knobs["num_return_sequences"] = n
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                      synced_gpus=synced, **knobs)
+                                      synced_gpus=synced, use_cache=True, **knobs)
         return response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], tok.eos_token_id, n)
 
     def _base(self):
