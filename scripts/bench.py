@@ -47,6 +47,16 @@ docstring). The same prompts (the first ``--steps`` x global batch GSM8K questio
 finetune: the step's ``attention_mask``, TRL: ``prompt_mask`` + ``completion_mask`` of each micro-batch
 ``compute_loss`` trains); ``mean reward`` is the mean of every step's mean reward (all launches), ``last reward``
 that of the last steps (the final-loss window). A step's time includes its generation on both sides.
+From random weights almost every reward is 0 on both sides; ``--init-from <folder>`` starts every contender from a
+trained model (``model.path=<folder> model.init=pretrained``, its config and tokenizer; TRL's side loads it with
+``from_pretrained``; a packed SFT export's ``use_cache: false`` is turned on for TRL's generation, as finetune's
+rollout decodes with a cache anyway), e.g. the export of the shipped GSM8K SFT run on this preset's shape, trained
+800 steps (after its default 150 the answers do not reach GSM8K's ``####`` marker yet; docs/performance.md)::
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 finetune/run.py --config finetune/recipes/configs/sft_gsm8k.yaml \
+        output_dir=runs/bench_sft_init model.tokenizer_path=data/models/gsm8k-bpe-8k train.max_steps=800 \
+        train.eval_every=400 train.save_every=800 "model.config_overrides=<REALISTIC_SHAPE, below>"
+    python scripts/bench.py --preset grpo --init-from runs/bench_sft_init/export --lock /tmp/heavy.lock
 
 The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
 ``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
@@ -682,7 +692,16 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
             "gradient_checkpointing": m.gradient_checkpointing,
-            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns)}
+            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns), "init": m.init}
+
+
+def init_from(folder: str) -> list[str]:
+    """``--init-from``'s overrides: the folder's weights, config and tokenizer instead of the preset's model (TRL's
+    side loads it with ``from_pretrained``: ``hf_spec``'s ``init``); none without a folder."""
+    if not folder:
+        return []
+    return [f"model.path={Path(folder).resolve()}", "model.init=pretrained", "model.config_overrides={}",
+            "model.tokenizer_path="]
 
 
 def table(preset: str, results: list[dict]) -> str:
@@ -923,6 +942,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the contenders are then finetune[<optimizer>] each, side by side in the same rounds")
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up launch (smoke runs: the "
                    "first contender's launch then pays DeepSpeed's one-time op builds, if any)")
+    p.add_argument("--init-from", default="", help="a model folder (e.g. an SFT export of the preset's shape) every "
+                   "contender starts from instead of random weights from train.seed (its config and tokenizer)")
     p.add_argument("--lock", default="", help="hold this flock(1) file during each launch (not between them), so "
                    "other heavy jobs on the machine interleave with the benchmark's launches")
     g = p.add_argument_group("long_context preset")
@@ -972,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides = [*preset["overrides"], *derived, *tiny, f"train.max_steps={args.steps}",
                          f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_on_start=false",
                          "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
-                         f"train.precision={precision}", *args.overrides]
+                         f"train.precision={precision}", *init_from(args.init_from), *args.overrides]
             cfg = load_run_config(REPO / preset["config"], overrides)
             t = cfg.train
             if preset.get("epoch"):  # one epoch: the rows the steps train (both sides' reference passes cover them)

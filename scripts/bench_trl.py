@@ -3,10 +3,11 @@ under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer`` or ``GRPOTrainer``
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
 columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
-(or ``RewardTrainer`` / ``RewardConfig``). Model (config + overrides, random init from the seed), ``max_length``
-(= our ``data.max_seq_len``; DPO: TRL's default ``keep_start`` truncation, as ours cuts the end; reward: TRL drops
-longer pairs), micro batch x accumulation, ZeRO stage, precision, optimizer (torch AdamW), schedule, ``beta``, seed
-and number of steps come from the same spec as the toolkit's run (``--spec``, written by ``scripts/bench.py``).
+(or ``RewardTrainer`` / ``RewardConfig``). Model (config + overrides, random init from the seed; with
+``bench.py --init-from`` the folder's weights), ``max_length`` (= our ``data.max_seq_len``; DPO: TRL's default
+``keep_start`` truncation, as ours cuts the end; reward: TRL drops longer pairs), micro batch x accumulation,
+ZeRO stage, precision, optimizer (torch AdamW), schedule, ``beta``, seed and number of steps come from the same
+spec as the toolkit's run (``--spec``, written by ``scripts/bench.py``).
 TRL's own default ``disable_dropout=True`` matches the recipes' dropout-free policy. The spec's ``variant``:
 
 * ``defaults`` (contender ``trl``): TRL's defaults. DPO: the reference is a copy of the initial model (what TRL
@@ -127,9 +128,16 @@ def main() -> None:
         setattr(config, k, v)
     auto = transformers.AutoModelForSequenceClassification if reward else transformers.AutoModelForCausalLM
     torch.manual_seed(spec["seed"])
-    with no_init_weights():  # the initial weights of finetune's scratch model (finetune.engine.model.scratch_model), so
-        model = auto.from_config(config, dtype=torch.float32)  # both references agree
-    model.init_weights()
+    if spec.get("init") == "pretrained":  # bench.py --init-from: the folder's weights, as finetune's model.init
+        # a packed SFT export says use_cache false (finetune's recipes.sft); finetune's rollout decodes with a cache
+        # anyway, and TRL would recompute every sequence at every token: both sides decode with one
+        config.use_cache = True
+        model = auto.from_pretrained(spec["model"], config=config, dtype=torch.float32, local_files_only=True)
+        model.generation_config.use_cache = True
+    else:
+        with no_init_weights():  # the initial weights of finetune's scratch model (engine.model.scratch_model),
+            model = auto.from_config(config, dtype=torch.float32)  # so both references agree
+        model.init_weights()
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
     step_ends: list[float] = []
