@@ -81,8 +81,8 @@ def fixed():
                                                           ("dr_grpo", "token", 0.0), ("bnpo", "token", 0.0),
                                                           ("dapo", "sequence", 0.04)])
 def test_forward_equals_a_plain_pytorch_grpo(fixed, loss_type, level, beta):
-    """Loss and every parameter's gradient equal the plain implementation's (1e-6 relative, 1e-6 of the largest
-    gradient) with generation-time log-probabilities that differ from the policy's, so tokens are clipped on both
+    """Loss and every parameter's gradient, each prompt run once for its completions (``share_prompt``), equal the
+    plain implementation's on separate sequences (1e-6 relative, 1e-6 of the largest gradient) with generation-time log-probabilities that differ from the policy's, so tokens are clipped on both
     sides, and a reference that differs too (the KL term); the clip-ratio metrics see the clipping."""
     cfg, tok, prompts, c, model = fixed
     g = GrpoConfig(num_generations=4, max_completion_length=10, temperature=0.7, epsilon=0.2, epsilon_high=0.28,
@@ -91,8 +91,10 @@ def test_forward_equals_a_plain_pytorch_grpo(fixed, loss_type, level, beta):
     adv, std = grpo.advantages(rewards_, 4, "group")
     batch = grpo._sequences(prompts, c, g, adv, rewards_, std, rewards_[:, None])
     p = int(batch["prompt_length"])
+    assert grpo.shares_prompts(model, batch, g.share_prompt)  # the loss runs each prompt once for its completions
+    assert grpo.prompt_shared_rows(batch, 0)["input_ids"].numel() < batch["input_ids"].numel() / 2
     with torch.no_grad():
-        base, _ = grpo.completion_logps(model, batch, g.temperature)
+        base, _ = grpo.completion_logps(model, batch, g.temperature)  # separate sequences
     gen = torch.Generator().manual_seed(1)
     batch["old_logps"] = base + 0.4 * torch.randn(base.shape, generator=gen)
     ref = base + 0.3 * torch.randn(base.shape, generator=gen)

@@ -90,7 +90,7 @@ from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingC
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes import Capabilities, Recipe, dpo, rewards
+from finetune.recipes import Capabilities, Recipe, dpo, reward, rewards
 from finetune.recipes.lm_loss import chunk_tokens, find_head, unwrap
 from finetune.recipes.sft import TemplateCheck, count_summary, message_problem, prompt_ids, template_text, \
     tokenizer_template_problem
@@ -494,10 +494,10 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
             for b in out:
                 on_device = to_device(b, engine.device)
                 if g.num_iterations > 1:  # the policy that generated: pi_old of the batch's later steps
-                    b["old_logps"] = completion_logps(engine, on_device, g.temperature)[0].cpu()
+                    b["old_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
                 if g.beta > 0:
                     with dpo.adapters_off(engine):
-                        b["ref_logps"] = completion_logps(engine, on_device, g.temperature)[0].cpu()
+                        b["ref_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
         module.train()
     _log_sample(cfg, step + 1, prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
                 functions)
@@ -519,7 +519,7 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
             "labels": labels, "completion_mask": cmask, "prompt_length": torch.tensor(p), "advantages": adv,
             "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
-            "lengths": c["lengths"]}
+            "lengths": c["lengths"], "group_size": torch.tensor(n)}
 
 
 def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions) -> None:
@@ -552,30 +552,103 @@ def _chunk_logps(head_fn, hidden: torch.Tensor, targets: torch.Tensor, temperatu
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_shared_rows(batch: dict, pad_token_id: int) -> dict:
+    """A training micro-batch's ``B x G`` sequences as ``B`` rows, each prompt once followed by its ``G`` completions
+    (prefix sharing: Wang et al. 2024, arXiv:2410.20305, as :func:`finetune.recipes.reward.shared_rows` does for
+    preference pairs).
+
+    Row ``i`` holds prompt ``i``'s real tokens (``P_i``, positions ``0..P_i - 1``), then each of its completions up to
+    and including its EOS (``lengths``), each at the positions it has in its own sequence (``P_i, P_i + 1, ...``) and
+    attending to the prompt and to its own earlier tokens only. Under causal attention every hidden state equals the
+    one of the separate sequence (up to the order of float sums), so the log-probabilities and their gradients do
+    too, and each prompt runs once instead of ``G`` times.
+
+    Args:
+        batch: :func:`before_step`'s micro-batch (``input_ids`` / ``attention_mask`` ``[B G, P + C]``, a prompt's
+            ``G`` completions consecutive; ``prompt_length``; ``lengths``; ``group_size``).
+        pad_token_id: filler of the rows' right padding.
+
+    Returns:
+        ``input_ids`` and ``position_ids`` ``[B, W]`` int64 (W: the longest row), ``allowed`` ``[B, 1, W, W]`` bool
+        (query ``q`` may attend key ``k``), ``source`` ``[B G, C]`` int64: the index into the flattened ``[B W]``
+        rows of the hidden state that predicts each completion token (its prompt's last token for the first; -1
+        past the completion's length).
+    """
+    ids, mask, p = batch["input_ids"], batch["attention_mask"], int(batch["prompt_length"])
+    g, lengths = int(batch["group_size"]), batch["lengths"].tolist()
+    b, c = ids.shape[0] // g, ids.shape[1] - p
+    rows, positions, segments, source = [], [], [], torch.full((ids.shape[0], c), -1, dtype=torch.long)
+    for i in range(b):
+        prompt = ids[i * g, :p][mask[i * g, :p].bool()]
+        n_p = len(prompt)
+        parts, pos, seg, at = [prompt], [torch.arange(n_p)], [torch.zeros(n_p, dtype=torch.long)], n_p
+        for j in range(g):
+            r, n = i * g + j, int(lengths[i * g + j])
+            parts.append(ids[r, p:p + n].cpu())
+            pos.append(n_p + torch.arange(n))
+            seg.append(torch.full((n,), j + 1, dtype=torch.long))
+            source[r, :n] = torch.cat([torch.tensor([n_p - 1]), at + torch.arange(n - 1)])
+            at += n
+        rows.append(torch.cat([x.cpu() for x in parts]))
+        positions.append(torch.cat(pos))
+        segments.append(torch.cat(seg))
+    w = max(len(x) for x in rows)
+    out_ids = torch.full((b, w), pad_token_id, dtype=torch.long)
+    out_pos = torch.zeros((b, w), dtype=torch.long)
+    out_seg = torch.full((b, w), -1, dtype=torch.long)  # padding: a segment of its own
+    for i, (x, q, sg) in enumerate(zip(rows, positions, segments)):
+        out_ids[i, :len(x)], out_pos[i, :len(x)], out_seg[i, :len(x)] = x, q, sg
+        source[i * g:(i + 1) * g] = torch.where(source[i * g:(i + 1) * g] >= 0, source[i * g:(i + 1) * g] + i * w, -1)
+    j = torch.arange(w)
+    causal = j[None, :, None] >= j[None, None, :]
+    key_seg, query_seg = out_seg[:, None, :], out_seg[:, :, None]
+    allowed = causal & ((key_seg == 0) | (key_seg == query_seg))
+    device = ids.device
+    return {"input_ids": out_ids.to(device), "position_ids": out_pos.to(device), "allowed": allowed[:, None].to(device),
+            "source": source.to(device)}
+
+
+def shares_prompts(model, batch: dict, share: bool) -> bool:
+    """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
+    than one completion per prompt, and an attention implementation that takes a block mask
+    (:data:`finetune.recipes.reward.SHARING_KERNELS`; the flash-attention kernels take none)."""
+    kernel = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
+    return share and int(batch.get("group_size", 1)) > 1 and kernel in reward.SHARING_KERNELS
+
+
+def completion_logps(model, batch: dict, temperature: float, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of the completion tokens (and their entropies) at ``temperature``.
 
     The output head (:func:`finetune.recipes.lm_loss.find_head`) runs only on the hidden states that predict
     completion tokens, in chunks of :func:`~finetune.recipes.lm_loss.chunk_tokens` positions (checkpointed when
-    there are several and gradients are on); its forward is replaced on the instance for this call only.
+    there are several and gradients are on); its forward is replaced on the instance for this call only. With
+    ``share`` (:func:`shares_prompts`) the sequences run as :func:`prompt_shared_rows`, each prompt once.
 
     Args:
         model: the engine, or a (peft-wrapped) causal LM.
         batch: a training micro-batch of :func:`before_step` on the model's device.
         temperature: the logits are divided by it (``train.grpo.temperature``).
+        share: run each prompt once for its completions (``train.grpo.share_prompt``) where the model allows it.
 
     Returns:
-        ``(logps, entropy)``, each ``[B G, C]`` float32; ``logps`` differentiable when gradients are on.
+        ``(logps, entropy)``, each ``[B G, C]`` float32 (0 past a completion's length when shared); ``logps``
+        differentiable when gradients are on.
     """
     p = int(batch["prompt_length"])
     targets = batch["input_ids"][:, p:]
     head = find_head(model)
     original = head.forward
     state = {}
+    shared = prompt_shared_rows(batch, 0) if shares_prompts(model, batch, share) else None
 
     def forward(hidden, *args, **kwargs):
-        h = hidden[:, p - 1:-1]
-        rows, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if shared is None:
+            h = hidden[:, p - 1:-1]
+            rows, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        else:  # the positions that predict a completion token, in [B G, C] order
+            keep = shared["source"].reshape(-1) >= 0
+            rows = hidden.reshape(-1, hidden.shape[-1])[shared["source"].reshape(-1)[keep]]
+            flat_t = targets.reshape(-1)[keep]
         fn = lambda x: original(x, *args, **kwargs)  # noqa: E731
         size = chunk_tokens(getattr(unwrap(model).config, "vocab_size", 32768))
         parts = []
@@ -585,14 +658,30 @@ def completion_logps(model, batch: dict, temperature: float) -> tuple[torch.Tens
                 parts.append(checkpoint(lambda a, b: _chunk_logps(fn, a, b, temperature), *args_, use_reentrant=False))
             else:
                 parts.append(_chunk_logps(fn, *args_, temperature))
-        logps = torch.cat([x[0] for x in parts]).view_as(targets)
-        state["entropy"] = torch.cat([x[1] for x in parts]).view_as(targets)
-        return logps
+        logps, entropy = torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
+        if shared is not None:
+            logps = torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
+            entropy = torch.zeros(keep.shape, dtype=entropy.dtype, device=entropy.device).masked_scatter(keep, entropy)
+        state["entropy"] = entropy.view_as(targets)
+        return logps.view_as(targets)
 
     with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)):
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"])
+        if shared is None:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"])
+        else:
+            out = model(input_ids=shared["input_ids"], attention_mask=_block_mask(model, shared["allowed"]),
+                        position_ids=shared["position_ids"])
     return out.logits, state["entropy"]
+
+
+def _block_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """``allowed`` as the model's attention takes a 4D mask: bool for sdpa, additive (0 / dtype min) for eager."""
+    module = unwrap(model)
+    if getattr(module.config, "_attn_implementation", None) != "eager":
+        return allowed
+    dtype = getattr(module, "dtype", torch.float32)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:
@@ -659,7 +748,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | No
     if batch["labels"].dim() == 1:
         return _evaluate(model, batch, g, cfg)
     mask = batch["completion_mask"].float()
-    logps, entropy = completion_logps(model, batch, g.temperature)
+    logps, entropy = completion_logps(model, batch, g.temperature, g.share_prompt)
     old = batch.get("old_logps", logps.detach())
     per_token, parts = token_losses(logps, old, batch["advantages"].to(logps.dtype), mask, g, batch.get("ref_logps"))
     total = loss_sum(per_token, mask, g)
