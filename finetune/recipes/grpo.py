@@ -670,18 +670,9 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         position_ids=batch["position_ids"])
         else:
-            out = model(input_ids=shared["input_ids"], attention_mask=_block_mask(model, shared["allowed"]),
-                        position_ids=shared["position_ids"])
+            out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
+                        attention_mask=reward.block_mask(unwrap(model), shared["allowed"]))
     return out.logits, state["entropy"]
-
-
-def _block_mask(model, allowed: torch.Tensor) -> torch.Tensor:
-    """``allowed`` as the model's attention takes a 4D mask: bool for sdpa, additive (0 / dtype min) for eager."""
-    module = unwrap(model)
-    if getattr(module.config, "_attn_implementation", None) != "eager":
-        return allowed
-    dtype = getattr(module, "dtype", torch.float32)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:

@@ -182,6 +182,15 @@ SHARING_KERNELS = ("sdpa", "eager")
 functions pass through as it is); the flash-attention kernels take no such mask."""
 
 
+def block_mask(module, allowed: torch.Tensor) -> torch.Tensor:
+    """A ``[B, 1, W, W]`` bool block mask (query ``q`` may attend key ``k``) as ``module``'s attention takes a 4D mask:
+    as it is for sdpa, additive (0 / the dtype's minimum) for eager, which adds the mask to the scores."""
+    if getattr(getattr(module, "config", None), "_attn_implementation", None) != "eager":
+        return allowed
+    dtype = getattr(module, "dtype", torch.float32)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
 def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> dict:
     """The pairs of a ``[2B, T]`` micro-batch as ``B`` shared-prefix rows (Wang et al. 2024, "Accelerating Direct
     Preference Optimization with Prefix Sharing", arXiv:2410.20305, for the pairwise reward loss).
@@ -271,10 +280,7 @@ def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor,
     if head is None:
         return model(**model_inputs(batch)).logits.float()[:, 0], torch.zeros(b, dtype=torch.long)
     rows = shared_rows(batch["input_ids"], batch["attention_mask"], config.get_text_config().pad_token_id)
-    mask = rows["allowed"]
-    if kernel == "eager":  # eager adds the mask to the scores
-        dtype = getattr(module, "dtype", torch.float32)
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    mask = block_mask(module, rows["allowed"])
     out = {}
     handle = head.register_forward_hook(lambda _m, _i, o: out.__setitem__("logits", o))
     try:
