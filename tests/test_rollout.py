@@ -1,15 +1,20 @@
 """``finetune.engine.rollout``'s fast generation path against ``generate`` as it is: the same greedy completions with
 one prefill per prompt, the same sampling distribution from :class:`InverseCdfSampler`, the reserved cache layers
-equal to ``DynamicLayer``'s concatenation."""
+equal to ``DynamicLayer``'s concatenation; completions sampled from the policy alone whatever the model's
+``generation_config.json`` says; and, on a real ZeRO-3 engine whose every parameter is partitioned, one gather per
+generation and no per-token fetch (``tests/zero3_generation.py``)."""
 
 from __future__ import annotations
 
+import json
+
 import torch
+from conftest import REPO, cpu_env, free_port, ok, run_python
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from finetune.engine.rollout import (HFGenerateRollout, InverseCdfSampler, ReservedLayer, RolloutRequest,
-                                     SamplingConfig, sampling_processors)
+                                     SamplingConfig, overridden_settings, sampling_processors)
 
 
 class _Tok:
@@ -99,3 +104,59 @@ def test_decoding_keeps_a_cache_when_the_model_config_says_use_cache_false():
         HFGenerateRollout(model, _Tok(), fast=fast).generate(
             req, SamplingConfig(max_new_tokens=6, temperature=1.0, n_samples_per_prompt=2), seed=0)
         assert lengths[-5:] == [1] * 5, (fast, lengths)
+
+
+def _greedy_by_hand(model, req: RolloutRequest, new_tokens: int) -> torch.Tensor:
+    """The policy's greedy completions, one full forward per token (no cache, no processor): ``[B, new_tokens]``,
+    pad after the first EOS."""
+    ids, mask = req.prompt_ids, req.prompt_attention_mask
+    out, done = [], torch.zeros(len(ids), dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            nxt = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1].argmax(-1)
+            nxt = torch.where(done, _Tok.pad_token_id, nxt)
+            out.append(nxt)
+            done |= nxt == _Tok.eos_token_id
+            ids, mask = torch.cat([ids, nxt[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return torch.stack(out, 1)
+
+
+def test_rollouts_ignore_the_processors_of_the_models_generation_config():
+    """A ``generation_config.json`` with a repetition penalty, an n-gram ban, suppressed tokens, a minimum length and
+    its own sampling knobs (Qwen2.5-Instruct ships ``repetition_penalty: 1.05``): greedy completions, fast and not,
+    are the policy's argmax token by token; sampled ones equal those of the same model without such a file (same
+    seed); the settings are named for the log and the model's own generation config is back after the call."""
+    model, req = _model(), _prompts()
+    sampled = SamplingConfig(max_new_tokens=10, temperature=0.9, top_k=0, n_samples_per_prompt=3)
+    clean = {fast: HFGenerateRollout(model, _Tok(), fast=fast).generate(req, sampled, seed=5).input_ids
+             for fast in (True, False)}
+    want = _greedy_by_hand(model, req, 10)
+    gc = model.generation_config
+    gc.repetition_penalty, gc.no_repeat_ngram_size, gc.min_new_tokens = 3.0, 1, 4
+    gc.suppress_tokens, gc.do_sample, gc.temperature, gc.top_k = [int(want[0, 0]), int(want[1, 0])], True, 0.3, 3
+    assert overridden_settings(model) == {"do_sample": True, "temperature": 0.3, "top_k": 3, "repetition_penalty": 3.0,
+                                          "no_repeat_ngram_size": 1, "min_new_tokens": 4,
+                                          "suppress_tokens": [int(want[0, 0]), int(want[1, 0])]}
+    greedy = SamplingConfig(max_new_tokens=10, temperature=0.0, n_samples_per_prompt=1)
+    for fast in (True, False):
+        got = HFGenerateRollout(model, _Tok(), fast=fast).generate(req, greedy).input_ids[:, 9:]
+        assert torch.equal(got, want), (fast, got, want)
+        again = HFGenerateRollout(model, _Tok(), fast=fast).generate(req, sampled, seed=5).input_ids
+        assert torch.equal(again, clean[fast]), fast
+    assert model.generation_config is gc and gc.repetition_penalty == 3.0
+
+
+def test_zero3_generation_gathers_once_and_fetches_nothing_per_token(tmp_path):
+    """Real DeepSpeed ZeRO-3, 1 rank, ``stage3_param_persistence_threshold: 0`` (every parameter partitioned, as a
+    real model's layers are): generating 12 tokens inside ``weights()`` takes one ``GatheredParameters`` gather and
+    no module fetch (with DeepSpeed's hooks left on: 416, a fetch per submodule and token); the completions equal a
+    plain copy's; the next training step fetches through the restored hooks, trains and leaves the parameters
+    partitioned."""
+    out = tmp_path / "z3.json"
+    ok(run_python(["tests/zero3_generation.py", str(out)], env=cpu_env(MASTER_PORT=str(free_port()),
+                                                                        PYTHONPATH=str(REPO))))
+    r = json.loads(out.read_text())
+    assert r == {"gathers": 1, "fetches_in_generation": 0, "same_as_plain": True, "fetches_in_training": r[
+        "fetches_in_training"], "partitioned_after": True, "loss_finite": True}, r
+    assert r["fetches_in_training"] > 0

@@ -11,9 +11,13 @@ its inference kernels) and a vLLM server backend for GPU clusters fit behind the
 on a CPU, so neither is wired here (docs/online-rl.md, "Generation backends").
 
 ZeRO-3 holds each rank's shard of every parameter. :meth:`HFGenerateRollout.weights` gathers the whole model on
-every rank for a block of generation (``deepspeed.zero.GatheredParameters`` over all parameters, as TRL's
-``unwrap_model_for_generation`` with ``ds3_gather_for_generation``): one gather per optimizer step, then every
-decoding step runs locally. With ``gather=False`` (models that do not fit whole on one device) nothing is gathered
+every rank for a block of generation (``deepspeed.zero.GatheredParameters`` over all parameters) and takes
+DeepSpeed's ZeRO-3 module hooks off while it holds it (:func:`zero3_hooks_off`, TRL's ``unwrap_model_for_generation``
+with ``ds3_gather_for_generation``: ``remove_hooks`` / ``add_hooks``): one gather per optimizer step, then every
+decoding step runs locally with no collective, so ranks whose completions end at different lengths never wait for
+each other. With the hooks on, each submodule's forward would release its parameters after running and the next
+token would gather them again (every parameter above ``stage3_param_persistence_threshold``: every layer of a real
+model). With ``gather=False`` (models that do not fit whole on one device) nothing is gathered
 and ``generate`` runs with ``synced_gpus``: every layer is gathered at every decoding step, all ranks in lockstep
 until the longest generation of any rank ends (transformers' ZeRO-3 path).
 
@@ -25,6 +29,14 @@ the cache of each full-attention layer is reserved for the whole completion and 
 is drawn by inverting the cumulative distribution with one uniform number per row (:class:`InverseCdfSampler`), where
 ``generate``'s ``torch.multinomial`` draws an exponential variate for every vocabulary entry. What each saves on the
 ``grpo`` bench's model: docs/performance.md, "Against TRL's ``GRPOTrainer``".
+
+Completions are sampled from the policy the loss assumes: ``softmax(logits / temperature)`` with top-k / top-p and
+nothing else. A model's ``generation_config.json`` may add logits processors of its own (Qwen2.5-Instruct ships
+``repetition_penalty: 1.05``; others ``no_repeat_ngram_size``, ``min_new_tokens``, ``suppress_tokens``, ``min_p``,
+``typical_p``); ``generate`` would apply each one that the call does not override. :func:`policy_generation_config`
+replaces the model's generation config for the call with transformers' global defaults (TRL passes a whole
+``GenerationConfig`` for the same reason), and :func:`overridden_settings` names what the model's file set, logged
+once per process.
 """
 
 from __future__ import annotations
@@ -34,10 +46,11 @@ import inspect
 
 import torch
 from deepspeed.runtime.rollout import RolloutBatch, RolloutEngine, RolloutRequest, SamplingConfig
-from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 
 
@@ -101,6 +114,92 @@ def sampling_processors(sampling: SamplingConfig) -> LogitsProcessorList:
     return out
 
 
+def _parameter_offload(engine):
+    """The ZeRO-3 parameter coordinator that owns the module hooks (``engine.optimizer.parameter_offload``, or the
+    optimizer itself in DeepSpeed versions that keep them there); None outside ZeRO-3 or before an optimizer."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None:
+        return None
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    return offload if hasattr(offload, "forward_hooks") and hasattr(offload, "_register_deepspeed_module") else None
+
+
+@contextlib.contextmanager
+def zero3_hooks_off(engine):
+    """While active, DeepSpeed's ZeRO-3 forward and backward module hooks are removed from ``engine``'s module (no
+    submodule gathers or releases its parameters around its forward); on leaving they are registered again and the
+    prefetch trace is invalidated. TRL 1.16's ``remove_hooks`` / ``add_hooks`` (``trl.models.utils``) on DeepSpeed
+    0.19.8's ``DeepSpeedZeRoOffload``. Use it only while every parameter is gathered
+    (``deepspeed.zero.GatheredParameters``); outside ZeRO-3 it does nothing."""
+    offload = _parameter_offload(engine)
+    if offload is None:
+        yield
+        return
+    module = offload.module
+    for param in module.parameters(recurse=True):
+        getattr(param, "ds_active_sub_modules", set()).clear()
+    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(module)
+
+
+def policy_generation_config(model) -> GenerationConfig:
+    """A generation config with transformers' global defaults only (no logits processor of the model's own), with
+    the model's special token ids; put on the model for a rollout's ``generate`` call
+    (:meth:`HFGenerateRollout.generate`)."""
+    own = getattr(model, "generation_config", None)
+    clean = GenerationConfig()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        setattr(clean, key, getattr(own, key, None))
+    return clean
+
+
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "top_h", "epsilon_cutoff",
+                  "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+                  "encoder_no_repeat_ngram_size", "bad_words_ids", "min_length", "min_new_tokens", "suppress_tokens",
+                  "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id", "forced_eos_token_id",
+                  "exponential_decay_length_penalty", "renormalize_logits", "remove_invalid_values", "guidance_scale",
+                  "watermarking_config", "stop_strings", "num_beams", "length_penalty")
+"""``GenerationConfig`` keys that change which token ``generate`` picks (its logits processors, warpers and
+stopping criteria besides EOS and the length)."""
+
+
+def overridden_settings(model) -> dict:
+    """The settings of ``model.generation_config`` (its ``generation_config.json``) among :data:`_SAMPLING_KEYS` that
+    differ from transformers' global defaults, as ``{key: value}``: what a rollout does not apply."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return {}
+    defaults = GenerationConfig._get_default_generation_params()
+    found = {}
+    for key in _SAMPLING_KEYS:
+        value = getattr(own, key, None)
+        if value is None or value == defaults.get(key) or (key == "do_sample" and not value):
+            continue
+        found[key] = value
+    return found
+
+
+_ANNOUNCED: set = set()
+
+
+def announce_overrides(model) -> None:
+    """Log once per process (rank 0) which of the model's generation settings the rollouts do not apply."""
+    found = overridden_settings(model)
+    key = repr(sorted(found.items(), key=lambda kv: kv[0]))
+    if not found or key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    if dist_utils.is_main():
+        text = ", ".join(f"{k}={v!r}" for k, v in sorted(found.items()))
+        logger.info(f"rollout: the model's generation_config sets {text}; completions are sampled from the policy "
+                    f"itself (train.grpo.temperature, top_p, top_k only), so these are not applied")
+
+
 class HFGenerateRollout(RolloutEngine):
     """DeepSpeed's :class:`~deepspeed.runtime.rollout.RolloutEngine` over transformers' ``generate`` on the
     training engine's module.
@@ -125,15 +224,16 @@ class HFGenerateRollout(RolloutEngine):
 
     @contextlib.contextmanager
     def weights(self):
-        """While active, the model's whole weights are on every rank (ZeRO-3 with ``gather``; else nothing to do)
-        and it is in eval mode (no dropout); the training mode is restored on leaving. Every rank must enter it
+        """While active, the model's whole weights are on every rank (ZeRO-3 with ``gather``: one gather, DeepSpeed's
+        module hooks off (:func:`zero3_hooks_off`), so decoding runs no collective; else nothing to do) and it is in
+        eval mode (no dropout); the hooks and the training mode are restored on leaving. Every rank must enter it
         (the gather is a collective)."""
         was_training = self.model.training
         self.model.eval()
         try:
             if self._zero3() and self.gather:
                 import deepspeed
-                with deepspeed.zero.GatheredParameters(list(self.model.parameters())):
+                with deepspeed.zero.GatheredParameters(list(self.model.parameters())), zero3_hooks_off(self.engine):
                     yield
             else:
                 yield
@@ -155,7 +255,8 @@ class HFGenerateRollout(RolloutEngine):
             ``attention_mask`` (1 on the real prompt tokens and on the response up to and including its first EOS),
             ``response_start_idx`` ``[B n]`` = ``T_p``.
 
-        Decodes with a KV cache whatever the model's ``use_cache`` says (an SFT export of packed rows says false).
+        Decodes with a KV cache whatever the model's ``use_cache`` says (an SFT export of packed rows says false),
+        and with none of the model's own generation settings (:func:`policy_generation_config`).
         """
         device = next(self.model.parameters()).device
         ids = request.prompt_ids.to(device)
@@ -172,7 +273,10 @@ class HFGenerateRollout(RolloutEngine):
         else:
             knobs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         tok = self.tokenizer
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        base = self._base()
+        announce_overrides(base)
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                _generation_config(base, policy_generation_config(base)):
             if seed is not None:
                 torch.manual_seed(seed)
             if fast and n > 1 and ids.shape[1] > 1 and self._caches_dynamically():
@@ -214,6 +318,17 @@ class HFGenerateRollout(RolloutEngine):
 
     def sync_weights(self, step: int) -> None:
         """Nothing to push: the rollout runs on the training engine's own weights."""
+
+
+@contextlib.contextmanager
+def _generation_config(model, config: GenerationConfig):
+    """``model.generation_config`` is ``config`` while active (restored after)."""
+    own = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = own
 
 
 def response_batch(out: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int, eos: int, n: int) -> RolloutBatch:
@@ -283,7 +398,10 @@ class HybridEngineGenerate(HFGenerateRollout):
         n = sampling.n_samples_per_prompt
         shared = n > 1 and hasattr(self.engine, "prepare_shared_prefill") and not self._zero3()
         rollout = HybridEngineRollout(self.engine, self.tokenizer, HybridEngineRolloutConfig(use_shared_prefill=shared))
-        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        base = self._base()
+        announce_overrides(base)
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                _generation_config(base, policy_generation_config(base)):
             if seed is not None:
                 torch.manual_seed(seed)
             batch = rollout.generate(RolloutRequest(request.prompt_ids.to(device),
