@@ -118,16 +118,31 @@ def test_target_positions_only_equal_full_head(monkeypatch):
 
 def test_peft_packed_rows_and_unsupported_models():
     """A peft LoRA model (LoRA on attention and on the tied lm_head itself) with packed ``position_ids``: the same
-    loss and gradients as its full head. A model that soft-caps its logits after the head is refused."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    loss and gradients as its full head. A model that soft-caps its logits after the head (Gemma-2) gets the loss of
+    the logits it returns; one that changes them in a way ``lm_loss.logits_transform`` does not know is refused."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from finetune.recipes import gpt_clm
 
     cfg = AutoConfig.for_model("gemma2", vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=5.0)
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5)
+    torch.manual_seed(0)
     gemma = AutoModelForCausalLM.from_config(cfg)
+    capped = make_batch("gpt_clm", 300)
+    want = _loss_and_grads(lambda: _full_head(gemma, capped, True)[0], gemma)
+    got = _loss_and_grads(lambda: gpt_clm.forward(gemma, capped).loss_sum, gemma)
+    _assert_same(got, want, "Gemma-2 with final_logit_softcapping")
+
+    class Doubled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    doubled = Doubled(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8))
     with pytest.raises(RuntimeError, match="changes the output of its head"):
-        gpt_clm.forward(gemma, make_batch("gpt_clm", 300))
+        gpt_clm.forward(doubled, capped)
 
     peft = pytest.importorskip("peft", reason="peft is the LoRA branch's dependency")  # pinned with LoRA (issue 10)
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model

@@ -91,7 +91,7 @@ from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, dpo, reward, rewards
-from finetune.recipes.lm_loss import chunk_tokens, find_head, unwrap
+from finetune.recipes.lm_loss import check_head_output, chunk_tokens, find_head, head_output, logits_transform, unwrap
 from finetune.recipes.sft import TemplateCheck, count_summary, message_problem, prompt_ids, template_text, \
     tokenizer_template_problem
 
@@ -621,8 +621,11 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
 
     The output head (:func:`finetune.recipes.lm_loss.find_head`) runs only on the hidden states that predict
     completion tokens, in chunks of :func:`~finetune.recipes.lm_loss.chunk_tokens` positions (checkpointed when
-    there are several and gradients are on); its forward is replaced on the instance for this call only. With
-    ``share`` (:func:`shares_prompts`) the sequences run as :func:`prompt_shared_rows`, each prompt once.
+    there are several and gradients are on); its forward is replaced on the instance for this call only. The logits
+    are the ones the model samples from: what it does after its head (Gemma-2's soft-capping, Cohere's and Granite's
+    scales: :func:`~finetune.recipes.lm_loss.logits_transform`) is applied to each chunk, and a model that does
+    anything else is refused (:func:`~finetune.recipes.lm_loss.check_head_output`). With ``share``
+    (:func:`shares_prompts`) the sequences run as :func:`prompt_shared_rows`, each prompt once.
 
     Args:
         model: the engine, or a (peft-wrapped) causal LM.
@@ -633,12 +636,18 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
     Returns:
         ``(logps, entropy)``, each ``[B G, C]`` float32 (0 past a completion's length when shared); ``logps``
         differentiable when gradients are on.
+
+    Raises:
+        RuntimeError: the model changes its head's output in a way :func:`~finetune.recipes.lm_loss.logits_transform`
+            does not know.
     """
     p = int(batch["prompt_length"])
     targets = batch["input_ids"][:, p:]
     head = find_head(model)
     original = head.forward
     state = {}
+    transform = logits_transform(model)
+    post = transform[1] if transform is not None else (lambda z: z)
     shared = prompt_shared_rows(batch, 0) if shares_prompts(model, batch, share) else None
 
     def forward(hidden, *args, **kwargs):
@@ -649,7 +658,7 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
             keep = shared["source"].reshape(-1) >= 0
             rows = hidden.reshape(-1, hidden.shape[-1])[shared["source"].reshape(-1)[keep]]
             flat_t = targets.reshape(-1)[keep]
-        fn = lambda x: original(x, *args, **kwargs)  # noqa: E731
+        fn = lambda x: post(original(x, *args, **kwargs))  # noqa: E731
         size = chunk_tokens(getattr(unwrap(model).config, "vocab_size", 32768))
         parts = []
         for s in range(0, rows.shape[0], size):
@@ -665,14 +674,14 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
         state["entropy"] = entropy.view_as(targets)
         return logps.view_as(targets)
 
-    with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)):
+    with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)), head_output(head) as seen:
         if shared is None:
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         position_ids=batch["position_ids"])
         else:
             out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
                         attention_mask=reward.block_mask(unwrap(model), shared["allowed"]))
-    return out.logits, state["entropy"]
+    return check_head_output(model, head, out.logits, seen, transform), state["entropy"]
 
 
 def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:

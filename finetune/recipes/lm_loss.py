@@ -42,8 +42,12 @@ wasted work (for a BERT with the full vocabulary the MLM head plus cross-entropy
 The chunked path gives the full head's numbers: the sum of per-position cross-entropies over the same
 positions, in fp32 (``tests/test_head_loss.py`` checks losses at 1e-6 and gradients at 1e-5 of their largest
 magnitude, at ZeRO 0 and 3, MLM and CLM).
-Limit: a model that changes the head's output before returning it (logit soft-capping, a logit scale)
-is refused with a clear error on its first step (the loss would be wrong).
+What a model does to its head's output before returning it as logits is applied to each chunk's logits too
+(:func:`logits_transform`: Gemma-2/3's ``final_logit_softcapping``, ``c * tanh(z / c)``; Cohere's ``logit_scale``;
+Granite's ``logits_scaling``), so the loss is the cross-entropy of the logits the model returns and samples from
+(such models take the checkpointed chunks, not the fused kernels). The model then applies the same transform to the
+returned loss; every forward checks that it did exactly that, so a model that changes its head's output in a way not
+in that table is refused with a clear error on its first step (the loss would be wrong).
 """
 
 from __future__ import annotations
@@ -112,6 +116,64 @@ def find_head(model: torch.nn.Module) -> torch.nn.Module:
     head = getattr(owner, parts[owner_depth])
     _HEADS[root] = head
     return head
+
+
+def logits_transform(model: torch.nn.Module):
+    """What ``model``'s forward does to its output head's result before returning it as ``logits``, element-wise,
+    as ``(description, function)``; None when it returns the head's output as it is.
+
+    Known (transformers 5.23): ``final_logit_softcapping`` ``c`` of the text config (Gemma-2, Gemma-3, Gemma-3n:
+    ``c * tanh(z / c)``), ``logit_scale`` ``s`` (Cohere, Cohere2: ``z * s``) and ``logits_scaling`` ``s`` (Granite,
+    Granite-MoE: ``z / s``). A model that does anything else is caught by the check after each forward
+    (:func:`token_loss_sum`, ``grpo.completion_logps``)."""
+    root = unwrap(model)
+    config = getattr(root, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cap = getattr(text, "final_logit_softcapping", None)
+    if cap:
+        return f"final_logit_softcapping={cap:g}", lambda z: torch.tanh(z / cap) * cap
+    scale = getattr(text, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1 and str(getattr(text, "model_type", "")).startswith("cohere"):
+        return f"logit_scale={scale:g}", lambda z: z * scale
+    scaling = getattr(text, "logits_scaling", None)
+    if isinstance(scaling, (int, float)) and scaling != 1:
+        return f"logits_scaling={scaling:g}", lambda z: z / scaling
+    return None
+
+
+@contextlib.contextmanager
+def head_output(head: torch.nn.Module):
+    """While active, every output of ``head`` is appended to the yielded list as the model receives it: after the
+    module's other forward hooks, so under ZeRO-3 it is the tensor DeepSpeed's hooks wrapped (its backward gathers
+    the head's parameters again), whatever the model does with it afterwards (a logit transform)."""
+    seen: list = []
+    handle = head.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def check_head_output(model, head: torch.nn.Module, returned: torch.Tensor, seen: list, transform) -> torch.Tensor:
+    """The head's output of one forward (``seen``, :func:`head_output`) after checking that the model returned it
+    as :func:`logits_transform` says (``returned``: the model's ``logits``).
+
+    Raises:
+        RuntimeError: the head ran otherwise than once, or the model changed its output in another way.
+    """
+    if len(seen) != 1:
+        raise RuntimeError(f"{type(unwrap(model)).__name__} called its output head {type(head).__name__} {len(seen)} "
+                           f"times in one forward; the target-position loss supports models that call it once")
+    got = seen[0]
+    expected = got if transform is None else transform[1](got.detach())
+    if returned.shape != expected.shape or not _same(returned.detach(), expected.detach()):
+        known = f" other than {transform[0]}" if transform else ""
+        raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
+                           f"before returning it{known} (e.g. logit soft-capping or scaling of a kind finetune does "
+                           f"not know); the target-position loss does not support such models")
+    return got
 
 
 def chunk_tokens(vocab_size: int) -> int:
@@ -306,10 +368,10 @@ _HEAD_WHY = ("the LM head runs only at the target positions, in chunks, inside t
 
 @contextlib.contextmanager
 def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int, count_correct: bool,
-                       per_row: bool = False):
+                       per_row: bool = False, transform=None):
     """While active, calling ``head(hidden [batch, seq, hidden])`` returns the summed cross-entropy at ``targets``
-    (``[batch, seq]``, -100 = no loss; ``per_row``: ``[batch]`` sums, one per sequence); the result and the correct
-    count are also kept on the yielded state."""
+    (``[batch, seq]``, -100 = no loss; ``per_row``: ``[batch]`` sums, one per sequence) of the head's logits after
+    ``transform`` (:func:`logits_transform`); the result and the correct count are also kept on the yielded state."""
     state = SimpleNamespace(loss=None, correct=None, calls=0)
     own = vars(head).get("forward")  # an instance-level forward someone else set (restored afterwards)
     original = head.forward
@@ -326,6 +388,8 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
         keep = targets != -100
         rows, wanted = hidden[keep], targets[keep]
         why_not = fused_head_loss(head, rows, count_correct, forward_replaced=own is not None)
+        if transform is not None and why_not not in ("evaluation",):
+            why_not = f"the model transforms its head's logits ({transform[0]})"
         if why_not is None and per_row:
             why_not = "per-sequence sums"
         if why_not is None and (args or kwargs):
@@ -333,7 +397,8 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
         if why_not is None:
             _announce("Liger fused linear cross-entropy at the target positions (CUDA)")
             state.loss, state.correct = _fused_ce_sum(head, rows, wanted), None
-        elif not (per_row or args or kwargs) and torch_fused_head(head, rows, chunk, count_correct, own is not None):
+        elif not (per_row or args or kwargs or transform) and torch_fused_head(head, rows, chunk, count_correct,
+                                                                                own is not None):
             _announce(f"chunked PyTorch cross-entropy at the target positions, gradients in the forward pass "
                       f"({why_not})")
             state.loss = LinearCrossEntropy.apply(rows, head.weight, head.bias, wanted, chunk)
@@ -342,8 +407,10 @@ def _head_returns_loss(head: torch.nn.Module, targets: torch.Tensor, chunk: int,
             if torch.is_grad_enabled() and why_not != "evaluation":
                 _announce(f"chunked PyTorch cross-entropy at the target positions ({why_not})")
             row_of = keep.nonzero()[:, 0] if per_row else None
+            post = transform[1] if transform is not None else (lambda z: z)
             state.loss, state.correct = chunked_cross_entropy(
-                lambda h: original(h, *args, **kwargs), rows, wanted, chunk, count_correct, row_of, targets.shape[0])
+                lambda h: post(original(h, *args, **kwargs)), rows, wanted, chunk, count_correct, row_of,
+                targets.shape[0])
         return state.loss
 
     with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)):
@@ -378,23 +445,21 @@ def token_loss_sum(model, inputs: dict, targets: torch.Tensor, count_correct: bo
         ``count_correct``.
 
     Raises:
-        RuntimeError: the model modifies its head's output before returning it (soft-capping, scaling), or
-            calls its head otherwise than once on ``[batch, seq, hidden]`` states.
+        RuntimeError: the model modifies its head's output before returning it otherwise than
+            :func:`logits_transform` says, or calls its head otherwise than once on ``[batch, seq, hidden]`` states.
     """
     head = find_head(model)
     emb = unwrap(model).get_output_embeddings()
     vocab = getattr(emb, "out_features", None) or getattr(unwrap(model).config, "vocab_size", 32768)
     extra = moe.router_inputs(unwrap(model).config) if router is not None else {}
-    with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct, per_row) as state:
+    transform = logits_transform(model)
+    with _head_returns_loss(head, targets, chunk_tokens(vocab), count_correct, per_row, transform) as state, \
+            head_output(head) as seen:
         out = model(**inputs, **extra)
-    got = out.logits
     if state.loss is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} never called its output head {type(head).__name__}; "
                            f"the target-position loss cannot run on this model")
-    if got.shape != state.loss.shape or not _same(got.detach(), state.loss.detach()):
-        raise RuntimeError(f"{type(unwrap(model)).__name__} changes the output of its head {type(head).__name__} "
-                           f"before returning it (e.g. logit soft-capping or scaling); the target-position loss "
-                           f"does not support such models")
+    got = check_head_output(model, head, out.logits, seen, transform)
     if extra:
         router.update(moe.router_terms(unwrap(model).config, out, inputs.get("attention_mask")))
     return got, state.correct
