@@ -144,6 +144,38 @@ def test_advantages_and_masked_truncation(fixed):
     assert grpo.count_targets(kept) - grpo.count_targets(cut) == 10  # the completion without EOS: 10 tokens
 
 
+def test_reward_functions_get_completion_ids_with_their_eos(fixed):
+    """``completion_ids`` reach the reward functions up to and including the EOS (TRL passes the completion mask's
+    tokens), so the DAPO length penalty counts it; the text is decoded without it."""
+    cfg, tok, prompts, c, model = fixed
+    texts, ids = grpo._texts(tok, c)
+    assert [len(x) for x in ids] == c["lengths"].tolist()
+    for x, t, done in zip(ids, texts, c["terminated"].tolist()):
+        assert (x[-1] == tok.eos_token_id) == done and tok.eos_token not in t
+
+
+def test_recipes_against_a_reference_turn_every_dropout_off(tmp_path):
+    """LoRA with ``lora_dropout`` 0.5 on a model with dropout in its config: for ``grpo``, ``dpo``, ``kto`` and
+    ``reward`` (``Capabilities.disables_dropout``) two train-mode forwards are equal (TRL's
+    ``disable_dropout_in_model``); for ``sft`` dropout stays as configured."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+    from finetune.engine import lora
+    from finetune.recipes import get_recipe
+
+    cfg = load_run_config(CONFIG, ["model.lora.r=4", "model.lora.dropout=0.5"])
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    for name in ("grpo", "dpo", "kto", "reward", "sft"):
+        recipe = get_recipe(name)
+        auto = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
+        config = LlamaConfig(vocab_size=200, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=8, attention_dropout=0.3,
+                             num_labels=1, pad_token_id=0)
+        model = lora.apply(auto.from_config(config), cfg, recipe).train()
+        a, b = model(input_ids=ids).logits, model(input_ids=ids).logits
+        assert torch.equal(a, b) == (name != "sft"), name
+
+
 def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
     """``--check``, before any model: one line per problem, exit 2."""
     good = write_parquet(tmp_path / "good.parquet", {"question": ["1+1?", "2+2?"], "answer": ["#### 2", "#### 4"]})
@@ -460,7 +492,9 @@ def test_num_iterations_reuses_the_generation_batch_and_resumes_between_its_step
     2 trains the same completions with ratios to the generation-time log-probabilities (clipping acts), step 3
     generates the next batch; each step's loss and grad norm equal the one-process reference. A resume from the
     checkpoint of step 1 (between the two steps of one generation batch) trains steps 2 and 3 the same: the
-    checkpoint kept the batch and its log-probabilities (regenerated from step 1's weights, the ratios would be 1)."""
+    checkpoint kept the batch and its log-probabilities (regenerated from step 1's weights, the ratios would be 1).
+    With one rank's stored batch missing, the ranks agree (one all-reduce) to generate it again: the resume trains
+    steps 2 and 3, no rank runs generation's collectives alone."""
     from test_dpo import grad_norms, max_rel
 
     overrides = ["ds.zero_optimization.stage=3", "train.grpo.num_iterations=2", "train.max_steps=3",
@@ -481,6 +515,13 @@ def test_num_iterations_reuses_the_generation_batch_and_resumes_between_its_step
               script="tests/grpo_teacher_forced.py"))
     again = {r["step"]: r["train/loss"] for r in read_metrics(resumed) if "train/loss" in r}
     assert sorted(again) == [2, 3] and max_rel([again[2], again[3]], losses[1:]) <= 1e-6, (again, losses)
+    # rank 1's stored batch missing (rank 0 still has its own): the ranks agree to generate again, together
+    (run / "checkpoints" / "step1" / "recipe_state_rank1.pt").unlink()
+    partial = tmp_path / "partial"
+    proc = ok(launch(CONFIG, [f"output_dir={partial}", *overrides], resume=str(run / "checkpoints" / "step1"),
+                     script="tests/grpo_teacher_forced.py", timeout=240))
+    assert "every rank generates it again" in proc.stdout
+    assert sorted(r["step"] for r in read_metrics(partial) if "train/loss" in r) == [2, 3]
 
 
 def test_a_reward_model_folder_scores_as_trl_does(tmp_path):

@@ -94,7 +94,30 @@ def apply(model: torch.nn.Module, cfg: RunConfig, recipe) -> torch.nn.Module:
                     f"{trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
     if cfg.model.gradient_checkpointing:
         logger.info("gradient checkpointing on (non-reentrant)")
+    if recipe.capabilities.disables_dropout:
+        n = disable_dropout(model)
+        if n and cfg.model.lora is not None and cfg.model.lora.dropout > 0:
+            logger.warning(f"model.lora.dropout={cfg.model.lora.dropout:g} is not applied: recipe {recipe.name} "
+                           f"compares log-probabilities with a deterministic reference, so every dropout module is "
+                           f"off ({n} modules)")
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every ``torch.nn.Dropout`` (and subclass) of ``model`` gets ``p = 0`` (TRL 1.16's ``disable_dropout_in_model``),
+    and so does every float module attribute ending in ``dropout`` (transformers' attention modules keep their
+    ``attention_dropout`` probability as a float and pass it to the attention kernel in training): a train-mode
+    forward is then deterministic, LoRA's ``lora_dropout`` included. Returns how many were above 0."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            n += 1
+        for key, value in vars(module).items():
+            if key.endswith("dropout") and isinstance(value, float) and value > 0:
+                setattr(module, key, 0.0)
+                n += 1
+    return n
 
 
 def _module_names(model: torch.nn.Module, limit: int = 8) -> str:

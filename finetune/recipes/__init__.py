@@ -175,6 +175,11 @@ class Capabilities:
     evaluates_exports: bool = True
     """``finetune evaluate`` can score an export of it; false for ``dpo``, whose metrics need the reference model
     an export does not carry (its evaluation is part of the training run)."""
+    disables_dropout: bool = False
+    """The loss compares the policy's log-probabilities with a deterministic reference or generating policy
+    (``dpo``, ``kto``, ``grpo``, ``reward``): after the model is built, LoRA adapters included, every
+    ``torch.nn.Dropout`` is turned off (:func:`finetune.engine.lora.disable_dropout`, TRL's
+    ``disable_dropout_in_model``); the config's ``*dropout`` fields alone leave peft's ``lora_dropout`` on."""
     counts_rows: bool = False
     """The tokenize function gets every row (:mod:`finetune.data.dataset` drops no empty texts for it), skips and
     counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``,

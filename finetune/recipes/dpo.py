@@ -881,6 +881,7 @@ def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 RECIPE = Recipe(name="dpo", model_class=MODEL_CLASS,
                 capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION}), generates_text=True,
+                                          disables_dropout=True,
                                           reports_perplexity=False, sequences_per_row=2,
                                           eval_metrics=tuple(f"{k}/{v}" for k in ("rewards", "logps")
                                                              for v in ("chosen", "rejected"))

@@ -55,7 +55,7 @@ including its EOS (``mask_truncated_completions``: none of a completion that nev
 The sequences the model trains on are ``[left-padded prompt | completion]`` with ``position_ids`` counting real
 tokens only, as ``generate`` placed them (TRL passes none, so a left-padded prompt's positions differ between its
 generation and its training pass); the head runs on the completion positions only, in chunks
-(:func:`completion_logps`). Dropout is off (``dpo``'s ``prepare_model_config``): ``pi_old`` is ``pi``.
+(:func:`completion_logps`). Dropout is off, LoRA's included (``Capabilities.disables_dropout``): ``pi_old`` is ``pi``.
 
 Evaluation (:func:`forward` on a prompt batch): one greedy completion per validation prompt, scored;
 ``eval/reward`` and ``eval/rewards/<function>/mean`` (``train.keep_best`` can follow ``eval/reward``, mode max);
@@ -302,9 +302,11 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
 
 
 def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
+    """The completions as text (decoded without their EOS) and as token ids up to and including their EOS (what
+    TRL 1.16 passes its reward functions as ``completion_ids``: the completion mask's tokens)."""
     ids = [row[: int(n)].tolist() for row, n in zip(completion["completion_ids"], completion["lengths"])]
-    ids = [x[:-1] if x and x[-1] == tokenizer.eos_token_id else x for x in ids]
-    return tokenizer.batch_decode(ids, skip_special_tokens=True), ids
+    text_ids = [x[:-1] if x and x[-1] == tokenizer.eos_token_id else x for x in ids]
+    return tokenizer.batch_decode(text_ids, skip_special_tokens=True), ids
 
 
 def score_everywhere(functions, prompts, texts, ids, cols) -> list:
@@ -435,19 +437,26 @@ def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
     each step's prompts ``k`` times in a row (:func:`batch_repeats`), the first of them generates and stores the
     batch with the policy's log-probabilities at generation (``old_logps``, no gradient, TRL's
     ``old_per_token_logps``), the next ``k - 1`` train on the stored batch (kept in every checkpoint by
-    :func:`rank_state`, so a resume between them trains the same batch). A stored batch that is not the one of this
-    step's rows (a resume on another layout) is generated again from the current weights, with a warning.
+    :func:`rank_state`, so a resume between them trains the same batch). When any rank's stored batch is not the one
+    of its rows this step (a resume on another layout, a checkpoint missing a rank's state file), every rank
+    generates it again from the current weights, with a warning: the ranks agree with one all-reduce, so none runs
+    generation's collectives alone.
 
     Raises:
         RunFailure: a reward function failed on some rank (raised on every rank).
     """
     step, k = int(engine.global_steps), batch_repeats(cfg)
     if k > 1 and step % k:
-        if _REUSED.get("step") == step - step % k and _REUSED.get("rows") == _rows_key(micro):
+        mine = _REUSED.get("step") == step - step % k and _REUSED.get("rows") == _rows_key(micro)
+        # one decision for every rank (one all-reduce): a rank that generated while the others reused would run
+        # the gather and the scoring's collectives alone
+        if not dist_utils.any_rank(not mine, engine.device):
             return _REUSED["batches"]
         logger.warning(f"grpo: the generation batch of step {step - step % k + 1} that step {step + 1} reuses "
-                       f"(train.grpo.num_iterations={k}) is not at hand for these rows (resumed on another layout?): "
-                       f"generating it again from the current weights, which the original run did not do")
+                       f"(train.grpo.num_iterations={k}) is not at hand for these rows on "
+                       f"{'this rank' if not mine else 'another rank'} (resumed on another layout, or a checkpoint "
+                       f"without its recipe_state_rank<r>.pt?): every rank generates it again from the current "
+                       f"weights, which the original run did not do")
     out = _generate_and_score(engine, micro, cfg, step)
     if k > 1:
         _REUSED.clear()
@@ -610,10 +619,21 @@ def prompt_shared_rows(batch: dict, pad_token_id: int) -> dict:
 
 def shares_prompts(model, batch: dict, share: bool) -> bool:
     """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
-    than one completion per prompt, and an attention implementation that takes a block mask
-    (:data:`finetune.recipes.reward.SHARING_KERNELS`; the flash-attention kernels take none)."""
-    kernel = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
-    return share and int(batch.get("group_size", 1)) > 1 and kernel in reward.SHARING_KERNELS
+    than one completion per prompt, and a model that takes a block mask per row
+    (:func:`finetune.recipes.reward.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
+    flash-attention kernels take none). When it cannot, a line says why, once per process."""
+    if not share or int(batch.get("group_size", 1)) <= 1:
+        return False
+    problem = reward.sharing_problem(unwrap(model))
+    if problem is not None and problem not in _SHARING_OFF:
+        _SHARING_OFF.add(problem)
+        if dist_utils.is_main():
+            logger.info(f"grpo: prompt sharing off (train.grpo.share_prompt): {problem}; each completion runs with "
+                        f"its own copy of the prompt")
+    return problem is None
+
+
+_SHARING_OFF: set = set()
 
 
 def completion_logps(model, batch: dict, temperature: float, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -680,7 +700,7 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
                         position_ids=batch["position_ids"])
         else:
             out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
-                        attention_mask=reward.block_mask(unwrap(model), shared["allowed"]))
+                        attention_mask=reward.block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))
     return check_head_output(model, head, out.logits, seen, transform), state["entropy"]
 
 
@@ -929,7 +949,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
 
 
 RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
-                capabilities=Capabilities(generates_text=True, reports_perplexity=False,
+                capabilities=Capabilities(generates_text=True, reports_perplexity=False, disables_dropout=True,
                                           eval_metrics=("reward",), checks_columns=True, counts_rows=True,
                                           evaluates_exports=False, mixes_sources=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,

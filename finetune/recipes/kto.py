@@ -41,7 +41,7 @@ Row weighting: ``count_targets`` counts rows with a completion target (``dpo``'s
 weighted losses, so the step's loss is the mean over the global batch's rows of the weighted losses (TRL's
 ``losses.nanmean()`` of the weighted losses). Metrics, TRL's names: ``rewards/chosen`` and ``rewards/rejected``
 (``beta * r`` of desirable and of undesirable rows), ``logps/chosen``, ``logps/rejected``, ``kl`` (``z``).
-Dropout is off (``dpo``'s ``prepare_model_config``).
+Dropout is off, LoRA's included (``dpo``'s ``prepare_model_config`` and ``Capabilities.disables_dropout``).
 """
 
 from __future__ import annotations
@@ -413,6 +413,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
 
 RECIPE = Recipe(name="kto", model_class=MODEL_CLASS,
                 capabilities=Capabilities(generates_text=True, reports_perplexity=False, sequences_per_row=2,
+                                          disables_dropout=True,
                                           sequence_names=("completion", "KL"),
                                           eval_metrics=("rewards/chosen", "rewards/rejected", "logps/chosen",
                                                         "logps/rejected", "kl"),

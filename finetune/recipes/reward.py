@@ -182,13 +182,64 @@ SHARING_KERNELS = ("sdpa", "eager")
 functions pass through as it is); the flash-attention kernels take no such mask."""
 
 
-def block_mask(module, allowed: torch.Tensor) -> torch.Tensor:
-    """A ``[B, 1, W, W]`` bool block mask (query ``q`` may attend key ``k``) as ``module``'s attention takes a 4D mask:
-    as it is for sdpa, additive (0 / the dtype's minimum) for eager, which adds the mask to the scores."""
+SHARED_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Attention layer types (``config.layer_types``) a shared-prefix row's mask is built for; a model with another
+(chunked attention, linear attention, ...) runs its sequences as separate rows."""
+
+
+def sliding_layout(module) -> tuple[int | None, list[str] | None]:
+    """``(window, layer types)`` of ``module``'s sliding-window attention: ``(None, None)`` without one; ``(w,
+    None)`` when every layer slides (Mistral, Phi-3, Starcoder2: ``config.sliding_window`` and no ``layer_types``);
+    ``(w, types)`` when ``config.layer_types`` names the sliding layers (Qwen2/Qwen3 with ``use_sliding_window``,
+    Gemma-2/3, Cohere2: their forwards take a ``{layer type: mask}`` dict)."""
+    config = getattr(module, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None, None
+    return int(window), (list(dict.fromkeys(types)) if types is not None else None)
+
+
+def sharing_problem(module) -> str | None:
+    """Why ``module`` cannot run shared-prefix rows (a block mask per row), or None when it can: its attention
+    implementation takes no 4D mask (:data:`SHARING_KERNELS`), or it has layer types other than
+    :data:`SHARED_LAYER_TYPES`."""
+    config = getattr(module, "config", None)
+    kernel = getattr(config, "_attn_implementation", None)
+    if kernel not in SHARING_KERNELS:
+        return f"it runs {kernel} attention, which takes no block mask (only {' or '.join(SHARING_KERNELS)} do)"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    other = sorted(set(getattr(text, "layer_types", None) or []) - set(SHARED_LAYER_TYPES))
+    if other:
+        return f"it has {', '.join(other)} layers (config.layer_types), for which no block mask is built"
+    return None
+
+
+def _as_kernel_mask(module, allowed: torch.Tensor) -> torch.Tensor:
     if getattr(getattr(module, "config", None), "_attn_implementation", None) != "eager":
         return allowed
     dtype = getattr(module, "dtype", torch.float32)
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def block_mask(module, allowed: torch.Tensor, position_ids: torch.Tensor):
+    """A ``[B, 1, W, W]`` bool block mask (query ``q`` may attend key ``k``) as ``module``'s attention takes a 4D mask:
+    as it is for sdpa, additive (0 / the dtype's minimum) for eager, which adds the mask to the scores.
+
+    A 4D mask reaches every layer as it is, so a sliding-window model's window is applied here
+    (:func:`sliding_layout`): a key is kept for a sliding layer only when ``position(q) - position(k) < window``
+    (``position_ids`` ``[B, W]``: each token's place in its own sequence, which is what transformers'
+    ``sliding_window_overlay`` compares in an unshared row). Every layer sliding: that mask alone; mixed layers: a
+    ``{layer type: mask}`` dict, the form the forwards of such models take (``causal_mask_mapping``)."""
+    window, types = sliding_layout(module)
+    if window is None:
+        return _as_kernel_mask(module, allowed)
+    near = (position_ids[:, :, None] - position_ids[:, None, :]) < window
+    sliding = allowed & near[:, None].to(allowed.device)
+    if types is None:
+        return _as_kernel_mask(module, sliding)
+    return {t: _as_kernel_mask(module, sliding if t == "sliding_attention" else allowed) for t in types}
 
 
 def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> dict:
@@ -248,9 +299,9 @@ def _score_head(module):
 _ANNOUNCED: set = set()
 
 
-def _announce(shared: bool, asked: bool, kernel: str | None) -> None:
+def _announce(shared: bool, asked: bool, kernel: str | None, problem: str | None = None) -> None:
     """Log once per process (rank 0) whether the pairs run as shared-prefix rows, and why not when asked for."""
-    key = (shared, asked, kernel)
+    key = (shared, asked, kernel, problem)
     if key in _ANNOUNCED or not dist_utils.is_main():
         return
     _ANNOUNCED.add(key)
@@ -258,8 +309,8 @@ def _announce(shared: bool, asked: bool, kernel: str | None) -> None:
         logger.info(f"reward: prefix sharing on ({kernel}): each pair runs as one row, the prefix its sequences "
                     f"share computed once (train/shared_tokens)")
     elif asked and kernel is not None:
-        logger.info(f"reward: prefix sharing off: the model is no decoder classifier with a score head under "
-                    f"{' or '.join(SHARING_KERNELS)} (it runs {kernel}); the two sequences run as separate rows")
+        why = problem or "the model is no decoder classifier with a score head"
+        logger.info(f"reward: prefix sharing off: {why}; the two sequences run as separate rows")
 
 
 def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,14 +324,14 @@ def scores(model, batch: dict, share_prefix: bool = True) -> tuple[torch.Tensor,
     """
     module = getattr(model, "module", model)  # the DeepSpeed engine's model
     config = getattr(module, "config", None)
-    kernel = getattr(config, "_attn_implementation", None)
-    head = _score_head(module) if share_prefix and kernel in SHARING_KERNELS else None
+    problem = sharing_problem(module)
+    head = _score_head(module) if share_prefix and problem is None else None
     b = batch["input_ids"].shape[0] // 2
-    _announce(head is not None, share_prefix, kernel)
+    _announce(head is not None, share_prefix, getattr(config, "_attn_implementation", None), problem)
     if head is None:
         return model(**model_inputs(batch)).logits.float()[:, 0], torch.zeros(b, dtype=torch.long)
     rows = shared_rows(batch["input_ids"], batch["attention_mask"], config.get_text_config().pad_token_id)
-    mask = block_mask(module, rows["allowed"])
+    mask = block_mask(module, rows["allowed"], rows["position_ids"])
     out = {}
     handle = head.register_forward_hook(lambda _m, _i, o: out.__setitem__("logits", o))
     try:
@@ -423,6 +474,7 @@ def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 RECIPE = Recipe(name="reward", model_class=MODEL_CLASS,
                 capabilities=Capabilities(reports_perplexity=False, sequences_per_row=2, one_target_per_row=True,
+                                          disables_dropout=True,
                                           eval_metrics=("accuracy", "margin", "mean_reward"), checks_columns=True,
                                           counts_rows=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
