@@ -308,8 +308,13 @@ def test_model_families_train_and_export(tmp_path, model, recipe, stage):
 
 def test_sft_chat_two_ranks_qwen3(tmp_path):
     """The chat form on 2 ranks (Qwen3 architecture, ZeRO-2, packing): trains, logs the row/truncation/fill-ratio
-    summary once per split, evaluates answer-token loss and perplexity, exports packed-row logits that match."""
+    summary once per split, evaluates answer-token loss and perplexity, exports packed-row logits that match; the
+    export generates with a KV cache (its config.json and generation_config.json keep the source's use_cache: true)
+    though packing trained without one."""
     out = _run_and_check_export(tmp_path, "tiny-qwen3", "sft", "z2", f"data.cache_dir={tmp_path / 'cache'}")
+    assert json.loads((out / "model_config" / "config.json").read_text())["use_cache"] is False  # training's
+    assert json.loads((out / "export" / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "export" / "generation_config.json").read_text()).get("use_cache", True) is True
     log = (out / "logs" / "rank0.log").read_text()
     summaries = [line for line in log.splitlines() if "sft: " in line and "fill ratio" in line]
     assert len(summaries) == 2, summaries  # train and validation, once each

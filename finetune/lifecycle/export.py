@@ -118,11 +118,27 @@ def run_config_of(ckpt: Path, run_dir: Path) -> Path:
     return ckpt / "run_config.yaml" if (ckpt / "run_config.yaml").is_file() else run_dir / "run_config.yaml"
 
 
+def source_use_cache(run_cfg) -> bool:
+    """``use_cache`` of the model the run started from, for the export's ``config.json`` and the generation config
+    derived from it: ``model.config_overrides``' value, else ``model.path``'s config's, else True (a source that
+    cannot be read any more: the transformers default of causal LMs). The run's own model config may say False:
+    ``sft``'s packing trains without a KV cache (:func:`finetune.recipes.sft.prepare_model_config`), which the
+    export's users should not inherit (``generate`` would recompute every token's past)."""
+    if "use_cache" in run_cfg.model.config_overrides:
+        return bool(run_cfg.model.config_overrides["use_cache"])
+    try:
+        source = AutoConfig.from_pretrained(run_cfg.model.path, local_files_only=True)
+    except Exception:  # noqa: BLE001  (moved or deleted since training: the default)
+        return True
+    return bool(getattr(source, "use_cache", True))
+
+
 def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path | None = None,
                       keep_previous: bool = False, state: dict[str, torch.Tensor] | None = None,
                       chosen_by: dict | None = None) -> Path:
     """Write a Hugging Face folder for checkpoint ``ckpt`` that ``from_pretrained`` loads, with its model card
-    (``README.md``, :func:`finetune.lifecycle.model_card.write_card`).
+    (``README.md``, :func:`finetune.lifecycle.model_card.write_card`). Its ``config.json`` is the run's model config
+    with the source model's ``use_cache`` (:func:`source_use_cache`), and so is its derived ``generation_config.json``.
 
     Args:
         ckpt: a complete checkpoint folder (``.../checkpoints/step<N>``).
@@ -165,6 +181,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
 
     state = consolidated_state_dict(ckpt) if state is None else state
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
+    config.use_cache = source_use_cache(run_cfg)  # sft's packing trains without; the export generates with a cache
     with plain_model_construction():
         model = recipe.model_class.from_config(config, dtype=torch.float32)
         if run_cfg.model.lora is not None:  # the checkpoint holds the PeftModel's state (base + adapters)
@@ -253,6 +270,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
         with plain_model_construction():
             exported = recipe.model_class.from_pretrained(run_dir / "export", local_files_only=True,
                                                           dtype=torch.float32).eval()
+        exported.config.use_cache = False  # one forward as training ran it (packed rows' masks need no KV cache)
         with torch.no_grad():
             got = exported(**inputs).logits.float()
         diff = (got - ref).abs().max().item()

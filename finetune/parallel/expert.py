@@ -24,6 +24,7 @@ import torch
 
 from finetune import patches
 from finetune.config import RunConfig
+from finetune.errors import RunFailure
 
 DIMENSION = "expert"
 """The name of this dimension in a recipe's ``Capabilities.parallel``."""
@@ -92,6 +93,9 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
     if cfg.train.optimizer == "muon":
         problems.append(f"{KEY}: train.optimizer=muon would orthogonalise each rank's slice of the stacked experts, "
                         f"not each expert's matrix (not checked); use train.optimizer=adamw or set {KEY}=1")
+    problem = registry_problem()
+    if problem is not None:
+        problems.append(problem)
     ds_ep = cfg.ds.get("expert_parallel") if isinstance(cfg.ds, dict) else None
     if isinstance(ds_ep, dict) and ds_ep:
         problems.append(f"{KEY}: ds.expert_parallel is set too; finetune writes that section from {KEY} (remove "
@@ -139,24 +143,70 @@ REGISTRY_WHY = ("DeepSpeed 0.19.8's AutoEP preset adapters call transformers' ou
                 "(deepspeed/module_inject/auto_ep_presets/base.py:326); no upstream issue filed")
 
 
-def registry_patch() -> patches.Patch | None:
-    """The patch that lets DeepSpeed's AutoEP read transformers' output-capture registry by key (see
-    :data:`REGISTRY_WHY`): ``_CanRecordRegistry.get`` accepts a string key and a default as ``dict.get`` does, a
-    model as before. None when transformers has no such registry (nothing to patch)."""
+REGISTRY_CHECKED = ("5.23.0",)
+"""transformers versions whose output-capture registry :func:`registry_patch` was checked against."""
+
+
+def registry_problem() -> str | None:
+    """Why :func:`registry_patch` cannot patch this transformers (one line naming its version, the attribute and the
+    fix), or None: ``transformers.utils.output_capturing`` must hold ``_CanRecordRegistry``, a ``dict`` whose
+    ``get(self, model)`` takes a model (or already finetune's ``get``), and ``_CAN_RECORD_REGISTRY``, one of them (what
+    DeepSpeed's AutoEP reads)."""
+    import inspect
+
+    import transformers
+
+    where = "transformers.utils.output_capturing"
     try:
         from transformers.utils import output_capturing
     except ImportError:
-        return None
-    cls = getattr(output_capturing, "_CanRecordRegistry", None)
-    if cls is None:
-        return None
+        output_capturing, found = None, f"{where} is missing"
+    else:
+        cls = getattr(output_capturing, "_CanRecordRegistry", None)
+        registry = getattr(output_capturing, "_CAN_RECORD_REGISTRY", None)
+        get = getattr(cls, "get", None) if isinstance(cls, type) else None
+        try:
+            params = list(inspect.signature(get).parameters) if callable(get) else None
+        except (TypeError, ValueError):
+            params = None
+        if not (isinstance(cls, type) and issubclass(cls, dict)):
+            found = f"{where}._CanRecordRegistry is {'missing' if cls is None else 'no dict subclass'}"
+        elif not (getattr(get, "_finetune_registry_get", False) or params == ["self", "model"]):
+            found = f"{where}._CanRecordRegistry.get has the signature {params} (checked: ['self', 'model'])"
+        elif not isinstance(registry, cls):
+            found = f"{where}._CAN_RECORD_REGISTRY is {'missing' if registry is None else type(registry).__name__}"
+        else:
+            return None
+    return (f"{KEY}: AutoEP needs finetune's patch of transformers' private output-capture registry, but in "
+            f"transformers {transformers.__version__} {found} (checked with transformers "
+            f"{', '.join(REGISTRY_CHECKED)}); install transformers=={REGISTRY_CHECKED[-1]} or set {KEY}=1")
+
+
+def registry_patch() -> patches.Patch:
+    """The patch that lets DeepSpeed's AutoEP read transformers' output-capture registry by key (see
+    :data:`REGISTRY_WHY`): ``_CanRecordRegistry.get`` accepts a string key and a default as ``dict.get`` does, a
+    model as before.
+
+    Raises:
+        RunFailure: the registry is not there in the form it was checked in (:func:`registry_problem`'s line;
+            :func:`check` reports it before any model is built).
+    """
+    problem = registry_problem()
+    if problem is not None:
+        raise RunFailure(problem)
+    from transformers.utils import output_capturing
+
+    cls = output_capturing._CanRecordRegistry
     original = cls.get
+    if getattr(original, "_finetune_registry_get", False):  # applied already (a nested build): the same again
+        return patches.Patch(target=cls, key="get", value=original, why=REGISTRY_WHY, scope="process")
 
     def get(self, key, default=None):
         if isinstance(key, str):
             return dict.get(self, key, default)
         return original(self, key)
 
+    get._finetune_registry_get = True
     return patches.Patch(target=cls, key="get", value=get, why=REGISTRY_WHY, scope="process")
 
 

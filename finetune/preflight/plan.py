@@ -53,6 +53,10 @@ no GPU). For each option it adds up, per rank:
   rank holds ``1 / EP`` of the experts: that is what ZeRO 0 keeps of parameters, gradients and optimizer states,
   ZeRO 1 of parameters and gradients, ZeRO 2 of parameters; ZeRO then partitions the experts over the ``world /
   EP`` ranks of their expert-data-parallel group, the same ``1 / world`` share as without EP.
+* **Generation** of a recipe with a rollout (``grpo``, ``Recipe.rollout``), before the step's forward passes: one
+  ``generate`` call per rank holds the sequences of all the step's ``gradient_accumulation_steps`` micro batches
+  (their KV cache and the prefill's working set, :func:`generation_bytes`), and under ZeRO 3 the whole model gathered
+  next to the rank's partition; the activations column holds the larger of that and training.
 * **CPU RAM per node** also holds each rank's copy of the model while it is loaded (fp32, ``4N``; under ZeRO 3
   ``zero.Init`` builds it partitioned: one layer), as in DeepSpeed's estimators.
 
@@ -163,6 +167,9 @@ class ModelShape:
     generation: tuple[int, int] | None = None
     """The recipe's ``rollout``: ``(sequences per row, tokens per sequence)`` generated every step (``grpo``), else
     None."""
+    generation_micro_batches: int = 1
+    """Micro batches whose rows one generation holds at once: ``train.gradient_accumulation_steps`` (``grpo`` joins
+    the step's micro batches into one ``generate`` call per rank, ``grpo.join_prompts``)."""
 
 
 def active_parameters(shape: ModelShape) -> int:
@@ -254,6 +261,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                       head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
                       generation=recipe.rollout(cfg),
+                      generation_micro_batches=cfg.train.gradient_accumulation_steps if recipe.rollout(cfg) else 1,
                       trainable=trainable if trainable < params else 0,
                       muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
                       expert_params=expert_params, experts=routed.experts if routed else 0,
@@ -292,14 +300,42 @@ def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_byte
     return {"activations": layers, "logits": positions * shape.head_outputs * per_element}
 
 
-def kv_cache_bytes(shape: ModelShape, micro_batch: int, act_bytes: int) -> int:
-    """The KV cache of one micro batch's generation (bytes): ``2 (keys, values) x layers x key-value heads x head
-    size x sequences x tokens x bytes``, sequences = ``micro_batch x`` the rollout's sequences per row, tokens = its
-    tokens per sequence (``grpo``: prompt + ``max_completion_length``); 0 without a rollout."""
+def kv_cache_bytes(shape: ModelShape, rows: int, act_bytes: int) -> int:
+    """The KV cache of the generation for ``rows`` prompt rows (bytes): ``2 (keys, values) x layers x key-value heads
+    x head size x sequences x tokens x bytes``, sequences = ``rows x`` the rollout's sequences per row, tokens = its
+    tokens per sequence (``grpo``: prompt + ``max_completion_length``); 0 without a rollout. One step's generation
+    holds ``micro batch x generation_micro_batches`` rows (:func:`generation_bytes`)."""
     if shape.generation is None:
         return 0
     per_row, tokens = shape.generation
-    return 2 * shape.layers * shape.kv_heads * shape.head_dim * micro_batch * per_row * tokens * act_bytes
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * rows * per_row * tokens * act_bytes
+
+
+def generation_bytes(shape: ModelShape, micro_batch: int, act_bytes: int) -> dict[str, int]:
+    """What one step's generation holds beyond the model states (bytes), for ``micro_batch`` rows per micro batch:
+    ``{"KV cache": ..., "forward": ...}``, both empty (0) without a rollout.
+
+    The step's one ``generate`` call per rank holds the sequences of all its ``generation_micro_batches`` micro
+    batches, ``S = micro_batch x generation_micro_batches x`` sequences per row, of up to ``T`` tokens each:
+
+    * ``KV cache``: :func:`kv_cache_bytes` of those ``micro_batch x generation_micro_batches`` rows;
+    * ``forward``: the prefill's working set without gradients, one layer at a time, counted for all ``S`` sequences
+      of ``T`` tokens (transformers' ``generate`` prefills every copy of a prompt; fast generation prefills each prompt
+      once: an upper bound): the residual stream, the normalised layer input and the attention output (``3 STh``),
+      the MLP's intermediate tensors (``3 STI`` gated, ``2 STI`` otherwise), eager attention's scores and
+      probabilities (``2 a T^2 S``), plus the sampling's logits of one position per sequence (fp32 logits and
+      probabilities, ``2 x 4 S V`` bytes).
+    """
+    if shape.generation is None:
+        return {"KV cache": 0, "forward": 0}
+    per_row, tokens = shape.generation
+    rows = micro_batch * shape.generation_micro_batches
+    st = rows * per_row * tokens
+    layer = 3 * st * shape.hidden + (3 if shape.gated_mlp else 2) * st * shape.intermediate
+    if shape.eager_attention:
+        layer += 2 * shape.heads * tokens * st
+    return {"KV cache": kv_cache_bytes(shape, rows, act_bytes),
+            "forward": layer * act_bytes + 2 * 4 * rows * per_row * shape.head_outputs}
 
 
 def _bucket(ds: dict, key: str, default: float) -> int:
@@ -359,7 +395,10 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
         e.nvme = {k.replace("(offloaded)", "(nvme offload)"): v for k, v in e.cpu.items()}
     e.gpu.update(activation_bytes(shape, micro_batch * shape.sequences_per_row, seq_len, w, checkpointing))
     if shape.generation is not None:  # generation, before the forward passes: a KV cache, and ZeRO-3 gathers the model
-        during = kv_cache_bytes(shape, micro_batch, w) + (n * w - params if stage == 3 else 0)
+        # ZeRO 3: the whole model gathered (GatheredParameters) next to the rank's partition (on the GPU unless
+        # offloaded), instead of the gathered layers of training
+        gathered = n * w + (0 if offload else n * w / world) - e.gpu["parameters"] if stage == 3 else 0
+        during = sum(generation_bytes(shape, micro_batch, w).values()) + max(0, gathered)
         e.gpu["generation beyond training"] = max(0, during - e.gpu["activations"] - e.gpu["logits"])
     zero = ds.get("zero_optimization", {})
     if stage == 0:
@@ -463,11 +502,15 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
     if shape.generation:
         per_row, tokens = shape.generation
         w = 4 if precision == "fp32" else 2
-        kv = kv_cache_bytes(shape, cfg.train.micro_batch_size, w)
+        gen = generation_bytes(shape, cfg.train.micro_batch_size, w)
+        accumulation = shape.generation_micro_batches
+        held = cfg.train.micro_batch_size * accumulation * per_row
         lines.append(f"generation every step: {per_row} sequences per row of up to {tokens} tokens, trained as "
-                     f"{cfg.train.micro_batch_size * per_row} sequences per micro batch; KV cache {_fmt(kv)} per micro "
-                     f"batch (2 x {shape.layers} layers x {shape.kv_heads} key-value heads x {shape.head_dim} x "
-                     f"{cfg.train.micro_batch_size * per_row} x {tokens} tokens), plus the whole model gathered under "
+                     f"{cfg.train.micro_batch_size * per_row} sequences per micro batch; one generate call per rank "
+                     f"holds the {accumulation} micro batch(es) of the step (train.gradient_accumulation_steps): "
+                     f"{held} sequences, KV cache {_fmt(gen['KV cache'])} (2 x {shape.layers} layers x "
+                     f"{shape.kv_heads} key-value heads x {shape.head_dim} x {held} x {tokens} tokens), prefill "
+                     f"{_fmt(gen['forward'])} (one layer at a time, no gradients), plus the whole model gathered under "
                      f"ZeRO 3 (train.grpo.gather_for_generation); 'activ.' holds the larger of training and generation")
     if tp > 1:
         lines.append(f"tensor parallelism {tp}: not modelled; the table is for tensor-parallel size 1 (AutoTP splits "

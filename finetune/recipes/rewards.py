@@ -119,7 +119,11 @@ def length_cache(g) -> int:
 class RewardModel:
     """A frozen sequence classifier with one label as a reward function (module docstring; TRL 1.16's
     ``_calculate_rewards`` for an ``nn.Module`` reward). Loaded with ``from_pretrained`` from local files only
-    (``trust_remote_code`` off), fp32, eval mode, no gradients.
+    (``trust_remote_code`` off), fp32, eval mode, no gradients. As TRL 1.16's ``GRPOTrainer`` does for a reward model,
+    the tokenizer pads with EOS when it has no pad token and the model's ``config.pad_token_id`` is set to the
+    tokenizer's pad token: transformers' sequence classifiers score the last position that is not
+    ``config.pad_token_id``, so a text scores the same alone and right-padded in a batch (a config whose pad id is
+    another token would score a padding position; one without raises for batches of more than one).
 
     Args:
         folder: the export folder (``config.json``, weights, tokenizer files).
@@ -146,8 +150,11 @@ class RewardModel:
                 folder, local_files_only=True, dtype=torch.float32).eval().requires_grad_(False)
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"{key}: loading the reward model '{folder}' failed ({type(e).__name__}: {e})") from e
-        if self.tokenizer.pad_token is None:
+        if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        # the classifier reads the score at the last position that is not the config's pad token: it must be the
+        # token the batch is padded with (TRL 1.16's GRPOTrainer sets it so), else a padded row is scored at a pad
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
         self.batch_size = batch_size
         self.__name__ = "reward_model"
 
@@ -264,7 +271,7 @@ def score(functions: list[RewardFunction], prompts: list, completions: list[str]
         functions: from :func:`load`.
         prompts: ``N`` prompts (text, or lists of messages), one per completion.
         completions: ``N`` completion texts (special tokens skipped).
-        completion_ids: ``N`` lists of the completion's token ids (up to its EOS, which is left out).
+        completion_ids: ``N`` lists of the completion's token ids, up to and including its EOS (TRL's).
         columns: ``data.reward_columns`` -> ``N`` values.
 
     Returns:

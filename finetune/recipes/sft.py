@@ -80,12 +80,13 @@ def cache_key(data_cfg: DataConfig) -> dict:
 
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
-    """Packing: ``use_cache = False`` in the model config (also in the export's ``config.json``).
+    """Packing: ``use_cache = False`` in the model config, for training only (the export's ``config.json`` and
+    ``generation_config.json`` get the source model's ``use_cache`` back:
+    :func:`finetune.lifecycle.export.source_use_cache`).
 
     transformers derives the block-diagonal mask from ``position_ids`` only when the forward has no KV cache,
     and Llama/Qwen models create one on every forward (training too) while ``config.use_cache`` is true: the
     packed examples would then attend to each other (measured: loss off by 0.27 on three short examples).
-    ``generate`` still uses a cache (its generation config decides).
     """
     if data_cfg.packing:
         model_config.use_cache = False
