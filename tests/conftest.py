@@ -37,6 +37,19 @@ def cpu_env(**extra: str) -> dict:
     return env
 
 
+def _zero3(config: str | Path, overrides: list[str]) -> bool:
+    """The launch runs ZeRO-3: a ``stage=3`` override, a ``deepspeed=`` override naming a ZeRO-3 file, or a run
+    config that names one (or sets stage 3) without an override of the stage."""
+    stage = [o for o in overrides if "zero_optimization.stage=" in o]
+    if stage:
+        return stage[-1].endswith("=3")
+    named = [o.split("=", 1)[1] for o in overrides if o.startswith("deepspeed=")]
+    if named:
+        return "zero3" in named[-1]
+    text = Path(config).read_text() if Path(config).is_file() else ""
+    return "zero3" in text or "stage: 3" in text
+
+
 def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume: str | None = None,
            timeout: int = 600, extra_args: list[str] = (), env: dict | None = None,
            script: str = "finetune/run.py") -> subprocess.CompletedProcess:
@@ -53,8 +66,17 @@ def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume
 
     ``script``: the entry point (a test's wrapper around ``finetune/run.py``, e.g. ``tests/grpo_teacher_forced.py``).
 
+    A ZeRO-3 launch runs with ``stage3_param_persistence_threshold: 0`` unless an override sets it: tiny models then
+    gather and release every parameter as real models' layers are (a test that passes under DeepSpeed's default
+    threshold may keep all of a tiny model resident).
+
     Returns the completed process (stdout and stderr merged into ``.stdout``); does not raise on failure.
     """
+    overrides = list(overrides)
+    if _zero3(config, overrides) and not any("stage3_param_persistence_threshold" in o for o in overrides):
+        # every parameter partitioned, gathered and released as a real model's layers are (the tiny tensors would
+        # stay resident under DeepSpeed's default threshold of 1e5 elements)
+        overrides.append("ds.zero_optimization.stage3_param_persistence_threshold=0")
     world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
     cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--log_level=info",

@@ -256,6 +256,53 @@ def test_score_names_the_function_for_each_failure():
     assert table[0] == [0.0, 1.0] and table[1][0] == 0.0 and table[1][1] != table[1][1]  # None -> NaN
 
 
+def _eos_after_yes(folder) -> None:
+    """A tiny Llama (``data/models/tiny-llama``'s config, tied embeddings) that ends at once after the token ``' yes'``
+    and almost never otherwise: its layers add nothing to the residual stream (``o_proj``, ``down_proj`` zero), the
+    embedding's first dimension is 0 except for ``' yes'`` (1) and EOS (5), so after ``' yes'`` the EOS logit is 40
+    and every other logit 0; after any other token EOS has logit 0 among random ones (p ~ 1 / vocabulary)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "data/models/tiny-llama"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        emb[:, 0] = 0
+        emb[3763] = 0  # ' yes' (GPT-2 BPE)
+        emb[3763, 0] = 1.0
+        emb[50256] = 0  # EOS
+        emb[50256, 0] = 5.0
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_zero3_generation_with_uneven_completions_finishes(tmp_path):
+    """2 ranks, ZeRO-3 with every parameter partitioned (``stage3_param_persistence_threshold: 0``), the model
+    gathered for generation: each step one rank's prompt ends in ``' yes'`` (its completions stop at EOS after one
+    token) and the other's does not (its completions run to the 24-token limit). With DeepSpeed's module hooks left
+    on, the ranks would issue different numbers of per-token gathers; the run finishes, and the logged lengths show
+    the split (half the completions 1 token, half clipped)."""
+    model = tmp_path / "model"
+    _eos_after_yes(model)
+    data = write_parquet(tmp_path / "prompts.parquet", {"question": ["Answer yes", "Answer no"], "answer": ["1", "2"]})
+    run = tmp_path / "run"
+    proc = ok(launch(CONFIG, [f"output_dir={run}", f"model.path={model}", "model.init=pretrained",
+                              "deepspeed=ds_configs/zero3.json", "ds.zero_optimization.stage3_param_persistence_threshold=0",
+                              f"data.train_files=[{data}]", f"data.validation_files=[{data}]", "data.max_train_rows=2",
+                              "train.gradient_accumulation_steps=1", "train.max_steps=3", "train.lr=1e-6",
+                              "train.grpo.max_completion_length=24", "train.grpo.rewards=[length]",
+                              "train.grpo.reward_weights=[1.0]", f"data.cache_dir={tmp_path / 'cache'}"], timeout=300))
+    train = [r for r in read_metrics(run) if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3], proc.stdout[-3000:]
+    for r in train:
+        assert r["train/completions/mean_length"] == pytest.approx((1 + 24) / 2), r
+        assert r["train/completions/clipped_ratio"] == pytest.approx(0.5), r
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
