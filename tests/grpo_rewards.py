@@ -26,6 +26,21 @@ def returns_nan(prompts, completions, **kwargs):
     return [float("nan")] * len(completions)
 
 
+def returns_inf(prompts, completions, **kwargs):
+    """An infinity for every completion."""
+    return [float("inf")] * len(completions)
+
+
+def calls_exit(prompts, completions, **kwargs):
+    """Exits the interpreter (``sys.exit``) instead of raising."""
+    raise SystemExit(3)
+
+
+def scores_nothing(prompts, completions, **kwargs):
+    """None for every completion: nothing scored."""
+    return [None] * len(completions)
+
+
 def no_kwargs(prompts, completions):
     """TRL's signature needs **kwargs: refused by --check."""
     return [0.0] * len(completions)

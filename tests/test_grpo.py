@@ -199,6 +199,23 @@ def test_check_names_every_bad_setting_and_reward_function(tmp_path, capsys):
     assert "bad.parquet' has no column 'answer'" in err and "data.reward_columns" in err
     assert check_files(CONFIG, tmp_path, [bad], ["data.reward_columns=[solution]"]) == 2
     assert "bad.parquet' row 1 of column 'question' is null or empty (1 such rows)" in capsys.readouterr().err
+    # settings the launch would fail, diverge or train on with
+    assert check_files(CONFIG, tmp_path, [good], ["train.grpo.temperature=inf", "train.grpo.reward_weights=[1,.nan]",
+                                                  "train.grpo.length_cache=20"]) == 2
+    err = capsys.readouterr().err
+    for line in ("train.grpo.temperature: inf is not a finite number",
+                 "train.grpo.reward_weights[1]: nan is not a finite number",
+                 "train.grpo.length_cache: 20 is longer than train.grpo.max_completion_length 12"):
+        assert line in err, (line, err)
+    # every prompt dropped by data.truncation=drop: the launch's empty split, refused by --check
+    assert check_files(CONFIG, tmp_path, [good], ["data.truncation=drop", "data.max_seq_len=2"]) == 2
+    assert "every prompt of" in capsys.readouterr().err
+    # a chat SFT file given to grpo: the prompts end with the answer
+    chat = write_parquet(tmp_path / "chat.parquet", {
+        "question": [[{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]],
+        "answer": ["#### 2"]})
+    assert check_files(CONFIG, tmp_path, [chat], ["model.tokenizer_path=data/models/tiny-qwen3"]) == 2
+    assert "row 0 of column 'question' ends with an assistant message (1 such rows)" in capsys.readouterr().err
 
 
 def test_the_hybrid_engine_backend_is_deepspeeds_rollout_with_generates_completions(fixed, tmp_path, capsys):
@@ -242,7 +259,8 @@ def test_the_hybrid_engine_backend_is_deepspeeds_rollout_with_generates_completi
 
 
 def test_score_names_the_function_for_each_failure():
-    """Wrong length, NaN and an exception: a RewardError naming the function; None is 'not scored' (NaN)."""
+    """Wrong length, NaN, an infinity and ``SystemExit``: a RewardError naming the function (one line, exit 4 in a
+    run); None is 'not scored' (NaN)."""
     from finetune.recipes import rewards
 
     cfg = load_run_config(CONFIG, ["train.grpo.rewards=[tests/grpo_rewards.py:wrong_length]", "train.grpo.reward_weights=[]"])
@@ -252,6 +270,11 @@ def test_score_names_the_function_for_each_failure():
     cfg = load_run_config(CONFIG, ["train.grpo.rewards=[tests/grpo_rewards.py:returns_nan]", "train.grpo.reward_weights=[]"])
     with pytest.raises(rewards.RewardError, match="returns_nan returned NaN for completion 0"):
         rewards.score(rewards.load(cfg), *args)
+    for fn, line in (("returns_inf", "returns_inf returned inf for completion 0"),
+                     ("calls_exit", "calls_exit raised SystemExit: 3")):
+        cfg = load_run_config(CONFIG, [f"train.grpo.rewards=[tests/grpo_rewards.py:{fn}]", "train.grpo.reward_weights=[]"])
+        with pytest.raises(rewards.RewardError, match=line):
+            rewards.score(rewards.load(cfg), *args)
     table = rewards.score(rewards.load(load_run_config(CONFIG)), *args)
     assert table[0] == [0.0, 1.0] and table[1][0] == 0.0 and table[1][1] != table[1][1]  # None -> NaN
 

@@ -873,6 +873,27 @@ def _text_or_messages(typ) -> bool:
     return string_type(typ) or str(typ).startswith(("list", "large_list"))
 
 
+def _all_dropped(cfg: RunConfig, key: str, f: str, p_col: str, prompts: list, problems: list[str]) -> None:
+    """One line when ``data.truncation: drop`` would leave none of a file's prompts (every one longer than
+    ``data.max_seq_len`` tokens), the launch's empty-split refusal, found before any model is built."""
+    try:
+        encode = PromptRows(tokenizer_of(cfg), cfg.data).encode
+    except Exception:  # noqa: BLE001  (the tokenizer's own check reports it)
+        return
+    shortest = None
+    for p in prompts:
+        try:
+            n = len(encode(p))
+        except Exception:  # noqa: BLE001  (malformed prompts are reported above)
+            return
+        if n <= cfg.data.max_seq_len:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    problems.append(f"{key}: every prompt of '{f}' is longer than data.max_seq_len={cfg.data.max_seq_len} tokens "
+                    f"(the shortest has {shortest}), so data.truncation=drop leaves none; raise data.max_seq_len or "
+                    f"set data.truncation=truncate (keeps each prompt's last tokens)")
+
+
 def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """Check the grpo settings, reward functions and data before any model is built; one line per problem.
 
@@ -888,6 +909,9 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     for key in ("max_completion_length", "num_iterations"):
         if getattr(g, key) < 1:
             problems.append(f"train.grpo.{key}: {getattr(g, key)} must be >= 1")
+    for key in ("temperature", "top_p", "epsilon", "epsilon_high", "beta"):
+        if not math.isfinite(float(getattr(g, key))):
+            problems.append(f"train.grpo.{key}: {getattr(g, key)} is not a finite number")
     if g.temperature <= 0:
         problems.append(f"train.grpo.temperature: {g.temperature} must be > 0 (GRPO samples its completions)")
     if not 0 < g.top_p <= 1:
@@ -933,6 +957,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
                 problems.append(f"{key}: '{f}' row {empty[0]} of column '{p_col}' is null or empty ({len(empty):,} "
                                 f"such rows); fix or remove them")
             start = len(problems)
+            answered = []
             for i, prompt in enumerate(prompts):
                 if isinstance(prompt, list):
                     conversational = True
@@ -941,6 +966,15 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
                         problems.append(f"{key}: '{f}' row {i} of column '{p_col}' is {problem}; a conversational "
                                         f"prompt is a list of {{role, content}} messages")
                         break
+                    if prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+                        answered.append(i)
+            if answered and len(problems) == start:
+                problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
+                                f"({len(answered):,} such rows): grpo would render the answer into the prompt and "
+                                f"open a new assistant turn after it; give the conversations up to the turn the "
+                                f"model completes (drop the last assistant message of a chat SFT file)")
+            if d.truncation == "drop" and len(problems) == start and prompts and not empty:
+                _all_dropped(cfg, key, f, p_col, prompts, problems)
             if len(problems) == start and conversational:
                 templates.check(key, f, [p_col], ((i, p_col, list(p)) for i, p in enumerate(prompts)
                                                   if isinstance(p, list)), problems)

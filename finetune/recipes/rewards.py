@@ -228,6 +228,14 @@ def load(cfg) -> list[RewardFunction]:
     if g.reward_weights and len(g.reward_weights) != len(g.rewards):
         problems.append(f"train.grpo.reward_weights: {len(g.reward_weights)} weights for {len(g.rewards)} reward "
                         f"functions; give one per function or none (all 1)")
+    bad = [(i, w) for i, w in enumerate(g.reward_weights) if not _finite_number(w)]
+    if bad:
+        problems.append(f"train.grpo.reward_weights[{bad[0][0]}]: {bad[0][1]!r} is not a finite number; every weight "
+                        f"must be one (0 turns a function's reward off but keeps logging it)")
+    if g.length_cache > g.max_completion_length:
+        problems.append(f"train.grpo.length_cache: {g.length_cache} is longer than train.grpo.max_completion_length "
+                        f"{g.max_completion_length}; the length penalty's ramp must fit in the completion (0: a "
+                        f"quarter of it)")
     out = []
     for i, spec in enumerate(g.rewards):
         key = f"train.grpo.rewards[{i}]"
@@ -263,6 +271,13 @@ def load(cfg) -> list[RewardFunction]:
     return out
 
 
+def _finite_number(v) -> bool:
+    try:
+        return not isinstance(v, (str, bool)) and math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
 def score(functions: list[RewardFunction], prompts: list, completions: list[str], completion_ids: list[list[int]],
           columns: dict[str, list]) -> list[list[float]]:
     """Every function's rewards of every completion.
@@ -278,14 +293,15 @@ def score(functions: list[RewardFunction], prompts: list, completions: list[str]
         ``[N][F]`` floats, NaN where a function returned ``None``.
 
     Raises:
-        RewardError: a function raised, returned a non-list or another length, a non-number or NaN.
+        RewardError: a function raised (``SystemExit`` included: a function calling ``sys.exit`` or ``exit()``),
+            returned a non-list or another length, a non-number, NaN or an infinity.
     """
     n = len(completions)
     table = [[math.nan] * len(functions) for _ in range(n)]
     for j, f in enumerate(functions):
         try:
             got = f.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-        except Exception as e:  # noqa: BLE001  (named and re-raised as one line)
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (named and re-raised as one line)
             raise RewardError(f"reward function {f.spec} raised {type(e).__name__}: {e}") from e
         if not isinstance(got, (list, tuple)) or len(got) != n:
             what = f"{len(got)} values" if isinstance(got, (list, tuple)) else f"a {type(got).__name__}"
@@ -298,8 +314,9 @@ def score(functions: list[RewardFunction], prompts: list, completions: list[str]
                 raise RewardError(f"reward function {f.spec} returned {v!r} (a {type(v).__name__}) for completion "
                                   f"{i}; return a float or None")
             v = float(v)
-            if math.isnan(v):
-                raise RewardError(f"reward function {f.spec} returned NaN for completion {i} ({completions[i][:60]!r}); "
-                                  f"return None for a completion it does not apply to")
+            if not math.isfinite(v):
+                raise RewardError(f"reward function {f.spec} returned {'NaN' if math.isnan(v) else v} for "
+                                  f"completion {i} ({completions[i][:60]!r}); return a finite float, or None for a "
+                                  f"completion it does not apply to")
             table[i][j] = v
     return table
