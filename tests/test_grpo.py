@@ -279,6 +279,23 @@ def test_score_names_the_function_for_each_failure():
     assert table[0] == [0.0, 1.0] and table[1][0] == 0.0 and table[1][1] != table[1][1]  # None -> NaN
 
 
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_metrics_with_nothing_to_measure_are_not_zero(tmp_path):
+    """A reward function that scores nothing (None for every completion): ``train/reward`` and its function's mean
+    are left out of the training log and the evaluation's are null (NaN), with a warning, never a made-up 0."""
+    run = tmp_path / "run"
+    proc = ok(launch(CONFIG, [f"output_dir={run}", "train.max_steps=1", "train.eval_every=1",
+                              "train.grpo.rewards=[tests/grpo_rewards.py:scores_nothing]", "train.grpo.reward_weights=[]",
+                              f"data.cache_dir={tmp_path / 'cache'}"]))
+    rows = read_metrics(run)
+    train = [r for r in rows if "train/loss" in r]
+    assert train and all("train/reward" not in r and "train/rewards/scores_nothing/mean" not in r for r in train)
+    evals = [r for r in rows if "eval/reward" in r]
+    assert evals and all(r["eval/reward"] is None for r in evals), evals
+    assert "nothing to measure" in proc.stdout
+
+
 def _eos_after_yes(folder) -> None:
     """A tiny Llama (``data/models/tiny-llama``'s config, tied embeddings) that ends at once after the token ``' yes'``
     and almost never otherwise: its layers add nothing to the residual stream (``o_proj``, ``down_proj`` zero), the

@@ -109,6 +109,18 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
     return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() / replicas if counts is not None else None)
 
 
+_UNMEASURED: set = set()
+
+
+def _nothing_measured(name: str) -> None:
+    """Warn once per process (rank 0) that a metric had nothing to measure in a window or evaluation."""
+    if name not in _UNMEASURED:
+        _UNMEASURED.add(name)
+        if dist_utils.is_main():
+            logger.warning(f"{name}: nothing to measure (no row or completion it applies to, e.g. every reward None "
+                           f"or no rejected example); not logged as a number where that happens")
+
+
 def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, artefacts: dict | None) -> dict:
     loss = total["loss"] / max(total["targets"], 1.0)
     metrics = {f"{prefix}loss": loss}
@@ -117,7 +129,11 @@ def _eval_metrics(engine, recipe, total: dict[str, float], counts, prefix: str, 
     for n in sorted(total):
         if n.endswith("/num"):
             base = n[: -len("/num")]
-            metrics[f"{prefix}{base}"] = total[n] / max(total[f"{base}/den"], 1.0)
+            if total[f"{base}/den"] > 0:
+                metrics[f"{prefix}{base}"] = total[n] / total[f"{base}/den"]
+            else:  # nothing to measure (no rejected row, no scored completion): NaN, never a made-up 0
+                metrics[f"{prefix}{base}"] = float("nan")
+                _nothing_measured(f"{prefix}{base}")
     if counts is not None:
         extra, made = recipe.eval_report(counts, getattr(engine.module, "config", None))
         metrics.update({f"{prefix}{k}": v for k, v in extra.items()})
@@ -471,8 +487,11 @@ class LogWindow:
         totals = dist_utils.all_reduce_sum(torch.cat([self.acc, self.meter.window, *(self.metrics[n] for n in names)]))
         steps = totals[1].item() / self.world
         totals = totals / self.replicas
-        recipe_metrics = {f"train/{n}": (totals[5 + 2 * i] / totals[6 + 2 * i].clamp(min=1)).item()
-                          for i, n in enumerate(names)}
+        recipe_metrics = {f"train/{n}": (totals[5 + 2 * i] / totals[6 + 2 * i]).item()
+                          for i, n in enumerate(names) if totals[6 + 2 * i] > 0}
+        for n in names:  # nothing to measure in this window: left out, never a made-up 0
+            if f"train/{n}" not in recipe_metrics:
+                _nothing_measured(f"train/{n}")
         elapsed = time.perf_counter() - self.t0
         if grad_norm is None:
             gn = self.engine.get_global_grad_norm()
