@@ -180,13 +180,15 @@ def _start(run_dir: Path, overrides=RUN_OVERRIDES) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
-    """SIGTERM to the launch's process group (Ctrl-C style, or a scheduler): ranks stop at one step, save it."""
+@pytest.mark.parametrize("how", ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.extended)])
+def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path, how):
+    """SIGTERM (a scheduler) or SIGINT (Ctrl-C in the terminal) to the launch's process group: ranks stop at one
+    step, save it, and a resume continues with the same losses."""
     run_dir = tmp_path / "run"
     proc = _start(run_dir)
     wait_for(lambda: logged_steps(run_dir) >= 3 or proc.poll() is not None, 300, what="step 3")
     assert proc.poll() is None, "the run ended before it could be signalled"
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, getattr(signal, how))
     _wait_group_gone(proc, 90)
     assert proc.wait() != 0
     ckdir = run_dir / "checkpoints"
@@ -197,12 +199,13 @@ def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
             assert {"mp_rank_00_model_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt",
                     "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= names
             complete.append(int(ck.name[4:]))
-    assert len(complete) == 1, f"complete checkpoints after SIGTERM: {complete}"
+    assert len(complete) == 1, f"complete checkpoints after {how}: {complete}"
     stopped = complete[0]
     assert 3 <= stopped < STEPS
     for r in (0, 1):
         log = (run_dir / "logs" / f"rank{r}.log").read_text()
-        assert "received SIGTERM" in log and f"stopped at step {stopped} of {STEPS}" in log
+        assert f"received {how}" in log and f"stopped at step {stopped} of {STEPS}" in log
+        assert "KeyboardInterrupt" not in log
     ok(launch(CONFIG, [f"output_dir={run_dir}", *RUN_OVERRIDES], resume="latest"))
     assert f"resumed from {ckdir / f'step{stopped}'}" in (run_dir / "logs" / "rank0.log").read_text()
     assert_same_losses(run_dir, reference[1])  # steps before the stop from the first launch, the rest resumed
@@ -211,7 +214,7 @@ def test_sigterm_leaves_complete_checkpoint_that_resumes(reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("how,victim", [("SIGKILL", 0), ("SIGINT", 1)], ids=["SIGKILL-rank0", "SIGINT-rank1"])
 def test_dead_rank_ends_launch(tmp_path, how, victim):
-    """Rank 0 killed (SIGKILL) or rank 1 failing with an exception (SIGINT: KeyboardInterrupt) mid-run: the
+    """Rank 0 killed (SIGKILL) or rank 1 failing with an exception (SIGINT twice: KeyboardInterrupt) mid-run: the
     launch exits non-zero within seconds (not after train.dist_timeout_minutes), and the survivor's log and the
     launch output name the rank that failed, its host and pid (DeepSpeed's own line names the last rank it
     started, whichever died). Before rank 1 is interrupted, ``kill -USR2`` dumps its stacks into its own log."""
@@ -230,6 +233,9 @@ def test_dead_rank_ends_launch(tmp_path, how, victim):
         assert proc.poll() is None  # dumped, still running
     t0 = time.time()
     os.kill(pid, getattr(signal, how))
+    if how == "SIGINT":  # the first asks for a checkpoint and a stop; a second one (Ctrl-C twice) interrupts at once
+        time.sleep(0.05)
+        os.kill(pid, signal.SIGINT)
     rc = proc.wait(timeout=120)
     elapsed = time.time() - t0
     _wait_group_gone(proc, 60)
@@ -386,6 +392,36 @@ def test_stop_signal_raises_at_startup_then_defers_to_the_loop():
         wait_for(stop.requested, 5)
         assert stop.exit_code() in (128 + signal.SIGUSR1, 128 + signal.SIGTERM)
     assert signal.getsignal(signal.SIGTERM) == before  # previous handlers back
+    # Ctrl-C: a stop request like SIGTERM (one line before training, a checkpoint after); twice: at once
+    with pytest.raises(StopRequested, match="SIGINT before training started"):
+        with StopSignal():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    with StopSignal() as stop:
+        stop.defer_to_loop()
+        os.kill(os.getpid(), signal.SIGINT)
+        wait_for(stop.requested, 5)
+        assert stop.exit_code() == 128 + signal.SIGINT
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+
+
+def test_tokenization_workers_do_not_inherit_the_stop_handler(capfd):
+    """The forked tokenization pool, started while a rank's stop handler is active and ended as ``Pool`` ends its
+    workers (``SIGTERM``): no worker raises ``StopRequested`` (what a successful run printed as ``Process
+    ForkPoolWorker-2 ... StopRequested: stopped by SIGTERM before training started``)."""
+    import multiprocessing
+
+    from finetune.data import tokenization
+    from finetune.lifecycle.preemption import StopSignal
+
+    with StopSignal():
+        with multiprocessing.get_context("fork").Pool(2, tokenization._pool_start) as pool:
+            assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+        time.sleep(0.5)  # the workers' stderr, if any
+    err = capfd.readouterr().err
+    assert "StopRequested" not in err and "Traceback" not in err, err
 
 
 def test_init_timeout_covers_deepspeed_groups_and_shm_buffer_is_unlinked(tmp_path):

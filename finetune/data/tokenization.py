@@ -158,9 +158,14 @@ _POOL_STATE: tuple[ShardJob, Path] | None = None
 
 
 def _pool_start() -> None:
-    """In each forked process: one tokenizer thread (and no warning about it), and die with the parent (a killed
-    rank leaves no process writing into its partial folder)."""
+    """In each forked process: one tokenizer thread (and no warning about it), die with the parent (a killed
+    rank leaves no process writing into its partial folder), and the default signal handlers: the rank's
+    preemption handler (:class:`finetune.lifecycle.preemption.StopSignal`) is the rank's, not the worker's (the pool
+    ends its workers with ``SIGTERM``; a Ctrl-C reaches the whole process group, and the rank decides)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux/glibc: the process ends when it asks the pool for work

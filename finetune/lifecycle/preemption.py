@@ -35,16 +35,18 @@ import psutil
 from finetune.errors import StopRequested
 from finetune.logs import logger
 
-SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignal:
-    """Context manager for ``SIGUSR1``/``SIGTERM`` (previous handlers restored on exit).
+    """Context manager for ``SIGUSR1``/``SIGTERM``/``SIGINT`` (previous handlers restored on exit).
 
     Before :meth:`defer_to_loop` (start-up: data, model, engine) a signal raises :class:`StopRequested`:
-    there is nothing to checkpoint yet, so the rank stops at once. After it, a signal only sets the flag
-    the training loop polls. A second signal does not kill the process then: under Slurm a rank can get
-    ``SIGTERM`` both from Slurm and from its launcher, and the checkpoint must still be written.
+    there is nothing to checkpoint yet, so the rank stops at once, with one line. After it, a signal only sets the
+    flag the training loop polls. A second signal does not kill the process then: under Slurm a rank can get
+    ``SIGTERM`` both from Slurm and from its launcher, and a Ctrl-C in a terminal reaches the ranks as ``SIGINT``
+    and again as the launcher's ``SIGTERM``; the checkpoint must still be written. Only a second ``SIGINT`` (Ctrl-C
+    pressed twice) raises ``KeyboardInterrupt`` at once, without a checkpoint, as Python's default handler does.
     ``SIGKILL`` remains the hard stop.
     """
 
@@ -52,13 +54,19 @@ class StopSignal:
         self.signum: int | None = None
         self._previous: dict = {}
         self._deferred = False
+        self._interrupted = False
 
     def _handle(self, signum, frame):  # noqa: ARG002
         if not self._deferred:
             self.signum = signum
             raise StopRequested(signum)
+        if signum == signal.SIGINT:
+            if self._interrupted:
+                raise KeyboardInterrupt
+            self._interrupted = True
         if self.signum is None:
-            logger.warning(f"received {signal.Signals(signum).name}: will checkpoint after this step and stop")
+            again = " (Ctrl-C again: stop at once, no checkpoint)" if signum == signal.SIGINT else ""
+            logger.warning(f"received {signal.Signals(signum).name}: will checkpoint after this step and stop{again}")
         self.signum = signum
 
     def defer_to_loop(self) -> None:
