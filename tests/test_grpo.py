@@ -686,3 +686,18 @@ def test_inspect_shows_the_prompts(capsys, tmp_path):
     out = capsys.readouterr()
     assert "prompts only: every training step generates their completions" in out.out
     assert "--- row 0: 36 prompt tokens\nNatalia sold clips" in out.out and "warning" not in out.out + out.err
+
+
+def test_a_resume_that_changes_num_iterations_is_refused_unless_allowed():
+    """``train.grpo.num_iterations`` 2 -> 1 on resume: the checkpoint's position counts each step's prompts twice,
+    so the continuation would skip or repeat prompts of the uninterrupted order: refused in one line, or a warning
+    with ``--resume-allow-changes``."""
+    from finetune.config import config_to_dict
+    from finetune.lifecycle import resume
+
+    old = config_to_dict(load_run_config(CONFIG, ["train.grpo.num_iterations=2"]))
+    cfg = load_run_config(CONFIG)
+    problems, _ = resume.review(old, 2, cfg, 2, allow=False)
+    assert [p for p in problems if "train.grpo.num_iterations changed (2 -> 1)" in p and "skip or repeat" in p], problems
+    problems, notes = resume.review(old, 2, cfg, 2, allow=True)
+    assert not problems and any("num_iterations" in n and "continuing" in n for n in notes), notes

@@ -139,7 +139,13 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
             continue
         if (key.startswith("model.lora") and unloadable) or key == "train.optimizer":
             continue  # one line for the whole LoRA change, above; the optimizer's line above
-        if _refused(key):
+        if key == "train.grpo.num_iterations":  # the sampler's position counts repeated rows
+            line = (f"--resume: {key} changed ({was!r} -> {now!r}): the sampler repeats each step's prompts "
+                    f"num_iterations times and the checkpoint's position counts those repeats, so the continuation "
+                    f"would skip or repeat prompts of the uninterrupted order")
+            (notes if allow else problems).append(line + ("; continuing as --resume-allow-changes asks" if allow
+                                                          else f"; {fix}"))
+        elif _refused(key):
             line = f"--resume: {key} changed ({was!r} -> {now!r}): the continuation would be a different run"
             (notes if allow else problems).append(line + ("; continuing as --resume-allow-changes asks" if allow
                                                           else f"; {fix}"))
