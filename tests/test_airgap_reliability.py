@@ -290,7 +290,8 @@ def test_bundle_past_a_file_size_limit_is_one_line(tmp_path, capsys):
     assert verify_main([str(out)]) == 1  # an unfinished bundle, not a complete-looking one
 
 
-# item 23: local models named by their real folder; links followed or copied, and said so
+# item 23: local models named by their real folder; what is left out said (issue 51 item 5: only what the model
+# needs is taken, never through a link out of the folder: tests/test_airgap_links.py)
 
 def test_bundle_model_dotdot_and_links(tmp_path, capsys, monkeypatch):
     model = _model(tmp_path / "src")
@@ -309,16 +310,14 @@ def test_bundle_model_dotdot_and_links(tmp_path, capsys, monkeypatch):
     assert bundle_main([str(out), "--model", ".."]) == 0
     err = capsys.readouterr().err
     assert sorted(p.relative_to(out).as_posix() for p in (out / "models").rglob("*") if p.is_file()) == [
-        "models/tiny/config.json", "models/tiny/model.safetensors", "models/tiny/notes.txt",
-        "models/tiny/shards/extra.json"]
-    assert not (out / "config.json").exists() and (out / "models/tiny/notes.txt").read_text() == "notes"
-    assert not (out / "models/tiny/notes.txt").is_symlink()
+        "models/tiny/config.json", "models/tiny/model.safetensors"]
+    assert not (out / "config.json").exists()
     cfg = (out / "run_config.yaml").read_text()
     assert "path: models/tiny\n" in cfg and "output_root: runs/tiny\n" in cfg
-    assert f"model tiny: link shards -> {shards.resolve()}: folder followed, its files copied" in err
-    assert f"model tiny: link notes.txt -> {outside.resolve()}: copied by content" in err
-    assert f"model tiny: link loop -> {model.resolve()}: a folder above it (a loop), skipped" in err
-    assert f"model tiny: link gone.txt -> {tmp_path / 'nothing'}: points to nothing, skipped" in err
+    assert (f"model tiny: left out 5 entries of {model.resolve()}: gone.txt (a link to {tmp_path / 'nothing'}; not a "
+            f"model file), loop/ (a link to {model.resolve()}; not a model folder), notes.txt (a link to "
+            f"{outside.resolve()}; not a model file), shards/ (a link to {shards.resolve()}; not a model folder), "
+            "work/ (not a model folder)") in err
 
 
 # item 19: doctor --nodes must be positive, like --world-size

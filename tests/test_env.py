@@ -56,3 +56,35 @@ def test_env_json_stdout_is_only_json():
     assert proc.returncode == 0, proc.stderr[-2000:]
     info = json.loads(proc.stdout)
     assert info["deepspeed_accelerator"] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_env_redacts_credentials_in_urls_and_secret_names(capsys, monkeypatch):
+    """Issue 51 item 11: credentials inside URLs are redacted whatever the variable's name (the Hub mirror, W&B's
+    server, the proxies), and names the old filter missed (``*_PASS``, ``*_PWD``, ``*_PSK``) are left out; names that
+    say nothing of a secret are printed as they are."""
+    secrets = {"HF_ENDPOINT": "https://alice:hf_tok3n@mirror.corp:8443/hub",
+               "WANDB_BASE_URL": "https://wandbkey9@wandb.corp",
+               "HTTPS_PROXY": "http://bob:pr0xy@proxy.corp:3128",
+               "http_proxy": "carol:s3cret@proxy.corp:3128",
+               "HF_HUB_DOWNLOAD_URL": "https://cdn.corp/x?sig=s1gnature&region=eu",
+               "NCCL_SOCKET_PASS": "p4ss", "SLURM_DB_PWD": "pwd123", "NCCL_IB_PSK": "psk456",
+               "HF_API_TOKEN_FILE": "/run/t0ken", "WANDB_CREDENTIALS": "cr3d"}
+    plain = {"MASTER_ADDR": "node-1.corp", "NO_PROXY": "localhost,127.0.0.1,.corp", "HF_HOME": "/scratch/hf",
+             "NCCL_BYPASS_CHECK": "1", "LD_PRELOAD": "/usr/lib/libjemalloc.so"}
+    for name, value in {**secrets, **plain}.items():
+        monkeypatch.setenv(name, value)
+    assert env.main(["--json"]) == 0
+    printed = capsys.readouterr().out
+    shown = json.loads(printed)["environment"]
+    for leak in ("hf_tok3n", "alice", "wandbkey9", "bob", "pr0xy", "carol", "s3cret", "s1gnature", "p4ss", "pwd123",
+                 "psk456", "t0ken", "cr3d"):
+        assert leak not in printed, leak
+    assert shown["HF_ENDPOINT"] == "https://***@mirror.corp:8443/hub"
+    assert shown["WANDB_BASE_URL"] == "https://***@wandb.corp"
+    assert shown["HTTPS_PROXY"] == "http://***@proxy.corp:3128" and shown["http_proxy"] == "***@proxy.corp:3128"
+    assert shown["HF_HUB_DOWNLOAD_URL"] == "https://cdn.corp/x?sig=***&region=eu"
+    assert not {"NCCL_SOCKET_PASS", "SLURM_DB_PWD", "NCCL_IB_PSK", "HF_API_TOKEN_FILE", "WANDB_CREDENTIALS"} & set(shown)
+    assert {k: shown[k] for k in plain} == plain, "names and values without a secret are printed untouched"
+    assert env.main([]) == 0  # the Markdown lines take the same values
+    lines = capsys.readouterr().out
+    assert "  - HF_ENDPOINT: https://***@mirror.corp:8443/hub" in lines and "hf_tok3n" not in lines

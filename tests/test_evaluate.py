@@ -6,7 +6,9 @@ equal the run's own final evaluation (1e-4 relative; the export is the engine's 
 at the end of the run), rank 0 writes the JSON beside the export; the evaluation runs at ZeRO-3 (the run at ZeRO-2)
 on an engine without optimizer (its log line). Bad input (not a run or export folder, an existing or unwritable
 ``--out``, the ``dpo`` recipe, an export of another recipe's model class) is one line and exit 2, before any model
-is built (``finetune evaluate``'s ``main`` in the test's process).
+is built (``finetune evaluate``'s ``main`` in the test's process). A ``grpo`` export is evaluated in this process on
+one rank (a few seconds): greedy completions scored by the config's reward functions, checked against transformers'
+own greedy ``generate`` on the export and the reward functions called here.
 """
 
 from __future__ import annotations
@@ -101,3 +103,61 @@ def test_evaluate_refuses_before_building_a_model(tmp_path, capsys):
     assert main([str(shipped), "--config", str(TINY), "--out", str(blocker / "eval.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--out" in err[0] and "is a file, not a folder" in err[0], err
+
+
+def test_evaluate_grpo_export_scores_greedy_completions(tmp_path, capsys, monkeypatch):
+    """Issue 51 item 9: a grpo export is evaluated as the training run evaluates (one greedy completion per validation
+    prompt, scored by the run config's reward functions: ``eval/reward`` and ``eval/rewards/<f>/mean``), not refused;
+    in this process on one rank, against transformers' greedy ``generate`` on the export and the functions' own
+    scores. ``train.grpo.beta`` > 0 (a LoRA run's config) is no refusal: the evaluation has no KL term."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import free_port
+
+    export = tmp_path / "grpo_export"  # a scratch Llama-architecture export with the GPT-2 tokenizer, as grpo trains
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "data/models/tiny-llama"),
+                                             dtype=torch.float32)
+    model.save_pretrained(export)
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
+    tokenizer.save_pretrained(export)
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text("def chars(prompts, completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n")
+    out = tmp_path / "evaluation.json"
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    code, printed = finetune_here(["evaluate", export, "--config", CONFIGS / "tiny_grpo.yaml", "--out", out,
+                                   f"train.grpo.rewards=[length,{scorer}:chars]", "train.grpo.reward_weights=[1.0,0.5]",
+                                   "train.eval_max_batches=3", "data.max_seq_len=256", "train.grpo.beta=0.04"], capsys)
+    assert code == 0, printed[-3000:]
+    result = json.loads(out.read_text())
+    assert result["recipe"] == "grpo" and result["world_size"] == 1
+    records = result["completions"]
+    questions = pq.read_table(REPO / "data/gsm8k/test.parquet", columns=["question"])["question"].to_pylist()
+    assert [r["prompt"] for r in records] == questions[:3]  # the first validation rows, in order
+
+    # the reference: transformers' greedy generate on the export, then the reward functions on its completions
+    model.eval()
+    rows = []
+    for q in questions[:3]:
+        ids = torch.tensor([tokenizer(q)["input_ids"]])
+        with torch.no_grad():
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                 pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
+        new = new.tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id) + 1]
+        text = tokenizer.decode([t for t in new if t != tokenizer.eos_token_id], skip_special_tokens=True)
+        length = 0.0 if len(new) <= 12 - 6 else max(-1.0, (12 - 6 - len(new)) / 6)  # length_cache 6 of 12 tokens
+        rows.append((text, length, len(text) / 10))
+    assert [r["completion"] for r in records] == [t for t, _, _ in rows]
+    for r, (_, a, b) in zip(records, rows):  # the scores as the functions gave them (float32 in the table)
+        assert r["rewards"] == {"length": pytest.approx(a, abs=1e-6), "chars": pytest.approx(b, abs=1e-6)}, r
+    metrics = result["metrics"]
+    assert metrics["eval/rewards/length/mean"] == pytest.approx(sum(a for _, a, _ in rows) / 3, abs=1e-6)
+    assert metrics["eval/rewards/chars/mean"] == pytest.approx(sum(b for _, _, b in rows) / 3, abs=1e-6)
+    assert metrics["eval/reward"] == pytest.approx(sum(a + 0.5 * b for _, a, b in rows) / 3, abs=1e-6)
+    assert f"eval/reward               {metrics['eval/reward']:.6g}" in printed  # rank 0's table

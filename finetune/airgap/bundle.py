@@ -6,8 +6,11 @@ that reaches the Hugging Face Hub (or only local files) and writes the folder de
 
 * **Models** from the Hub: the revision (branch, tag or commit) is resolved to its commit once
   (``HfApi.model_info``) and every file is fetched at that commit with ``huggingface_hub.snapshot_download``
-  into ``OUT/models/<name>/``. Local folders are copied, named after their real folder (``--model ..`` too);
-  inside them a link to a file is copied by content and a link to a folder followed, each said in a log line. Every
+  into ``OUT/models/<name>/``. From a local folder, named after its real folder (``--model ..`` too), only what the
+  model needs is copied (:data:`MODEL_FILES`: configs, safetensors weights, tokenizer files, card and licence, the
+  files a shard index names, the :data:`MODEL_FOLDERS`); what is left out is named in a warning. A link is resolved:
+  inside the folder (or a cache snapshot's blob) it is copied by content; a link that leaves the folder is refused
+  in one line unless ``follow_links`` (``--follow-links``), which copies what it points to, saying so. Every
   safetensors header and shard index is read (:func:`finetune.airgap.manifest.weights_problems`): a truncated or damaged
   weights file is refused. Never taken unless asked: pickled weights
   (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``: unpickling runs code; ``allow_pickle``) and Python files
@@ -58,7 +61,7 @@ from loguru import logger
 from finetune import __version__
 from finetune.errors import ConfigError
 from finetune.airgap.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, \
-    weights_problems, write_manifest
+    source_problems, weights_problems, write_manifest
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
 CODE_PATTERNS = ["*.py"]
@@ -200,52 +203,155 @@ def _copy_if_changed(src: Path, dst: Path) -> bool:
     return True
 
 
-def _copy_tree(src: Path, dst: Path, ignore: list[str], what: str) -> tuple[int, int]:
-    """Copy the files of the folder ``src`` into ``dst`` (skipping ``ignore`` patterns and ``.cache/``); returns
-    (copied, already there).
+MODEL_FILES = ("*.json", "*.safetensors", "merges.txt", "vocab.txt", "*.model", "*.tiktoken", "*.jinja", "README.md",
+               "LICENSE*", "LICENCE*", "NOTICE*", "USE_POLICY*")
+"""What ``finetune bundle`` takes from the top level of a local model folder: its configs and other JSON files
+(``config.json``, ``generation_config.json``, the tokenizer's, shard indexes, a finetune export's provenance), the
+safetensors weights, the tokenizer's vocabularies (BPE ``merges.txt``, WordPiece ``vocab.txt``, SentencePiece
+``*.model``, tiktoken), chat templates, the card and the licence; with ``allow_pickle`` also the pickled weights, with
+``trust_remote_code`` the Python files, and every file a shard index names (``weight_map``). What ``from_pretrained``
+and ``AutoTokenizer`` read; anything else is left out and named in a warning."""
 
-    Symbolic links are never dropped silently: a link to a file is copied by content, a link to a folder is
-    followed (its files copied), a link back to a folder above it (a loop) or to nothing is skipped with a warning;
-    each says so in a log line starting with ``what``. The links of a Hugging Face cache snapshot (every file links
-    to a blob) get one line.
+MODEL_FOLDERS = {"adapter": ("*.json", "*.safetensors", "README.md"), "additional_chat_templates": ("*.jinja",)}
+"""Subfolders of a local model folder taken too, with the files taken from each: a finetune export's LoRA adapter
+(``adapter/``) and the named chat templates transformers reads besides ``chat_template.jinja``."""
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _target(link: Path) -> Path:
+    """Where ``link`` leads, every link on the way resolved (``os.path.realpath``: a loop gives a path, no error)."""
+    return Path(os.path.realpath(link))
+
+
+def _listed(src: Path) -> set[str]:
+    """The file names the shard indexes of ``src`` name (``*.index.json`` ``weight_map`` values)."""
+    names: set[str] = set()
+    for index in src.glob("*.index.json"):
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            continue  # a damaged index is reported by weights_problems once copied
+        if isinstance(weight_map, dict):
+            names.update(v for v in weight_map.values() if isinstance(v, str) and v and "/" not in v)
+    return names
+
+
+def _model_plan(src: Path, ignore: list[str], follow_links: bool, what: str) -> tuple[list[tuple[Path, str]], list[str]]:
+    """What to copy from the local model folder ``src``: ``([(file, path relative to src)], [left out])``.
+
+    Only :data:`MODEL_FILES` of the top level, every file a shard index names and the :data:`MODEL_FOLDERS`, minus
+    the ``ignore`` patterns; nothing else is read (a folder's other subfolders are never entered). A symbolic link
+    is resolved: one whose target stays inside ``src`` (or, for a Hugging Face cache snapshot, inside its repo's
+    ``blobs/``) is taken by content; one that leaves it is refused unless ``follow_links``, and then taken by content
+    with a log line. A link that points to nothing is skipped with a warning.
+
+    Raises:
+        ConfigError: a file or folder to take is a link out of ``src`` and ``follow_links`` is off (one line naming
+            the first such link, the number of others, and the two fixes).
     """
-    copied = kept = blobs = 0
-    cache = _cache_commit(src) is not None
-    for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
-        here = Path(dirpath)
-        followed = []
-        for name in sorted(dirnames):
-            p = here / name
-            rel = p.relative_to(src).as_posix()
-            if rel == ".cache":
-                continue
-            if p.is_symlink():
-                real = p.resolve()
-                if real == here.resolve() or real in here.resolve().parents:
-                    logger.warning(f"{what}: link {rel} -> {real}: a folder above it (a loop), skipped")
+    real = src.resolve()
+    blobs = real.parent.parent / "blobs" if _cache_commit(src) is not None else None
+    listed = _listed(src)
+    take: list[tuple[Path, str]] = []
+    left, outside, cached = [], [], 0
+
+    def wanted(rel: str, patterns) -> str | None:
+        """Why ``rel`` is left out (None: taken)."""
+        name = rel.rsplit("/", 1)[-1]
+        if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(name, pat) for pat in ignore):
+            return ("pickled weights: --allow-pickle" if any(fnmatch.fnmatch(name, p) for p in PICKLE_PATTERNS)
+                    else "code: --trust-remote-code" if any(fnmatch.fnmatch(name, p) for p in CODE_PATTERNS)
+                    else "never bundled")
+        if any(fnmatch.fnmatch(name, pat) for pat in patterns) or ("/" not in rel and name in listed):
+            return None
+        if "/" not in rel and (any(fnmatch.fnmatch(name, p) for p in PICKLE_PATTERNS)
+                               or any(fnmatch.fnmatch(name, p) for p in CODE_PATTERNS)):
+            return None  # asked for (--allow-pickle, --trust-remote-code): not in ignore
+        return "not a model file"
+
+    def link_ok(p: Path, rel: str) -> bool:
+        """A link: taken (inside, a cache blob, or followed) or not (it points to nothing)."""
+        nonlocal cached
+        target = _target(p)
+        if not p.exists():
+            logger.warning(f"{what}: link {rel} -> {os.readlink(p)}: points to nothing, skipped")
+            return False
+        if blobs is not None and _inside(target, blobs):
+            cached += 1
+        elif _inside(target, real):
+            logger.info(f"{what}: link {rel} -> {target}: inside the model folder, copied by content")
+        elif follow_links:
+            logger.warning(f"{what}: link {rel} -> {target}: outside the model folder, followed (--follow-links): "
+                           "copied by content")
+        else:
+            outside.append(f"{rel} -> {target}")
+            return False
+        return True
+
+    def scan(folder: Path, prefix: str, patterns) -> None:
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            rel = prefix + entry.name
+            link = f"a link to {_target(entry)}; " if entry.is_symlink() else ""
+            if entry.is_dir():  # a folder, or a link to one
+                sub = MODEL_FOLDERS.get(rel)
+                if rel == ".cache":  # huggingface_hub's download metadata
                     continue
-                logger.info(f"{what}: link {rel} -> {real}: folder followed, its files copied")
-            followed.append(name)
-        dirnames[:] = followed
-        for name in sorted(filenames):
-            f = here / name
-            rel = f.relative_to(src).as_posix()
-            if any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(name, pat) for pat in ignore):
-                continue
-            if f.is_symlink():
-                if not f.exists():
-                    logger.warning(f"{what}: link {rel} -> {os.readlink(f)}: points to nothing, skipped")
+                if sub is None:
+                    left.append(f"{rel}/ ({link}not a model folder)")
                     continue
-                if cache and f.resolve().parent.name == "blobs":
-                    blobs += 1
-                else:
-                    logger.info(f"{what}: link {rel} -> {f.resolve()}: copied by content")
-            if _copy_if_changed(f, dst / rel):
-                copied += 1
-            else:
-                kept += 1
-    if blobs:
-        logger.info(f"{what}: {blobs} files are links into the Hugging Face cache's blobs: copied by content")
+                if entry.is_symlink() and not link_ok(entry, rel):
+                    continue
+                scan(entry, rel + "/", sub)
+                continue
+            why = wanted(rel, patterns)
+            if why is None and entry.exists() and not entry.is_file():
+                why = "not a regular file"  # a pipe or device (behind a name such as x.json): never read
+            if why is not None:
+                left.append(f"{rel} ({link}{why})")
+            elif not entry.is_symlink() or link_ok(entry, rel):
+                take.append((entry, rel))
+
+    scan(src, "", MODEL_FILES)
+    if outside:
+        more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+        raise ConfigError(f"{what}: link {outside[0]} leaves the model folder {real}{more}; a bundle takes nothing "
+                          "from outside the folder it is given: copy the file into the folder (or remove the link), "
+                          "or pass --follow-links to copy what such links point to")
+    if cached:
+        logger.info(f"{what}: {cached} files are links into the Hugging Face cache's blobs: copied by content")
+    return take, left
+
+
+def _copy_model(src: Path, dst: Path, ignore: list[str], follow_links: bool, what: str) -> tuple[int, int]:
+    """Copy what the model needs from the local folder ``src`` into ``dst`` (:func:`_model_plan`; nothing is copied
+    when it refuses); what is left out is named in one warning; a file of an earlier bundle run that is no longer
+    taken is removed from ``dst``. Returns (copied, already there).
+
+    Raises:
+        ConfigError: see :func:`_model_plan`; a copy failed (:func:`_copy_if_changed`).
+    """
+    take, left = _model_plan(src, ignore, follow_links, what)
+    if left:
+        shown = ", ".join(left[:6]) + (f", and {len(left) - 6} more" if len(left) > 6 else "")
+        logger.warning(f"{what}: left out {len(left)} entr{'y' if len(left) == 1 else 'ies'} of {src}: {shown}")
+    copied = kept = 0
+    for f, rel in take:
+        if _copy_if_changed(f, dst / rel):
+            copied += 1
+        else:
+            kept += 1
+    wanted = {rel for _, rel in take}
+    stale = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if (p.is_file() or p.is_symlink())
+                   and ".cache" not in p.relative_to(dst).parts) if dst.is_dir() else []
+    stale = [rel for rel in stale if rel not in wanted]
+    for rel in stale:
+        (dst / rel).unlink()
+    if stale:
+        logger.info(f"{what}: removed {len(stale)} file(s) of an earlier bundle run that are no longer taken: "
+                    f"{', '.join(stale[:6])}")
     return copied, kept
 
 
@@ -273,16 +379,21 @@ def _hub_errors(what: str):
                           "a machine with internet (HF_ENDPOINT for a mirror)") from None
 
 
-def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_code: bool = False) -> Source:
-    """Put the model (or tokenizer) ``spec`` (``ID_OR_PATH[@REV]``) into ``out/models/<name>/``.
+def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_code: bool = False,
+                follow_links: bool = False) -> Source:
+    """Put the model (or tokenizer) ``spec`` (``ID_OR_PATH[@REV]``) into ``out/models/<name>/``: from the Hub, every
+    file of the repo at the resolved commit but the ignored ones; from a local folder, what the model needs
+    (:func:`_model_plan`: configs, weights, tokenizer, card, the files its shard indexes name), never anything
+    through a link out of the folder unless ``follow_links``.
 
     Returns:
         Its :class:`Source`.
 
     Raises:
-        ConfigError: the folder ends without a ``config.json`` or tokenizer, with pickled weights only
-            (``--allow-pickle`` takes them), or with a damaged safetensors file or shard index (truncated, a shard
-            missing: :func:`finetune.airgap.manifest.weights_problems`), or a copy failed (disk full).
+        ConfigError: a file to take is a link out of the local folder (without ``follow_links``), the folder ends
+            without a ``config.json`` or tokenizer, with pickled weights only (``--allow-pickle`` takes them), or with
+            a damaged safetensors file or shard index (truncated, a shard missing:
+            :func:`finetune.airgap.manifest.weights_problems`), or a copy failed (disk full).
     """
     ident, rev, _ = _split_spec(spec, with_config=False)
     src = Source("model", _name(ident), spec, revision=rev, trust_remote_code=trust_remote_code)
@@ -290,7 +401,7 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
     ignore = _ignore(allow_pickle, trust_remote_code)
     local = _local(ident)
     if local.is_dir():
-        copied, kept = _copy_tree(local, dest, ignore, f"model {src.name}")
+        copied, kept = _copy_model(local, dest, ignore, follow_links, f"model {src.name}")
         src.resolved_revision = _cache_commit(local)
         logger.info(f"model {src.name}: {copied} files copied from {local}, {kept} already there")
     else:
@@ -307,7 +418,7 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
                           "folder or repo?")
     if not any(n.endswith(".safetensors") for n in files) and not (allow_pickle and any(
             fnmatch.fnmatch(n, p) for n in files for p in PICKLE_PATTERNS)):
-        pickled = sorted(n for n in (Path(ident).expanduser().rglob("*") if local.is_dir() else [])
+        pickled = sorted(n for n in (local.iterdir() if local.is_dir() else [])
                          if any(fnmatch.fnmatch(n.name, p) for p in PICKLE_PATTERNS))
         if pickled:
             raise ConfigError(f"--model {spec}: only pickled weights ({pickled[0].name}); pickles run code when "
@@ -554,11 +665,12 @@ def _record(out: Path, src: Source) -> Source:
 def make_bundle(out: Path, models: list[str], datasets: list[str], wheels: bool = False,
                 allow_pickle: bool = False, trust_remote_code: bool = False, max_shard_bytes: int = 500 * 2**20,
                 for_python: str | None = None, for_platform: str | None = None, torch_version: str | None = None,
-                torch_index: str | None = None) -> dict:
+                torch_index: str | None = None, follow_links: bool = False) -> dict:
     """Fetch every source into ``out`` and write ``MANIFEST.json`` last; returns the manifest.
 
     A re-run into the same folder adds its sources to those of earlier runs (a source of the same kind and name
-    is fetched again: unchanged files are kept); the manifest lists them all.
+    is fetched again: unchanged files are kept); the manifest lists them all. ``follow_links``: links out of a local
+    model folder are followed (:func:`fetch_model`).
 
     Raises:
         ConfigError: ``out`` is a file, cannot be written, or is a non-empty folder that is not a bundle (nothing
@@ -576,7 +688,7 @@ def make_bundle(out: Path, models: list[str], datasets: list[str], wheels: bool 
     try:
         if (out / MANIFEST).is_file():
             (out / MANIFEST).unlink()  # from here until the end, the folder is an unfinished bundle
-        model_src = [_record(out, fetch_model(s, out, allow_pickle, trust_remote_code)) for s in models]
+        model_src = [_record(out, fetch_model(s, out, allow_pickle, trust_remote_code, follow_links)) for s in models]
         data_src = [_record(out, fetch_dataset(s, out, max_shard_bytes)) for s in datasets]
         install = fetch_wheels(out, for_python, for_platform, torch_version, torch_index) if wheels else None
         if install:
@@ -700,9 +812,11 @@ def _check_dataset(root: Path, src: dict) -> list[str]:
 def verify_bundle(root: Path) -> list[str]:
     """Offline check of a bundle: one line per problem, empty when it is whole.
 
-    Every file's size and SHA-256 against ``MANIFEST.json`` (missing, corrupt, extra, links: :func:`check_files`);
-    only when they all match, each model's configs, weights headers and tokenizer (:func:`_check_model`, no code
-    of the bundle run) and each dataset's parquet footers (columns, row counts). Call with ``HF_HUB_OFFLINE=1`` set
+    Every file's size and SHA-256 against ``MANIFEST.json`` (missing, corrupt, extra, links: :func:`check_files`)
+    and every source's folder and split files where the manifest hashes them (:func:`source_problems`: not under
+    ``runs/`` or a cache, no link, inside the bundle); only when all is well, each model's configs, weights headers
+    and tokenizer (:func:`_check_model`, no code of the bundle run) and each dataset's parquet footers (columns,
+    row counts). Call with ``HF_HUB_OFFLINE=1`` set
     before transformers is imported (the command does).
 
     Raises:
@@ -718,10 +832,9 @@ def verify_bundle(root: Path) -> list[str]:
         unfinished = (root / _WORK).is_dir()
         return [f"{root}: no {MANIFEST}: " + ("an unfinished bundle (finetune bundle stopped before the end: "
                                               "run it again)" if unfinished else "not a finetune bundle")]
-    problems = check_files(root, manifest)
-    if problems:  # nothing of a bundle whose files do not match is loaded
+    problems = check_files(root, manifest) + source_problems(root, manifest)
+    if problems:  # nothing of a bundle whose files do not match, or that would be read unhashed, is loaded
         return problems
     for src in manifest.get("sources", []):
-        if (root / src["path"]).is_dir():
-            problems += _check_model(root, src) if src["kind"] == "model" else _check_dataset(root, src)
+        problems += _check_model(root, src) if src["kind"] == "model" else _check_dataset(root, src)
     return problems

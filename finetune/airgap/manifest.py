@@ -16,7 +16,9 @@ itself, ``run_config.yaml`` (a starting point to edit), ``runs/`` (training runs
 
 A bundle holds real files only: every path of the manifest is relative to the bundle folder and stays inside it
 (no absolute path, no ``..``), and a symbolic link inside the bundle is a problem, never followed (its target
-could be anything on the cluster). Weights are checked beyond their hash: :func:`weights_problems` reads every
+could be anything on the cluster). A source's folder must lie where the manifest hashes (not under ``runs/`` or a
+cache, not through a link) and a dataset's split files must be listed (:func:`source_problems`): ``verify`` reads
+nothing it has not hashed. Weights are checked beyond their hash: :func:`weights_problems` reads every
 safetensors header and shard index of a model folder (bundle, verify and doctor share it).
 """
 
@@ -232,6 +234,52 @@ def check_files(root: Path, manifest: dict) -> list[str]:
                  "copy what it points to (cp -rL, rsync -L)" for rel in sorted(links)]
     problems += [f"extra: {rel} is not in {MANIFEST}" for rel in files if rel not in listed]
     return problems
+
+
+def source_problems(root: Path, manifest: dict) -> list[str]:
+    """One line per source of the manifest whose files ``verify`` would read without a hash check, naming it; empty
+    when each source's folder is a real folder (no symbolic link on the way, resolved inside ``root``) under the part
+    of the bundle the manifest hashes (not ``runs/``, ``.finetune-bundle/``, a ``.cache/huggingface/`` folder: see
+    the module docstring), holds files the manifest lists, and every file of a dataset's splits is listed.
+
+    ``manifest`` comes from :func:`read_manifest` (every path is relative and without ``..``); the files themselves
+    are checked by :func:`check_files`.
+    """
+    problems, real_root = [], root.resolve()
+    listed = manifest["files"]
+    for src in manifest.get("sources", []):
+        label, rel = f"source {src['kind']} {src['name']}", src["path"]
+        fix = f"(a damaged or edited {MANIFEST}: copy it again from where the bundle was made)"
+        if not _counted(Path(rel)):
+            problems.append(f"{label}: its path {rel} is where the manifest hashes nothing ({', '.join(sorted(UNHASHED_TOP))}"
+                            f", .cache/huggingface): its files would be read unchecked; sources live under models/ "
+                            f"or data/ {fix}")
+            continue
+        link = _link_on_the_way(root, rel)
+        if link is not None:
+            problems.append(f"{label}: {link} is a symbolic link (to {os.readlink(root / link)}): its files would be "
+                            "read from outside the bundle; copy what it points to (cp -rL, rsync -L)")
+            continue
+        folder = root / rel
+        if not _inside_real((folder).resolve(), real_root):
+            problems.append(f"{label}: {rel} resolves to {folder.resolve()}, outside the bundle")
+            continue
+        if not folder.is_dir():
+            problems.append(f"{label}: its folder {rel} is not in the bundle{' (a file)' if folder.exists() else ''}")
+            continue
+        if not any(f.startswith(rel + "/") for f in listed):
+            problems.append(f"{label}: no file under {rel} is in {MANIFEST}: nothing of it is hashed {fix}")
+            continue
+        for split, info in src.get("splits", {}).items() if src["kind"] == "dataset" else ():
+            unlisted = [f for f in info["files"] if f not in listed]
+            if unlisted:
+                problems.append(f"{label}: split '{split}' reads {unlisted[0]}, which is not in {MANIFEST} (not "
+                                f"hashed){f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''} {fix}")
+    return problems
+
+
+def _inside_real(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
 
 
 SAFETENSORS_MAX_HEADER = 100_000_000

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra index for torch, e.g. https://download.pytorch.org/whl/cu128 or .../whl/cpu")
     p.add_argument("--allow-pickle", action="store_true", help="also bundle pickled weights (*.bin, *.pt, ...)")
     p.add_argument("--trust-remote-code", action="store_true", help="also bundle a model's Python files (recorded)")
+    p.add_argument("--follow-links", action="store_true",
+                   help="copy what links out of a local model folder point to (default: such a link is refused)")
     p.add_argument("--max-shard-size", type=_bytes, default=_bytes("500MB"), help="parquet shard size (500MB)")
     args = p.parse_args(argv)
     if not (args.model or args.dataset or args.wheels):
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         manifest = make_bundle(Path(args.out), args.model, args.dataset, args.wheels, args.allow_pickle,
                                args.trust_remote_code, args.max_shard_size, args.for_python, args.for_platform,
-                               args.torch, args.torch_index)
+                               args.torch, args.torch_index, args.follow_links)
     except ConfigError as e:
         return report_error(e)
     size = sum(f["size"] for f in manifest["files"].values())

@@ -7,8 +7,11 @@ to wire the ranks, Slurm's, MPI's, NCCL's, ...). Paste it into the report as it 
 JSON object.
 
 It only asks: no process group is started and no tensor is put on a device (``torch.cuda.is_available``, the device
-count and names, DeepSpeed's accelerator name). Variables whose name suggests a secret (``*TOKEN*``, ``*KEY*``,
-``*SECRET*``, ``*PASSWORD*``, ...) are never printed.
+count and names, DeepSpeed's accelerator name). Variables whose name suggests a secret (:data:`SECRET`: ``*TOKEN*``,
+``*KEY*``, ``*SECRET*``, ``*PASSWORD*``, ``*_PASS``, ``*_PWD``, ``*_PSK``, ...) are never printed, and in every value
+printed the user-info of a URL (``https://user:token@host``: ``https://***@host``) and the value of a query
+parameter whose name suggests a secret (``?token=...``) are replaced by ``***`` (:func:`redact`), whatever the
+variable's name (``HF_ENDPOINT``, ``WANDB_BASE_URL``, the proxies).
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "huggingf
 optional ones it uses (``mpi4py``, ``liger-kernel``, ``flash-attn``) and the neighbours a report often involves."""
 
 ENV_NAMES = ("CROSS_RANK", "CROSS_SIZE", "GLIBC_TUNABLES", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
-             "LD_PRELOAD")
+             "LD_PRELOAD", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
+             "all_proxy", "no_proxy")
 """Variables listed by name when set, besides the rendezvous and the local sizes that finetune reads
 (:data:`finetune.parallel.distributed.RANK_VARS`, :data:`~finetune.parallel.distributed.LOCAL_SIZE_VARS`): the
-allocator and tokenizer settings."""
+allocator and tokenizer settings, and the proxies the Hub client goes through (their credentials redacted)."""
 
 ENV_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_", "NCCL_", "GLOO_", "TORCH_", "PYTORCH_", "CUDA_",
                 "DS_", "OMP_", "MALLOC_", "HF_", "FINETUNE_", "WANDB_")
@@ -43,8 +47,32 @@ ENV_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_", "NCCL_", "GL
 torch and CUDA, DeepSpeed (``DS_ACCELERATOR``), threads and allocator, Hugging Face (offline mode, caches), finetune's
 cache, offline W&B."""
 
-SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.I)
-"""Names never printed, whatever their prefix (``HF_TOKEN``, ``WANDB_API_KEY``)."""
+SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|PASSPHRASE|CREDENTIAL|CREDS|AUTH|COOKIE"
+                    r"|(?:^|[_.-])(?:PASS|PWD|PSK)(?:[_.-]|$)", re.I)
+"""Names never printed, whatever their prefix (``HF_TOKEN``, ``WANDB_API_KEY``, ``NCCL_SOCKET_PASS``, ``SLURM_DB_PWD``,
+``*_PSK``): anywhere in the name for the long words, as a whole ``_``-separated part for ``PASS``, ``PWD`` and ``PSK``
+(so that ``BYPASS`` or ``PASSTHROUGH`` names stay). Names that say nothing of a secret (``PATH``, ``MASTER_ADDR``)
+are printed, their values through :func:`redact`."""
+
+_URL_AUTHORITY = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<authority>[^/?#\s,;]*)")
+_BARE_USERINFO = re.compile(r"(?P<start>^|[\s,;])(?P<info>[^\s,;/?#@:]+:[^\s,;/?#]*)@(?=[^\s,;@]+)")
+_SECRET_QUERY = re.compile(r"(?P<name>[?&;][^=&#\s]*(?:token|key|secret|pass|pwd|password|signature|sig|auth|"
+                           r"credential)[^=&#\s]*=)(?P<value>[^&#\s]*)", re.I)
+
+
+def redact(value: str) -> str:
+    """``value`` with the credentials a URL can carry replaced by ``***``: the user-info of every URL in it
+    (``https://user:token@host`` and ``https://token@host`` -> ``https://***@host``; RFC 3986 section 3.2.1: the
+    user-info ends at the authority's last ``@``), a scheme-less ``user:password@host`` (how curl and pip also take a
+    proxy), and the values of query parameters whose names suggest a secret (``?token=...``, ``&sig=...``). A value
+    may hold several URLs (``NO_PROXY``'s comma-separated list); everything else is kept as it is."""
+    def authority(m: re.Match) -> str:
+        auth = m["authority"]
+        return m["scheme"] + ("***@" + auth.rsplit("@", 1)[1] if "@" in auth else auth)
+
+    value = _URL_AUTHORITY.sub(authority, value)
+    value = _BARE_USERINFO.sub(lambda m: m["start"] + "***@", value)
+    return _SECRET_QUERY.sub(lambda m: m["name"] + "***", value)
 
 
 def _version(name: str) -> str:
@@ -102,12 +130,13 @@ def devices() -> dict:
 
 def launch_environment(environ: dict | None = None) -> dict[str, str]:
     """The set variables of :data:`~finetune.parallel.distributed.RANK_VARS`, ``LOCAL_SIZE_VARS``, :data:`ENV_NAMES` and
-    :data:`ENV_PREFIXES`, sorted by name, secrets (:data:`SECRET`) left out. ``environ`` defaults to ``os.environ``."""
+    :data:`ENV_PREFIXES`, sorted by name, secrets (:data:`SECRET`) left out and every value through :func:`redact`
+    (the credentials of URLs). ``environ`` defaults to ``os.environ``."""
     from finetune.parallel.distributed import LOCAL_SIZE_VARS, RANK_VARS  # imports DeepSpeed: see devices()
 
     environ = os.environ if environ is None else environ
     names = (*RANK_VARS, *LOCAL_SIZE_VARS, *ENV_NAMES)
-    return {k: environ[k] for k in sorted(environ)
+    return {k: redact(environ[k]) for k in sorted(environ)
             if (k in names or k.startswith(ENV_PREFIXES)) and not SECRET.search(k)}
 
 

@@ -18,16 +18,21 @@ Multi-rank like training (every rank evaluates its shard, ZeRO-3 gathers paramet
 The same model, data and ``train.eval_max_batches`` give the run's own final ``eval/loss`` (the export is checked
 against the engine's logits at the end of every run). The engine has no optimizer (no optimizer state, no fp32 master
 weights: ZeRO 1/2 run as stage 0, ZeRO-3 partitions the parameters only; :func:`finetune.engine.model.inference_ds_config`),
-so an evaluation needs about the memory of inference. Refused before any model is built (exit 2, one line): ``dpo``
-(its rewards are measured against the reference model, which an export alone does not carry), an export whose
-``config.json`` ``architectures`` is not of the recipe's model class (:func:`architecture_problem`), and an ``--out``
-that exists or cannot be written.
+so an evaluation needs about the memory of inference. ``grpo`` is evaluated as its training run evaluates: one greedy
+completion per validation prompt, scored by the run config's reward functions (``eval/reward``, the weighted sum, and
+``eval/rewards/<function>/mean``; its ``eval/loss`` is 0, as in the run: no loss is computed on prompts), the
+completions and their rewards in the JSON under ``completions``; ``train.grpo.beta`` is pinned to 0 (no KL term is
+evaluated, and an export has no LoRA base to be the reference). Refused before any model is built (exit 2, one line):
+``dpo`` and ``kto`` (their metrics are measured against the reference model, which an export alone does not carry:
+``Capabilities.evaluates_exports``), an export whose ``config.json`` ``architectures`` is not of the recipe's model
+class (:func:`architecture_problem`), and an ``--out`` that exists or cannot be written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -123,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out) if args.out else export / f"evaluation-{time.strftime('%Y%m%d-%H%M%S')}.json"
         check_output_file("--out", out, command="evaluate: ")
         with tempfile.TemporaryDirectory(prefix="finetune-evaluate-") as scratch:
+            # train.grpo.beta: the evaluation computes no KL term, and beta > 0 is refused without the LoRA base
+            # an export does not have (read by grpo alone; the other recipes ignore train.grpo)
             pinned = [f"model.path={export}", f"model.tokenizer_path={export}", "model.init=pretrained",
                       "model.lora=null", "model.config_overrides={}", "export=false", "output_root=",
-                      f"output_dir={Path(scratch) / 'run'}"]
+                      f"output_dir={Path(scratch) / 'run'}", "train.grpo.beta=0"]
             wrong = architecture_problem(export, load_run_config(args.config, [*args.overrides, *pinned], []).recipe)
             if wrong:  # before the other checks: the tokenizer of another task's export has its own complaints
                 raise ConfigError(f"evaluate: {wrong}")
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"evaluate: recipe {cfg.recipe} measures against its reference model, which an "
                                   f"export does not carry; its evaluation is part of the training run")
             metrics = run_evaluation(cfg, resolved.ds)
+            completions = recorded_completions(Path(cfg.output_dir))
     except ConfigError as e:
         return report_error(e)
     if dist_utils.is_main():
@@ -141,12 +149,25 @@ def main(argv: list[str] | None = None) -> int:
         width = max(map(len, metrics))
         print("\n".join(f"{k:<{width}}  {v:.6g}" for k, v in metrics.items()))
         out.parent.mkdir(parents=True, exist_ok=True)
+        finite = {k: (v if math.isfinite(v) else None) for k, v in metrics.items()}  # NaN: nothing measured
         out.write_text(json.dumps({"export": str(export), "config": args.config, "overrides": args.overrides,
                                    "recipe": cfg.recipe, "validation_files": cfg.data.validation_files,
-                                   "world_size": dist_utils.world_size(), "metrics": metrics,
-                                   **({"generations": generations} if generations else {})}, indent=2) + "\n")
+                                   "world_size": dist_utils.world_size(), "metrics": finite,
+                                   **({"generations": generations} if generations else {}),
+                                   **({"completions": completions} if completions else {})}, indent=2) + "\n")
         print(f"finetune: evaluation written to {out}", file=sys.stderr)
     return 0
+
+
+def recorded_completions(run_dir: Path) -> list[dict]:
+    """The completions an evaluation wrote into its (scratch) run folder, ``run_dir/eval/step*_completions.jsonl``
+    (``grpo``: prompt, greedy completion and each reward function's score per validation row, written by rank 0), in
+    row order, without their ``step``; empty when there are none (other recipes, other ranks)."""
+    records = []
+    for path in sorted((run_dir / "eval").glob("step*_completions.jsonl")):
+        records += [{k: v for k, v in json.loads(line).items() if k != "step"}
+                    for line in path.read_text().splitlines() if line.strip()]
+    return records
 
 
 def run_evaluation(cfg, ds: dict) -> dict:

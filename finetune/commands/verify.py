@@ -1,5 +1,6 @@
 """``finetune verify BUNDLE``: offline check of a folder made by ``finetune bundle`` (:func:`finetune.airgap.bundle.verify_bundle`):
-every file's SHA-256 (no links, nothing outside the bundle), then, when they all match, model configs (as JSON),
+every file's SHA-256 (no links, nothing outside the bundle) and every source's folder (where the manifest hashes:
+not under ``runs/`` or a cache, no link on the way), then, when all is well, model configs (as JSON),
 safetensors headers, tokenizers (``local_files_only=True``, never the bundle's code) and parquet footers. Exit 0
 with the SHA-256 of ``MANIFEST.json``, 1 with one line per problem, 2 with one line when the manifest is not one."""
 

@@ -985,7 +985,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
 RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
                 capabilities=Capabilities(generates_text=True, reports_perplexity=False, disables_dropout=True,
                                           eval_metrics=("reward",), checks_columns=True, counts_rows=True,
-                                          evaluates_exports=False, mixes_sources=False),
+                                          evaluates_exports=True, mixes_sources=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, before_step=before_step,
                 columns=columns, cache_key=cache_key, check_data=check_rows, prepare_model_config=prepare_model_config,
