@@ -229,3 +229,92 @@ def test_slow_first_tokenization_outlasts_dist_timeout_and_a_killed_one_leaves_n
     entries = sorted(p.name for p in tokenized.iterdir())
     assert len(entries) == 2 and all(e.startswith("gpt_clm-") for e in entries), entries  # train and validation
     assert all((tokenized / e / "info.json").is_file() for e in entries)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 51, item 6: --check and doctor run every check the launch runs
+# ---------------------------------------------------------------------------------------------------------
+
+PARITY = REPO / "tests" / "configs" / "parity_gpt.yaml"
+PAIRS = REPO / "data" / "gsm8k_pref" / "train.parquet"
+
+
+def _doctor_fails(capsys, config, overrides: list[str]) -> list[str]:
+    """``finetune doctor`` in this process: asserts exit 2, returns its ``FAIL`` rows."""
+    from finetune.commands import doctor
+
+    capsys.readouterr()
+    code = doctor.main([str(config), *overrides])
+    out = capsys.readouterr().out
+    assert code == 2, out[-3000:]
+    return [line for line in out.splitlines() if "  FAIL  " in line]
+
+
+def test_optimizer_settings_out_of_range_are_refused_by_check_and_doctor(tmp_path, capsys, monkeypatch):
+    """NaN, negative or zero learning rates, Muon's momentum outside [0, 1), Adam betas outside [0, 1), a zero or NaN
+    epsilon and a negative or NaN weight decay pass no more: one line naming the key, before any model, by
+    ``--check`` (the launch's own validation) and by ``finetune doctor``. Before, ``train.muon_lr=-1`` trained to the
+    end with exit 0, ``train.adam_beta1=1.5`` failed in torch's AdamW after the model was built."""
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
+    from finetune.preflight.validate import validate_run
+
+    monkeypatch.chdir(REPO)
+    code, out = check_here(["--config", PARITY, f"output_dir={tmp_path / 'run'}", "train.optimizer=muon",
+                            "train.muon_lr=-1"], capsys)
+    assert code == 2 and error_lines(out) == ["train.muon_lr: must be a finite number > 0 (the Muon matrices' peak "
+                                              "learning rate; default 0.02), got -1.0"], out[-2000:]
+    cases = ["train.muon_lr=nan", "train.muon_lr=0", "train.muon_momentum=1", "train.muon_momentum=-0.5",
+             "train.adam_beta1=1.5", "train.adam_beta2=nan", "train.adam_eps=0", "train.weight_decay=-0.1",
+             "train.lr=nan", "train.kto.beta=nan"]
+    for override in cases:  # what --check runs (validate_run), without the command's start-up
+        cfg = load_run_config(PARITY, [f"output_dir={tmp_path / 'run'}", "train.optimizer=muon", override])
+        with pytest.raises(ConfigError) as refused:
+            validate_run(cfg, None, world_size=1, on_cpu=True)
+        errs = refused.value.problems
+        assert len(errs) == 1 and errs[0].startswith(f"{override.split('=')[0]}: "), (override, errs)
+    fails = _doctor_fails(capsys, PARITY, [f"output_dir={tmp_path / 'run'}", "train.optimizer=muon",
+                                           "train.muon_lr=-1", "train.adam_beta1=1.5"])
+    assert [f.split("FAIL", 1)[1].split(":")[0].strip() for f in fails] == ["train.muon_lr", "train.adam_beta1"], fails
+    code, out = check_here(["--config", PARITY, f"output_dir={tmp_path / 'run'}", "train.optimizer=muon",
+                            "train.adam_beta2=0", "train.muon_momentum=0", "train.weight_decay=0"], capsys)
+    assert code == 0, out[-2000:]  # the ends of the ranges that are allowed
+
+
+def test_a_split_left_with_no_rows_is_refused_by_check_and_doctor_in_the_launch_s_words(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """DPO pairs whose chosen equals rejected, KTO rows all longer than data.max_seq_len with data.truncation=drop:
+    the launch's tokenization leaves no row and refuses the split; ``--check`` and ``finetune doctor`` now refuse it
+    too, before any model, with the launch's own line (the recipe's map function over the split's rows). Before,
+    both passed and only the launch refused it."""
+    from finetune.config import load_run_config
+    from finetune.data.dataset import load_splits
+    from finetune.engine.model import load_tokenizer
+    from finetune.errors import ConfigError
+    from finetune.recipes import get_recipe
+
+    monkeypatch.chdir(REPO)
+    table = pq.read_table(PAIRS).slice(0, 40).to_pydict()
+    same = tmp_path / "same.parquet"
+    pq.write_table(pa.table({"prompt": table["prompt"], "chosen": table["chosen"], "rejected": table["chosen"]}), same)
+    dpo_args = [f"data.train_files=[{same}]", f"data.validation_files=[{PAIRS}]", f"output_dir={tmp_path / 'dpo'}",
+                f"data.cache_dir={tmp_path / 'cache'}"]
+    kto_args = ["data.max_seq_len=8", "data.truncation=drop", f"output_dir={tmp_path / 'kto'}",
+                "data.validation_fraction=0.1", "data.validation_files=[]", f"data.cache_dir={tmp_path / 'cache'}"]
+    for config, args in ((REPO / "tests/configs/parity_dpo.yaml", dpo_args),
+                         (REPO / "tests/configs/parity_kto.yaml", kto_args)):
+        cfg = load_run_config(config, args)
+        recipe = get_recipe(cfg.recipe)
+        with pytest.raises(ConfigError) as launch_error:  # what the launch's tokenization refuses
+            load_splits(recipe, load_tokenizer(cfg, recipe), cfg.data, cfg.train.seed)
+        launch_line = launch_error.value.problems[0]
+        assert launch_line.startswith("data.train_files: the train split has no rows to train on"), launch_line
+        code, out = check_here(["--config", config, *args], capsys)
+        errs = error_lines(out)
+        assert code == 2 and errs[:1] == [launch_line], out[-3000:]
+        if cfg.recipe == "dpo":
+            assert errs[1:] == [], out[-3000:]  # the validation file keeps its pairs
+        else:  # the held-out rows are as long
+            assert len(errs) == 2 and errs[1].startswith("data.validation_fraction: the validation split has no rows "
+                                                         "to evaluate on: 5 rows gave no example"), errs
+        assert [f.split("FAIL", 1)[1].strip() for f in _doctor_fails(capsys, config, args)] == errs

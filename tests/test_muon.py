@@ -38,19 +38,20 @@ def _tiny(model_class_name: str = "GPT2LMHeadModel", **overrides):
     return getattr(transformers, model_class_name)(config)
 
 
-def test_muon_zero3_resumes_exactly(tmp_path):
-    """ZeRO-3, 2 ranks: 6 steps with a checkpoint at 3; a resume from step 3 repeats steps 4-6 exactly."""
-    _run_and_resume(tmp_path, MUON)
+def test_muon_zero3_resumes_exactly(tmp_path, capsys):
+    """ZeRO-3, 2 ranks: 6 steps with a checkpoint at 3; a resume from step 3 repeats steps 4-6 exactly; a resume on
+    1 rank is refused in one line by ``--check``."""
+    _run_and_resume(tmp_path, MUON, capsys)
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("stage", [1, 2])
-def test_muon_zero12_resumes_exactly(tmp_path, stage):
+def test_muon_zero12_resumes_exactly(tmp_path, stage, capsys):
     """The same at ZeRO 1 and 2 (DeepSpeedZeroOptimizer's Muon path)."""
-    _run_and_resume(tmp_path, [*MUON[:-1], f"ds.zero_optimization.stage={stage}"])
+    _run_and_resume(tmp_path, [*MUON[:-1], f"ds.zero_optimization.stage={stage}"], capsys)
 
 
-def _run_and_resume(tmp_path, overrides):
+def _run_and_resume(tmp_path, overrides, capsys):
     run = tmp_path / "run"
     proc = ok(launch(PARITY, [f"output_dir={run}", *overrides]))
     line = (f"optimizer: Muon on {MUON_MATRICES} matrices ({MUON_PARAMS} parameters), AdamW on {ADAMW_TENSORS} "
@@ -85,6 +86,49 @@ def _run_and_resume(tmp_path, overrides):
     again = train_losses(resumed)  # later records (the resumed launch's) win
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(full[step], rel=1e-6), (step, again, full)
+
+    # on 1 rank the checkpoint would go through a universal copy, which DeepSpeed's ds_to_universal cannot make of
+    # Muon's momentum (KeyError: 'exp_avg'): --check (the launch's validation) refuses it in one line (issue 51)
+    code, out = check_here(["--config", PARITY, f"output_dir={run}", *overrides, "--resume", "latest"], capsys)
+    errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errors) == 1, out[-3000:]
+    assert "train.optimizer=muon" in errors[0] and "universal" in errors[0] and "resume with 2 ranks" in errors[0]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_resume_on_another_world_size_is_refused_in_one_line(tmp_path, monkeypatch, stage):
+    """A Muon checkpoint of 2 ranks (its marker, shard names and config, as a save writes them) resumed on 1 rank:
+    one line before any model, naming the layout to resume with (the universal copy it would need fails in DeepSpeed's
+    ds_to_universal with KeyError: 'exp_avg', test_muon_zero3_resumes_exactly); the same checkpoint as AdamW's goes
+    through the universal copy, and Muon on its own world size loads as it is."""
+    import json
+
+    from finetune.config import dump_yaml
+    from finetune.errors import ConfigError
+    from finetune.lifecycle import checkpoint as ckpt_utils
+    from finetune.preflight.validate import validate_run
+
+    monkeypatch.chdir(REPO)
+    run = tmp_path / "run"
+    overrides = [f"output_dir={run}", "train.optimizer=muon", f"ds.zero_optimization.stage={stage}"]
+    ckpt = run / "checkpoints" / "step3"
+    ckpt.mkdir(parents=True)
+    for rank in (0, 1):
+        (ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (ckpt / ckpt_utils.CONFIG_FILE).write_text(dump_yaml(config_to_dict(load_run_config(PARITY, overrides))))
+    (ckpt / ckpt_utils.MARKER).write_text(json.dumps({"step": 3, "world_size": 2, "zero_stage": stage}))
+    with pytest.raises(ConfigError) as refused:
+        validate_run(load_run_config(PARITY, overrides), "latest", world_size=1, on_cpu=True)
+    assert len(refused.value.problems) == 1, refused.value.problems
+    line = refused.value.problems[0]
+    assert line.startswith(f"--resume: '{ckpt}' was saved by train.optimizer=muon with world size 2 and ZeRO stage "
+                           f"{stage}, this launch has world size 1") and "ds_to_universal cannot convert" in line, line
+    assert line.endswith("start a new run from the export") and f"resume with 2 ranks and ds.zero_optimization.stage="\
+        f"{stage}" in line, line
+    assert not validate_run(load_run_config(PARITY, overrides), "latest", world_size=2, on_cpu=True).universal
+    adamw = [o for o in overrides if o != "train.optimizer=muon"]
+    (ckpt / ckpt_utils.CONFIG_FILE).write_text(dump_yaml(config_to_dict(load_run_config(PARITY, adamw))))
+    assert validate_run(load_run_config(PARITY, adamw), "latest", world_size=1, on_cpu=True).universal
 
 
 def test_tagging_by_module_type():

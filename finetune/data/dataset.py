@@ -240,6 +240,16 @@ def _tokenizer_id(tokenizer) -> list:
     return [file_id(str(p)) for p in files] + [tokenizer.pad_token, tokenizer.eos_token]
 
 
+def tokenization_key(recipe, tokenizer, d: DataConfig) -> dict:
+    """What decides a split's tokenized rows besides the rows themselves: recipe, tokenizer files, columns,
+    ``data.max_seq_len``, the recipe's own settings (``cache_key``) and the ``datasets`` version; the base of the
+    tokenization cache's keys (:func:`load_splits`) and of ``--check``'s marks of splits that give rows."""
+    col, cols = d.text_column, recipe.columns(d)
+    return {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
+            "max_seq_len": d.max_seq_len, "recipe_settings": recipe.cache_key(d), "datasets": datasets.__version__,
+            "version": 2}
+
+
 class DropEmptyText:
     """Batched map function around a recipe's ``tokenize_function``: rows whose text is null, empty or
     whitespace are dropped (with all their columns) before the recipe sees the batch, and counted.
@@ -266,6 +276,38 @@ class DropEmptyText:
             probe[self.column] = ["x"]
             return {k: [] for k in self.fn(probe)}
         return self.fn({k: [v[i] for i in keep] for k, v in batch.items()})
+
+
+def row_mapper(recipe, fn, column: str):
+    """What a split's rows are mapped with: the recipe's map function ``fn`` itself when the recipe skips and counts
+    bad rows (``Capabilities.counts_rows``: sft, dpo, ...), else ``fn`` behind :class:`DropEmptyText` on ``column``.
+    :func:`load_splits` and ``--check`` (:func:`finetune.preflight.validate.check_inputs`) both map with it."""
+    return fn if recipe.capabilities.counts_rows else DropEmptyText(fn, column)
+
+
+def no_rows_problem(where: str, key_name: str, name: str, n_in: int, dropped: int, fn, column: str,
+                    counts_rows: bool) -> str:
+    """The line that refuses a split whose ``n_in`` rows the map function (:func:`row_mapper`) left with no row:
+    raised by :func:`load_splits`, reported by ``--check`` and ``finetune doctor`` before any model.
+
+    Args:
+        where: the source's prefix (``data.sources[i] (name): ``), or empty.
+        key_name: the key that chose the split's rows (``data.train_files``, ``data.validation_files``,
+            ``data.validation_fraction``).
+        name: ``train`` or ``validation``.
+        n_in: rows mapped.
+        dropped: of them, rows :class:`DropEmptyText` dropped.
+        fn: the recipe's map function (its ``summary()`` when ``counts_rows``).
+        column: the text column.
+        counts_rows: the recipe counts what it drops (``Capabilities.counts_rows``).
+    """
+    why = (f"every one of its {n_in:,} texts in column '{column}' is empty or null" if dropped == n_in
+           else f"{n_in:,} rows gave no example ({fn.summary()})" if counts_rows
+           else f"{n_in:,} texts in column '{column}' gave no row (empty, null, or shorter than one "
+                f"data.max_seq_len block when packing)")
+    use = "to evaluate on" if name == "validation" else "to train on"
+    key = key_name.removeprefix("data.") if where else key_name  # a source's own key
+    return f"{where}{key}: the {name} split has no rows {use}: {why}"
 
 
 def holdout(n_rows: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -363,12 +405,10 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
             raise ConfigError(problems)
         col = d.text_column
         cols = recipe.columns(d)
-        base_key = {"recipe": recipe.name, "tokenizer": _tokenizer_id(tokenizer), "column": col if cols == [col] else cols,
-                    "max_seq_len": d.max_seq_len, "recipe_settings": recipe.cache_key(d),
-                    "datasets": datasets.__version__, "version": 2}
+        base_key = tokenization_key(recipe, tokenizer, d)
         fn = recipe.tokenize_function(tokenizer, d)
         counts_rows = recipe.capabilities.counts_rows  # the recipe skips and counts bad rows itself (sft, dpo)
-        mapper = fn if counts_rows else DropEmptyText(fn, col)
+        mapper = row_mapper(recipe, fn, col)
 
         def tokenize(source: tokenization.ParquetRows, rows: np.ndarray, split_key: dict, name: str, key_name: str):
             key = fingerprint({**base_key, **split_key})
@@ -396,14 +436,8 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
                 fn.counts = Counter({k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")})
                 logger.info(f"{label}{name}: {fn.summary()}")
             if len(out) == 0:
-                n_in, dropped = counts.get("rows_in", 0), counts.get("dropped", 0)
-                why = (f"every one of its {n_in:,} texts in column '{col}' is empty or null" if dropped == n_in
-                       else f"{n_in:,} rows gave no example ({fn.summary()})" if counts_rows
-                       else f"{n_in:,} texts in column '{col}' gave no row (empty, null, or shorter than one "
-                            f"data.max_seq_len block when packing)")
-                use = "to evaluate on" if name == "validation" else "to train on"
-                key = key_name.removeprefix("data.") if where else key_name  # a source's own key
-                raise ConfigError(f"{where}{key}: the {name} split has no rows {use}: {why}")
+                raise ConfigError(no_rows_problem(where, key_name, name, counts.get("rows_in", 0),
+                                                  counts.get("dropped", 0), fn, col, counts_rows))
             return out
 
         train_source = tokenization.ParquetRows(train_files, cols)

@@ -128,6 +128,20 @@ def keep_tags():
     return patches.module_global(deepspeed, "set_optimizer_flags", _keep_flags, KEEP_TAGS_WHY)
 
 
+def universal_problem(ckpt, saved: dict, world_size: int, stage: int) -> str:
+    """The line that refuses resuming the Muon checkpoint ``ckpt`` through a universal copy (another world size or
+    ZeRO stage): DeepSpeed 0.19.8's ``ds_to_universal`` converts the Adam moments (``exp_avg``, ``exp_avg_sq``) of
+    every parameter group and stops with ``KeyError: 'exp_avg'`` on Muon's ``momentum_buffer`` (ZeRO 1-3), and its
+    universal loaders read those two keys only. ``saved``: the checkpoint's ``COMPLETE`` marker."""
+    old_world, old_stage = saved.get("world_size"), saved.get("zero_stage")
+    return (f"--resume: '{ckpt}' was saved by train.optimizer=muon with world size {old_world} and ZeRO stage "
+            f"{old_stage}, this launch has world size {world_size} and ZeRO stage {stage}: another layout needs a "
+            f"universal copy of the checkpoint, and DeepSpeed's ds_to_universal cannot convert Muon's momentum "
+            f"(it converts Adam's exp_avg/exp_avg_sq only); resume with {old_world} ranks and "
+            f"ds.zero_optimization.stage={old_stage}, or export it (finetune export {ckpt} <dir>) and start a new run "
+            f"from the export")
+
+
 def check(cfg: RunConfig, stage: int, problems: list[str]) -> None:
     """Append one line per setting ``train.optimizer: muon`` cannot run with (before any model is built)."""
     if cfg.train.optimizer != "muon":

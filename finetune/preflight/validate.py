@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import yaml
 from transformers import AutoConfig, AutoTokenizer
 from transformers.utils import is_flash_attn_2_available
@@ -23,7 +25,10 @@ from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
-from finetune.data.dataset import check_parquet_files, check_utf8, default_cache_dir, expand_files, remember_checked
+from finetune.data import tokenization
+from finetune.data.dataset import (check_parquet_files, check_utf8, default_cache_dir, expand_files, file_id,
+                                   fingerprint, holdout, no_rows_problem, remember_checked, row_mapper,
+                                   tokenization_key)
 from finetune.engine.ds_config import resolve_ds_config, zero_stage
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe, offering, said
@@ -114,7 +119,7 @@ _OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "l
                      "roberta-prelayernorm", "ibert", "mpnet", "luke", "bros")
 
 
-def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
+def _check_compatibility(cfg: RunConfig, problems: list[str]):
     """Model, tokenizer and data settings that fit together, from ``config.json`` and the tokenizer files alone.
 
     Builds no model: transformers' ``AutoConfig`` (with ``model.config_overrides`` applied) and
@@ -128,11 +133,14 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     and token ids beyond the model's ``vocab_size``; a mixture-of-experts model (:func:`finetune.engine.moe.moe_shape`)
     with sequence or tensor parallelism or tiled MLPs (its router's loss is defined on whole micro-batches). Runs only when the folders and the recipe are valid
     (their own problems are reported elsewhere).
+
+    Returns:
+        The tokenizer as the recipe prepares it (the launch's), or None when it was not loaded.
     """
     model_dir = Path(cfg.model.path) if cfg.model.path else None
     tok_dir = Path(cfg.model.tokenizer_path or cfg.model.path) if (cfg.model.tokenizer_path or cfg.model.path) else None
     if cfg.recipe not in RECIPES or model_dir is None or not (model_dir / "config.json").is_file():
-        return
+        return None
 
     recipe = get_recipe(cfg.recipe)
     try:
@@ -140,7 +148,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
     except Exception as e:  # ValueError (unknown model_type), OSError, JSON errors
         problems.append(f"model.path: '{model_dir}/config.json' cannot be read by transformers: "
                         f"{' '.join(str(e).split())[:300]}")
-        return
+        return None
     where = f"'{model_dir}/config.json' (model_type {config.model_type})"
     for key, value in cfg.model.config_overrides.items():
         if not hasattr(config, str(key)):
@@ -203,13 +211,13 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                         f"which {', '.join(beside)} splits; finetune does not train MoE models with it yet: leave it "
                         f"at {'1' if 'size' in beside[0] else 'false'}")
     if tok_dir is None or not any((tok_dir / f).is_file() for f in TOKENIZER_FILES):
-        return  # reported by _check_model
+        return None  # reported by _check_model
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     except Exception as e:  # missing or corrupt tokenizer files raise many types
         problems.append(f"model.tokenizer_path: the tokenizer in '{tok_dir}' cannot be loaded: "
                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        return
+        return None
     try:
         tokenizer = recipe.prepare_tokenizer(tokenizer)
     except ConfigError as e:
@@ -224,6 +232,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]) -> None:
                             f"embedding matrix; use the model's own tokenizer"
                             + (" or set model.config_overrides={vocab_size: %d}" % needed
                                if cfg.model.init == "scratch" else ""))
+    return tokenizer
 
 
 def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
@@ -231,7 +240,7 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                 cfg.train.gradient_accumulation_steps, "train.lr": cfg.train.lr, "data.max_seq_len": cfg.data.max_seq_len,
                 "train.log_every": cfg.train.log_every, "train.dist_timeout_minutes": cfg.train.dist_timeout_minutes,
                 "data.tokenize_timeout_minutes": cfg.data.tokenize_timeout_minutes, "train.sample_tokens": cfg.train.sample_tokens}
-    problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if v <= 0]
+    problems += [f"{k}: must be > 0, got {v}" for k, v in positive.items() if not v > 0]  # NaN too
     non_negative = {"train.max_steps": cfg.train.max_steps, "train.warmup_steps": cfg.train.warmup_steps, "train.eval_every":
                     cfg.train.eval_every, "train.save_every": cfg.train.save_every, "train.weight_decay": cfg.train.weight_decay,
                     "train.max_grad_norm": cfg.train.max_grad_norm, "data.num_workers": cfg.data.num_workers,
@@ -240,7 +249,8 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                     "data.pad_to_multiple_of": cfg.data.pad_to_multiple_of,
                     "train.keep_last_checkpoints": cfg.train.keep_last_checkpoints, "train.sample_temperature":
                 cfg.train.sample_temperature, "train.sample_top_k": cfg.train.sample_top_k}
-    problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+    problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if not v >= 0]
+    _check_optimizer(cfg, problems)
     _check_best(cfg, problems)
     _check_eval_generate(cfg, problems)
     if cfg.train.max_steps == 0 and cfg.train.epochs <= 0:
@@ -250,6 +260,28 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
     if not cfg.data.validation_files and not 0.0 < cfg.data.validation_fraction < 1.0:
         problems.append(f"data.validation_fraction: must be in (0, 1) when data.validation_files is empty, "
                         f"got {cfg.data.validation_fraction}")
+
+
+def _check_optimizer(cfg: RunConfig, problems: list[str]) -> None:
+    """The optimizer's numbers in the ranges torch's AdamW and DeepSpeed's Muon compute with (neither checks them all:
+    ``muon_lr=-1`` trains uphill to the end, ``adam_beta1=1.5`` fails in AdamW once the model is built): finite
+    learning rates (``train.lr`` > 0 is checked with the other positive numbers), betas and Muon's momentum in
+    [0, 1), an epsilon > 0 (at 0 a parameter without gradient gets 0/0 = NaN), a finite weight decay. Checked
+    whatever ``train.optimizer`` is: a value outside its range is a mistake wherever it is."""
+    t = cfg.train
+    if math.isinf(t.lr):
+        problems.append(f"train.lr: must be a finite number > 0, got {t.lr}")
+    if not 0 < t.muon_lr < math.inf:
+        problems.append(f"train.muon_lr: must be a finite number > 0 (the Muon matrices' peak learning rate; "
+                        f"default 0.02), got {t.muon_lr}")
+    for key, value, default in (("train.muon_momentum", t.muon_momentum, 0.95), ("train.adam_beta1", t.adam_beta1, 0.9),
+                                ("train.adam_beta2", t.adam_beta2, 0.999)):
+        if not 0 <= value < 1:
+            problems.append(f"{key}: must be in [0, 1) (a running average's decay; default {default}), got {value}")
+    if not 0 < t.adam_eps < math.inf:
+        problems.append(f"train.adam_eps: must be a finite number > 0 (default 1e-08), got {t.adam_eps}")
+    if math.isinf(t.weight_decay):
+        problems.append(f"train.weight_decay: must be a finite number >= 0, got {t.weight_decay}")
 
 
 def _check_eval_generate(cfg: RunConfig, problems: list[str]) -> None:
@@ -390,11 +422,101 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
             found.append(f"validation_fraction: must be in (0, 1) when the source has no validation_files, got "
                          f"{data.validation_fraction}")
         problems += [mixture.in_source(source, p) for p in found] if source else found
-    _check_compatibility(cfg, problems)
+    tokenizer = _check_compatibility(cfg, problems)
     number_problems: list[str] = []
     _check_numbers(cfg, number_problems)
+    number_problems += _nan_problems(cfg, problems + number_problems)
+    if not problems and tokenizer is not None and not any(p.startswith("data.") for p in number_problems):
+        for source, data in [(s, s.data) for s in sources] or [(None, cfg.data)]:
+            _check_rows_left(recipe, tokenizer, data, cfg.train.seed, f"{source.where}: " if source else "", problems,
+                             marks)
     problems += number_problems
     return problems, number_problems
+
+
+ROWS_PROBE = 32
+"""Rows of a split :func:`_check_rows_left` maps first; only a split none of whose first rows gives a row is mapped
+further, batch by batch as the launch maps it."""
+
+
+def _gives_a_row(mapper, source: tokenization.ParquetRows, rows) -> bool:
+    if len(rows) == 0:
+        return False
+    return len(next(iter(mapper(source.take(rows)).values()), [])) > 0
+
+
+def _check_rows_left(recipe, tokenizer, d, seed: int, where: str, problems: list[str],
+                     marks: list[Path] | None = None) -> None:
+    """Refuse a split that the launch's tokenization would leave with no row (every DPO pair with chosen ==
+    rejected, every row longer than ``data.max_seq_len`` under ``data.truncation=drop``, ...), in the launch's own
+    words, before any model: the split's rows as :func:`finetune.data.dataset.load_splits` chooses them
+    (``data.max_train_rows``, the held-out share), mapped with the same function
+    (:func:`finetune.data.dataset.row_mapper`, in batches of :data:`~finetune.data.tokenization.MAP_BATCH` rows) until
+    one gives a row; the line is :func:`finetune.data.dataset.no_rows_problem`'s. A split whose first
+    :data:`ROWS_PROBE` rows give a row costs one small batch. Runs once every other input check passed.
+
+    As :func:`finetune.data.dataset.check_utf8`, splits that give rows are remembered in ``<cache>/checked`` (a mark
+    keyed as the launch's tokenization cache, :func:`finetune.data.dataset.tokenization_key`, with the files' versions
+    and how the rows are chosen), appended to ``marks`` for the caller to write once every check passed; the next
+    check of the same inputs maps nothing."""
+    cols = recipe.columns(d)
+    train_files = expand_files(d.train_files, "data.train_files", [])
+    val_files = expand_files(d.validation_files, "data.validation_files", [])
+    mark = None
+    if marks is not None:
+        try:
+            mark = default_cache_dir(d) / "checked" / ("rows-" + fingerprint(
+                {**tokenization_key(recipe, tokenizer, d), "train": [file_id(f) for f in train_files],
+                 "max_rows": d.max_train_rows, "validation": [file_id(f) for f in val_files] or [d.validation_fraction,
+                                                                                               seed]}))
+        except OSError:  # a file gone meanwhile: reported by the launch
+            return
+        if mark.exists():
+            return
+    train = tokenization.ParquetRows(train_files, cols)
+    n_train = min(d.max_train_rows, len(train)) if d.max_train_rows else len(train)
+    if val_files:
+        val = tokenization.ParquetRows(val_files, cols)
+        splits = [("train", "data.train_files", train, np.arange(n_train)),
+                  ("validation", "data.validation_files", val, np.arange(len(val)))]
+    else:
+        train_rows, val_rows = holdout(n_train, d.validation_fraction, seed)
+        splits = [("train", "data.train_files", train, train_rows),
+                  ("validation", "data.validation_fraction", train, val_rows)]
+    before = len(problems)
+    for name, key, source, rows in splits:
+        try:
+            if _gives_a_row(row_mapper(recipe, recipe.tokenize_function(tokenizer, d), d.text_column), source,
+                            rows[:ROWS_PROBE]):
+                continue
+            fn = recipe.tokenize_function(tokenizer, d)  # fresh counts for the line
+            mapper = row_mapper(recipe, fn, d.text_column)
+            if not any(_gives_a_row(mapper, source, rows[a:a + tokenization.MAP_BATCH])
+                       for a in range(0, len(rows), tokenization.MAP_BATCH)):
+                problems.append(no_rows_problem(where, key, name, len(rows), getattr(mapper, "dropped", 0), fn,
+                                                d.text_column, recipe.capabilities.counts_rows))
+        except ConfigError as e:  # a row the recipe's map function refuses: the launch would stop on it too
+            problems += [f"{where}{line}" for line in e.problems]
+    if mark is not None and len(problems) == before:
+        marks.append(mark)
+
+
+def _nan_problems(cfg: RunConfig, known: list[str]) -> list[str]:
+    """One line per number of the run config that is NaN (``train.muon_lr=nan``: every comparison with it is false,
+    so a range check alone lets it through), unless a line about its key is in ``known`` already."""
+    named = {p.split(":", 1)[0] for p in known}
+    out = []
+
+    def walk(obj, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value, key = getattr(obj, f.name), prefix + f.name
+            if dataclasses.is_dataclass(value):
+                walk(value, key + ".")
+            elif isinstance(value, float) and math.isnan(value) and key not in named:
+                out.append(f"{key}: must be a number, got nan; set a finite value (see docs/config.md)")
+
+    walk(cfg, "")
+    return out
 
 
 def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
@@ -460,11 +582,15 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
                 problems.append(resume_problem)
             elif ds:
                 layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds)
+                old = ckpt_utils.saved_config(resume_ckpt)
+                saved_optimizer = (old.get("train") or {}).get("optimizer", "adamw") if old else cfg.train.optimizer
+                if universal and saved_optimizer == "muon":  # Muon's momentum has no universal form
+                    layout_problems, layout_notes, universal = [muon.universal_problem(
+                        resume_ckpt, ckpt_utils.marker(resume_ckpt), world_size, zero_stage(ds))], [], False
                 problems += layout_problems
                 notes += layout_notes
                 if universal:
                     ds.setdefault("checkpoint", {})["load_universal"] = True
-                old = ckpt_utils.saved_config(resume_ckpt)
                 if old is not None:
                     refused, changed = resume_policy.review(old, _old_dp(old, resume_ckpt, 1), cfg, dp, allow_changes)
                     problems += refused
