@@ -492,7 +492,7 @@ def _reference_batch(micro: list[dict], g, tok) -> list[tuple]:
                 rewards_ = []
                 for c in done:
                     text_ids = c[:-1] if c[-1] == tok.eos_token_id else c
-                    n_tok = len(text_ids)
+                    n_tok = len(c)  # TRL's completion_ids: up to and including the EOS
                     start = g.max_completion_length - g.length_cache
                     length = 0.0 if n_tok <= start else max(-1.0, (start - n_tok) / g.length_cache)
                     digit = _has_digit(tok.decode(text_ids, skip_special_tokens=True))
