@@ -6,8 +6,10 @@ kind                   exit status  printed
 :class:`ConfigError`   2            bad input (config, files, resume target), found before any GPU time is spent:
                                     one line per problem, by rank 0 only (every rank meets the same input)
 :class:`RunFailure`    4            something failed while the run was working (a disk that filled during a save,
-                                    a checkpoint that could not be converted or loaded): one line, naming the rank
-:class:`TrainingDiverged`  3        ``train.max_bad_steps`` non-finite steps in a row: one line by rank 0
+                                    a checkpoint that could not be converted or loaded): one line, naming the rank;
+                                    a failure all ranks agreed on (the export check): one line by rank 0
+:class:`TrainingDiverged`  3        ``train.max_bad_steps`` non-finite steps in a row, weights that are not finite
+                                    at a save, or a final evaluation that is not finite: one line by rank 0
 :class:`StopRequested` 128 + signal a stop signal before training started (after it, the loop checkpoints and the
                                     launch exits with the same status)
 =====================  ===========  ================================================================================
@@ -40,11 +42,23 @@ class ConfigError(ValueError):
 
 class RunFailure(RuntimeError):
     """The run failed while working, not because of its input: a write that failed (disk full), a checkpoint that
-    could not be converted or loaded. ``str(err)`` is one line that says what failed and what to do."""
+    could not be converted or loaded, an export whose check failed. ``str(err)`` is one line that says what failed
+    and what to do.
+
+    ``agreed``: every rank raises it with the same verdict (a check the ranks settled together, such as the export
+    check), so rank 0 alone prints it, as a :class:`ConfigError`; otherwise each rank prints its own line with its
+    rank.
+    """
+
+    def __init__(self, message: str, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 class TrainingDiverged(RuntimeError):
-    """``train.max_bad_steps`` consecutive optimizer steps had a non-finite loss or gradient norm."""
+    """The model diverged: ``train.max_bad_steps`` consecutive optimizer steps had a non-finite loss or gradient norm,
+    a save found weights that are not finite, or the final evaluation's loss is not finite. Nothing is saved or
+    exported from that state."""
 
 
 class StopRequested(BaseException):
@@ -89,6 +103,11 @@ def report(e: BaseException) -> int:
             print(f"finetune: error: {e}", file=sys.stderr, flush=True)
         _let_rank0_report()
         return DIVERGED
+    if isinstance(e, RunFailure) and e.agreed:
+        if _rank() == 0:
+            print(f"finetune: error: {e}", file=sys.stderr, flush=True)
+        _let_rank0_report()
+        return RUN_FAILED
     if isinstance(e, RunFailure):
         print(f"finetune: error: rank {_rank()}: {e}", file=sys.stderr, flush=True)
         return RUN_FAILED

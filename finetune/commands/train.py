@@ -8,7 +8,7 @@ The order of work, one call per step into the module that owns it::
     data                 finetune.data.dataset.build_train_data      tokenize (rank 0 first), samplers, loaders
     engine               finetune.engine.model.build_engine        model, LoRA, DeepSpeed
     before training      recipe.before_training              a pass with the initial weights (dpo's reference)
-    resume               finetune.lifecycle.resume.restore             checkpoint (universal copy on a new layout)
+    resume               finetune.lifecycle.resume.settle / restore    verified checkpoint (universal copy on a new layout)
     fit                  finetune.training.trainer.fit                the loop: log, eval, checkpoint
     export + verify      finetune.lifecycle.export.export_and_verify   Hugging Face folder, checked against the engine
     sample               finetune.training.generation.write_sample    causal LMs with train.sample_prompt
@@ -40,7 +40,7 @@ from finetune.logs import StartupClock, logger, monitor_sections, setup_logging
 from finetune.lifecycle.preemption import StopSignal
 from finetune.recipes import recipe_for
 from finetune.lifecycle.report import write_run_report
-from finetune.lifecycle.resume import restore
+from finetune.lifecycle.resume import restore, settle
 from finetune.lifecycle.run_folder import open_run, write_launch
 from finetune.training.trainer import fit
 from finetune.preflight.validate import Resolved, check_launch
@@ -150,6 +150,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
         health.start(run_dir / "launches" / str(opened.launch) / "ranks", run_dir / "logs" / f"rank{rank}.log")
         for note in resolved.resume_notes:
             logger.warning(note)
+        resolved = settle(resolved, run_dir, opened.launch)  # checkpoint hashes, later steps set aside: no model yet
         recipe = recipe_for(cfg)
         ds = monitor_sections(resolved.ds, run_dir)  # TensorBoard, and csv/wandb (offline) when enabled
         tokenizer, model_config = load_tokenizer(cfg, recipe), load_model_config(cfg, recipe)

@@ -7,6 +7,18 @@ between steps (``grpo``'s reused generation batch) and, last, ``COMPLETE``: a JS
 barrier that follows every rank's writes. Only folders with the marker count as checkpoints, so a
 run killed mid-save leaves nothing a resume would load.
 
+Integrity: before the marker, rank 0 writes ``manifest.json``, the size and SHA-256 of every file of the folder,
+each file hashed by the rank that wrote it (all ranks in parallel; :func:`writer_rank`), and the marker records
+the manifest's own SHA-256. A resume checks the sizes before any model is built (:func:`resolve_resume`, every
+rank alike) and the hashes once the process group exists (:func:`verify`, each rank its own files, then agreed);
+a damaged checkpoint is named and ``--resume`` falls back to the newest one that verifies
+(:func:`finetune.lifecycle.resume.settle`). The idea is the one of package managers and of ``sha256sum -c``: a
+file's recorded digest, checked before it is trusted. Checkpoints saved before manifests existed load unverified
+(a note says so).
+
+Weights that are not finite are never saved (:func:`save` raises :class:`TrainingDiverged` first), so every
+complete checkpoint holds finite weights.
+
 Another world size or ZeRO stage: ZeRO shards are per rank, so a resume on another layout loads a
 *universal* copy of the checkpoint (DeepSpeed's ``ds_to_universal``: one file per parameter and optimizer
 state, any layout can load it) from the sibling folder ``step<N>.universal/``. Rank 0 converts once
@@ -14,7 +26,8 @@ state, any layout can load it) from the sibling folder ``step<N>.universal/``. R
 it; DeepSpeed loads it with ``checkpoint.load_universal``. See :func:`resume_layout` for what is allowed.
 
 Deleting: only :func:`prune` (``train.keep_last_checkpoints``) removes checkpoints, on rank 0, after a
-newer one is complete.
+newer one is complete. A resume from an older step moves the later checkpoints of the abandoned lineage aside
+(:func:`set_aside`, renamed, never deleted), so ``latest`` is always this lineage's newest.
 
 The loop's position travels as DeepSpeed ``client_state`` (optimizer step, epoch, micro-batches
 consumed in the epoch, tokens seen).
@@ -23,6 +36,7 @@ consumed in the epoch, tokens seen).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -31,7 +45,8 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +59,7 @@ from finetune import patches
 from finetune.parallel import distributed as dist_utils
 from finetune.config import dump_yaml
 from finetune.engine.ds_config import engine_precision, zero_stage
-from finetune.errors import ConfigError, RunFailure
+from finetune.errors import ConfigError, RunFailure, TrainingDiverged
 from finetune.logs import logger
 
 MARKER = "COMPLETE"
@@ -104,8 +119,182 @@ def complete_checkpoints(ckdir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(resume: str, output_dir: str) -> tuple[Path | None, str | None]:
-    """Find the checkpoint ``--resume`` names.
+MANIFEST = "manifest.json"
+"""Each checkpoint's list of its files: ``{"format": 1, "algorithm": "sha256", "files": {name: {"size": bytes,
+"sha256": hex}}}`` (names relative to the checkpoint folder), written by rank 0 before the ``COMPLETE`` marker."""
+_NOT_LISTED = {MARKER, f".{MARKER}.tmp", MANIFEST, f".{MANIFEST}.tmp"}
+_RANK_IN_NAME = re.compile(r"rank_?(\d+)")
+_HASH_CHUNK = 8 << 20
+
+
+def writer_rank(name: str, world: int) -> int:
+    """The rank that hashes file ``name`` of a checkpoint on ``world`` ranks: the first ``rank<r>``/``rank_<r>`` in the
+    name (``zero_pp_rank_1_mp_rank_00_optim_states.pt``: 1, ``rng_state_rank1.pt``: 1, ``mp_rank_00_model_states.pt``:
+    0), modulo ``world``; rank 0 for names without one (``run_config.yaml``, ``zero_to_fp32.py``). At a save these are
+    the ranks that wrote them (DeepSpeed's and finetune's per-rank names), so each rank reads back what its own node
+    just wrote; at a resume on another world size the same rule spreads the files over the ranks there are."""
+    m = _RANK_IN_NAME.search(name)
+    return int(m.group(1)) % max(world, 1) if m else 0
+
+
+def _files(folder: Path) -> list[str]:
+    """The checkpoint's files (relative POSIX names, sorted) that a manifest lists: all but the marker and itself."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if p.is_file() and p.name not in _NOT_LISTED)
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for the log: ``3.2 ms`` below one second, else ``1.25 s``."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _hash(folder: Path, names: list[str]) -> dict[str, dict]:
+    """``name -> {"size", "sha256"}`` of ``names`` under ``folder``, in a few threads (``hashlib`` releases the GIL on
+    large buffers, so the threads of one rank read and hash in parallel)."""
+    if not names:
+        return {}
+    threads = max(1, min(len(names), 8, (os.cpu_count() or 1) // max(dist_utils.local_world_size(), 1)))
+    with ThreadPoolExecutor(threads) as pool:
+        digests = list(pool.map(lambda n: _sha256(folder / n), names))
+    return {n: {"size": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+
+
+def write_manifest(ckpt: Path) -> dict:
+    """Hash ``ckpt``'s files, each rank those :func:`writer_rank` gives it, and (rank 0) write :data:`MANIFEST`.
+
+    All ranks call it, after every rank's writes (a barrier). Each rank lists the folder itself (it sees the files its
+    own node wrote) and sends its digests to rank 0 (one ``all_gather_object``).
+
+    Returns:
+        On rank 0, what the ``COMPLETE`` marker records of it: ``{"file", "sha256", "files", "bytes", "seconds"}``
+        (``seconds``: the slowest rank's hashing); ``{}`` on the other ranks.
+    """
+    t0 = time.perf_counter()
+    world, me = dist_utils.world_size(), dist_utils.rank()
+    mine = _hash(ckpt, [n for n in _files(ckpt) if writer_rank(n, world) == me])
+    parts = dist_utils.all_gather_object((mine, time.perf_counter() - t0))
+    if not dist_utils.is_main():
+        return {}
+    files = {n: e for part, _ in parts for n, e in part.items()}
+    text = json.dumps({"format": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1)
+    tmp = ckpt / f".{MANIFEST}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, ckpt / MANIFEST)
+    return {"file": MANIFEST, "sha256": hashlib.sha256(text.encode()).hexdigest(), "files": len(files),
+            "bytes": sum(e["size"] for e in files.values()), "seconds": round(max(s for _, s in parts), 6)}
+
+
+def read_manifest(ckpt: Path) -> dict | None:
+    """``ckpt``'s manifest (``name -> {"size", "sha256"}``), or None for a checkpoint saved before manifests existed
+    (its marker names none).
+
+    Raises:
+        ValueError: the marker names a manifest that is missing, unreadable, or not the one it recorded (its SHA-256
+            differs); the message says which.
+    """
+    recorded = marker(ckpt).get("manifest")
+    if not recorded:
+        return None
+    path = ckpt / recorded.get("file", MANIFEST)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path.name} is missing or unreadable ({e.strerror or e})") from None
+    if hashlib.sha256(data).hexdigest() != recorded.get("sha256"):
+        raise ValueError(f"{path.name} is not the manifest its {MARKER} marker records (SHA-256 differs)")
+    return json.loads(data)["files"]
+
+
+def size_problem(ckpt: Path) -> str | None:
+    """What is wrong with ``ckpt`` that file sizes show (a truncated, grown or missing file, a damaged manifest), or
+    None. Reads the manifest and stats the files: cheap, the same on every rank, before any process group. A
+    checkpoint without a manifest has no problem here (:func:`read_manifest`)."""
+    try:
+        files = read_manifest(ckpt)
+    except (ValueError, OSError) as e:
+        return str(e)
+    for name, entry in (files or {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return f"{name} is {size:,} bytes, its manifest says {entry['size']:,}"
+    return None
+
+
+@dataclass
+class Verification:
+    """What :func:`verify` found: the same on every rank."""
+
+    problems: list[str] = field(default_factory=list)
+    """One line per file that does not match the manifest (its name, what differs); empty when all match."""
+    files: int = 0
+    """Files checked (0: the checkpoint has no manifest, nothing was verified)."""
+    bytes: int = 0
+    """Their total size."""
+    seconds: float = 0.0
+    """The slowest rank's wall time (each rank hashes its own files in parallel with the others)."""
+    manifest: bool = True
+    """False for a checkpoint saved before manifests existed (loaded unverified)."""
+
+
+def verify(ckpt: Path) -> Verification:
+    """Check every file of ``ckpt`` against its manifest: each rank hashes the files :func:`writer_rank` gives it
+    (all ranks in parallel), then the ranks agree (one ``all_gather_object``). All ranks call it.
+
+    Returns:
+        :class:`Verification` (identical on every rank).
+    """
+    t0 = time.perf_counter()
+    try:
+        files = read_manifest(ckpt)
+    except (ValueError, OSError) as e:
+        return Verification([str(e)])
+    if files is None:
+        return Verification(manifest=False)
+    world, me = dist_utils.world_size(), dist_utils.rank()
+    problems = []
+    for name in sorted(files):
+        if writer_rank(name, world) != me:
+            continue
+        entry, path = files[name], ckpt / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != entry["size"]:
+            problems.append(f"{name} is {path.stat().st_size:,} bytes, its manifest says {entry['size']:,}")
+        elif _sha256(path) != entry["sha256"]:
+            problems.append(f"{name} does not match its SHA-256 in the manifest (same size, other bytes)")
+    parts = dist_utils.all_gather_object((problems, time.perf_counter() - t0))
+    return Verification(sorted(p for part, _ in parts for p in part), len(files),
+                        sum(e["size"] for e in files.values()), max(s for _, s in parts))
+
+
+def falls_back(resume: str | None) -> bool:
+    """True when ``--resume resume`` may fall back to an older checkpoint if the newest is damaged: ``latest`` or a
+    run (or ``checkpoints``) folder; a checkpoint folder named by path is refused instead."""
+    return resume is not None and not _TAG.match(Path(resume).name)
+
+
+def _newest_sound(found: list[Path]) -> tuple[Path | None, list[str]]:
+    """The newest of ``found`` (oldest first) whose sizes match its manifest, and one ``stepN: problem`` per newer
+    one that does not."""
+    skipped = []
+    for ckpt in reversed(found):
+        problem = size_problem(ckpt)
+        if problem is None:
+            return ckpt, skipped
+        skipped.append(f"{ckpt.name}: {problem}")
+    return None, skipped
+
+
+def resolve_resume(resume: str, output_dir: str) -> tuple[Path | None, str | None, list[str]]:
+    """Find the checkpoint ``--resume`` names, checking its files' sizes against its manifest (:func:`size_problem`).
 
     Args:
         resume: ``latest`` (newest complete checkpoint in ``output_dir``), a checkpoint folder, a
@@ -113,26 +302,56 @@ def resolve_resume(resume: str, output_dir: str) -> tuple[Path | None, str | Non
         output_dir: the run's output folder.
 
     Returns:
-        ``(checkpoint_folder, None)`` or ``(None, problem)`` where nothing complete exists.
+        ``(checkpoint_folder, None, notes)`` or ``(None, problem, [])``. A damaged checkpoint named by path is a
+        problem; otherwise the newest checkpoint whose sizes match is taken and one note names the damaged newer ones.
+        A checkpoint without a manifest gets a note that it loads unverified. The hashes are checked once the process
+        group exists (:func:`verify`).
     """
     if resume == "latest":
         found = complete_checkpoints(checkpoints_dir(output_dir))
+        where = checkpoints_dir(output_dir)
         if not found:
             return None, (f"--resume: no complete checkpoint in '{checkpoints_dir(output_dir)}' (a checkpoint counts "
-                          f"once its '{MARKER}' marker exists); drop --resume to start a new run")
-        return found[-1], None
-    p = Path(resume)
-    if not p.exists():
-        return None, f"--resume: '{p}' does not exist"
-    if _TAG.match(p.name):
-        if not is_complete(p):
-            return None, f"--resume: '{p}' is incomplete (no '{MARKER}' marker: its save was interrupted)"
-        return p, None
-    for candidate in (p / "checkpoints", p):
-        found = complete_checkpoints(candidate)
-        if found:
-            return found[-1], None
-    return None, f"--resume: no complete checkpoint under '{p}'"
+                          f"once its '{MARKER}' marker exists); drop --resume to start a new run"), []
+    else:
+        p = Path(resume)
+        if not p.exists():
+            return None, f"--resume: '{p}' does not exist", []
+        if _TAG.match(p.name):
+            if not is_complete(p):
+                return None, f"--resume: '{p}' is incomplete (no '{MARKER}' marker: its save was interrupted)", []
+            problem = size_problem(p)
+            if problem:
+                return None, (f"--resume: '{p}' is damaged: {problem}; resume another checkpoint (--resume with its "
+                              f"run folder takes the newest that verifies)"), []
+            return p, None, _unverified(p)
+        where, found = p, []
+        for candidate in (p / "checkpoints", p):
+            found = complete_checkpoints(candidate)
+            if found:
+                where = candidate
+                break
+        if not found:
+            return None, f"--resume: no complete checkpoint under '{p}'", []
+    ckpt, skipped = _newest_sound(found)
+    if ckpt is None:
+        return None, (f"--resume: no complete checkpoint in '{where}' verifies ({'; '.join(skipped)}); resume "
+                      f"another run, or drop --resume to start a new one"), []
+    notes = [fallback_note(skipped, ckpt)] if skipped else []
+    return ckpt, None, notes + _unverified(ckpt)
+
+
+def fallback_note(skipped: list[str], ckpt: Path) -> str:
+    """The one line that says which damaged checkpoints ``--resume`` passed over, and what it resumes instead."""
+    return (f"--resume: damaged checkpoint{'s' if len(skipped) > 1 else ''} passed over ({'; '.join(skipped)}): "
+            f"resuming {ckpt}, the newest checkpoint that verifies")
+
+
+def _unverified(ckpt: Path) -> list[str]:
+    if "manifest" in marker(ckpt):
+        return []
+    return [f"--resume: '{ckpt}' has no {MANIFEST} (saved before checkpoints recorded their files' SHA-256): it loads "
+            f"unverified"]
 
 
 def _rng_state() -> dict:
@@ -173,24 +392,66 @@ def load_rank_state(ckpt: Path):
     return torch.load(path, weights_only=True) if path.is_file() else None
 
 
+def non_finite_weights(engine) -> list[str]:
+    """Names of the parameters that hold a NaN or an infinity on any rank (empty when every weight is finite). All
+    ranks call it.
+
+    Each rank sums its own share of every parameter in float32 (``ds_tensor``: a ZeRO-3 partition; else the tensor it
+    holds), so no full-size temporary is made and one all-reduce of a count settles it; a NaN or an infinity makes the
+    sum non-finite, finite weights never reach float32's overflow. The names are gathered only when something is
+    wrong.
+    """
+    sums, names = [], []
+    for name, p in engine.module.named_parameters():
+        t = getattr(p, "ds_tensor", None)
+        t = p.data if t is None else t
+        if t.numel() and t.is_floating_point():
+            sums.append(t.sum(dtype=torch.float32).to(engine.device))
+            names.append(name)
+    flags = ~torch.isfinite(torch.stack(sums)) if sums else torch.zeros(0, dtype=torch.bool, device=engine.device)
+    count = dist_utils.all_reduce_sum(flags.sum().to(torch.float64).reshape(1))
+    if count.item() == 0:
+        return []
+    mine = [n for n, bad in zip(names, flags.tolist()) if bad]
+    return list(dict.fromkeys(n for part in dist_utils.all_gather_object(mine) for n in part))  # the model's order
+
+
 def save(engine, output_dir: str | Path, state: TrainState, config: dict | None = None, keep_last: int = 0,
          protect: list | None = None, rank_state=None) -> Path:
-    """Save a checkpoint on all ranks; mark it complete after every rank has written.
+    """Save a checkpoint on all ranks; mark it complete after every rank has written and its manifest is written.
 
-    Must be called by every rank. ``config`` (the resolved run config as a dict) is written to
-    ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Once the new checkpoint is complete,
+    Must be called by every rank. The weights are checked first (:func:`non_finite_weights`): a NaN or an infinity is
+    never saved. Over an existing ``step<N>/`` (a leftover of an interrupted save) rank 0 removes its old ``COMPLETE``
+    marker and manifest before any rank writes. ``config`` (the resolved run config as a dict) is written to
+    ``<ckpt>/run_config.yaml`` so a resume can tell what changed. Then every rank hashes the files it wrote and rank 0
+    writes :data:`MANIFEST` (:func:`write_manifest`) and, last, the marker, which records the manifest's SHA-256. Once
+    the new checkpoint is complete,
     rank 0 removes older ones beyond the newest ``keep_last`` (:func:`prune`; 0 keeps all), never those in
     ``protect`` (the checkpoint this launch resumed from, the best one of ``train.keep_best``). Returns the
     checkpoint folder. ``rank_state``: the recipe's state of this rank (its ``rank_state`` hook), saved as
     :data:`RECIPE_STATE` when not None.
 
     Raises:
+        TrainingDiverged: a weight is not finite (the message names up to 3 parameters and the last complete
+            checkpoint); nothing is written.
         RunFailure: the disk filled up or the folder cannot be written (the message names the folder and
             its free space; the checkpoint stays without its ``COMPLETE`` marker, so nothing loads it).
     """
     ckdir = checkpoints_dir(output_dir)
     tag = f"step{state.step}"
     t0 = time.perf_counter()
+    bad = non_finite_weights(engine)
+    if bad:
+        last = complete_checkpoints(ckdir)
+        raise TrainingDiverged(
+            f"training diverged: the weights are not finite after step {state.step} (NaN or inf in "
+            f"{', '.join(bad[:3])}{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}); nothing was saved or "
+            f"exported from this state; last complete checkpoint: {last[-1] if last else 'none'}; lower train.lr "
+            f"(train.muon_lr with Muon) or check the optimizer settings and the data")
+    if dist_utils.is_main() and (ckdir / tag).is_dir():  # an older save of this step: no longer complete, first
+        (ckdir / tag / MARKER).unlink(missing_ok=True)
+        (ckdir / tag / MANIFEST).unlink(missing_ok=True)
+    dist_utils.barrier()
     try:
         engine.save_checkpoint(str(ckdir), tag=tag, client_state={"train_state": asdict(state)}, save_latest=True)
         torch.save(_rng_state(), ckdir / tag / f"rng_state_rank{dist_utils.rank()}.pt")
@@ -206,6 +467,7 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
                           f"{free / 2**30:.2f} GiB free there: free space or move output_dir "
                           f"(the partial checkpoint has no {MARKER} marker and is never loaded)") from e
     dist_utils.barrier()
+    manifest = write_manifest(ckdir / tag)
     if dist_utils.is_main():
         shutil.rmtree(universal_folder(ckdir / tag), ignore_errors=True)  # a copy of an older save of this step
         tmp = ckdir / tag / f".{MARKER}.tmp"
@@ -214,21 +476,25 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
                                    "zero_stage": engine.zero_optimization_stage(),
                                    "sequence_parallel_size": par.get("sequence_parallel_size", 1),
                                    "tensor_parallel_size": par.get("tensor_parallel_size", 1),
-                                   "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time()}))
+                                   "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time(),
+                                   "manifest": manifest}))
         os.replace(tmp, ckdir / tag / MARKER)
         if keep_last > 0:
             try:
                 prune(ckdir, keep_last, protect)
             except OSError as e:  # a checkpoint that cannot be removed is no reason to stop training
                 logger.warning(f"train.keep_last_checkpoints: could not remove an old checkpoint ({e})")
+        logger.info(f"checkpoint saved: {ckdir / tag} ({time.perf_counter() - t0:.1f}s; {manifest['files']} files, "
+                    f"{manifest['bytes'] / 2**20:.1f} MiB, SHA-256 in {duration(manifest['seconds'])})")
     dist_utils.barrier()
-    logger.info(f"checkpoint saved: {ckdir / tag} ({time.perf_counter() - t0:.1f}s)")
     return ckdir / tag
 
 
 def marker(ckpt: Path) -> dict:
     """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``sequence_parallel_size``,
-    ``tensor_parallel_size``, ``expert_parallel_size`` (absent from older checkpoints: 1), ``time``."""
+    ``tensor_parallel_size``, ``expert_parallel_size`` (absent from older checkpoints: 1), ``time`` and ``manifest``
+    (:data:`MANIFEST`'s ``file``, ``sha256``, ``files``, ``bytes`` and hashing ``seconds``; absent from checkpoints
+    saved before manifests existed)."""
     return json.loads((ckpt / MARKER).read_text())
 
 
@@ -439,6 +705,27 @@ def prune(ckdir: Path, keep_last: int, protect: list | Path | None = None) -> li
     if removed:
         logger.info(f"train.keep_last_checkpoints={keep_last}: removed {', '.join(p.name for p in removed)}")
     return removed
+
+
+def set_aside(ckdir: Path, after: int, dest: Path) -> list[str]:
+    """Move every ``step<M>/`` folder of ``ckdir`` with ``M > after`` (complete or not) and its universal copy into
+    ``dest`` under the same names: the checkpoints of a lineage a resume from step ``after`` abandons, which
+    ``latest`` and :func:`prune` must no longer see. Renamed, never deleted (resume one by its path, or move it
+    back). Rank 0 only, holding the run lock.
+
+    Returns:
+        The moved folders' names, oldest step first.
+    """
+    later = sorted((int(m.group(1)), p) for p in ckdir.iterdir() if (m := _TAG.match(p.name)) and int(m.group(1)) > after) \
+        if ckdir.is_dir() else []
+    moved = []
+    for _, ckpt in later:
+        dest.mkdir(parents=True, exist_ok=True)
+        for folder in (ckpt, universal_folder(ckpt)):
+            if folder.exists():
+                os.replace(folder, dest / folder.name)
+                moved.append(folder.name)
+    return moved
 
 
 def saved_config(ckpt: Path) -> dict | None:

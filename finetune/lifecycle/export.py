@@ -8,7 +8,8 @@ Weights are consolidated by DeepSpeed's own ``zero_to_fp32`` (``get_fp32_state_d
 the fp32 master weights of ZeRO stage 1-3, merged across ranks); a stage-0 checkpoint already holds the
 full module state. The result is checked before anything is written: every parameter of the model must be
 present (or tied to one that is) with its full shape, never an empty ZeRO-3 placeholder. The folder is
-written under a temporary name and renamed, so a failed export never leaves a half folder. The folder's
+written under a temporary name and renamed, so a failed export never leaves a half folder, and an export whose
+check fails is moved aside as ``export.failed-step<N>`` (:func:`export_and_verify`). The folder's
 ``README.md`` is its model card (:mod:`finetune.lifecycle.model_card`), rewritten by the end-of-run export once the
 export check has run.
 
@@ -192,13 +193,17 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    if run_cfg.model.lora is not None:
-        model.save_pretrained(tmp / lora.ADAPTER_DIR)  # adapter_config.json + adapter_model.safetensors
-        model = model.merge_and_unload()  # W + (alpha / r) B A, a plain transformers model again
-    model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
-    (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
-    write_card(tmp, ckpt, run_dir, run_cfg, chosen_by)
+    try:
+        if run_cfg.model.lora is not None:
+            model.save_pretrained(tmp / lora.ADAPTER_DIR)  # adapter_config.json + adapter_model.safetensors
+            model = model.merge_and_unload()  # W + (alpha / r) B A, a plain transformers model again
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
+        (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
+        write_card(tmp, ckpt, run_dir, run_cfg, chosen_by)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves no folder behind
+        raise
     if out_dir.exists() and any(out_dir.iterdir()):
         old = json.loads((out_dir / PROVENANCE).read_text()) if (out_dir / PROVENANCE).is_file() else {}
         aside = out_dir.with_name(f"{out_dir.name}-step{old.get('step', 'unknown')}")
@@ -254,8 +259,8 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
     too (:func:`_adapter_diff`, ``max_abs_logit_diff_adapter``), under the same limits.
 
     Raises:
-        RuntimeError: the difference is not finite, or above :func:`logit_tolerance` (1e-4 in fp32, a share of the
-            logits' spread in bf16/fp16).
+        RunFailure: on every rank (``agreed``: rank 0 prints it), when the difference is not finite or above
+            :func:`logit_tolerance` (1e-4 in fp32, a share of the logits' spread in bf16/fp16).
     """
     rows = [validation[i] for i in range(min(4, len(validation)))]
     with torch.random.fork_rng():
@@ -266,6 +271,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
     with torch.no_grad():
         ref = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits.float().cpu()
     engine.train()
+    verdict = None
     if dist_utils.is_main():
         with plain_model_construction():
             exported = recipe.model_class.from_pretrained(run_dir / "export", local_files_only=True,
@@ -293,8 +299,13 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
         logger.info(f"export check: max |logits(export) - logits(engine)| = {diff:.3g} on a fixed batch"
                     + (f" (adapter on its base: {adapter_diff:.3g})" if adapter_diff is not None else "")
                     + f"; tolerance {tolerance:.3g}")
-        check_logit_diff(diff, tolerance)
-    dist_utils.barrier()
+        try:
+            check_logit_diff(diff, tolerance)
+        except RuntimeError as e:
+            verdict = str(e)
+    verdict = dist_utils.all_gather_object(verdict)[0]  # rank 0's; also the barrier the ranks met at before
+    if verdict:
+        raise RunFailure(verdict, agreed=True)
 
 
 LOW_PRECISION_SPREAD = 0.2
@@ -361,6 +372,27 @@ def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
     return {k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu() for k, v in state.items()}
 
 
+def _set_aside_failed(run_dir: Path, step: int, kept: set[Path]) -> str:
+    """Rank 0, after a failed export check: move ``export/`` (with the check's ``export_check.json``) to
+    ``export.failed-step<step>`` (``-2``, ... when taken) and the earlier export this launch kept aside (``kept``: at
+    most one ``export-step<M>``) back to ``export/``. Returns the words for the error line."""
+    failed = run_dir / f"export.failed-step{step}"
+    k = 1
+    while failed.exists():
+        k += 1
+        failed = run_dir / f"export.failed-step{step}-{k}"
+    (run_dir / "export").rename(failed)
+    if (run_dir / "export_check.json").is_file():  # the failed check's record goes with what it checked
+        (run_dir / "export_check.json").rename(failed / "export_check.json")
+    words = f"; the export was moved aside to {failed} (with its export_check.json; nothing is left in export/)"
+    if len(kept) == 1:
+        previous = kept.pop()
+        previous.rename(run_dir / "export")
+        words = f"; the export was moved aside to {failed}; the earlier export ({previous.name}) is back in export/"
+    logger.error(words.removeprefix("; "))
+    return words
+
+
 def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds: dict, recipe,
                       chosen_by: dict | None = None) -> Path:
     """End of a run: rank 0 exports checkpoint ``step<step>`` to ``run_dir/export`` (an earlier export is kept aside
@@ -369,18 +401,29 @@ def export_and_verify(engine, run_dir: Path, step: int, validation, collator, ds
     step: the last one, or ``train.keep_best``'s metric and value). Rank 0 then rewrites the export's model card with
     the check's result.
 
+    A failed check leaves no export behind: rank 0 moves the new folder (and ``export_check.json``) aside as
+    ``export.failed-step<N>`` (named in the error) and an earlier export it had kept aside back to ``export/``.
+
     Returns:
         The export folder.
 
     Raises:
-        RuntimeError: the export's logits differ from the engine's (:func:`verify_export`).
+        RunFailure: the export's logits differ from the engine's (:func:`verify_export`), on every rank; rank 0's
+            message names where the export went.
     """
     state = engine_state_dict(engine)
     ckpt, chosen_by = checkpoints_dir(run_dir) / f"step{step}", chosen_by or {"last_step": step}
+    before = set(run_dir.glob("export-step*"))
     if dist_utils.is_main():
         export_checkpoint(ckpt, run_dir / "export", keep_previous=True, state=state, chosen_by=chosen_by)
     dist_utils.barrier()
-    verify_export(engine, validation, collator, run_dir, ds, recipe, {"checkpoint_step": step, "chosen_by": chosen_by})
+    try:
+        verify_export(engine, validation, collator, run_dir, ds, recipe,
+                      {"checkpoint_step": step, "chosen_by": chosen_by})
+    except RunFailure as e:
+        where = _set_aside_failed(run_dir, step, set(run_dir.glob("export-step*")) - before) if \
+            dist_utils.is_main() else ""
+        raise RunFailure(f"{e}{where}", agreed=True) from None
     if dist_utils.is_main():  # the card again, now with export_check.json's max_abs_logit_diff
         write_card(run_dir / "export", ckpt, run_dir, load_run_config(run_config_of(ckpt, run_dir)), chosen_by)
     return run_dir / "export"

@@ -24,11 +24,22 @@ A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_con
   the accumulation that keeps the global batch (refused when none does: the global batch would change);
   the checkpoint is loaded through its universal copy (:func:`finetune.lifecycle.checkpoint.resume_layout` says
   which ZeRO stages can).
+
+Before anything is loaded, :func:`settle` checks the checkpoint's files against its manifest (each rank its own
+files; a damaged one is refused when named by path, else the newest checkpoint that verifies is resumed) and sets
+aside, renamed and never deleted, what the resumed steps would otherwise meet twice: the later checkpoints of an
+abandoned lineage and the completion rows written after the resumed step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 from transformers import get_scheduler
@@ -36,6 +47,9 @@ from transformers import get_scheduler
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.lifecycle.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
+from finetune.errors import ConfigError
+from finetune.logs import logger
+from finetune.parallel import distributed as dist_utils
 
 _REFUSED_EXACT = {"recipe", "train.seed", "train.loss_weighting"}
 _REFUSED_PREFIXES = ("model.", "data.")
@@ -234,3 +248,164 @@ def restore(engine, resolved, cfg: RunConfig, total_steps: int) -> TrainState:
     if old is not None:
         apply(engine, old, cfg, total_steps)
     return state
+
+
+ABANDONED = "abandoned"
+"""Folder of the run folder where :func:`settle` sets aside, per launch (``abandoned/launch<n>/``), what a resume from an
+earlier step leaves behind: ``checkpoints/step<M>/`` of the abandoned lineage, the rows of ``completions.jsonl`` and
+the ``eval/step<M>_*`` files of steps after the resumed one. Never deleted."""
+COMPLETIONS = "completions.jsonl"
+_EVAL_FILE = re.compile(r"^step(\d+)_")
+
+
+_JUDGED = ("train.micro_batch_size", "train.gradient_accumulation_steps", "train.optimizer", "train.grpo.num_iterations")
+"""Keys that :func:`review` or :func:`keep_global_batch` judge besides the refused ones (the global batch, keys refused
+for reasons of their own)."""
+
+
+def _same_origin(a: Path, b: Path) -> bool:
+    """True when validation's verdict on checkpoint ``a`` holds for ``b`` as well: both saved on the same layout, and
+    their run configs differ at most in keys that a resume applies (:func:`review`'s notes: the schedule, the
+    cadence, ...), never in one it refuses or that decides the global batch or the layout."""
+    def layout(c: Path) -> tuple:
+        return ckpt_utils.saved_layout(c), ckpt_utils.marker(c).get("expert_parallel_size", 1), ckpt_utils.is_sharded(c)
+
+    if layout(a) != layout(b):
+        return False
+    ca, cb = _flatten(ckpt_utils.saved_config(a) or {}), _flatten(ckpt_utils.saved_config(b) or {})
+    differ = [k for k in {*ca, *cb} if ca.get(k) != cb.get(k)]
+    return not any(_refused(k) or k in _UNLOADABLE or k in _JUDGED or k.startswith("parallel.") for k in differ)
+
+
+def verified(ckpt: Path, fall_back: bool) -> Path:
+    """``ckpt`` once every file matches its manifest (:func:`finetune.lifecycle.checkpoint.verify`: each rank hashes
+    its own files, in parallel, then the ranks agree), or with ``fall_back`` the newest older complete checkpoint of
+    the same folder that does. All ranks call it; the answer is the same on every rank.
+
+    A fallback must have been saved on the same layout with the same run config as ``ckpt`` (what the launch's checks
+    judged before the process group existed); the newest one that verifies but was not is named instead.
+
+    Raises:
+        ConfigError: ``ckpt`` is damaged and named by path (one line naming the file), or nothing older verifies.
+    """
+    t0 = time.perf_counter()
+    check = ckpt_utils.verify(ckpt)
+    if not check.manifest:
+        return ckpt  # resolve_resume's note said so: loaded unverified
+    if not check.problems:
+        logger.info(f"--resume: {ckpt} verified: {check.files} files, {check.bytes / 2**20:.1f} MiB in "
+                    f"{ckpt_utils.duration(time.perf_counter() - t0)} (SHA-256 {ckpt_utils.duration(check.seconds)} on "
+                    f"the slowest of {dist_utils.world_size()} rank(s), each hashing its own files)")
+        return ckpt
+    damage = f"{ckpt.name}: {'; '.join(check.problems[:3])}{' ...' if len(check.problems) > 3 else ''}"
+    if not fall_back:
+        raise ConfigError(f"--resume: '{ckpt}' is damaged ({damage}); resume another checkpoint (--resume with its "
+                          f"run folder takes the newest that verifies)")
+    skipped = [damage]
+    step = ckpt_utils.marker(ckpt).get("step", -1)
+    for older in reversed(ckpt_utils.complete_checkpoints(ckpt.parent)):
+        if ckpt_utils.marker(older).get("step", -1) >= step:
+            continue
+        problem = ckpt_utils.size_problem(older)
+        if problem is None:
+            check = ckpt_utils.verify(older)
+            problem = "; ".join(check.problems[:3]) or None
+        if problem:
+            skipped.append(f"{older.name}: {problem}")
+            continue
+        if not _same_origin(older, ckpt):
+            raise ConfigError(f"--resume: damaged ({'; '.join(skipped)}); the newest checkpoint that verifies, "
+                              f"'{older}', was saved on another layout or with a run config this launch's checks did "
+                              f"not judge: resume it by its path (--resume {older})")
+        logger.warning(ckpt_utils.fallback_note(skipped, older) + ("" if check.manifest else " (saved without a "
+                       f"{ckpt_utils.MANIFEST}: unverified)"))
+        return older
+    raise ConfigError(f"--resume: no complete checkpoint in '{ckpt.parent}' verifies ({'; '.join(skipped)}); resume "
+                      f"another run, or drop --resume to start a new one")
+
+
+def _set_aside_rows(path: Path, after: int, dest: Path) -> int:
+    """Move the rows of JSON-lines file ``path`` whose ``step`` is above ``after`` (and lines that are not JSON: a torn
+    last row) to ``dest`` (appended), rewriting ``path`` with the rest. Returns the rows moved."""
+    kept, moved = [], []
+    for line in path.read_text(errors="replace").splitlines(keepends=True):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            step = None
+        (kept if isinstance(step, int) and step <= after else moved).append(line if line.endswith("\n") else line + "\n")
+    if moved:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "a") as f:
+            f.writelines(moved)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return len(moved)
+
+
+def set_aside_after(run_dir: Path, step: int, launch: int) -> str | None:
+    """Rank 0, before a resumed launch trains: move what the run folder holds of steps after ``step`` into
+    ``<run>/abandoned/launch<launch>/`` (:data:`ABANDONED`), renamed, never deleted:
+
+    * ``checkpoints/step<M>/`` with ``M > step`` and their universal copies (a resume from an older checkpoint
+      abandons that lineage; ``latest`` and ``train.keep_last_checkpoints`` would otherwise take it up again);
+    * the rows of ``completions.jsonl`` (``grpo``'s samples) whose ``step`` is after ``step``, which the resumed steps
+      append again;
+    * ``eval/step<M>_*`` files with ``M > step`` (``grpo``'s ``eval/step<M>_completions.jsonl`` is appended to, the
+      others rewritten by the resumed evaluations).
+
+    Returns:
+        One line for the log naming what moved and where, or None when nothing did.
+    """
+    dest = run_dir / ABANDONED / f"launch{launch}"
+    parts = []
+    moved = ckpt_utils.set_aside(ckpt_utils.checkpoints_dir(run_dir), step, dest / "checkpoints")
+    if moved:
+        parts.append(f"checkpoints {', '.join(moved)}")
+    if (run_dir / COMPLETIONS).is_file():
+        rows = _set_aside_rows(run_dir / COMPLETIONS, step, dest / COMPLETIONS)
+        if rows:
+            parts.append(f"{rows} row(s) of {COMPLETIONS}")
+    evals = sorted((p for p in (run_dir / "eval").glob("step*_*") if (m := _EVAL_FILE.match(p.name))
+                    and int(m.group(1)) > step), key=lambda p: p.name) if (run_dir / "eval").is_dir() else []
+    for p in evals:
+        (dest / "eval").mkdir(parents=True, exist_ok=True)
+        os.replace(p, dest / "eval" / p.name)
+    if evals:
+        parts.append(f"eval/{', eval/'.join(p.name for p in evals)}")
+    if not parts:
+        return None
+    return (f"--resume from step {step}: what the run folder held of later steps is set aside in {dest} (never "
+            f"deleted): {'; '.join(parts)}")
+
+
+def settle(resolved, run_dir: Path, launch: int):
+    """A resumed launch, once its process group and run lock exist and before any model is built: verify the
+    checkpoint (:func:`verified`; a fallback replaces ``resolved.resume_ckpt``), then rank 0 sets aside what the run
+    folder holds of later steps (:func:`set_aside_after`). All ranks call it.
+
+    Args:
+        resolved: validation's :class:`finetune.preflight.validate.Resolved` (``resume_ckpt``, ``resume_fallback``).
+        run_dir: this launch's run folder.
+        launch: this launch's number (names ``abandoned/launch<n>/``).
+
+    Returns:
+        ``resolved``, with the checkpoint that verified.
+
+    Raises:
+        ConfigError: the checkpoint is damaged and nothing can replace it (:func:`verified`).
+    """
+    if resolved.resume_ckpt is None:
+        return resolved
+    ckpt = verified(resolved.resume_ckpt, getattr(resolved, "resume_fallback", False))
+    if ckpt != resolved.resume_ckpt:
+        resolved = dataclasses.replace(resolved, resume_ckpt=ckpt)
+    if dist_utils.is_main():
+        line = set_aside_after(Path(run_dir), ckpt_utils.marker(ckpt).get("step", 0), launch)
+        if line:
+            logger.warning(line)
+    dist_utils.barrier()
+    return resolved

@@ -48,6 +48,9 @@ class Resolved:
     universal: bool = False
     """Resume through the checkpoint's universal copy (another world size or ZeRO stage; ``ds`` then has
     ``checkpoint.load_universal``)."""
+    resume_fallback: bool = False
+    """A damaged checkpoint may give way to the newest older one that verifies (``--resume`` without a checkpoint
+    path; :func:`finetune.lifecycle.resume.settle`)."""
 
     def print_check(self, cfg: RunConfig, config_path: str, print_config: bool) -> int:
         """``--print-config`` / ``--check``: rank 0 prints the resolved configs or that all checks pass, and the
@@ -557,7 +560,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     dp = layout.data_parallel_size(world_size, sp, tp)  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
-        resume_ckpt, resume_problem = ckpt_utils.resolve_resume(resume, cfg.output_dir)
+        resume_ckpt, resume_problem, notes = ckpt_utils.resolve_resume(resume, cfg.output_dir)
         old = ckpt_utils.saved_config(resume_ckpt) if resume_ckpt else None
         if old is not None and not number_problems:  # before the DeepSpeed config: it has the accumulation
             first_file = resume_ckpt.parent.parent / ckpt_utils.CONFIG_FILE  # the run's first launch's config
@@ -610,7 +613,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     if problems:
         raise ConfigError(problems)
     remember_checked(marks)
-    return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal)
+    return Resolved(ds=ds, resume_ckpt=resume_ckpt, resume_notes=notes, universal=universal,
+                    resume_fallback=ckpt_utils.falls_back(resume))
 
 
 def _old_dp(old: dict, ckpt: Path, default_world: int) -> int:

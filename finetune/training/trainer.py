@@ -40,7 +40,10 @@ so) is skipped: ZeRO 1-3 skip it themselves (DeepSpeed's check of the global nor
 needs ``check_grad_overflow``, kept on in ``engine.build_engine``); at stage 0 the loop checks the all-reduced
 gradient norm before ``engine.step`` and makes that step a no-op. Either way ``engine.was_step_applied()`` says so, alike on every rank.
 Skipped steps are counted (``train/bad_steps``); ``train.max_bad_steps`` in a row raise
-:class:`TrainingDiverged`. The position in the epoch is counted in rows of the global order
+:class:`TrainingDiverged`. A finite gradient can still make the weights non-finite (a NaN learning rate, an
+optimizer setting that divides by zero): every save checks the weights first and a final evaluation whose loss is
+not finite stops the run before its last save (:func:`require_finite`), both with :class:`TrainingDiverged`, so no
+complete checkpoint and no export ever holds NaN. The position in the epoch is counted in rows of the global order
 (``TrainState.samples_in_epoch``), so a resume with another micro-batch split continues at the next row.
 
 Logging every ``train.log_every`` steps: train loss (mean over the logged steps of the global-batch loss),
@@ -220,6 +223,8 @@ class Evaluations:
     def __init__(self, engine, eval_dl, recipe, cfg: RunConfig, sink: MetricsSink, saver: "Saver", generation=None):
         self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, self.saver = engine, eval_dl, recipe, cfg, sink, saver
         self.es, self.kb, self.generation = cfg.train.early_stopping, cfg.train.keep_best, generation
+        self.last: dict[str, float] = {}
+        """The latest evaluation's metrics (``eval/loss``, ...)."""
 
     def _metric(self, metrics: dict, key: str, name: str) -> float:
         if name not in metrics:
@@ -236,10 +241,20 @@ class Evaluations:
         """
         metrics = _eval_and_log(self.engine, self.eval_dl, self.recipe, self.cfg, self.sink, state.step, what,
                                 self.generation)
+        self.last = metrics
         save, stop = self.decide(state, metrics, during_training)
         if save or stop:
             self.saver.save(state, unless_saved=True)
         return stop
+
+    def final(self, state: TrainState) -> None:
+        """The evaluation at the end of training; a loss that is not finite ends the run before its last save.
+
+        Raises:
+            TrainingDiverged: ``eval/loss`` is not finite (:func:`require_finite`).
+        """
+        self.run(state, "final eval at step", during_training=False)
+        require_finite(self.last, state, self.saver.run_dir)
 
     def decide(self, state: TrainState, metrics: dict, during_training: bool = True) -> tuple[bool, bool]:
         """Update ``state``'s best values and patience from one evaluation's ``metrics``; returns ``(save, stop)``:
@@ -455,6 +470,23 @@ class Guard:
         return False
 
 
+def require_finite(metrics: dict[str, float], state: TrainState, run_dir: Path) -> None:
+    """Stop a run whose final evaluation is not finite before it saves or exports anything: its last step would be
+    saved as complete and exported though the model computes NaN. ``eval/loss`` decides (the recipes' other metrics
+    may be NaN when they had nothing to measure); the metrics are all-reduced, so every rank raises alike.
+
+    Raises:
+        TrainingDiverged: ``eval/loss`` is NaN or infinite (the message names the last complete checkpoint).
+    """
+    loss = metrics.get("eval/loss")
+    if loss is None or math.isfinite(loss):
+        return
+    last = ckpt_utils.complete_checkpoints(ckpt_utils.checkpoints_dir(run_dir))
+    raise TrainingDiverged(f"training diverged: the final evaluation at step {state.step} is not finite (eval/loss "
+                           f"{loss}); nothing was saved or exported from this state; last complete checkpoint: "
+                           f"{last[-1] if last else 'none'}; lower train.lr or check the data")
+
+
 class LogWindow:
     """Running sums since the last train log line (loss of each applied step, applied steps, the recipe's train
     metrics; tokens, positions and rows in the meter), written as one row of scalars every ``train.log_every`` steps
@@ -600,7 +632,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     Returns: the final :class:`TrainState`.
 
     Raises:
-        TrainingDiverged: ``train.max_bad_steps`` consecutive steps had a non-finite loss or gradient norm (:class:`Guard`).
+        TrainingDiverged: non-finite steps in a row (:class:`Guard`), weights at a save, or the final evaluation.
     """
     if _stopped_early(cfg, state):  # a launch after the stop (a requeue, a resume): the export follows
         return state
@@ -650,6 +682,6 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     _log_epoch_padding(meter, state.epoch, " (up to the last step)", lay.replicas)
     _log_trained_shares(train_dl.sampler, state, step_rows, lay.dp)
-    evals.run(state, "final eval at step", during_training=False)
+    evals.final(state)
     saver.save(state, unless_saved=True)
     return state
