@@ -409,17 +409,18 @@ def test_tokenization_workers_do_not_inherit_the_stop_handler(capfd):
     """The forked tokenization pool, started while a rank's stop handler is active and ended as ``Pool`` ends its
     workers (``SIGTERM``): no worker raises ``StopRequested`` (what a successful run printed as ``Process
     ForkPoolWorker-2 ... StopRequested: stopped by SIGTERM before training started``)."""
-    import multiprocessing
-
     from finetune.data import tokenization
     from finetune.lifecycle.preemption import StopSignal
 
-    with StopSignal():
-        with multiprocessing.get_context("fork").Pool(2, tokenization._pool_start) as pool:
-            assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
-        time.sleep(0.5)  # the workers' stderr, if any
+    for _ in range(3):  # a worker ended before its initializer ran must not raise it either
+        with StopSignal():
+            with tokenization.fork_pool(2) as pool:
+                assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+            with tokenization.fork_pool(2):
+                pass  # ended at once: SIGTERM may reach a worker still starting
+            time.sleep(0.5)  # the workers' stderr, if any
     err = capfd.readouterr().err
-    assert "StopRequested" not in err and "Traceback" not in err, err
+    assert "StopRequested" not in err and "ForkPoolWorker" not in err, err  # other tests' log noise may share fd 2
 
 
 def test_init_timeout_covers_deepspeed_groups_and_shm_buffer_is_unlinked(tmp_path):

@@ -155,6 +155,7 @@ def _run_shard(job: ShardJob, i: int, folder: Path) -> dict:
 
 
 _POOL_STATE: tuple[ShardJob, Path] | None = None
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
 
 
 def _pool_start() -> None:
@@ -166,6 +167,7 @@ def _pool_start() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked by run_shards around the fork
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux/glibc: the process ends when it asks the pool for work
@@ -188,12 +190,24 @@ def run_shards(job: ShardJob, shards: list[int], folder: Path, num_proc: int) ->
         return dict(total)
     _POOL_STATE = (job, folder)
     try:
-        with multiprocessing.get_context("fork").Pool(min(num_proc, len(shards)), _pool_start) as pool:
+        with fork_pool(min(num_proc, len(shards))) as pool:
             for counts in pool.imap_unordered(_pool_shard, shards):
                 total.update(counts)
     finally:
         _POOL_STATE = None
     return dict(total)
+
+
+def fork_pool(processes: int):
+    """A ``fork`` pool of ``processes`` workers started by :func:`_pool_start`. The stop signals are blocked while
+    the workers are forked, so a worker that gets one before its initializer has reset the rank's handlers keeps it
+    pending and then ends by the default action (no ``StopRequested`` traceback from a worker); the rank gets any
+    that arrived meanwhile once they are unblocked."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return multiprocessing.get_context("fork").Pool(processes, _pool_start)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def new_partial(parent: Path, entry: str) -> Path:
