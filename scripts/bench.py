@@ -172,6 +172,16 @@ REALISTIC_TINY = ("{num_hidden_layers: 1, hidden_size: 64, intermediate_size: 12
                   "num_key_value_heads: 2, head_dim: 16, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
                   "eos_token_id: 0}")
 
+LLAMA_1B = ("{hidden_size: 2048, intermediate_size: 8192, num_hidden_layers: 16, num_attention_heads: 32, "
+            "num_key_value_heads: 8, head_dim: 64, vocab_size: 128256, tie_word_embeddings: true, "
+            "rope_theta: 500000.0, rms_norm_eps: 1.0e-5, max_position_embeddings: 1048576}")
+"""Llama-3.2-1B's shape (its ``config.json``; 1.24 B parameters, the embedding tied to the head) as run-config
+overrides of ``data/models/tiny-llama``: random weights, no download (the ``llama1b`` preset, scripts/gpu_check.py)."""
+LLAMA_TINY = ("{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4, "
+              "num_key_value_heads: 2, head_dim: 16, vocab_size: 50257, tie_word_embeddings: true, "
+              "max_position_embeddings: 4096}")
+"""The dry runs' stand-in for :data:`LLAMA_1B` (the GPT-2 tokenizer's ids fit its vocabulary)."""
+
 PRESETS: dict[str, dict] = {
     # The issue's set-up: BERT 4 layers, hidden 256, WikiText-2 rows of up to 256 tokens, micro batch 8, ZeRO-2.
     "bert_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml",
@@ -286,6 +296,16 @@ PRESETS: dict[str, dict] = {
                         "contenders": ["finetune", "bare", "hf"],
                         "tiny": ["model.config_overrides={n_layer: 1, n_embd: 64, n_inner: 128, n_head: 2}",
                                  "data.max_seq_len=64", "train.micro_batch_size=4"]},
+    # scripts/gpu_check.sh's throughput and MFU (--gpu --nproc 1): a Llama-3.2-1B shape from config (random weights;
+    # scripts/gpu_check.py LLAMA_1B), bf16, WikiText-2 packed into 4,096-token rows, 2 rows x 2 accumulated per step,
+    # ZeRO-2, the GPT-2 tokenizer (its ids fit the 128,256-token vocabulary); HF with run_clm.py's group_texts.
+    "llama1b": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml", "gpu": True,
+                "overrides": ["model.path=data/models/tiny-llama", "model.tokenizer_path=data/models/tiny-gpt2",
+                              "model.init=scratch", f"model.config_overrides={LLAMA_1B}", "data.max_seq_len=4096",
+                              "train.micro_batch_size=2", "train.gradient_accumulation_steps=2",
+                              "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-4"],
+                "contenders": ["finetune", "hf"],
+                "tiny": [f"model.config_overrides={LLAMA_TINY}", "data.max_seq_len=128", "train.micro_batch_size=2"]},
     # The longest packed sequence that trains within a per-rank memory budget (its own flow: long_context()). A
     # Llama architecture from config (GQA: 4 query / 2 key-value heads), GPT-2 tokenizer, WikiText-2 test articles
     # packed into blocks of the length tried, ZeRO-3, micro batch 1, one validation batch at the end (finetune).

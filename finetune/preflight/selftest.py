@@ -18,6 +18,10 @@ laptop and on a GPU node. Checks (``CHECKS``):
   attention flattens it, through ``flash_attention_2`` against its examples one by one (loss and gradients, bf16;
   CUDA and flash-attn; the same check runs on CPU in the tests through a PyTorch kernel with flash-attn's
   variable-length contract).
+* ``sdpa_packing``: the same 4 packed rows, not flattened, through PyTorch's SDPA (the default
+  ``attn_implementation``) with transformers' block-diagonal mask, forced onto the kernel SDPA picks for a masked
+  call (memory-efficient on CUDA GPUs, math on CPUs), against the examples one by one through SDPA's flash kernel:
+  loss and gradients (bf16 on GPUs, fp32 on CPUs).
 * ``zero2_step``, ``zero3_step``: three optimizer steps of a DeepSpeed engine (ZeRO 2 / 3, fp32, AdamW, the global
   batch split over the ranks) against plain PyTorch AdamW on the whole batch in one process: the per-step losses.
 * ``fp16_step``: three DeepSpeed steps in fp16 with dynamic loss scaling against the fp32 engine's losses (GPUs:
@@ -297,6 +301,46 @@ def check_flash_packing() -> Check:
                                                "gradients")
 
 
+SDPA_BACKENDS = {"cuda": ("EFFICIENT_ATTENTION", "FLASH_ATTENTION"), "cpu": ("MATH", "FLASH_ATTENTION")}
+"""Per device type, ``(the backend the packed rows run through, the backend the examples alone run through)`` in
+:func:`check_sdpa_packing`: PyTorch's SDPA dispatches a call with an explicit mask (the packed rows' block-diagonal
+causal mask) to the memory-efficient kernel on CUDA GPUs (the flash kernel takes no mask) and to the math kernel on
+CPUs; a causal call without a mask (one example alone) to the flash kernel on both."""
+
+
+def check_sdpa_packing() -> Check:
+    """The packing contract through PyTorch's SDPA kernels (``model.attn_implementation: sdpa``, the default): a
+    micro-batch of 4 packed rows as ``sft`` packs them (``position_ids`` restarting per example, no attention
+    mask; transformers builds the block-diagonal causal mask from them) through the kernel SDPA picks for a masked
+    call (memory-efficient on CUDA GPUs, math on CPUs: :data:`SDPA_BACKENDS`), against its examples one by one
+    through the flash kernel (causal, no mask), each kernel forced with ``torch.nn.attention.sdpa_kernel``: loss and
+    gradients, bf16 on GPUs (tolerance 2e-2), fp32 on CPUs (1e-4). A packed row that attended across its examples
+    would be off by far more."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from finetune.recipes import gpt_clm
+
+    dev = _device()
+    packed_backend, alone_backend = (getattr(SDPBackend, b) for b in SDPA_BACKENDS[dev.type if dev.type == "cuda"
+                                                                                    else "cpu"])
+    dtype, tol = (torch.bfloat16, 2e-2) if dev.type == "cuda" else (torch.float32, 1e-4)
+    batch, examples = packed_batch()
+    model, reference = tiny_llama("sdpa").to(dev, dtype), tiny_llama("sdpa").to(dev, dtype)
+    model.config.use_cache = False  # as sft sets it for packed rows: with a cache transformers builds no packed mask
+    with sdpa_kernel([packed_backend]):
+        loss = gpt_clm.forward(model, {k: v.to(dev) for k, v in batch.items()}).loss_sum
+        loss.backward()
+    with sdpa_kernel([alone_backend]):
+        want = sum(gpt_clm.forward(reference, {"input_ids": ids.to(dev), "labels": lab.to(dev)}).loss_sum
+                   for ids, lab in examples)
+        want.backward()
+    grads = max(scaled_diff(p.grad.float(), q.grad.float()) for p, q in zip(model.parameters(), reference.parameters()))
+    diff = max(rel_diff(loss.detach().float(), want.detach().float()), grads)
+    return _judge("sdpa_packing", diff, tol, f"4 packed rows through sdpa's {packed_backend.name.lower()} kernel vs the "
+                                             f"examples alone through its {alone_backend.name.lower()} kernel, "
+                                             f"{str(dtype).removeprefix('torch.')}: loss and gradients")
+
+
 def _plain_losses(steps: int, lr: float, model=None, ids: torch.Tensor | None = None) -> list[float]:
     """Plain PyTorch: AdamW on the whole batch in one process, fp32 on the CPU (the reference); by default the tiny
     Llama on :func:`_batch`."""
@@ -556,6 +600,7 @@ CHECKS = {
     "bf16_forward": check_bf16,
     "flash_attention": check_flash_attention,
     "flash_packing": check_flash_packing,
+    "sdpa_packing": check_sdpa_packing,
     "zero2_step": lambda: check_zero_step(2),
     "zero3_step": lambda: check_zero_step(3),
     "fp16_step": check_fp16_step,
