@@ -29,8 +29,8 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     assert report["world_size"] == 2
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(selftest.CHECKS)
-    for name in ("collectives", "chunked_head", "bf16_forward", "zero2_step", "zero3_step", "sequence_parallel",
-                 "expert_parallel"):
+    for name in ("collectives", "chunked_head", "bf16_forward", "sdpa_packing", "zero2_step", "zero3_step",
+                 "sequence_parallel", "expert_parallel"):
         assert rows[name]["status"] == "pass", rows[name]
         assert rows[name]["measured"] <= rows[name]["tolerance"]
     assert "gloo, 2 rank(s)" in rows["collectives"]["detail"]
@@ -46,7 +46,8 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     assert sp["tolerance"] <= 1e-4
     # DeepSpeed AutoEP over both ranks (2 experts each) against transformers' MoE in one process
     assert "EP = 2 (2 MoE layers replaced, 4 experts" in rows["expert_parallel"]["detail"], rows["expert_parallel"]
-    assert "7 passed, 0 failed, 5 skipped" in proc.stdout
+    assert "sdpa's math kernel vs the examples alone through its flash_attention kernel" in rows["sdpa_packing"]["detail"]
+    assert "8 passed, 0 failed, 5 skipped" in proc.stdout
     assert proc.stdout.count("check              status") == 1  # rank 0 prints the table
 
 
