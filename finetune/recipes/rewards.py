@@ -177,12 +177,17 @@ class RewardModel:
         return out
 
 
-def _load_user(spec: str, key: str) -> Callable:
-    """The function ``file.py:name`` names. Raises ConfigError (one line, naming ``key``)."""
+def import_function(spec: str, key: str, what: str) -> Callable:
+    """The function ``path/to/file.py:name`` names, its file imported once per process (also used for
+    ``train.grpo.tools``). ``what`` ends the error for a ``spec`` that is no ``file:name`` ("'x' is <what>").
+
+    Raises:
+        ConfigError: one line naming ``key``: ``spec`` is no ``file:name``, the file is missing or fails to import,
+            or it has no callable ``name``.
+    """
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise ConfigError(f"{key}: '{spec}' is neither a built-in ({', '.join(BUILTINS)}), a reward model folder "
-                          f"(with a config.json) nor path/to/file.py:function")
+        raise ConfigError(f"{key}: '{spec}' is {what}")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"{key}: '{path}' is no file (relative paths are from the working directory {Path.cwd()})")
@@ -199,6 +204,14 @@ def _load_user(spec: str, key: str) -> Callable:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"{key}: '{path}' has no function '{name}'")
+    return fn
+
+
+def _load_user(spec: str, key: str) -> Callable:
+    """The reward function ``file.py:name`` names. Raises ConfigError (one line, naming ``key``)."""
+    fn = import_function(spec, key, f"neither a built-in ({', '.join(BUILTINS)}), a reward model folder (with a "
+                                    f"config.json) nor path/to/file.py:function")
+    name = spec.rpartition(":")[2]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError) as e:

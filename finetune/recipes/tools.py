@@ -1,0 +1,213 @@
+"""Tool calling for multi-turn ``grpo`` (``train.grpo.tools``): loading the tools, their schemas, finding a
+completion's tool calls, running them, and the tokens of their results.
+
+A tool is a Python function with type hints and a Google-style docstring, named ``path/to/file.py:function``
+(TRL 1.16's ``GRPOTrainer(tools=[...])``; transformers' "passing tools"): its JSON schema comes from transformers'
+:func:`~transformers.utils.get_json_schema`, and the tokenizer's chat template renders the schemas into the prompt
+(``apply_chat_template(messages, tools=schemas)``). When a completion calls tools, each call is parsed
+(:func:`parse_tool_calls`: the tokenizer's own response parser where it declares a ``response_schema``, else the
+Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` form), run (:func:`call_tool`), and its
+result is appended to the sampled tokens as the template renders a ``tool`` message (:func:`tool_suffix_ids`); the
+model then continues. Token in, token out: the sampled tokens are never re-tokenized from text.
+
+A tool that raises, runs past ``train.grpo.tool_timeout_s``, is unknown, or gets arguments that are not a JSON
+object returns ``{"error": ...}`` to the model (as TRL does) and is counted (``tools/failure_frequency``); a
+result that is not a string is sent as JSON (``str`` when it is not serializable) and counted as ``non_text``.
+No tool call ever stops a rank. A tool that hangs keeps its thread (Python cannot stop one); the rollout goes on
+without it.
+
+The user's file is imported when the run starts and by ``--check``: the run config names it, so running it is what
+the user asked for (as for reward functions, :mod:`finetune.recipes.rewards`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from finetune.errors import ConfigError
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+"""The Hermes / Qwen2.5 / Qwen3 tool-call block: a JSON object ``{"name": ..., "arguments": {...}}``."""
+
+
+@dataclass
+class Tool:
+    """A loaded tool: its name (the function's), the function, and its JSON schema (transformers'
+    ``get_json_schema``: ``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
+
+    name: str
+    function: Callable
+    schema: dict
+
+
+@dataclass
+class ToolStats:
+    """Per rollout batch: tool calls made, failed (raised, timed out, unknown tool, malformed arguments), and
+    results that were not text; calls per tool name."""
+
+    calls: int = 0
+    failures: int = 0
+    non_text: int = 0
+    per_tool: dict[str, int] = field(default_factory=dict)
+
+
+def load_tools(specs: list[str], key: str = "train.grpo.tools") -> list[Tool]:
+    """The functions ``specs`` name (``path/to/file.py:function`` each), with their schemas.
+
+    Raises:
+        ConfigError: one line naming ``key``: a file that is missing or does not import, a missing function, two
+            tools of one name, or a function whose schema cannot be built (a parameter without a type hint, no
+            docstring, an argument the docstring does not describe).
+    """
+    from transformers.utils import get_json_schema
+
+    from finetune.recipes.rewards import import_function
+
+    tools: list[Tool] = []
+    for spec in specs:
+        fn = import_function(spec, key, "not path/to/file.py:function (a tool)")
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # noqa: BLE001  (transformers' TypeHintParsingException, DocstringParsingException)
+            raise ConfigError(f"{key}: '{spec}' cannot be offered as a tool: {str(e).splitlines()[0]} (a tool needs "
+                              f"a type hint on every parameter and a Google-style docstring with an Args: line for "
+                              f"each)") from e
+        name = schema["function"]["name"]
+        if any(t.name == name for t in tools):
+            raise ConfigError(f"{key}: two tools are named '{name}'; rename one function")
+        tools.append(Tool(name, fn, schema))
+    return tools
+
+
+def template_problem(tokenizer, tools: list[Tool]) -> str | None:
+    """Why the tokenizer's chat template cannot offer ``tools`` (None when it can): it must render their schemas
+    (each tool's name appears in the rendered prompt), an assistant turn with a tool call and a ``tool`` message."""
+    if not tools:
+        return None
+    if not getattr(tokenizer, "chat_template", None):
+        return ("the tokenizer has no chat template; set data.chat_template (e.g. "
+                "data/chat_templates/chatml_tools.jinja)")
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tools=[t.schema for t in tools], tokenize=False,
+                                                 add_generation_prompt=True)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": tools[0].name, "content": "1"}])
+    except Exception as e:  # noqa: BLE001  (a Jinja error of the user's template)
+        return f"the chat template cannot render tools, tool calls or tool results ({type(e).__name__}: {e})"
+    missing = [t.name for t in tools if t.name not in rendered]
+    if missing:
+        return (f"the chat template does not render the tools' schemas (no '{missing[0]}' in the prompt); use a "
+                f"template with tools, e.g. data/chat_templates/chatml_tools.jinja")
+    return None
+
+
+def parse_tool_calls(text: str, tokenizer=None) -> list[dict]:
+    """The tool calls of one assistant turn, in order: ``{"name": str | None, "arguments": dict | None, "error":
+    str | None}`` each (``error`` when the call could not be read). Uses the tokenizer's response parser when it
+    declares a ``response_schema`` (transformers' chat-template tool-call parsing), else the Hermes ``<tool_call>``
+    blocks (:data:`TOOL_CALL`); an empty list when the turn calls nothing."""
+    if tokenizer is not None and getattr(tokenizer, "response_schema", None):
+        try:
+            parsed = tokenizer.parse_response(text)
+        except Exception as e:  # noqa: BLE001  (a malformed call: the model is told)
+            return [{"name": None, "arguments": None, "error": f"the tool call could not be parsed ({e})"}]
+        calls = []
+        for call in parsed.get("tool_calls") or []:
+            f = call.get("function", call)
+            calls.append(_call(f.get("name"), f.get("arguments")))
+        return calls
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(block)
+        except json.JSONDecodeError as e:
+            calls.append({"name": None, "arguments": None, "error": f"the tool call is not JSON ({e.msg})"})
+            continue
+        if not isinstance(obj, dict):
+            calls.append({"name": None, "arguments": None, "error": "the tool call is not a JSON object"})
+            continue
+        calls.append(_call(obj.get("name"), obj.get("arguments", {})))
+    return calls
+
+
+def _call(name, arguments) -> dict:
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(name, str):
+        return {"name": None, "arguments": None, "error": "the tool call names no tool"}
+    if not isinstance(arguments, dict):
+        return {"name": name, "arguments": None, "error": "the tool call's arguments are not a JSON object"}
+    return {"name": name, "arguments": arguments, "error": None}
+
+
+def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: ToolStats) -> str:
+    """Run one parsed call and return what the model reads: the result as text, or ``{"error": ...}`` (JSON) for a
+    call that failed. Counts it in ``stats``. Never raises."""
+    stats.calls += 1
+    name = call.get("name")
+    stats.per_tool[name or "<unparsed>"] = stats.per_tool.get(name or "<unparsed>", 0) + 1
+    if call.get("error"):
+        return _failed(stats, call["error"])
+    if name not in tools:
+        return _failed(stats, f"unknown tool '{name}'; the tools are: {', '.join(sorted(tools))}")
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = tools[name](**call["arguments"])
+        except BaseException as e:  # noqa: BLE001  (any failure of the user's tool is the model's to read)
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    worker = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        return _failed(stats, f"the tool '{name}' did not return within {timeout_s:g} s")
+    if "error" in box:
+        return _failed(stats, box["error"])
+    value = box.get("value")
+    if isinstance(value, str):
+        return value
+    stats.non_text += 1
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _failed(stats: ToolStats, why: str) -> str:
+    stats.failures += 1
+    return json.dumps({"error": why})
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None) -> list[int]:
+    """The token ids the chat template puts after an assistant turn that called tools: the ``tool`` messages
+    (``{"role": "tool", "name", "content"}``), then the next assistant turn's generation prompt (TRL 1.16's
+    ``_get_tool_suffix_ids``): the rendering of a dummy conversation with them, less its rendering without them,
+    cut after the assistant turn's EOS.
+
+    Raises:
+        ValueError: the template does not render the shorter conversation as a prefix of the longer one.
+    """
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}]}]
+    kwargs = {"chat_template": chat_template} if chat_template else {}
+    prefix = tokenizer.apply_chat_template(dummy, tokenize=True, add_generation_prompt=False, return_dict=False,
+                                           **kwargs)
+    full = tokenizer.apply_chat_template(dummy + tool_messages, tokenize=True, add_generation_prompt=True,
+                                         return_dict=False, **kwargs)
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:  # templates that write "<EOS>\n" after a turn: the sampled turn ends at its EOS
+        prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ValueError("the chat template does not render a conversation's first turns as a prefix of the whole "
+                         "(tool results cannot be appended to the sampled tokens)")
+    return full[len(prefix):]

@@ -1,0 +1,142 @@
+"""Tools for multi-turn ``grpo`` (:mod:`finetune.recipes.tools`): loading and their refusals, the template check,
+parsing tool calls, running them (failures are the model's to read, never a crash), and the tokens of a result."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.errors import ConfigError
+from finetune.recipes import tools as T
+
+REPO = Path(__file__).resolve().parent.parent
+CALCULATOR = f"{REPO}/data/tools/calculator.py:calculate"
+TOOLS = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def sleepy(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def broken(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise ZeroDivisionError("the tool divided by zero")
+
+
+def no_hint(x):
+    """No type hint.
+
+    Args:
+        x: Anything.
+    """
+'''
+
+
+@pytest.fixture
+def tool_file(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
+    tok.chat_template = (REPO / "data/chat_templates/chatml_tools.jinja").open().read()
+    return tok
+
+
+def test_loading_and_its_refusals(tool_file, tmp_path):
+    tools = T.load_tools([f"{tool_file}:add", f"{tool_file}:sleepy", CALCULATOR])
+    assert [t.name for t in tools] == ["add", "sleepy", "calculate"]
+    assert tools[0].schema["function"]["parameters"]["required"] == ["a", "b"]
+    for spec, needle in ((f"{tool_file}:no_hint", "Argument x is missing a type hint"),
+                         (f"{tmp_path}/nowhere.py:f", "is no file"), (f"{tool_file}:missing", "has no function 'missing'"),
+                         ("add", "is not path/to/file.py:function (a tool)"),
+                         (f"{tool_file}:add,{tool_file}:add", "two tools are named 'add'")):
+        with pytest.raises(ConfigError, match="train.grpo.tools: ") as e:
+            T.load_tools(spec.split(","))
+        assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_template_must_render_tools(tool_file, tokenizer):
+    tools = T.load_tools([f"{tool_file}:add"])
+    assert T.template_problem(tokenizer, tools) is None
+    plain = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
+    assert "has no chat template" in T.template_problem(plain, tools)
+    plain.chat_template = (REPO / "data/chat_templates/chatml.jinja").open().read()  # renders no tools
+    assert "does not render the tools' schemas (no 'add'" in T.template_problem(plain, tools)
+
+
+def test_calls_are_parsed_and_every_failure_is_a_message(tool_file, tokenizer):
+    text = ('I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+            '<tool_call>{"name": "sleepy", "arguments": {"seconds": 5}}</tool_call><tool_call>{oops}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>'
+            '<tool_call>{"name": "broken", "arguments": {"x": "y"}}</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    calls = T.parse_tool_calls(text, tokenizer)
+    assert [c["name"] for c in calls] == ["add", "sleepy", None, "add", "broken", "search"]
+    assert calls[3]["arguments"] == {"a": 1}  # arguments written as a JSON string are read
+    assert T.parse_tool_calls("no call here", tokenizer) == []
+    fns = {t.name: t.function for t in T.load_tools([f"{tool_file}:add", f"{tool_file}:sleepy", f"{tool_file}:broken"])}
+    stats = T.ToolStats()
+    start = time.perf_counter()
+    results = [T.call_tool(fns, c, 0.3, stats) for c in calls]
+    assert time.perf_counter() - start < 2  # the hanging tool is left behind after its timeout
+    assert results[0] == "5"
+    errors = [json.loads(r)["error"] for r in results[1:]]
+    assert errors[0] == "the tool 'sleepy' did not return within 0.3 s"
+    assert errors[1].startswith("the tool call is not JSON")
+    assert errors[2] == "TypeError: add() missing 1 required positional argument: 'b'"
+    assert errors[3] == "ZeroDivisionError: the tool divided by zero"
+    assert errors[4] == "unknown tool 'search'; the tools are: add, broken, sleepy"
+    assert (stats.calls, stats.failures, stats.non_text) == (6, 5, 1)  # add's int result went as JSON
+    assert stats.per_tool == {"add": 2, "sleepy": 1, "<unparsed>": 1, "broken": 1, "search": 1}
+
+
+def test_a_result_is_appended_as_the_template_renders_it(tokenizer):
+    conversation = [{"role": "user", "content": "What is 2 + 3?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}]
+    turn = tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+    turn = turn[:max(i for i, t in enumerate(turn) if t == tokenizer.eos_token_id) + 1]  # sampling stops at EOS
+    suffix = T.tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
+    whole = tokenizer.apply_chat_template(conversation + [{"role": "tool", "name": "add", "content": "5"}],
+                                          tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert turn + suffix == whole  # token in, token out: the sampled tokens are kept and the result follows
+    assert tokenizer.decode(suffix) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|endoftext|>\n<|im_start|>assistant\n"
+
+
+def test_the_calculator_computes_and_runs_nothing_else():
+    from finetune.recipes.rewards import import_function
+
+    calculate = import_function(CALCULATOR, "train.grpo.tools", "")
+    assert [calculate(e) for e in ("(48 / 2) + 48", "2 ** 10", "7 / 2", "1,000 * 3")] == ["72", "1024", "3.5", "3000"]
+    for bad in ('__import__("os").system("true")', "2 ** 1000", "x + 1"):
+        with pytest.raises(ValueError):
+            calculate(bad)
