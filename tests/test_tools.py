@@ -140,3 +140,26 @@ def test_the_calculator_computes_and_runs_nothing_else():
     for bad in ('__import__("os").system("true")', "2 ** 1000", "x + 1"):
         with pytest.raises(ValueError):
             calculate(bad)
+
+
+def test_an_environment_offers_its_public_methods_and_scores_the_game(tmp_path):
+    factory = T.load_environment(f"{REPO}/data/environments/guess_number.py:GuessNumber")
+    env = factory()
+    tools = T.environment_tools(env)
+    assert [t.name for t in tools] == ["guess"] and tools[0].schema["function"]["parameters"]["required"] == ["number"]
+    env.reset(low=1, high=16, secret=11, prompt="ignored")
+    play = [env.guess(n) for n in (8, 12, 10, 11)]
+    assert play == ["8 is too low: the secret is higher.", "12 is too high: the secret is lower.",
+                    "10 is too low: the secret is higher.", "11 is correct."]
+    assert env.get_reward() == 1.0  # 4 guesses: what bisection may need for 16 numbers
+    env.reset(low=1, high=16, secret=11)
+    assert env.get_reward() == 0.0
+    bad = tmp_path / "envs.py"
+    bad.write_text("class NoReset:\n    pass\n\n\nclass Untyped:\n    def reset(self, **row):\n        pass\n\n"
+                   "    def act(self, x):\n        return x\n\n\ndef raises():\n    raise OSError('no display')\n")
+    for name, needle in (("NoReset", "NoReset has no reset(**row) method"),
+                         ("Untyped", "Untyped.act cannot be offered as a tool: Argument x is missing a type hint"),
+                         ("raises", "raises() failed: OSError: no display")):
+        with pytest.raises(ConfigError, match="train.grpo.environment: ") as e:
+            T.load_environment(f"{bad}:{name}")
+        assert needle in str(e.value), str(e.value)

@@ -83,6 +83,51 @@ def load_tools(specs: list[str], key: str = "train.grpo.tools") -> list[Tool]:
     return tools
 
 
+def environment_tools(environment, key: str = "train.grpo.environment") -> list[Tool]:
+    """The tools an environment instance offers: its public methods other than ``reset`` and ``get_reward`` (TRL
+    1.16's ``environment_factory`` contract), bound to the instance, with their schemas.
+
+    Raises:
+        ConfigError: one line naming ``key``: no callable ``reset``, or a method whose schema cannot be built.
+    """
+    from transformers.utils import get_json_schema
+
+    if not callable(getattr(environment, "reset", None)):
+        raise ConfigError(f"{key}: {type(environment).__name__} has no reset(**row) method; an environment resets "
+                          f"itself for each rollout from its row and returns None or the first observation (text)")
+    tools = []
+    for name in sorted(dir(environment)):
+        method = getattr(environment, name)
+        if name.startswith("_") or name in ("reset", "get_reward") or not callable(method):
+            continue
+        try:
+            schema = get_json_schema(method)
+        except Exception as e:  # noqa: BLE001  (transformers' schema errors)
+            raise ConfigError(f"{key}: {type(environment).__name__}.{name} cannot be offered as a tool: "
+                              f"{str(e).splitlines()[0]} (a public method is a tool: type hints and a Google-style "
+                              f"docstring, or make it private with a leading underscore)") from e
+        tools.append(Tool(name, method, schema))
+    return tools
+
+
+def load_environment(spec: str, key: str = "train.grpo.environment") -> Callable:
+    """The environment factory ``path/to/file.py:Factory`` names (a class or a function returning an instance),
+    checked on one instance (:func:`environment_tools`).
+
+    Raises:
+        ConfigError: one line naming ``key`` (as :func:`load_tools`, or an instance that cannot be made).
+    """
+    from finetune.recipes.rewards import import_function
+
+    factory = import_function(spec, key, "not path/to/file.py:Factory (an environment)")
+    try:
+        probe = factory()
+    except Exception as e:  # noqa: BLE001  (the user's code)
+        raise ConfigError(f"{key}: {spec}() failed: {type(e).__name__}: {e}") from e
+    environment_tools(probe, key)
+    return factory
+
+
 def template_problem(tokenizer, tools: list[Tool]) -> str | None:
     """Why the tokenizer's chat template cannot offer ``tools`` (None when it can): it must render their schemas
     (each tool's name appears in the rendered prompt), an assistant turn with a tool call and a ``tool`` message."""
