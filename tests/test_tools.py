@@ -158,7 +158,7 @@ def test_an_environment_offers_its_public_methods_and_scores_the_game(tmp_path):
     bad.write_text("class NoReset:\n    pass\n\n\nclass Untyped:\n    def reset(self, **row):\n        pass\n\n"
                    "    def act(self, x):\n        return x\n\n\ndef raises():\n    raise OSError('no display')\n")
     for name, needle in (("NoReset", "NoReset has no reset(**row) method"),
-                         ("Untyped", "Untyped.act cannot be offered as a tool: Argument x is missing a type hint"),
+                         ("Untyped", "Untyped.act cannot be offered as a tool: Cannot generate JSON schema for act because it has no docstring"),
                          ("raises", "raises() failed: OSError: no display")):
         with pytest.raises(ConfigError, match="train.grpo.environment: ") as e:
             T.load_environment(f"{bad}:{name}")
