@@ -163,3 +163,34 @@ def test_an_environment_offers_its_public_methods_and_scores_the_game(tmp_path):
         with pytest.raises(ConfigError, match="train.grpo.environment: ") as e:
             T.load_environment(f"{bad}:{name}")
         assert needle in str(e.value), str(e.value)
+
+
+def test_tool_turns_append_results_unmasked_never_and_continue_together(tool_file, tokenizer):
+    """A scripted model: rollout 0 calls add then answers; 1 answers at once; 2 calls add at every turn (stopped by
+    max_iterations); 3 would overflow max_completion_length with its result. The model's tokens are kept as
+    sampled, the results' tokens are the template's and masked, and every continuation runs in one batch per turn."""
+    eos = tokenizer.eos_token_id
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = enc('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>') + [eos]
+    prompts = [enc("<|im_start|>user\nq<|endoftext|>\n<|im_start|>assistant\n")] * 4
+    first = [call, enc("It is 5.") + [eos], call, call]
+    batches = []
+
+    def generate_fn(inputs, max_new_tokens):
+        batches.append(len(inputs))
+        return [enc("It is 5.") + [eos] if len(batches) == 1 and k == 0 else call for k in range(len(inputs))]
+
+    fns = {t.name: t.function for t in T.load_tools([f"{tool_file}:add"])}
+    stats = T.ToolStats()
+    limit = len(call) + 40  # room for one result (27 tokens) and a short reply
+    out = T.tool_turns(prompts, first, generate_fn, tokenizer, [fns] * 3 + [fns], 200, 2, 1.0, stats)
+    suffix = T.tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
+    assert out[0].ids == call + suffix + enc("It is 5.") + [eos]
+    assert out[0].mask == [1] * len(call) + [0] * len(suffix) + [1] * (len(enc("It is 5.")) + 1)
+    assert [m["role"] for m in out[0].turns] == ["assistant", "tool", "assistant"] and out[0].turns[1]["content"] == "5"
+    assert out[1].ids == first[1] and out[1].mask == [1] * len(first[1]) and len(out[1].turns) == 1
+    assert out[2].ids == (call + suffix) * 2 + call  # two tool turns, then the third call is left unanswered
+    assert batches == [3, 2]  # rollouts 0, 2, 3 continue together, then 2 and 3
+    assert (stats.calls, stats.failures) == (5, 0)
+    short = T.tool_turns(prompts[:1], [call], generate_fn, tokenizer, [fns], limit - 15, 2, 1.0, T.ToolStats())
+    assert short[0].ids == call and short[0].mask == [1] * len(call)  # no room for the result: it ends there

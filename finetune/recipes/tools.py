@@ -256,3 +256,79 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
         raise ValueError("the chat template does not render a conversation's first turns as a prefix of the whole "
                          "(tool results cannot be appended to the sampled tokens)")
     return full[len(prefix):]
+
+
+@dataclass
+class Trajectory:
+    """One rollout's tokens after its tool turns: ``ids`` (every completion token: the model's own, as sampled,
+    and the tool results' and template's between its turns), ``mask`` (1 on the model's tokens, 0 on the others:
+    no loss, no KL, not counted) and ``turns`` (the transcript: ``{"role": "assistant", "content"}`` with the
+    turn's ``tool_calls``, and ``{"role": "tool", "name", "content"}``)."""
+
+    ids: list[int]
+    mask: list[int]
+    turns: list[dict]
+
+
+def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_fn, tokenizer,
+               tools: list[dict[str, Callable]], max_completion_length: int, max_iterations: int,
+               timeout_s: float, stats: ToolStats) -> list[Trajectory]:
+    """Run the tool calls of each completion and let the model continue, turn by turn, every rollout of the batch
+    together (the rollouts that call no tool drop out), up to ``max_iterations`` tool turns per rollout (TRL 1.16's
+    ``_tool_call_loop``, token in, token out).
+
+    A turn calls tools when it ends with the tokenizer's EOS and :func:`parse_tool_calls` finds calls in it. Its
+    calls run (:func:`call_tool`); their results' tokens (:func:`tool_suffix_ids`) are appended to the sampled
+    tokens, and ``generate_fn`` continues every such rollout in one batch. A rollout whose results would take it past
+    ``max_completion_length`` tokens stops before them (as TRL); a continuation is cut to what is left.
+
+    Args:
+        prompts: each rollout's prompt token ids (no padding).
+        completions: each rollout's first turn, as sampled, up to and including its EOS (no padding).
+        generate_fn: ``(inputs: list[list[int]], max_new_tokens: int) -> list[list[int]]``, the new tokens of each
+            input (up to and including an EOS), sampled as the first turn was.
+        tokenizer: the run's tokenizer (its chat template renders the tool results).
+        tools: per rollout, tool name -> function (an environment's methods are bound to the rollout's instance).
+        max_completion_length: tokens a rollout's completion may hold in all (tool results included).
+        max_iterations: tool turns per rollout at most (``train.grpo.max_tool_calling_iterations``).
+        timeout_s: seconds a tool call may take (``train.grpo.tool_timeout_s``).
+        stats: counts of the calls (:class:`ToolStats`), added to.
+
+    Returns:
+        One :class:`Trajectory` per rollout, in order.
+    """
+    eos = tokenizer.eos_token_id
+
+    def turn(ids: list[int]) -> dict:
+        text = tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
+        calls = parse_tool_calls(text, tokenizer) if ids and ids[-1] == eos else []
+        return {"role": "assistant", "content": text, "tool_calls": calls}
+
+    out = [Trajectory(list(c), [1] * len(c), [turn(list(c))]) for c in completions]
+    active = [i for i, t in enumerate(out) if t.turns[-1]["tool_calls"]]
+    for _ in range(max_iterations):
+        inputs, budgets, rows = [], [], []
+        for i in active:
+            results = [{"role": "tool", "name": call.get("name") or "unknown",
+                        "content": call_tool(tools[i], call, timeout_s, stats)} for call in out[i].turns[-1]["tool_calls"]]
+            suffix = tool_suffix_ids(tokenizer, results)
+            if len(out[i].ids) + len(suffix) >= max_completion_length:
+                continue  # no room for the results and a reply: the rollout ends with its calls
+            out[i].ids += suffix
+            out[i].mask += [0] * len(suffix)
+            out[i].turns += results
+            inputs.append(prompts[i] + out[i].ids)
+            budgets.append(max_completion_length - len(out[i].ids))
+            rows.append(i)
+        if not rows:
+            break
+        new = generate_fn(inputs, max(budgets))
+        active = []
+        for i, ids, budget in zip(rows, new, budgets):
+            ids = list(ids)[:budget]
+            out[i].ids += ids
+            out[i].mask += [1] * len(ids)
+            out[i].turns.append(turn(ids))
+            if out[i].turns[-1]["tool_calls"]:
+                active.append(i)
+    return out
