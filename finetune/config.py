@@ -241,6 +241,14 @@ class GrpoConfig:
     """What generates the completions, behind DeepSpeed's rollout interface (``deepspeed.runtime.rollout``): ``hf_generate`` (transformers' ``generate`` on the engine's module; every device, ZeRO stage and LoRA) or ``hybrid_engine`` (DeepSpeed's ``HybridEngineRollout`` on its hybrid engine: DeepSpeed's inference kernels for the generation, CUDA GPUs only, ZeRO 0-2, no LoRA, GPT-2 / GPT-Neo / GPT-NeoX / GPT-J / BLOOM / OPT / Llama models; ``finetune selftest`` checks it on a GPU node)."""
     log_completions: int = 4
     """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage); 0: none."""
+    tools: list = field(default_factory=list)
+    """Tools the model may call, ``path/to/file.py:function`` each (TRL's ``tools``): Python functions with type hints and a Google-style docstring, offered through the chat template (``apply_chat_template(tools=...)``; prompts must be conversations). A completion that calls them gets their results and continues (multi-turn; :mod:`finetune.recipes.tools`); the results' tokens are never trained. Example: ``[data/tools/calculator.py:calculate]``."""
+    environment: str = ""
+    """An environment class or factory, ``path/to/file.py:Factory`` (TRL's ``environment_factory``): one instance per rollout, ``reset(**row)`` with the row's ``data.reward_columns``, its public methods offered as tools, and its ``get_reward()`` (when it has one) a reward of weight 1 named after the class. Example: ``data/environments/guess_number.py:GuessNumber``."""
+    max_tool_calling_iterations: int = 4
+    """Tool turns per rollout at most (TRL's ``max_tool_calling_iterations``); the completion's tokens, tool results included, stay within ``max_completion_length``."""
+    tool_timeout_s: float = 10.0
+    """Seconds a tool call may run; past it the model reads a timeout error (counted in ``tools/failure_frequency``) and the rollout goes on."""
 
 
 @dataclass

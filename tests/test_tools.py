@@ -181,9 +181,9 @@ def test_tool_turns_append_results_unmasked_never_and_continue_together(tool_fil
         return [enc("It is 5.") + [eos] if len(batches) == 1 and k == 0 else call for k in range(len(inputs))]
 
     fns = {t.name: t.function for t in T.load_tools([f"{tool_file}:add"])}
-    stats = T.ToolStats()
+    stats = [T.ToolStats() for _ in range(4)]
     limit = len(call) + 40  # room for one result (27 tokens) and a short reply
-    out = T.tool_turns(prompts, first, generate_fn, tokenizer, [fns] * 3 + [fns], 200, 2, 1.0, stats)
+    out = T.tool_turns(prompts, first, generate_fn, tokenizer, [fns] * 4, 200, 2, 1.0, stats)
     suffix = T.tool_suffix_ids(tokenizer, [{"role": "tool", "name": "add", "content": "5"}])
     assert out[0].ids == call + suffix + enc("It is 5.") + [eos]
     assert out[0].mask == [1] * len(call) + [0] * len(suffix) + [1] * (len(enc("It is 5.")) + 1)
@@ -191,6 +191,6 @@ def test_tool_turns_append_results_unmasked_never_and_continue_together(tool_fil
     assert out[1].ids == first[1] and out[1].mask == [1] * len(first[1]) and len(out[1].turns) == 1
     assert out[2].ids == (call + suffix) * 2 + call  # two tool turns, then the third call is left unanswered
     assert batches == [3, 2]  # rollouts 0, 2, 3 continue together, then 2 and 3
-    assert (stats.calls, stats.failures) == (5, 0)
-    short = T.tool_turns(prompts[:1], [call], generate_fn, tokenizer, [fns], limit - 15, 2, 1.0, T.ToolStats())
+    assert [s.calls for s in stats] == [1, 0, 2, 2] and T.ToolStats.total(stats).per_tool == {"add": 5}
+    short = T.tool_turns(prompts[:1], [call], generate_fn, tokenizer, [fns], limit - 15, 2, 1.0, [T.ToolStats()])
     assert short[0].ids == call and short[0].mask == [1] * len(call)  # no room for the result: it ends there

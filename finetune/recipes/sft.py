@@ -177,10 +177,11 @@ def _render(tokenizer, messages, template: str, **kwargs) -> list[int]:
                                               **kwargs)["input_ids"])
 
 
-def prompt_ids(tokenizer, messages: list[dict], template: str) -> list[int]:
+def prompt_ids(tokenizer, messages: list[dict], template: str, tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with ``template`` and the assistant's turn opened
-    (``add_generation_prompt=True``): what a model continues to answer them."""
-    return _render(tokenizer, messages, template, add_generation_prompt=True)
+    (``add_generation_prompt=True``): what a model continues to answer them; with ``tools`` (JSON schemas), the
+    template offers them (``apply_chat_template(tools=...)``)."""
+    return _render(tokenizer, messages, template, add_generation_prompt=True, **({"tools": tools} if tools else {}))
 
 
 def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:

@@ -54,6 +54,17 @@ class ToolStats:
     non_text: int = 0
     per_tool: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def total(cls, parts: list[ToolStats]) -> ToolStats:
+        """The sum of several counts."""
+        out = cls()
+        for p in parts:
+            out.calls, out.failures, out.non_text = out.calls + p.calls, out.failures + p.failures, \
+                out.non_text + p.non_text
+            for k, v in p.per_tool.items():
+                out.per_tool[k] = out.per_tool.get(k, 0) + v
+        return out
+
 
 def load_tools(specs: list[str], key: str = "train.grpo.tools") -> list[Tool]:
     """The functions ``specs`` name (``path/to/file.py:function`` each), with their schemas.
@@ -128,19 +139,21 @@ def load_environment(spec: str, key: str = "train.grpo.environment") -> Callable
     return factory
 
 
-def template_problem(tokenizer, tools: list[Tool]) -> str | None:
-    """Why the tokenizer's chat template cannot offer ``tools`` (None when it can): it must render their schemas
-    (each tool's name appears in the rendered prompt), an assistant turn with a tool call and a ``tool`` message."""
+def template_problem(tokenizer, tools: list[Tool], chat_template: str | None = None) -> str | None:
+    """Why the chat template (``chat_template``, else the tokenizer's) cannot offer ``tools`` (None when it can):
+    it must render their schemas (each tool's name appears in the rendered prompt), an assistant turn with a tool
+    call and a ``tool`` message."""
     if not tools:
         return None
-    if not getattr(tokenizer, "chat_template", None):
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         return ("the tokenizer has no chat template; set data.chat_template (e.g. "
                 "data/chat_templates/chatml_tools.jinja)")
     messages = [{"role": "user", "content": "x"}]
+    kwargs = {"chat_template": chat_template} if chat_template else {}
     try:
         rendered = tokenizer.apply_chat_template(messages, tools=[t.schema for t in tools], tokenize=False,
-                                                 add_generation_prompt=True)
-        tool_suffix_ids(tokenizer, [{"role": "tool", "name": tools[0].name, "content": "1"}])
+                                                 add_generation_prompt=True, **kwargs)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": tools[0].name, "content": "1"}], chat_template)
     except Exception as e:  # noqa: BLE001  (a Jinja error of the user's template)
         return f"the chat template cannot render tools, tool calls or tool results ({type(e).__name__}: {e})"
     missing = [t.name for t in tools if t.name not in rendered]
@@ -272,7 +285,7 @@ class Trajectory:
 
 def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_fn, tokenizer,
                tools: list[dict[str, Callable]], max_completion_length: int, max_iterations: int,
-               timeout_s: float, stats: ToolStats) -> list[Trajectory]:
+               timeout_s: float, stats: list[ToolStats], chat_template: str | None = None) -> list[Trajectory]:
     """Run the tool calls of each completion and let the model continue, turn by turn, every rollout of the batch
     together (the rollouts that call no tool drop out), up to ``max_iterations`` tool turns per rollout (TRL 1.16's
     ``_tool_call_loop``, token in, token out).
@@ -292,7 +305,8 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
         max_completion_length: tokens a rollout's completion may hold in all (tool results included).
         max_iterations: tool turns per rollout at most (``train.grpo.max_tool_calling_iterations``).
         timeout_s: seconds a tool call may take (``train.grpo.tool_timeout_s``).
-        stats: counts of the calls (:class:`ToolStats`), added to.
+        stats: per rollout, the counts of its calls (:class:`ToolStats`), added to.
+        chat_template: the template to render the results with (``data.chat_template``), else the tokenizer's.
 
     Returns:
         One :class:`Trajectory` per rollout, in order.
@@ -310,8 +324,8 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
         inputs, budgets, rows = [], [], []
         for i in active:
             results = [{"role": "tool", "name": call.get("name") or "unknown",
-                        "content": call_tool(tools[i], call, timeout_s, stats)} for call in out[i].turns[-1]["tool_calls"]]
-            suffix = tool_suffix_ids(tokenizer, results)
+                        "content": call_tool(tools[i], call, timeout_s, stats[i])} for call in out[i].turns[-1]["tool_calls"]]
+            suffix = tool_suffix_ids(tokenizer, results, chat_template)
             if len(out[i].ids) + len(suffix) >= max_completion_length:
                 continue  # no room for the results and a reply: the rollout ends with its calls
             out[i].ids += suffix
