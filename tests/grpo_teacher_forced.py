@@ -3,7 +3,8 @@ parity runs: "with fixed completions, teacher-forced, no sampling").
 
 A prompt's completions are drawn from a generator seeded with its token ids (:func:`fixed_completions`), so they are
 the same whatever the rank, micro-batch, accumulation split or ZeRO stage, and the one-process reference draws the
-very same ones. The replacement is set on the module for this process only (the wrapper is the process's entry
+very same ones. The replacement is set on the module that holds ``generate`` (:mod:`finetune.recipes.grpo.rollout`,
+where the recipe's step and its evaluation look it up) for this process only (the wrapper is the process's entry
 point); everything else, DeepSpeed included, runs as in a launch of ``finetune/run.py``.
 """
 
@@ -51,8 +52,8 @@ def _generate(engine, batch, g, tokenizer, n, sample, seed, synced):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    from finetune.recipes import grpo
+    from finetune.recipes.grpo import rollout
 
-    grpo.generate = _generate
+    rollout.generate = _generate
     sys.argv[0] = str(REPO / "finetune/run.py")
     runpy.run_path(str(REPO / "finetune/run.py"), run_name="__main__")

@@ -1,0 +1,128 @@
+"""Before any model is built: the ``train.grpo`` settings, the reward functions and the prompt data checked, one
+line per problem (:func:`check_rows`)."""
+
+from __future__ import annotations
+
+import math
+
+import pyarrow.parquet as pq
+
+from finetune.config import RunConfig
+from finetune.data.dataset import string_type
+from finetune.errors import ConfigError
+from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
+from finetune.recipes.grpo.scoring import reward_functions
+from finetune.recipes.sft import TemplateCheck, message_problem, template_text, tokenizer_template_problem
+
+
+def _text_or_messages(typ) -> bool:
+    return string_type(typ) or str(typ).startswith(("list", "large_list"))
+
+
+def _all_dropped(cfg: RunConfig, key: str, f: str, p_col: str, prompts: list, problems: list[str]) -> None:
+    """One line when ``data.truncation: drop`` would leave none of a file's prompts (every one longer than
+    ``data.max_seq_len`` tokens), the launch's empty-split refusal, found before any model is built."""
+    try:
+        encode = PromptRows(tokenizer_of(cfg), cfg.data).encode
+    except Exception:  # noqa: BLE001  (the tokenizer's own check reports it)
+        return
+    shortest = None
+    for p in prompts:
+        try:
+            n = len(encode(p))
+        except Exception:  # noqa: BLE001  (malformed prompts are reported above)
+            return
+        if n <= cfg.data.max_seq_len:
+            return
+        shortest = n if shortest is None else min(shortest, n)
+    problems.append(f"{key}: every prompt of '{f}' is longer than data.max_seq_len={cfg.data.max_seq_len} tokens "
+                    f"(the shortest has {shortest}), so data.truncation=drop leaves none; raise data.max_seq_len or "
+                    f"set data.truncation=truncate (keeps each prompt's last tokens)")
+
+
+def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """Check the grpo settings, reward functions and data before any model is built; one line per problem.
+
+    Problems: ``train.grpo`` values out of range or unsupported (``beta`` > 0 without LoRA);
+    reward functions that cannot load (:func:`finetune.recipes.rewards.load`: path, import, name, signature, weights);
+    a file without the prompt or a reward column; a prompt column neither text nor messages; null or empty prompts
+    (the first row and their number); a malformed conversational prompt or one the chat template fails on.
+    """
+    g, d = cfg.train.grpo, cfg.data
+    if g.num_generations < 2:
+        problems.append(f"train.grpo.num_generations: {g.num_generations}; GRPO compares each completion with the "
+                        f"others of its prompt and needs at least 2")
+    for key in ("max_completion_length", "num_iterations"):
+        if getattr(g, key) < 1:
+            problems.append(f"train.grpo.{key}: {getattr(g, key)} must be >= 1")
+    for key in ("temperature", "top_p", "epsilon", "epsilon_high", "beta"):
+        if not math.isfinite(float(getattr(g, key))):
+            problems.append(f"train.grpo.{key}: {getattr(g, key)} is not a finite number")
+    if g.temperature <= 0:
+        problems.append(f"train.grpo.temperature: {g.temperature} must be > 0 (GRPO samples its completions)")
+    if not 0 < g.top_p <= 1:
+        problems.append(f"train.grpo.top_p: {g.top_p} must be in (0, 1]")
+    if g.top_k < 0:
+        problems.append(f"train.grpo.top_k: {g.top_k} must be >= 0 (0: off)")
+    if g.epsilon <= 0 or g.epsilon_high < 0:
+        problems.append(f"train.grpo.epsilon: {g.epsilon} must be > 0 and epsilon_high {g.epsilon_high} >= 0 "
+                        f"(0: epsilon)")
+    if g.beta < 0:
+        problems.append(f"train.grpo.beta: {g.beta} must be >= 0")
+    if g.beta > 0 and cfg.model.lora is None:
+        problems.append(f"train.grpo.beta: {g.beta} > 0 needs a reference model; finetune takes the base model "
+                        f"under LoRA (model.lora) as the reference; without LoRA set beta=0 (TRL's default)")
+    if g.log_completions < 0:
+        problems.append(f"train.grpo.log_completions: {g.log_completions} must be >= 0")
+    try:
+        reward_functions(cfg)
+    except ConfigError as e:
+        problems.extend(e.problems)
+    p_col = prompt_column(d)
+    conversational = False
+    templates = TemplateCheck(cfg, prepare_tokenizer)
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                schema = pq.ParquetFile(f).schema_arrow
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            missing = [c for c in columns(d) if c not in schema.names]
+            if missing:
+                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                                f"{', '.join(schema.names)}); grpo reads data.prompt_column (default 'prompt') and "
+                                f"data.reward_columns (default ['answer'])")
+                continue
+            if not _text_or_messages(schema.field(p_col).type):
+                problems.append(f"{key}: '{f}' column '{p_col}' has type {schema.field(p_col).type}, neither text "
+                                f"nor a list of {{role, content}} messages")
+                continue
+            prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
+            empty = [i for i, v in enumerate(prompts) if v is None or not v or (isinstance(v, str) and not v.strip())]
+            if empty:
+                problems.append(f"{key}: '{f}' row {empty[0]} of column '{p_col}' is null or empty ({len(empty):,} "
+                                f"such rows); fix or remove them")
+            start = len(problems)
+            answered = []
+            for i, prompt in enumerate(prompts):
+                if isinstance(prompt, list):
+                    conversational = True
+                    problem = message_problem(prompt)
+                    if problem:
+                        problems.append(f"{key}: '{f}' row {i} of column '{p_col}' is {problem}; a conversational "
+                                        f"prompt is a list of {{role, content}} messages")
+                        break
+                    if prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+                        answered.append(i)
+            if answered and len(problems) == start:
+                problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
+                                f"({len(answered):,} such rows): grpo would render the answer into the prompt and "
+                                f"open a new assistant turn after it; give the conversations up to the turn the "
+                                f"model completes (drop the last assistant message of a chat SFT file)")
+            if d.truncation == "drop" and len(problems) == start and prompts and not empty:
+                _all_dropped(cfg, key, f, p_col, prompts, problems)
+            if len(problems) == start and conversational:
+                templates.check(key, f, [p_col], ((i, p_col, list(p)) for i, p in enumerate(prompts)
+                                                  if isinstance(p, list)), problems)
+    if conversational and not template_text(d):
+        tokenizer_template_problem(cfg, problems)

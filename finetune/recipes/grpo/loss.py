@@ -1,0 +1,325 @@
+"""Step 4 and the loss of a GRPO step: per-token log-probabilities of the completions (the head on the completion
+positions only, in chunks; each prompt once for its completions where the model allows it), the clipped surrogate,
+its sum by ``loss_type`` and the metrics (:func:`forward`), and evaluation's greedy completions scored."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from finetune import patches
+from finetune.config import GrpoConfig, RunConfig
+from finetune.data.batch import LossOutput
+from finetune.logs import logger
+from finetune.parallel import distributed as dist_utils
+from finetune.recipes import reward
+from finetune.recipes.grpo.prompts import tokenizer_of
+from finetune.recipes.grpo.rollout import greedy_completions
+from finetune.recipes.grpo.scoring import reward_functions, score_completions
+from finetune.recipes.lm_loss import check_head_output, chunk_tokens, find_head, head_output, logits_transform, unwrap
+
+
+def count_targets(batch: dict, loss_type: str = "dapo") -> torch.Tensor:
+    """What the step's loss is a mean over (the module docstring's table): a training batch's active completion
+    tokens (``dapo``) or completions (the others); a prompt batch's (evaluation) real rows."""
+    labels = batch["labels"]
+    if labels.dim() == 1:
+        return (labels != -100).sum()
+    if loss_type == "dapo":
+        return batch["completion_mask"].sum().long()
+    return torch.tensor(labels.shape[0], dtype=torch.long)
+
+
+_HEAD_WHY = ("grpo: the LM head runs on the completion positions only and returns their per-token log-probabilities "
+             "at the sampling temperature; restored after the forward")
+
+
+def _chunk_logps(head_fn, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    logits = head_fn(hidden).float() / temperature
+    logp = torch.log_softmax(logits, -1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
+
+
+def prompt_shared_rows(batch: dict, pad_token_id: int) -> dict:
+    """A training micro-batch's ``B x G`` sequences as ``B`` rows, each prompt once followed by its ``G`` completions
+    (prefix sharing: Wang et al. 2024, arXiv:2410.20305, as :func:`finetune.recipes.reward.shared_rows` does for
+    preference pairs).
+
+    Row ``i`` holds prompt ``i``'s real tokens (``P_i``, positions ``0..P_i - 1``), then each of its completions up to
+    and including its EOS (``lengths``), each at the positions it has in its own sequence (``P_i, P_i + 1, ...``) and
+    attending to the prompt and to its own earlier tokens only. Under causal attention every hidden state equals the
+    one of the separate sequence (up to the order of float sums), so the log-probabilities and their gradients do
+    too, and each prompt runs once instead of ``G`` times.
+
+    Args:
+        batch: :func:`before_step`'s micro-batch (``input_ids`` / ``attention_mask`` ``[B G, P + C]``, a prompt's
+            ``G`` completions consecutive; ``prompt_length``; ``lengths``; ``group_size``).
+        pad_token_id: filler of the rows' right padding.
+
+    Returns:
+        ``input_ids`` and ``position_ids`` ``[B, W]`` int64 (W: the longest row), ``allowed`` ``[B, 1, W, W]`` bool
+        (query ``q`` may attend key ``k``), ``source`` ``[B G, C]`` int64: the index into the flattened ``[B W]``
+        rows of the hidden state that predicts each completion token (its prompt's last token for the first; -1
+        past the completion's length).
+    """
+    ids, mask, p = batch["input_ids"], batch["attention_mask"], int(batch["prompt_length"])
+    g, lengths = int(batch["group_size"]), batch["lengths"].tolist()
+    b, c = ids.shape[0] // g, ids.shape[1] - p
+    rows, positions, segments, source = [], [], [], torch.full((ids.shape[0], c), -1, dtype=torch.long)
+    for i in range(b):
+        prompt = ids[i * g, :p][mask[i * g, :p].bool()]
+        n_p = len(prompt)
+        parts, pos, seg, at = [prompt], [torch.arange(n_p)], [torch.zeros(n_p, dtype=torch.long)], n_p
+        for j in range(g):
+            r, n = i * g + j, int(lengths[i * g + j])
+            parts.append(ids[r, p:p + n].cpu())
+            pos.append(n_p + torch.arange(n))
+            seg.append(torch.full((n,), j + 1, dtype=torch.long))
+            source[r, :n] = torch.cat([torch.tensor([n_p - 1]), at + torch.arange(n - 1)])
+            at += n
+        rows.append(torch.cat([x.cpu() for x in parts]))
+        positions.append(torch.cat(pos))
+        segments.append(torch.cat(seg))
+    w = max(len(x) for x in rows)
+    out_ids = torch.full((b, w), pad_token_id, dtype=torch.long)
+    out_pos = torch.zeros((b, w), dtype=torch.long)
+    out_seg = torch.full((b, w), -1, dtype=torch.long)  # padding: a segment of its own
+    for i, (x, q, sg) in enumerate(zip(rows, positions, segments)):
+        out_ids[i, :len(x)], out_pos[i, :len(x)], out_seg[i, :len(x)] = x, q, sg
+        source[i * g:(i + 1) * g] = torch.where(source[i * g:(i + 1) * g] >= 0, source[i * g:(i + 1) * g] + i * w, -1)
+    j = torch.arange(w)
+    causal = j[None, :, None] >= j[None, None, :]
+    key_seg, query_seg = out_seg[:, None, :], out_seg[:, :, None]
+    allowed = causal & ((key_seg == 0) | (key_seg == query_seg))
+    device = ids.device
+    return {"input_ids": out_ids.to(device), "position_ids": out_pos.to(device), "allowed": allowed[:, None].to(device),
+            "source": source.to(device)}
+
+
+def shares_prompts(model, batch: dict, share: bool) -> bool:
+    """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
+    than one completion per prompt, and a model that takes a block mask per row
+    (:func:`finetune.recipes.reward.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
+    flash-attention kernels take none). When it cannot, a line says why, once per process."""
+    if not share or int(batch.get("group_size", 1)) <= 1:
+        return False
+    problem = reward.sharing_problem(unwrap(model))
+    if problem is not None and problem not in _SHARING_OFF:
+        _SHARING_OFF.add(problem)
+        if dist_utils.is_main():
+            logger.info(f"grpo: prompt sharing off (train.grpo.share_prompt): {problem}; each completion runs with "
+                        f"its own copy of the prompt")
+    return problem is None
+
+
+_SHARING_OFF: set = set()
+
+
+def completion_logps(model, batch: dict, temperature: float, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of the completion tokens (and their entropies) at ``temperature``.
+
+    The output head (:func:`finetune.recipes.lm_loss.find_head`) runs only on the hidden states that predict
+    completion tokens, in chunks of :func:`~finetune.recipes.lm_loss.chunk_tokens` positions (checkpointed when
+    there are several and gradients are on); its forward is replaced on the instance for this call only. The logits
+    are the ones the model samples from: what it does after its head (Gemma-2's soft-capping, Cohere's and Granite's
+    scales: :func:`~finetune.recipes.lm_loss.logits_transform`) is applied to each chunk, and a model that does
+    anything else is refused (:func:`~finetune.recipes.lm_loss.check_head_output`). With ``share``
+    (:func:`shares_prompts`) the sequences run as :func:`prompt_shared_rows`, each prompt once.
+
+    Args:
+        model: the engine, or a (peft-wrapped) causal LM.
+        batch: a training micro-batch of :func:`before_step` on the model's device.
+        temperature: the logits are divided by it (``train.grpo.temperature``).
+        share: run each prompt once for its completions (``train.grpo.share_prompt``) where the model allows it.
+
+    Returns:
+        ``(logps, entropy)``, each ``[B G, C]`` float32 (0 past a completion's length when shared); ``logps``
+        differentiable when gradients are on.
+
+    Raises:
+        RuntimeError: the model changes its head's output in a way :func:`~finetune.recipes.lm_loss.logits_transform`
+            does not know.
+    """
+    p = int(batch["prompt_length"])
+    targets = batch["input_ids"][:, p:]
+    head = find_head(model)
+    original = head.forward
+    state = {}
+    transform = logits_transform(model)
+    post = transform[1] if transform is not None else (lambda z: z)
+    shared = prompt_shared_rows(batch, 0) if shares_prompts(model, batch, share) else None
+
+    def forward(hidden, *args, **kwargs):
+        if shared is None:
+            h = hidden[:, p - 1:-1]
+            rows, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        else:  # the positions that predict a completion token, in [B G, C] order
+            keep = shared["source"].reshape(-1) >= 0
+            rows = hidden.reshape(-1, hidden.shape[-1])[shared["source"].reshape(-1)[keep]]
+            flat_t = targets.reshape(-1)[keep]
+        fn = lambda x: post(original(x, *args, **kwargs))  # noqa: E731
+        size = chunk_tokens(getattr(unwrap(model).config, "vocab_size", 32768))
+        parts = []
+        for s in range(0, rows.shape[0], size):
+            args_ = (rows[s:s + size], flat_t[s:s + size])
+            if torch.is_grad_enabled() and rows.shape[0] > size:
+                parts.append(checkpoint(lambda a, b: _chunk_logps(fn, a, b, temperature), *args_, use_reentrant=False))
+            else:
+                parts.append(_chunk_logps(fn, *args_, temperature))
+        logps, entropy = torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
+        if shared is not None:
+            logps = torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
+            entropy = torch.zeros(keep.shape, dtype=entropy.dtype, device=entropy.device).masked_scatter(keep, entropy)
+        state["entropy"] = entropy.view_as(targets)
+        return logps.view_as(targets)
+
+    with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)), head_output(head) as seen:
+        if shared is None:
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        position_ids=batch["position_ids"])
+        else:
+            out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
+                        attention_mask=reward.block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))
+    return check_head_output(model, head, out.logits, seen, transform), state["entropy"]
+
+
+def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate per completion token (TRL 1.16's ``_compute_loss`` for ``grpo``, ``bnpo``,
+    ``dr_grpo``, ``dapo``).
+
+    Args:
+        logps, old: ``[N, C]`` float32 log-probabilities under the policy (differentiable) and at generation.
+        adv: ``[N]`` advantages.
+        mask: ``[N, C]`` float32 active tokens.
+        g: ``train.grpo``.
+        ref: ``[N, C]`` reference log-probabilities (``beta`` > 0).
+
+    Returns:
+        ``(per_token_loss [N, C], parts)``: ``parts`` holds ``[N, C]`` clip indicators (``low``, ``high``) and the
+        per-token ``kl`` (with ``ref``), detached.
+    """
+    log_ratio = logps - old
+    if g.importance_sampling_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef1 = torch.exp(log_ratio)
+    high = g.epsilon_high or g.epsilon
+    coef2 = torch.clamp(coef1, 1 - g.epsilon, 1 + high)
+    a = adv[:, None]
+    loss = -torch.min(coef1 * a, coef2 * a)
+    parts = {"low": ((coef1 < 1 - g.epsilon) & (a < 0)).float().expand_as(mask).detach(),
+             "high": ((coef1 > 1 + high) & (a > 0)).float().expand_as(mask).detach()}
+    if ref is not None and g.beta > 0:
+        kl = torch.exp(ref - logps) - (ref - logps) - 1
+        loss = loss + g.beta * kl
+        parts["kl"] = kl.detach()
+    return loss.expand_as(mask), parts
+
+
+def loss_sum(per_token: torch.Tensor, mask: torch.Tensor, g: GrpoConfig) -> torch.Tensor:
+    """A micro-batch's loss sum by ``loss_type`` (the module docstring's table), 0-dim float32."""
+    masked = per_token * mask
+    if g.loss_type == "dapo":
+        return masked.sum()
+    if g.loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    if g.loss_type == "dr_grpo":
+        return masked.sum() / g.max_completion_length
+    return masked.sum() / mask.sum().clamp(min=1.0) * mask.shape[0]  # bnpo
+
+
+def _mean(values: torch.Tensor, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    values = values.float()
+    if weights is None:
+        ok = ~torch.isnan(values)
+        return torch.nan_to_num(values).sum().double(), ok.sum().double()
+    return (values * weights).sum().double(), weights.sum().double()
+
+
+def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | None = None,
+            functions: list | None = None, cfg: RunConfig | None = None) -> LossOutput:
+    """The GRPO loss of one training micro-batch (from :func:`before_step`), summed as ``loss_type`` says, with
+    TRL's metrics; on a prompt batch (evaluation), greedy completions scored, loss 0.
+
+    Returns:
+        :class:`~finetune.data.batch.LossOutput` (``targets`` = :func:`count_targets`).
+    """
+    g = settings or GrpoConfig()
+    if batch["labels"].dim() == 1:
+        return _evaluate(model, batch, g, cfg)
+    mask = batch["completion_mask"].float()
+    logps, entropy = completion_logps(model, batch, g.temperature, g.share_prompt)
+    old = batch.get("old_logps", logps.detach())
+    per_token, parts = token_losses(logps, old, batch["advantages"].to(logps.dtype), mask, g, batch.get("ref_logps"))
+    total = loss_sum(per_token, mask, g)
+    n = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    tokens = mask.sum().double()
+    region = torch.clamp(parts["low"] + parts["high"], max=1)
+    m = {"reward": _mean(batch["rewards"]),
+         "reward_std": _mean(batch["group_std"]),
+         "frac_reward_zero_std": ((batch["group_std"].nan_to_num(0.0) < 1e-6).double().sum(), n),
+         "completions/mean_length": (batch["lengths"].double().sum(), n),
+         "completions/clipped_ratio": ((~batch["terminated"]).double().sum(), n),
+         "clip_ratio/low_mean": ((parts["low"] * mask).sum().double(), tokens),
+         "clip_ratio/high_mean": ((parts["high"] * mask).sum().double(), tokens),
+         "clip_ratio/region_mean": ((region * mask).sum().double(), tokens),
+         "entropy": ((entropy * mask).sum().double(), tokens)}
+    if "kl" in parts:
+        m["kl"] = ((parts["kl"] * mask).sum().double(), tokens)
+    for j, f in enumerate(functions or []):
+        m[f"rewards/{f.name}/mean"] = _mean(batch["reward_table"][:, j])
+    return LossOutput(total, count_targets(batch, g.loss_type), metrics=m)
+
+
+def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossOutput:
+    """A prompt batch's greedy completions (one per prompt), scored on every rank: ``reward`` and
+    ``rewards/<function>/mean`` over the real rows; loss 0."""
+    if cfg is None:
+        raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
+    tok, functions = tokenizer_of(cfg), reward_functions(cfg)
+    texts, ids = greedy_completions(model, batch, g, tok)
+    _, table, r, _ = score_completions(functions, list(batch["prompts"]), texts, ids, dict(batch["reward_columns"]))
+    real = (batch["labels"] != -100).cpu()
+    _write_eval_records(model, cfg, batch, texts, table, functions, real)
+    m = {"reward": _mean(torch.where(real, r, torch.nan))}
+    for j, f in enumerate(functions):
+        m[f"rewards/{f.name}/mean"] = _mean(torch.where(real, table[:, j], torch.nan))
+    device = batch["labels"].device
+    m = {k: (a.to(device), b.to(device)) for k, (a, b) in m.items()}
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return LossOutput(zero, count_targets(batch), metrics=m)
+
+
+def _write_eval_records(engine, cfg: RunConfig, batch: dict, texts: list[str], table: torch.Tensor, functions,
+                        real: torch.Tensor) -> None:
+    """The evaluation's greedy completions of every rank's real rows, appended by rank 0 to
+    ``<run>/eval/step<N>_completions.jsonl`` (``N``: the optimizer steps done) and, the first 3 of a step, to
+    TensorBoard as text ``eval/completions``."""
+    mine = [{"index": i, "prompt": p, "completion": t,
+             "rewards": {f.name: (None if math.isnan(v) else v) for f, v in zip(functions, row)}}
+            for i, p, t, row, ok in zip(batch["row_index"], batch["prompts"], texts, table.tolist(), real.tolist()) if ok]
+    everyone = dist_utils.all_gather_object(mine)
+    if not dist_utils.is_main() or not cfg.output_dir:
+        return
+    step = int(getattr(engine, "global_steps", 0))
+    folder = Path(cfg.output_dir) / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step{step}_completions.jsonl"
+    fresh = not path.exists()
+    records = sorted((r for part in everyone for r in part), key=lambda r: r["index"])
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps({"step": step, **r}, default=str) + "\n")
+    writer = getattr(getattr(getattr(engine, "monitor", None), "tb_monitor", None), "summary_writer", None)
+    if writer is not None and fresh and records:
+        def cell(t) -> str:
+            return str(t).replace("|", "\\|").replace("\n", "<br>")
+        rows = [f"| {cell(str(r['prompt'])[-300:])} | {cell(r['completion'])} | {cell(r['rewards'])} |" for r in records[:3]]
+        writer.add_text("eval/completions", "\n".join(["| prompt (end) | completion | rewards |", "|---|---|---|", *rows]),
+                        step)
+        writer.flush()

@@ -1,0 +1,167 @@
+"""The prompts a GRPO step starts from: rows -> tokenized prompts (:class:`PromptRows`), prompt batches
+(:class:`PromptCollator`, left-padded), the columns and cache key of the tokenized data, the run's tokenizer and
+``train.eval_generate``'s prompts."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+
+from finetune.config import DataConfig, RunConfig
+from finetune.errors import ConfigError
+from finetune.recipes import dpo
+from finetune.recipes.sft import count_summary, message_problem, prompt_ids, template_text
+
+PROMPT_COLUMN = "prompt_raw"
+"""Tokenized-row column: the prompt as the data holds it (text or messages), for the reward functions."""
+COLUMN_PREFIX = "reward_column:"
+"""Tokenized-row columns ``reward_column:<name>``: the ``data.reward_columns`` values."""
+
+
+def prompt_column(data_cfg: DataConfig) -> str:
+    """``data.prompt_column``, or ``prompt`` when it is empty (TRL's name)."""
+    return data_cfg.prompt_column or "prompt"
+
+
+def columns(data_cfg: DataConfig) -> list[str]:
+    """Parquet columns the tokenize function reads: the prompt, then the reward columns."""
+    return list(dict.fromkeys([prompt_column(data_cfg), *data_cfg.reward_columns]))
+
+
+def cache_key(data_cfg: DataConfig) -> dict:
+    """The prompt truncation, chat template and reward columns."""
+    return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
+            "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left"}
+
+
+prepare_tokenizer = dpo.prepare_tokenizer
+prepare_model_config = dpo.prepare_model_config
+
+
+class PromptRows:
+    """Batched map function: rows -> tokenized prompts with their reward columns; counts what it drops.
+
+    Output columns: ``input_ids``, ``attention_mask`` (the prompt's tokens: text with the tokenizer's special
+    tokens, or messages rendered with the assistant's turn opened; longer than ``data.max_seq_len``: its last
+    ``max_seq_len`` tokens, or dropped with ``data.truncation: drop``), :data:`PROMPT_COLUMN` and one
+    ``reward_column:<name>`` per reward column. Rows with a null or empty prompt are dropped and counted.
+
+    Raises:
+        ConfigError: a conversational prompt is malformed (checked before training by :func:`check_rows`).
+    """
+
+    def __init__(self, tokenizer, data_cfg: DataConfig):
+        self.tokenizer, self.d = tokenizer, data_cfg
+        self.template = template_text(data_cfg) or None
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the counts (one split at a time)."""
+        self.counts: Counter = Counter()
+
+    def encode(self, prompt) -> list[int]:
+        """The prompt's token ids (uncut)."""
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        problem = message_problem(prompt)
+        if problem:
+            raise ConfigError(f"data.prompt_column: a row's prompt is {problem}")
+        if self.template is None:
+            from finetune.recipes.sft import chat_template
+            self.template = chat_template(self.d, self.tokenizer)
+        return prompt_ids(self.tokenizer, list(prompt), self.template)
+
+    def __call__(self, batch: dict) -> dict:
+        d, c = self.d, self.counts
+        names = columns(d)
+        out: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", PROMPT_COLUMN)}
+        out.update({COLUMN_PREFIX + n: [] for n in d.reward_columns})
+        for i, prompt in enumerate(batch[names[0]]):
+            c["rows"] += 1
+            if prompt is None or not prompt or (isinstance(prompt, str) and not prompt.strip()):
+                c["empty"] += 1
+                continue
+            ids = self.encode(prompt)
+            if len(ids) > d.max_seq_len:
+                if d.truncation == "drop":
+                    c["too_long"] += 1
+                    continue
+                c["truncated"] += 1
+                ids = ids[-d.max_seq_len:]
+            out["input_ids"].append(ids)
+            out["attention_mask"].append([1] * len(ids))
+            out[PROMPT_COLUMN].append(prompt)
+            for n in d.reward_columns:
+                out[COLUMN_PREFIX + n].append(batch[n][i])
+            c["prompts"] += 1
+            c["tokens"] += len(ids)
+        return out
+
+    def summary(self) -> str:
+        """One line: rows read, prompts kept, dropped and cut, mean prompt length."""
+        c = self.counts
+        text = count_summary("grpo", c, "prompts", [("empty", "with a null or empty prompt")],
+                             self.d.max_seq_len, "prompt")
+        if c["prompts"]:
+            text += f"; {c['tokens'] / c['prompts']:.1f} tokens per prompt (prompts longer than data.max_seq_len " \
+                    f"keep their last tokens)"
+        return text
+
+
+def tokenize_function(tokenizer, data_cfg: DataConfig) -> PromptRows:
+    """The batched map function (:class:`PromptRows`)."""
+    return PromptRows(tokenizer, data_cfg)
+
+
+class PromptCollator:
+    """Rows -> a prompt batch: ``input_ids`` and ``attention_mask`` ``[B, longest]`` int64, **left**-padded (generation
+    continues every prompt at the same position); ``labels`` ``[B]`` int64, 0 (-100 on evaluation filler rows);
+    ``row_seeds`` ``[B]`` int64 (the rows' ``_seed``: the sampling seed, independent of ranks and split); and, not
+    tensors, ``prompts`` (the raw prompts), ``reward_columns`` (name -> ``B`` values) and ``row_index`` (the
+    validation rows' indexes, -1 in training)."""
+
+    row_seeded = True
+
+    def __init__(self, pad_token_id: int, data_cfg: DataConfig):
+        self.pad, self.names = pad_token_id, list(data_cfg.reward_columns)
+
+    def __call__(self, rows: list[dict]) -> dict:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), longest), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, longest - n:] = torch.tensor(r["input_ids"])
+            mask[i, longest - n:] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.zeros(len(rows), dtype=torch.long),
+                "row_seeds": torch.tensor([int(r.get("_seed", 0)) for r in rows], dtype=torch.long),
+                "row_index": [int(r.get("_index", -1)) for r in rows],
+                "prompts": [r[PROMPT_COLUMN] for r in rows],
+                "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names}}
+
+
+def make_collator(tokenizer, data_cfg: DataConfig) -> PromptCollator:
+    """:class:`PromptCollator` with the tokenizer's pad token."""
+    return PromptCollator(tokenizer.pad_token_id, data_cfg)
+
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def tokenizer_of(cfg: RunConfig):
+    """The run's prepared tokenizer (loaded once per process)."""
+    return _tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+
+
+def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
+    """``train.eval_generate``'s prompts and references: the prompt and the first reward column as text."""
+    if not data_cfg.reward_columns:
+        return []
+    encode = PromptRows(tokenizer, data_cfg).encode
+    return [(encode(r[prompt_column(data_cfg)]), str(r[data_cfg.reward_columns[0]])) for r in rows
+            if r.get(prompt_column(data_cfg)) and r.get(data_cfg.reward_columns[0]) is not None]

@@ -1,0 +1,140 @@
+"""Step 1 of a GRPO step: the rollout. The prompts of the step's micro-batches -> ``G`` completions each, in one
+``generate`` call per rank and step (:func:`generate_completions`, the generation side of
+:func:`finetune.recipes.grpo.before_step`), the completions as text and token ids for the reward functions, and
+evaluation's greedy completions (:func:`greedy_completions`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from finetune.config import GrpoConfig, RunConfig
+from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig, make_rollout
+from finetune.parallel import distributed as dist_utils
+
+
+@dataclass
+class Completions:
+    """The step's completions on this rank (:func:`generate_completions`)."""
+
+    batches: list[dict]
+    """One :func:`generate` output per prompt batch (``B G`` completions each, a prompt's ``G`` consecutive)."""
+    texts: list[str]
+    """Every completion as text, in the batches' order."""
+    ids: list[list[int]]
+    """Every completion's token ids up to and including its EOS."""
+    prompts: list
+    """Every completion's prompt (each prompt ``G`` times)."""
+    columns: dict[str, list]
+    """Every completion's ``data.reward_columns`` values (each row's ``G`` times)."""
+
+
+def generate_completions(engine, micro: list[dict], cfg: RunConfig, step: int, tok) -> Completions:
+    """``train.grpo.num_generations`` sampled completions of every prompt of the step's micro-batches: one
+    :func:`generate` call for all of them (:func:`join_prompts`; ZeRO-3: the whole model gathered once for it),
+    seeded from the rows' seeds and the step, cut back per micro-batch (:func:`split_completions`)."""
+    g = cfg.train.grpo
+    joined = join_prompts(micro, tok.pad_token_id)  # one generate call for all the step's prompts on this rank
+    with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
+        whole = generate(engine, joined, g, tok, g.num_generations, True,
+                         _seed(cfg.train.seed, step, joined["row_seeds"]), _synced(engine, g))
+    done = split_completions(whole, [len(b["prompts"]) * g.num_generations for b in micro], tok.pad_token_id)
+    texts, ids, prompts, cols = [], [], [], {n: [] for n in cfg.data.reward_columns}
+    for b, c in zip(micro, done):
+        t, i = _texts(tok, c)
+        texts += t
+        ids += i
+        prompts += [p for p in b["prompts"] for _ in range(g.num_generations)]
+        for n in cols:
+            cols[n] += [v for v in b["reward_columns"][n] for _ in range(g.num_generations)]
+    return Completions(done, texts, ids, prompts, cols)
+
+
+def greedy_completions(model, batch: dict, g: GrpoConfig, tok) -> tuple[list[str], list[list[int]]]:
+    """One greedy completion of each prompt of a prompt batch (evaluation), as text and as token ids."""
+    with _rollout(model, g, tok).weights():
+        c = generate(model, batch, g, tok, 1, False, 0, _synced(model, g))
+    return _texts(tok, c)
+
+
+def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool, seed: int, synced: bool) -> dict:
+    """``n`` completions of each prompt of ``batch`` through :class:`finetune.engine.rollout.HFGenerateRollout` (no
+    gradient; the caller holds the rollout's :meth:`~finetune.engine.rollout.HFGenerateRollout.weights`).
+
+    Args:
+        engine: the engine (or a plain causal LM).
+        batch: a prompt batch (:class:`PromptCollator`).
+        g: ``train.grpo`` (``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``fast_generation``).
+        n: completions per prompt.
+        sample: sample (else greedy).
+        seed: the sampling seed.
+        synced: generate layer by layer in lockstep (ZeRO-3 without ``gather_for_generation``).
+
+    Returns:
+        ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
+        including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
+    """
+    rollout = make_rollout(engine, tokenizer, g.generation_backend, gather=not synced, fast=g.fast_generation)
+    sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
+                              top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
+    out = rollout.generate(RolloutRequest(batch["input_ids"], batch["attention_mask"]), sampling, seed)
+    p = int(out.response_start_idx[0]) if len(out.response_start_idx) else batch["input_ids"].shape[1]
+    completion, cmask = out.input_ids[:, p:], out.attention_mask[:, p:].float()
+    terminated = (completion == tokenizer.eos_token_id).any(1)
+    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
+            "lengths": cmask.sum(1).long()}
+
+
+def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
+    """The completions as text (decoded without their EOS) and as token ids up to and including their EOS (what
+    TRL 1.16 passes its reward functions as ``completion_ids``: the completion mask's tokens)."""
+    ids = [row[: int(n)].tolist() for row, n in zip(completion["completion_ids"], completion["lengths"])]
+    text_ids = [x[:-1] if x and x[-1] == tokenizer.eos_token_id else x for x in ids]
+    return tokenizer.batch_decode(text_ids, skip_special_tokens=True), ids
+
+
+def join_prompts(micro: list[dict], pad: int) -> dict:
+    """The prompts of several prompt batches as one: ``input_ids``, ``attention_mask`` ``[sum B, longest]``
+    (left-padded again to the longest prompt) and ``row_seeds``; a prompt's positions do not change (they count its
+    real tokens)."""
+    width = max(b["input_ids"].shape[1] for b in micro)
+    ids = torch.cat([torch.nn.functional.pad(b["input_ids"], (width - b["input_ids"].shape[1], 0), value=pad)
+                     for b in micro])
+    mask = torch.cat([torch.nn.functional.pad(b["attention_mask"], (width - b["attention_mask"].shape[1], 0))
+                      for b in micro])
+    return {"input_ids": ids, "attention_mask": mask, "row_seeds": torch.cat([b["row_seeds"] for b in micro])}
+
+
+def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
+    """:func:`generate`'s output for joined prompts cut back into one per prompt batch (``sizes`` completions each),
+    each trimmed to its own longest completion."""
+    out, start = [], 0
+    for n in sizes:
+        part = {k: v[start:start + n] for k, v in whole.items()}
+        width = int(part["lengths"].max()) if n else 0
+        part["completion_ids"], part["completion_mask"] = part["completion_ids"][:, :width], \
+            part["completion_mask"][:, :width]
+        out.append(part)
+        start += n
+    return out
+
+
+def _seed(train_seed: int, step: int, row_seeds: torch.Tensor) -> int:
+    """A sampling seed from the rows' seeds and the step (the same on resume, whatever the rank)."""
+    return (train_seed * 1_000_003 + step * 7919 + int(row_seeds.sum()) * 31 + int(row_seeds[0])) % (2 ** 63 - 1)
+
+
+def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
+    return make_rollout(engine, tokenizer, g.generation_backend, gather=g.gather_for_generation, fast=g.fast_generation)
+
+
+def _synced(engine, g: GrpoConfig) -> bool:
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return stage is not None and stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
+
+
+def rollout_shape(cfg: RunConfig) -> tuple[int, int]:
+    """What each row becomes every step: ``num_generations`` sequences of up to ``data.max_seq_len +
+    max_completion_length`` tokens (for ``finetune plan``)."""
+    return cfg.train.grpo.num_generations, cfg.data.max_seq_len + cfg.train.grpo.max_completion_length
