@@ -50,5 +50,5 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert by["generation"]["greedy_completions_identical"]["value"] == 1.0  # fast on and off: the same tokens
     assert by["generation"]["completions_per_s_fast_on"]["value"] > 0
     summary = (out / "summary.md").read_text()
-    assert "CPU dry run" in summary and summary.count("\n| ") == len(rows) + 1  # header + one line per figure
+    assert "CPU dry run" in summary and summary.count("\n| ") == len(rows) + 2  # header, rule, a line per figure
     assert (out / "log.txt").read_text().count("=== gpu_check: ") == 2 * len(SECTIONS)
