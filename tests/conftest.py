@@ -223,10 +223,11 @@ def reference_optimizer(model, t, steps: int):
     return step
 
 
-def simulated_ranks(cfg, world: int) -> tuple:
+def simulated_ranks(cfg, world: int, configured: bool = False) -> tuple:
     """The toolkit's training batches of ``world`` data-parallel ranks, in one process, for the one-process
     references: the recipe's tokenizer and tokenized splits, its collator, each rank's sampler (:func:`finetune.data.dataset.
     train_sampler`, global batch ``micro x accumulation x world``) and loader (row-seeded collation, as a launch).
+    ``configured``: the recipe as the run configures it (``grpo`` with tools: prompts that offer them).
 
     Returns:
         ``(tokenizer, splits, collator, samplers, loaders)``.
@@ -238,6 +239,8 @@ def simulated_ranks(cfg, world: int) -> tuple:
     from finetune.recipes import get_recipe
 
     t, recipe = cfg.train, get_recipe(cfg.recipe)
+    if configured:
+        recipe = recipe.configure(recipe, cfg)
     tokenizer = load_tokenizer(cfg, recipe)
     splits = load_splits(recipe, tokenizer, cfg.data, t.seed)
     collator = recipe.make_collator(tokenizer, cfg.data)

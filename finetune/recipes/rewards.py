@@ -235,7 +235,7 @@ def load(cfg) -> list[RewardFunction]:
     """
     g = cfg.train.grpo
     problems: list[str] = []
-    if not g.rewards:
+    if not g.rewards and not g.environment:
         problems.append("train.grpo.rewards: empty; name at least one reward function (built-ins: "
                         f"{', '.join(BUILTINS)}; or path/to/file.py:function)")
     if g.reward_weights and len(g.reward_weights) != len(g.rewards):

@@ -139,11 +139,11 @@ def load_environment(spec: str, key: str = "train.grpo.environment") -> Callable
     return factory
 
 
-def template_problem(tokenizer, tools: list[Tool], chat_template: str | None = None) -> str | None:
-    """Why the chat template (``chat_template``, else the tokenizer's) cannot offer ``tools`` (None when it can):
-    it must render their schemas (each tool's name appears in the rendered prompt), an assistant turn with a tool
-    call and a ``tool`` message."""
-    if not tools:
+def template_problem(tokenizer, schemas: list[dict], chat_template: str | None = None) -> str | None:
+    """Why the chat template (``chat_template``, else the tokenizer's) cannot offer the tools whose JSON schemas
+    are ``schemas`` (None when it can): it must render the schemas (each tool's name appears in the rendered
+    prompt), an assistant turn with a tool call and a ``tool`` message."""
+    if not schemas:
         return None
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         return ("the tokenizer has no chat template; set data.chat_template (e.g. "
@@ -151,12 +151,13 @@ def template_problem(tokenizer, tools: list[Tool], chat_template: str | None = N
     messages = [{"role": "user", "content": "x"}]
     kwargs = {"chat_template": chat_template} if chat_template else {}
     try:
-        rendered = tokenizer.apply_chat_template(messages, tools=[t.schema for t in tools], tokenize=False,
+        rendered = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
                                                  add_generation_prompt=True, **kwargs)
-        tool_suffix_ids(tokenizer, [{"role": "tool", "name": tools[0].name, "content": "1"}], chat_template)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}],
+                        chat_template)
     except Exception as e:  # noqa: BLE001  (a Jinja error of the user's template)
         return f"the chat template cannot render tools, tool calls or tool results ({type(e).__name__}: {e})"
-    missing = [t.name for t in tools if t.name not in rendered]
+    missing = [n for n in (x["function"]["name"] for x in schemas) if n not in rendered]
     if missing:
         return (f"the chat template does not render the tools' schemas (no '{missing[0]}' in the prompt); use a "
                 f"template with tools, e.g. data/chat_templates/chatml_tools.jinja")

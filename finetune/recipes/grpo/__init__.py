@@ -91,6 +91,7 @@ from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, dpo
 from finetune.recipes.grpo import rollout, scoring
+from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.checks import check_rows
 from finetune.recipes.grpo.loss import completion_logps, count_targets, forward, loss_sum, prompt_shared_rows, \
     shares_prompts, token_losses
@@ -202,7 +203,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
                         b["ref_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
         module.train()
     _log_sample(cfg, step + 1, done.prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
-                functions)
+                functions, done.transcripts)
     return out
 
 
@@ -210,7 +211,7 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     """A training micro-batch from a prompt batch and its completions."""
     n = g.num_generations
     prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
-    cmask = c["completion_mask"]
+    cmask = c["completion_mask"] * c["tool_mask"] if "tool_mask" in c else c["completion_mask"]  # tools: not trained
     if g.mask_truncated_completions:
         cmask = cmask * c["terminated"][:, None].float()
     ids = torch.cat([prompt_ids, c["completion_ids"]], 1)
@@ -221,11 +222,14 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
             "labels": labels, "completion_mask": cmask, "prompt_length": torch.tensor(p), "advantages": adv,
             "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
-            "lengths": c["lengths"], "group_size": torch.tensor(n)}
+            "lengths": c["lengths"], "group_size": torch.tensor(n),
+            **({"model_lengths": c["tool_mask"].sum(1).long(), "tool_calls": c["tool_calls"],
+                "tool_failures": c["tool_failures"], "turns": c["turns"]} if "tool_mask" in c else {})}
 
 
-def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions) -> None:
-    """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl``."""
+def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions, transcripts=None) -> None:
+    """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl`` (with
+    tools, each rollout's ``turns`` too: the assistant turns with their tool calls, and the tool results)."""
     k = cfg.train.grpo.log_completions
     if not k or not dist_utils.is_main() or not cfg.output_dir or step % max(cfg.train.log_every, 1):
         return
@@ -235,16 +239,20 @@ def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, funct
                                 "reward": None if math.isnan(float(r[i])) else float(r[i]),
                                 "rewards": {fn.name: (None if math.isnan(v) else v)
                                             for fn, v in zip(functions, tables[0][i])},
-                                "advantage": float(adv[i])}, default=str) + "\n")
+                                "advantage": float(adv[i]),
+                                **({"turns": transcripts[i]} if transcripts else {})}, default=str) + "\n")
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     """The recipe with ``train.grpo``, the reward functions and the run config bound into ``forward`` and
-    ``count_targets``."""
+    ``count_targets``; with tools or an environment, their schemas into ``tokenize_function`` and ``cache_key``."""
     g = cfg.train.grpo
+    agent = agent_of(cfg)  # tools and environment: the prompts offer their schemas, which the cache key holds
+    tools = {} if agent is None else {"tokenize_function": functools.partial(tokenize_function, tools=agent.schemas),
+                                      "cache_key": functools.partial(cache_key, tools=agent.schemas)}
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=g, functions=reward_functions(cfg),
                                                                  cfg=cfg),
-                               count_targets=functools.partial(count_targets, loss_type=g.loss_type))
+                               count_targets=functools.partial(count_targets, loss_type=g.loss_type), **tools)
 
 
 RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,

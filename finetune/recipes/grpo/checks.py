@@ -11,7 +11,9 @@ from finetune.config import RunConfig
 from finetune.data.dataset import string_type
 from finetune.errors import ConfigError
 from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
+from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.scoring import reward_functions
+from finetune.recipes.tools import template_problem
 from finetune.recipes.sft import TemplateCheck, message_problem, template_text, tokenizer_template_problem
 
 
@@ -38,6 +40,37 @@ def _all_dropped(cfg: RunConfig, key: str, f: str, p_col: str, prompts: list, pr
     problems.append(f"{key}: every prompt of '{f}' is longer than data.max_seq_len={cfg.data.max_seq_len} tokens "
                     f"(the shortest has {shortest}), so data.truncation=drop leaves none; raise data.max_seq_len or "
                     f"set data.truncation=truncate (keeps each prompt's last tokens)")
+
+
+def _tool_problems(cfg: RunConfig, problems: list[str]) -> None:
+    """Tools and environments (:mod:`finetune.recipes.grpo.agent`): files that load, functions with schemas, a chat
+    template that renders tools, settings in range, and a layout the multi-turn loop runs on."""
+    g = cfg.train.grpo
+    if not g.tools and not g.environment:
+        return
+    if g.max_tool_calling_iterations < 1:
+        problems.append(f"train.grpo.max_tool_calling_iterations: {g.max_tool_calling_iterations} must be >= 1")
+    if not (math.isfinite(float(g.tool_timeout_s)) and g.tool_timeout_s > 0):
+        problems.append(f"train.grpo.tool_timeout_s: {g.tool_timeout_s} must be a number of seconds > 0")
+    if g.generation_backend != "hf_generate":
+        problems.append(f"train.grpo.generation_backend: {g.generation_backend} runs single-turn rollouts only; with "
+                        f"train.grpo.tools or environment use generation_backend=hf_generate")
+    if not g.gather_for_generation:
+        problems.append("train.grpo.gather_for_generation: false makes every rank generate in lockstep, which "
+                        "rollouts with different numbers of tool turns per rank cannot keep; set it true (the "
+                        "model gathered once per step) with train.grpo.tools or environment")
+    try:
+        agent = agent_of(cfg)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return
+    try:
+        tok = tokenizer_of(cfg)
+    except Exception:  # noqa: BLE001  (the tokenizer's own check reports it)
+        return
+    why = template_problem(tok, agent.schemas, template_text(cfg.data))
+    if why:
+        problems.append(f"data.chat_template: {why}")
 
 
 def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
@@ -74,6 +107,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
                         f"under LoRA (model.lora) as the reference; without LoRA set beta=0 (TRL's default)")
     if g.log_completions < 0:
         problems.append(f"train.grpo.log_completions: {g.log_completions} must be >= 0")
+    _tool_problems(cfg, problems)
     try:
         reward_functions(cfg)
     except ConfigError as e:

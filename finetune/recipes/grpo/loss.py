@@ -263,7 +263,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | No
     m = {"reward": _mean(batch["rewards"]),
          "reward_std": _mean(batch["group_std"]),
          "frac_reward_zero_std": ((batch["group_std"].nan_to_num(0.0) < 1e-6).double().sum(), n),
-         "completions/mean_length": (batch["lengths"].double().sum(), n),
+         "completions/mean_length": (batch.get("model_lengths", batch["lengths"]).double().sum(), n),
          "completions/clipped_ratio": ((~batch["terminated"]).double().sum(), n),
          "clip_ratio/low_mean": ((parts["low"] * mask).sum().double(), tokens),
          "clip_ratio/high_mean": ((parts["high"] * mask).sum().double(), tokens),
@@ -271,6 +271,11 @@ def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | No
          "entropy": ((entropy * mask).sum().double(), tokens)}
     if "kl" in parts:
         m["kl"] = ((parts["kl"] * mask).sum().double(), tokens)
+    if "tool_calls" in batch:  # multi-turn (TRL's names): calls per completion, failures per call, turns
+        calls = batch["tool_calls"].double().sum()
+        m["tools/call_frequency"] = (calls, n)
+        m["tools/failure_frequency"] = (batch["tool_failures"].double().sum(), calls)
+        m["tools/turns_mean"] = (batch["turns"].double().sum(), n)
     for j, f in enumerate(functions or []):
         m[f"rewards/{f.name}/mean"] = _mean(batch["reward_table"][:, j])
     return LossOutput(total, count_targets(batch, g.loss_type), metrics=m)
@@ -282,8 +287,8 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
     if cfg is None:
         raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
     tok, functions = tokenizer_of(cfg), reward_functions(cfg)
-    texts, ids = greedy_completions(model, batch, g, tok)
-    _, table, r, _ = score_completions(functions, list(batch["prompts"]), texts, ids, dict(batch["reward_columns"]))
+    texts, ids, cols = greedy_completions(model, batch, g, tok, cfg)
+    _, table, r, _ = score_completions(functions, list(batch["prompts"]), texts, ids, cols)
     real = (batch["labels"] != -100).cpu()
     _write_eval_records(model, cfg, batch, texts, table, functions, real)
     m = {"reward": _mean(torch.where(real, r, torch.nan))}

@@ -30,10 +30,11 @@ def columns(data_cfg: DataConfig) -> list[str]:
     return list(dict.fromkeys([prompt_column(data_cfg), *data_cfg.reward_columns]))
 
 
-def cache_key(data_cfg: DataConfig) -> dict:
-    """The prompt truncation, chat template and reward columns."""
+def cache_key(data_cfg: DataConfig, tools: list[dict] | None = None) -> dict:
+    """The prompt truncation, chat template, reward columns and the tools the prompts offer."""
     return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
-            "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left"}
+            "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left",
+            **({"tools": tools} if tools else {})}
 
 
 prepare_tokenizer = dpo.prepare_tokenizer
@@ -52,8 +53,8 @@ class PromptRows:
         ConfigError: a conversational prompt is malformed (checked before training by :func:`check_rows`).
     """
 
-    def __init__(self, tokenizer, data_cfg: DataConfig):
-        self.tokenizer, self.d = tokenizer, data_cfg
+    def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None):
+        self.tokenizer, self.d, self.tools = tokenizer, data_cfg, tools or None
         self.template = template_text(data_cfg) or None
         self.reset()
 
@@ -64,6 +65,10 @@ class PromptRows:
     def encode(self, prompt) -> list[int]:
         """The prompt's token ids (uncut)."""
         if isinstance(prompt, str):
+            if self.tools:
+                raise ConfigError(f"data.prompt_column: a row's prompt is text, and train.grpo.tools (or "
+                                  f"environment) offers tools through the chat template; make the prompts "
+                                  f"conversations ([{{role: user, content: ...}}])")
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         problem = message_problem(prompt)
         if problem:
@@ -71,7 +76,7 @@ class PromptRows:
         if self.template is None:
             from finetune.recipes.sft import chat_template
             self.template = chat_template(self.d, self.tokenizer)
-        return prompt_ids(self.tokenizer, list(prompt), self.template)
+        return prompt_ids(self.tokenizer, list(prompt), self.template, self.tools)
 
     def __call__(self, batch: dict) -> dict:
         d, c = self.d, self.counts
@@ -110,9 +115,10 @@ class PromptRows:
         return text
 
 
-def tokenize_function(tokenizer, data_cfg: DataConfig) -> PromptRows:
-    """The batched map function (:class:`PromptRows`)."""
-    return PromptRows(tokenizer, data_cfg)
+def tokenize_function(tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None) -> PromptRows:
+    """The batched map function (:class:`PromptRows`); ``tools``: the JSON schemas the prompts offer
+    (``train.grpo.tools`` and the environment's methods, bound by :func:`finetune.recipes.grpo.configure`)."""
+    return PromptRows(tokenizer, data_cfg, tools)
 
 
 class PromptCollator:

@@ -5,6 +5,7 @@ evaluation's greedy completions (:func:`greedy_completions`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +13,8 @@ import torch
 from finetune.config import GrpoConfig, RunConfig
 from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig, make_rollout
 from finetune.parallel import distributed as dist_utils
+from finetune.recipes.grpo.agent import agent_of, multi_turn, start_environments
+from finetune.recipes.sft import template_text
 
 
 @dataclass
@@ -27,7 +30,10 @@ class Completions:
     prompts: list
     """Every completion's prompt (each prompt ``G`` times)."""
     columns: dict[str, list]
-    """Every completion's ``data.reward_columns`` values (each row's ``G`` times)."""
+    """Every completion's ``data.reward_columns`` values (each row's ``G`` times); with an environment, also
+    ``environments``: each rollout's instance (the reward functions' ``environments`` argument, TRL's)."""
+    transcripts: list[list[dict]] | None = None
+    """With tools: every rollout's turns (:func:`finetune.recipes.grpo.agent.multi_turn`), else None."""
 
 
 def generate_completions(engine, micro: list[dict], cfg: RunConfig, step: int, tok) -> Completions:
@@ -36,26 +42,60 @@ def generate_completions(engine, micro: list[dict], cfg: RunConfig, step: int, t
     seeded from the rows' seeds and the step, cut back per micro-batch (:func:`split_completions`)."""
     g = cfg.train.grpo
     joined = join_prompts(micro, tok.pad_token_id)  # one generate call for all the step's prompts on this rank
+    cols = {n: [v for b in micro for v in b["reward_columns"][n] for _ in range(g.num_generations)]
+            for n in cfg.data.reward_columns}
+    seed = _seed(cfg.train.seed, step, joined["row_seeds"])
+    transcripts = None
     with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
-        whole = generate(engine, joined, g, tok, g.num_generations, True,
-                         _seed(cfg.train.seed, step, joined["row_seeds"]), _synced(engine, g))
+        whole = generate(engine, joined, g, tok, g.num_generations, True, seed, _synced(engine, g))
+        agent = agent_of(cfg)
+        if agent is not None:  # the tool turns, in the same gathered weights
+            repeated = {k: joined[k].repeat_interleave(g.num_generations, 0) for k in ("input_ids", "attention_mask")}
+            whole, transcripts, cols = _tool_turns(engine, whole, repeated, cols, cfg, tok, agent, seed, True)
     done = split_completions(whole, [len(b["prompts"]) * g.num_generations for b in micro], tok.pad_token_id)
-    texts, ids, prompts, cols = [], [], [], {n: [] for n in cfg.data.reward_columns}
+    texts, ids, prompts = [], [], []
     for b, c in zip(micro, done):
         t, i = _texts(tok, c)
         texts += t
         ids += i
         prompts += [p for p in b["prompts"] for _ in range(g.num_generations)]
-        for n in cols:
-            cols[n] += [v for v in b["reward_columns"][n] for _ in range(g.num_generations)]
-    return Completions(done, texts, ids, prompts, cols)
+    return Completions(done, texts, ids, prompts, cols, transcripts)
 
 
-def greedy_completions(model, batch: dict, g: GrpoConfig, tok) -> tuple[list[str], list[list[int]]]:
-    """One greedy completion of each prompt of a prompt batch (evaluation), as text and as token ids."""
+def _tool_turns(engine, whole: dict, prompts: dict, cols: dict, cfg: RunConfig, tok, agent, seed: int,
+                sample: bool) -> tuple[dict, list[list[dict]], dict]:
+    """:func:`~finetune.recipes.grpo.agent.multi_turn` on this rank's rollouts, each continuation sampled as the
+    first turn (seeded from the step's seed and the turn); with an environment, one instance per rollout, added
+    to the columns as ``environments``."""
+    g = cfg.train.grpo
+    environments = start_environments(agent, cols, len(whole["completion_ids"]))
+    turn = iter(range(1, 1 << 20))
+
+    def continue_(batch: dict, max_new: int) -> dict:
+        return generate(engine, batch, dataclasses.replace(g, max_completion_length=max_new), tok, 1, sample,
+                        seed + 104_729 * next(turn), _synced(engine, g))
+
+    whole, transcripts, _ = multi_turn(whole, prompts, continue_, tok, g, agent, environments,
+                                       template_text(cfg.data))
+    if agent.factory is not None:
+        cols = {**cols, "environments": environments}
+    return whole, transcripts, cols
+
+
+def greedy_completions(model, batch: dict, g: GrpoConfig, tok, cfg: RunConfig | None = None) \
+        -> tuple[list[str], list[list[int]], dict]:
+    """One greedy completion of each prompt of a prompt batch (evaluation), as text and as token ids, and the
+    reward columns (with an environment, its instances added as ``environments``); with tools (``cfg``), the tool
+    turns too."""
+    cols = dict(batch["reward_columns"])
     with _rollout(model, g, tok).weights():
         c = generate(model, batch, g, tok, 1, False, 0, _synced(model, g))
-    return _texts(tok, c)
+        agent = agent_of(cfg) if cfg is not None else None
+        if agent is not None:
+            prompts = {k: batch[k] for k in ("input_ids", "attention_mask")}
+            c, _, cols = _tool_turns(model, c, prompts, cols, cfg, tok, agent, 0, False)
+    texts, ids = _texts(tok, c)
+    return texts, ids, cols
 
 
 def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool, seed: int, synced: bool) -> dict:
@@ -108,13 +148,15 @@ def join_prompts(micro: list[dict], pad: int) -> dict:
 
 def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
     """:func:`generate`'s output for joined prompts cut back into one per prompt batch (``sizes`` completions each),
-    each trimmed to its own longest completion."""
+    each trimmed to its own longest completion (``completion_ids``, ``completion_mask`` and, with tools,
+    ``tool_mask``)."""
     out, start = [], 0
     for n in sizes:
         part = {k: v[start:start + n] for k, v in whole.items()}
         width = int(part["lengths"].max()) if n else 0
-        part["completion_ids"], part["completion_mask"] = part["completion_ids"][:, :width], \
-            part["completion_mask"][:, :width]
+        for k in ("completion_ids", "completion_mask", "tool_mask"):
+            if k in part:
+                part[k] = part[k][:, :width]
         out.append(part)
         start += n
     return out

@@ -9,7 +9,7 @@ import json
 import torch
 
 from finetune.config import RunConfig
-from finetune.errors import RunFailure
+from finetune.errors import ConfigError, RunFailure
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import rewards
 
@@ -20,9 +20,19 @@ def reward_functions(cfg: RunConfig) -> list[rewards.RewardFunction]:
     """The run's reward functions (:func:`finetune.recipes.rewards.load`), loaded once per process and settings."""
     g = cfg.train.grpo
     key = json.dumps([g.rewards, g.reward_weights, cfg.data.reward_columns, g.answer_pattern, g.format_pattern,
-                      g.max_completion_length, g.length_cache], default=str)
+                      g.max_completion_length, g.length_cache, g.environment], default=str)
     if key not in _LOADED:
-        _LOADED[key] = rewards.load(cfg)
+        functions = rewards.load(cfg) if g.rewards or not g.environment else []
+        if g.environment:  # its get_reward: a reward named after its class, weight 1 (TRL's environment_factory)
+            from finetune.recipes.grpo.agent import agent_of, environment_reward
+
+            probe = agent_of(cfg).factory()
+            if callable(getattr(probe, "get_reward", None)):
+                functions.append(rewards.RewardFunction(g.environment, type(probe).__name__, environment_reward, 1.0))
+            elif not functions:
+                raise ConfigError(f"train.grpo.rewards: empty, and train.grpo.environment {type(probe).__name__} has "
+                                  f"no get_reward(); name a reward function or give the environment a get_reward()")
+        _LOADED[key] = functions
     return _LOADED[key]
 
 

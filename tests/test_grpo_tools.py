@@ -1,0 +1,122 @@
+"""Multi-turn ``grpo`` with tools: the model's own tokens trained exactly, the tools' never.
+
+Parity (tests/grpo_tool_forced.py: scripted turns that call the shipped calculator, teacher-forced, the tool
+results rendered by the template): one launch's loss and gradient norm per step equal a one-process PyTorch
+reference that builds every rollout the textbook way (prompt, turns, results), runs each sequence alone and
+unpadded, and masks the results' tokens out of the ``dapo`` token mean; the same reference with the results'
+tokens left in differs. ZeRO-3 with every parameter partitioned (``stage3_param_persistence_threshold: 0``),
+2 ranks x accumulation 2: rollouts whose numbers of turns differ between ranks never hang a collective.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import CONFIGS, REPO, launch, ok, read_metrics, scratch_model
+from finetune.config import load_run_config
+
+CONFIG = CONFIGS / "tiny_grpo.yaml"
+TEMPLATE = REPO / "data/chat_templates/chatml_tools.jinja"
+
+
+def _prompts(path) -> str:
+    """The first 16 GSM8K questions as one-message conversations (tools need a chat template)."""
+    t = pq.read_table(REPO / "data/gsm8k/train.parquet").slice(0, 16)
+    rows = [{"prompt": [{"role": "user", "content": q}], "answer": a}
+            for q, a in zip(t.column("question").to_pylist(), t.column("answer").to_pylist())]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def _overrides(tmp_path) -> list[str]:
+    data = _prompts(tmp_path / "prompts.parquet")
+    return [f"data.train_files=[{data}]", f"data.validation_files=[{data}]", "data.prompt_column=prompt",
+            f"data.chat_template={TEMPLATE}", "data.max_seq_len=384", f"data.cache_dir={tmp_path / 'cache'}",
+            f"train.grpo.tools=[{REPO}/data/tools/calculator.py:calculate]", "train.grpo.max_tool_calling_iterations=2",
+            "train.grpo.max_completion_length=96", "train.grpo.rewards=[tests/grpo_rewards.py:has_digit]",
+            "train.grpo.reward_weights=[]", "train.grpo.length_cache=0", "train.max_steps=2"]
+
+
+def tool_reference(cfg, world: int, steps: int, masked: bool = True) -> dict:
+    """One process, the textbook way: the toolkit's global batches (same sampler and collator per simulated rank),
+    each prompt's rollouts built by :func:`grpo_tool_forced.reference_trajectory` (turns, then the calculator's
+    results rendered by the template), each sequence run alone and unpadded, ``has_digit`` of its text, group
+    advantages from ``torch.std``, TRL's per-token loss summed over the model's tokens (``masked``; else over
+    every completion token) and divided by their number in the whole global batch (``dapo``); the same init,
+    AdamW, schedule and clipping."""
+    from conftest import reference_optimizer, simulated_ranks
+    from grpo_rewards import has_digit
+    from grpo_tool_forced import reference_trajectory
+
+    torch.set_num_threads(1)
+    t, g = cfg.train, cfg.train.grpo
+    tok, _, _, samplers, loaders = simulated_ranks(cfg, world, configured=True)
+    template = TEMPLATE.read_text()
+    model = scratch_model(cfg).train()
+    step = reference_optimizer(model, t, steps)
+    its = []
+    for smp, dl in zip(samplers, loaders):
+        smp.set_epoch(0)
+        its.append(iter(dl))
+    out = {"losses": [], "grad_norms": [], "tool_tokens": 0, "calls": 0}
+    for _ in range(steps):
+        seqs = []
+        for b in [next(it) for it in its for _ in range(t.gradient_accumulation_steps)]:
+            for ids, mask in zip(b["input_ids"], b["attention_mask"]):
+                prompt = ids[mask.bool()].tolist()
+                group = [reference_trajectory(prompt, k, g.num_generations, tok, g.max_completion_length, template)
+                         for k in range(g.num_generations)]
+                texts = [tok.decode(c[:-1] if c[-1] == tok.eos_token_id else c, skip_special_tokens=True)
+                         for c, _ in group]
+                r = torch.tensor([v or 0.0 for v in has_digit(None, texts)])
+                adv = (r - r.mean()) / (r.std() + 1e-4)
+                seqs += [(prompt, c, m if masked else [1] * len(c), a) for (c, m), a in zip(group, adv.tolist())]
+                out["tool_tokens"] += sum(len(m) - sum(m) for _, m in group)
+                out["calls"] += sum(tok.decode(c).count("<tool_call>") for c, _ in group)
+        total = sum(sum(m) for _, _, m, _ in seqs)
+        loss = torch.zeros(())
+        for prompt, c, m, a in seqs:
+            x = torch.tensor([prompt + c])
+            logits = model(input_ids=x).logits[0, len(prompt) - 1:-1].float() / g.temperature
+            logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            ratio = torch.exp(logps - logps.detach())
+            per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon) * a)
+            loss = loss + (per_token * torch.tensor(m, dtype=torch.float32)).sum() / total
+        loss.backward()
+        out["grad_norms"].append(step())
+        out["losses"].append(loss.item())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+def test_zero3_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trained(tmp_path):
+    from test_dpo import grad_norms, max_rel
+
+    overrides = _overrides(tmp_path)
+    run = tmp_path / "z3"
+    ok(launch(CONFIG, [f"output_dir={run}", *overrides, "ds.zero_optimization.stage=3"],
+              script="tests/grpo_tool_forced.py"))
+    rows = {r["step"]: r for r in read_metrics(run) if "train/loss" in r}
+    losses, norms = [rows[1]["train/loss"], rows[2]["train/loss"]], grad_norms(run)
+    cfg = load_run_config(CONFIG, overrides)
+    ref = tool_reference(cfg, world=2, steps=2)
+    assert ref["calls"] > 8 and ref["tool_tokens"] > 100, ref  # the scripted turns call the calculator often
+    assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+    assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
+    unmasked = tool_reference(cfg, world=2, steps=1, masked=False)  # the results' tokens trained too: another loss
+    assert max_rel(losses[:1], unmasked["losses"]) > 1e-2, (losses, unmasked["losses"])
+    assert all(0 < rows[s]["train/tools/call_frequency"] for s in (1, 2))
+    assert all(rows[s]["train/tools/failure_frequency"] == 0 for s in (1, 2))  # every call computed
+    assert all(1 <= rows[s]["train/tools/turns_mean"] <= 3 for s in (1, 2))
+    logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    called = [r for r in logged if any(t["role"] == "tool" for t in r["turns"])]
+    assert called, logged  # the transcript: the call, the calculator's result, the next turn
+    first = called[0]["turns"]
+    assert first[0]["role"] == "assistant" and first[0]["tool_calls"][0]["name"] == "calculate"
+    a, b = (int(x) for x in first[0]["tool_calls"][0]["arguments"]["expression"].split(" + "))
+    assert first[1] == {"role": "tool", "name": "calculate", "content": str(a + b)}
