@@ -120,3 +120,39 @@ def test_zero3_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trai
     assert first[0]["role"] == "assistant" and first[0]["tool_calls"][0]["name"] == "calculate"
     a, b = (int(x) for x in first[0]["tool_calls"][0]["arguments"]["expression"].split(" + "))
     assert first[1] == {"role": "tool", "name": "calculate", "content": str(a + b)}
+
+
+def test_check_refuses_bad_tools_and_environments_in_one_line_each(tmp_path, capsys):
+    """``--check``, before any model: a tool file that does not import, a function without type hints, a template
+    that renders no tools, a backend and a ZeRO-3 mode the loop cannot run, an environment without reset, text
+    prompts: one line each, exit 2."""
+    from conftest import check_files
+
+    prompts = tmp_path / "prompts.parquet"
+    _prompts(prompts)
+    tools = tmp_path / "tools.py"
+    tools.write_text("def untyped(x):\n    '''No hint.\n\n    Args:\n        x: x.\n    '''\n\n\nclass Env:\n    pass\n")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module\n")
+    base = ["data.prompt_column=prompt", f"data.chat_template={TEMPLATE}", "data.max_seq_len=384",
+            "train.grpo.rewards=[tests/grpo_rewards.py:has_digit]", "train.grpo.reward_weights=[]"]
+    assert check_files(CONFIG, tmp_path, [prompts], [*base, f"train.grpo.tools=[{broken}:f,{tools}:untyped]",
+                                                     "train.grpo.generation_backend=hybrid_engine",
+                                                     "train.grpo.gather_for_generation=false",
+                                                     "train.grpo.max_tool_calling_iterations=0"]) == 2
+    err = capsys.readouterr().err
+    for line in (f"train.grpo.tools: importing '{broken}' failed: ModuleNotFoundError: No module named 'not_a_module'",
+                 "train.grpo.generation_backend: hybrid_engine runs single-turn rollouts only",
+                 "train.grpo.gather_for_generation: false makes every rank generate in lockstep",
+                 "train.grpo.max_tool_calling_iterations: 0 must be >= 1"):
+        assert line in err, (line, err)
+    assert check_files(CONFIG, tmp_path, [prompts], [*base, f"train.grpo.tools=[{tools}:untyped]"]) == 2
+    assert "tools.py:untyped' cannot be offered as a tool: Argument x is missing a type hint" in capsys.readouterr().err
+    plain = [o.replace(str(TEMPLATE), str(REPO / "data/chat_templates/chatml.jinja")) for o in base]
+    assert check_files(CONFIG, tmp_path, [prompts], [*plain, f"train.grpo.tools=[{REPO}/data/tools/calculator.py:calculate]"]) == 2
+    assert "data.chat_template: the chat template does not render the tools' schemas (no 'calculate'" in \
+        capsys.readouterr().err
+    assert check_files(CONFIG, tmp_path, [prompts], [*base, f"train.grpo.environment={tools}:Env"]) == 2
+    assert "train.grpo.environment: Env has no reset(**row) method" in capsys.readouterr().err
+    env = f"train.grpo.environment={REPO}/data/environments/guess_number.py:GuessNumber"
+    assert check_files(CONFIG, tmp_path, [prompts], [*base, env]) == 0, capsys.readouterr().err  # the example passes
