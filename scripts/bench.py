@@ -414,8 +414,9 @@ def deepspeed_cmd(args, script: str, *script_args: str) -> list[str]:
     """``deepspeed --num_gpus <nproc> --master_port <free port> <script> <script_args...>`` (this venv's launcher),
     under ``flock <--lock>`` when given (the lock held for this launch only)."""
     lock = ["flock", args.lock] if getattr(args, "lock", "") else []
-    return [*lock, str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(args.nproc), "--master_port",
-            str(free_port()), script, *script_args]
+    runner = Path(sys.executable).parent / "deepspeed"  # elsewhere (pip install --target): the same runner's module
+    launcher = [str(runner)] if runner.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    return [*lock, *launcher, "--num_gpus", str(args.nproc), "--master_port", str(free_port()), script, *script_args]
 
 
 class OverBudget(RuntimeError):

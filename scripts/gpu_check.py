@@ -9,7 +9,7 @@ that have a GPU; no target is judged then.
 
 Sections, in the order the shell script runs them:
 
-* ``selftest``: ``finetune selftest`` on one GPU (every row), one figure per row.
+* ``selftest``: ``finetune selftest`` on one GPU (every row but ``hybrid_rollout``), one figure per row.
 * ``precision``: one optimizer step of ``sft``, ``dpo`` and ``grpo`` on the tests' tiny models
   (``tests/configs``), bf16 against fp32, one launch each (``grpo`` on fixed completions, teacher-forced:
   ``tests/grpo_teacher_forced.py``, so both precisions train on the same sequences): the step's loss and gradient
@@ -27,8 +27,10 @@ Sections, in the order the shell script runs them:
   a lower bound within 2x.
 * ``generation``: GRPO's rollout on the 1B shape (bf16, ZeRO-0): completions/s of 8 prompts x 8 completions of
   256 tokens, sampled, through :class:`finetune.engine.rollout.HFGenerateRollout` with ``fast_generation`` on and
-  off and DeepSpeed's hybrid engine (:class:`~finetune.engine.rollout.HybridEngineGenerate`); and the greedy
-  completions of ``fast`` on and off, which must be identical.
+  off; and the greedy completions of ``fast`` on and off, which must be identical.
+* ``hybrid``: DeepSpeed's hybrid engine (:class:`~finetune.engine.rollout.HybridEngineGenerate`): the self-test's
+  ``hybrid_rollout`` row and the same completions/s; last, because its first use builds DeepSpeed's inference
+  kernels.
 
 Every figure names its card (``torch.cuda.get_device_name``) and the commit. Exit status: 0 when the section
 ran (a target missed is a figure, not a failure), 1 when it could not.
@@ -120,18 +122,38 @@ def env_for(dry: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- selftest
-def selftest(out: Path, figs: Figures, dry: bool) -> None:
-    """``finetune selftest`` in one process (one GPU); the dry run takes the rows that run on CPUs quickly."""
-    checks = ["--checks", "collectives,chunked_head,bf16_forward,sdpa_packing,hybrid_rollout"] if dry else []
-    result = out / "selftest.json"
-    proc = subprocess.run([sys.executable, "-m", "finetune", "selftest", "--json", str(result), *checks], cwd=REPO,
-                          env=env_for(dry), text=True, capture_output=True)
+def selftest(out: Path, figs: Figures, dry: bool, rows: list[str], name: str, timeout: float) -> None:
+    """``finetune selftest --checks <rows>`` in one process (one GPU), within ``timeout`` seconds (past it, one
+    ``FAIL`` figure says so); one figure per row, the rows in ``<out>/<name>.json``."""
+    checks = ["--checks", ",".join(rows)]
+    result = out / f"{name}.json"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "finetune", "selftest", "--json", str(result), *checks],
+                              cwd=REPO, env=env_for(dry), text=True, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        figs.add(",".join(rows), "FAIL", "", detail=f"finetune selftest ran past {timeout:g} s")
+        return
     print(proc.stdout + proc.stderr[-4000:], flush=True)
     if not result.exists():
         raise SystemExit(f"gpu_check: selftest wrote no {result} (exit {proc.returncode})")
     for row in json.loads(result.read_text())["rows"]:
         figs.add(row["name"], row["status"], "", measured=row["measured"], tolerance=row["tolerance"],
                  detail=row["detail"], seconds=round(row["seconds"], 2))
+
+
+def selftests(out: Path, figs: Figures, dry: bool, budget: float) -> None:
+    """Every self-test row but ``hybrid_rollout`` (the ``hybrid`` section's): the quick rows in one process, then
+    ``liger_fused_ce`` in another (its first use compiles Liger's Triton kernels), so that a slow compile costs that
+    row only. The dry run takes the rows that run on CPUs quickly."""
+    from finetune.preflight.selftest import CHECKS
+
+    if dry:
+        selftest(out, figs, dry, ["collectives", "chunked_head", "bf16_forward", "sdpa_packing"], "selftest", budget)
+        return
+    start = time.time()
+    selftest(out, figs, dry, [c for c in CHECKS if c not in ("hybrid_rollout", "liger_fused_ce")], "selftest",
+             budget * 0.6)
+    selftest(out, figs, dry, ["liger_fused_ce"], "selftest_liger", max(10.0, budget - (time.time() - start)))
 
 
 # --------------------------------------------------------------------------------------------------- precision
@@ -368,17 +390,48 @@ def generation(out: Path, figs: Figures, dry: bool, work: Path) -> None:
     same = (greedy_out[True] == greedy_out[False]).all(1).float().mean().item()
     figs.add("greedy_completions_identical", same, "fraction of prompts", 1.0)
     engine.destroy()
-    del engine
-    if dev.type != "cuda":
+
+
+def hybrid(out: Path, figs: Figures, dry: bool, work: Path, budget: float) -> None:
+    """DeepSpeed's hybrid engine: ``finetune selftest``'s ``hybrid_rollout`` row (its first use builds DeepSpeed's
+    inference kernels, which may take minutes: last, so that an overrun costs this section only), then the
+    rollout's completions/s on the 1B shape (8 prompts x 8 sampled completions of 256 tokens), as ``generation``."""
+    import torch
+
+    selftest(out, figs, dry, ["hybrid_rollout"], "selftest_hybrid", budget)
+    if not torch.cuda.is_available():
         figs.add("completions_per_s_hybrid_engine", None, "completions/s",
                  skipped="DeepSpeed's hybrid engine needs a CUDA GPU (its inference kernels)")
         return
+    import yaml
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from finetune.engine.rollout import RolloutRequest, SamplingConfig, make_rollout
+    from finetune.parallel import distributed as dist_utils
+
+    dist_utils.export_rank_env()
+    dist_utils.init(10.0)
+    dev = torch.device("cuda")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2", local_files_only=True)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    config = LlamaConfig.from_pretrained(REPO / "data/models/tiny-llama", local_files_only=True,
+                                         **yaml.safe_load(_bench().LLAMA_1B))
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(0)
     with torch.device(dev):
-        hybrid_model = LlamaForCausalLM(config)
-    engine = _engine(hybrid_model.to(torch.bfloat16), hybrid=True, dry=dry)
-    seconds, _ = timed(make_rollout(engine, tokenizer, "hybrid_engine"), sampled)
-    figs.add("completions_per_s_hybrid_engine", prompts * per_prompt / seconds, "completions/s",
-             seconds=round(seconds, 3), against_plain=prompts * per_prompt / seconds / rates[False])
+        model = LlamaForCausalLM(config)
+    engine = _engine(model.to(torch.bfloat16), hybrid=True, dry=False)
+    ids, mask = _prompts(tokenizer, 8, dev)
+    rollout = make_rollout(engine, tokenizer, "hybrid_engine")
+    sampled = SamplingConfig(max_new_tokens=256, temperature=1.0, n_samples_per_prompt=8)
+    with rollout.weights():
+        rollout.generate(RolloutRequest(ids, mask), sampled, seed=1)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rollout.generate(RolloutRequest(ids, mask), sampled, seed=2)
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    figs.add("completions_per_s_hybrid_engine", 64 / seconds, "completions/s", seconds=round(seconds, 3))
 
 
 # ------------------------------------------------------------------------------------------------------- table
@@ -401,7 +454,7 @@ def table(out: Path) -> str:
     return text
 
 
-SECTIONS = ("selftest", "precision", "throughput", "longest", "generation")
+SECTIONS = ("selftest", "precision", "throughput", "longest", "generation", "hybrid")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,15 +481,17 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         with contextlib.ExitStack():
             if args.section == "selftest":
-                selftest(out, figs, args.dry_run)
+                selftests(out, figs, args.dry_run, args.budget)
             elif args.section == "precision":
                 precision(out, figs, args.dry_run, work)
             elif args.section == "throughput":
                 throughput(out, figs, args.dry_run, work)
             elif args.section == "longest":
                 longest(out, figs, args.dry_run, work, args.budget)
-            else:
+            elif args.section == "generation":
                 generation(out, figs, args.dry_run, work)
+            else:
+                hybrid(out, figs, args.dry_run, work, args.budget)
     return 0
 
 

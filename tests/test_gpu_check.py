@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("selftest", "precision", "throughput", "longest", "generation")
+SECTIONS = ("selftest", "precision", "throughput", "longest", "generation", "hybrid")
 
 
 def _script(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -38,12 +38,12 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     done = _script("--cpu-dry-run", str(out), timeout=1500)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["figures.jsonl", "log.txt", "selftest.json", "summary.md"]  # at most 8, all plain files
+    assert files == ["figures.jsonl", "log.txt", "selftest.json", "selftest_hybrid.json", "summary.md"]  # at most 8
     rows = [json.loads(line) for line in (out / "figures.jsonl").read_text().splitlines()]
     by = {s: {r["name"]: r for r in rows if r["section"] == s} for s in SECTIONS}
     assert all(by[s] for s in SECTIONS) and not any(r["name"] == "section_failed" for r in rows)
     assert all(r["dry_run"] and r["met"] is None and r["card"] == "cpu" for r in rows)  # no target judged on CPUs
-    assert by["selftest"]["sdpa_packing"]["value"] == "pass" and by["selftest"]["hybrid_rollout"]["value"] == "skip"
+    assert by["selftest"]["sdpa_packing"]["value"] == "pass" and by["hybrid"]["hybrid_rollout"]["value"] == "skip"
     assert by["precision"]["sft_grad_norm_rel_diff"]["value"] < 5e-2
     assert by["throughput"]["finetune_tokens_per_s"]["value"] > 0 and by["throughput"]["hf_trainer_tokens_per_s"]["value"] > 0
     assert by["longest"]["hf_trainer_longest"]["value"] == 64 and by["longest"]["finetune_longest"]["value"] == 256
