@@ -85,7 +85,7 @@ def test_loading_and_its_refusals(tool_file, tmp_path):
 
 
 def test_the_template_must_render_tools(tool_file, tokenizer):
-    tools = T.load_tools([f"{tool_file}:add"])
+    tools = [t.schema for t in T.load_tools([f"{tool_file}:add"])]
     assert T.template_problem(tokenizer, tools) is None
     plain = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
     assert "has no chat template" in T.template_problem(plain, tools)
