@@ -5,7 +5,8 @@ results rendered by the template): one launch's loss and gradient norm per step 
 reference that builds every rollout the textbook way (prompt, turns, results), runs each sequence alone and
 unpadded, and masks the results' tokens out of the ``dapo`` token mean; the same reference with the results'
 tokens left in differs. ZeRO-3 with every parameter partitioned (``stage3_param_persistence_threshold: 0``),
-2 ranks x accumulation 2: rollouts whose numbers of turns differ between ranks never hang a collective.
+2 ranks x accumulation 2: rollouts whose numbers of turns differ between ranks never hang a collective; and the
+``grpo`` loss type (each completion's token mean) at ZeRO-0.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def tool_reference(cfg, world: int, steps: int, masked: bool = True) -> dict:
             logps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
             ratio = torch.exp(logps - logps.detach())
             per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - g.epsilon, 1 + g.epsilon) * a)
-            loss = loss + (per_token * torch.tensor(m, dtype=torch.float32)).sum() / total
+            kept = (per_token * torch.tensor(m, dtype=torch.float32)).sum()
+            # dapo: the global batch's token mean; grpo: each completion's token mean, averaged over completions
+            loss = loss + (kept / total if g.loss_type == "dapo" else kept / sum(m) / len(seqs))
         loss.backward()
         out["grad_norms"].append(step())
         out["losses"].append(loss.item())
@@ -94,22 +97,27 @@ def tool_reference(cfg, world: int, steps: int, masked: bool = True) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
-def test_zero3_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trained(tmp_path):
+@pytest.mark.parametrize(("stage", "loss_type"), [(3, "dapo"), (0, "grpo")])
+def test_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trained(tmp_path, stage, loss_type):
     from test_dpo import grad_norms, max_rel
 
-    overrides = _overrides(tmp_path)
-    run = tmp_path / "z3"
-    ok(launch(CONFIG, [f"output_dir={run}", *overrides, "ds.zero_optimization.stage=3"],
+    overrides = [*_overrides(tmp_path), f"train.grpo.loss_type={loss_type}"]
+    run = tmp_path / "run"
+    ok(launch(CONFIG, [f"output_dir={run}", *overrides, f"ds.zero_optimization.stage={stage}"],
               script="tests/grpo_tool_forced.py"))
     rows = {r["step"]: r for r in read_metrics(run) if "train/loss" in r}
     losses, norms = [rows[1]["train/loss"], rows[2]["train/loss"]], grad_norms(run)
     cfg = load_run_config(CONFIG, overrides)
     ref = tool_reference(cfg, world=2, steps=2)
     assert ref["calls"] > 8 and ref["tool_tokens"] > 100, ref  # the scripted turns call the calculator often
-    assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
+    if loss_type == "grpo":  # a completion's advantage is one per token: its token mean is -A, and sum(A) = 0
+        assert max(abs(x) for x in losses + ref["losses"]) <= 1e-6, (losses, ref["losses"])
+    else:
+        assert max_rel(losses, ref["losses"]) <= 1e-5, (losses, ref["losses"])
     assert max_rel(norms, ref["grad_norms"]) <= 1e-4, (norms, ref["grad_norms"])
-    unmasked = tool_reference(cfg, world=2, steps=1, masked=False)  # the results' tokens trained too: another loss
-    assert max_rel(losses[:1], unmasked["losses"]) > 1e-2, (losses, unmasked["losses"])
+    unmasked = tool_reference(cfg, world=2, steps=1, masked=False)  # the results' tokens trained too: another step
+    assert max_rel(norms[:1] if loss_type == "grpo" else losses[:1],
+                   unmasked["grad_norms"] if loss_type == "grpo" else unmasked["losses"]) > 1e-2, unmasked
     assert all(0 < rows[s]["train/tools/call_frequency"] for s in (1, 2))
     assert all(rows[s]["train/tools/failure_frequency"] == 0 for s in (1, 2))  # every call computed
     assert all(1 <= rows[s]["train/tools/turns_mean"] <= 3 for s in (1, 2))
