@@ -19,8 +19,6 @@ from pathlib import Path
 
 import numpy as np
 from loguru import logger
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 
@@ -213,6 +211,9 @@ class MetricsSink:
 def matrix_image(matrix: list[list[int]], labels: list[str]):
     """RGB image (uint8 ``numpy`` array [height, width, 3]) of a confusion matrix with counts in the cells
     (rows: true class, columns: predicted class), rendered off-screen with matplotlib's Agg backend."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # here: the ranks' start-up does without it
+    from matplotlib.figure import Figure
+
     m = np.asarray(matrix)
     size = 1.5 + 0.5 * len(labels)
     fig = Figure(figsize=(size + 1, size), dpi=80)

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from finetune.errors import ConfigError
 from finetune.logs import logger, read_metrics_file
@@ -77,6 +74,10 @@ def build_figure(runs: dict[str, dict[str, list[tuple[int, float]]]]):
     One axis per :data:`PANELS` entry (``ax.get_title()`` is the panel name); each drawn line's label is
     ``"<run label>"`` or ``"<run label> (<train|eval...>)"``; a panel without data says so in its middle.
     """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # here: the ranks' start-up does without it
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     fig = Figure(figsize=(19, 8.5), dpi=100)
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 4)
