@@ -45,7 +45,7 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     assert all(r["dry_run"] and r["met"] is None and r["card"] == "cpu" for r in rows)  # no target judged on CPUs
     assert by["selftest"]["sdpa_packing"]["value"] == "pass" and by["hybrid"]["hybrid_rollout"]["value"] == "skip"
     assert by["precision"]["sft_grad_norm_rel_diff"]["value"] < 5e-2
-    assert by["throughput"]["finetune_tokens_per_s"]["value"] > 0 and by["throughput"]["hf_trainer_tokens_per_s"]["value"] > 0
+    assert by["throughput"]["finetune_tokens_per_s"]["value"] > 0  # (HF Trainer's launch: the longest section's)
     assert by["longest"]["hf_trainer_longest"]["value"] == 64 and by["longest"]["finetune_longest"]["value"] == 256
     assert by["generation"]["greedy_completions_identical"]["value"] == 1.0  # fast on and off: the same tokens
     assert by["generation"]["completions_per_s_fast_on"]["value"] > 0
