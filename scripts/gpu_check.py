@@ -39,7 +39,6 @@ ran (a target missed is a figure, not a failure), 1 when it could not.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -170,8 +169,6 @@ PRECISION_RUNS = {
 
 def _one_step(recipe: str, precision: str, root: Path, dry: bool) -> dict:
     """One single-process launch training one step; its first ``metrics.jsonl`` training row."""
-    from finetune.parallel.distributed import RANK_VARS  # noqa: F401  (the variables a single process sets itself)
-
     config, entry, extra = PRECISION_RUNS[recipe]
     run = root / f"{recipe}-{precision}"
     env = env_for(dry)
@@ -480,19 +477,18 @@ def main(argv: list[str] | None = None) -> int:
     figs = Figures(out, args.section, args.dry_run)
     with tempfile.TemporaryDirectory(prefix=f"gpu_check_{args.section}_") as tmp:
         work = Path(tmp)
-        with contextlib.ExitStack():
-            if args.section == "selftest":
-                selftests(out, figs, args.dry_run, args.budget)
-            elif args.section == "precision":
-                precision(out, figs, args.dry_run, work)
-            elif args.section == "throughput":
-                throughput(out, figs, args.dry_run, work)
-            elif args.section == "longest":
-                longest(out, figs, args.dry_run, work, args.budget)
-            elif args.section == "generation":
-                generation(out, figs, args.dry_run, work)
-            else:
-                hybrid(out, figs, args.dry_run, work, args.budget)
+        if args.section == "selftest":
+            selftests(out, figs, args.dry_run, args.budget)
+        elif args.section == "precision":
+            precision(out, figs, args.dry_run, work)
+        elif args.section == "throughput":
+            throughput(out, figs, args.dry_run, work)
+        elif args.section == "longest":
+            longest(out, figs, args.dry_run, work, args.budget)
+        elif args.section == "generation":
+            generation(out, figs, args.dry_run, work)
+        else:
+            hybrid(out, figs, args.dry_run, work, args.budget)
     return 0
 
 

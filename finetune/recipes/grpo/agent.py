@@ -38,16 +38,20 @@ class Agent:
     """The ``train.grpo.environment`` factory, or None."""
     schemas: list[dict]
     """What the prompts offer: the tools' schemas, then the environment's methods' (one probe instance)."""
+    methods: tuple[str, ...] = ()
+    """The environment's methods offered as tools (bound to each rollout's instance by name)."""
 
 
 @functools.cache
 def _load(tools: tuple[str, ...], environment: str) -> Agent:
     loaded = tool_utils.load_tools(list(tools))
     factory = tool_utils.load_environment(environment) if environment else None
-    schemas = [t.schema for t in loaded]
+    schemas, methods = [t.schema for t in loaded], ()
     if factory is not None:
-        schemas += [t.schema for t in tool_utils.environment_tools(factory())]
-    return Agent(loaded, factory, schemas)
+        offered = tool_utils.environment_tools(factory())
+        schemas += [t.schema for t in offered]
+        methods = tuple(t.name for t in offered)
+    return Agent(loaded, factory, schemas, methods)
 
 
 def agent_of(cfg: RunConfig) -> Agent | None:
@@ -120,7 +124,8 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
     firsts = [row[:int(k)].tolist() for row, k in zip(whole["completion_ids"], whole["lengths"])]
     starts = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"])]
     standalone = {t.name: t.function for t in agent.tools}
-    per_rollout = [{**standalone, **({t.name: t.function for t in tool_utils.environment_tools(e)} if e else {})}
+    # an environment's methods bound by name (their schemas were built once, by agent_of)
+    per_rollout = [{**standalone, **({m: getattr(e, m) for m in agent.methods} if e is not None else {})}
                    for e in environments]
 
     def continue_(inputs: list[list[int]], max_new: int) -> list[list[int]]:
