@@ -211,6 +211,12 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     """A training micro-batch from a prompt batch and its completions."""
     n = g.num_generations
     prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
+    differ = False
+    if "prompt_ids" in c:  # an environment's observations: each rollout's own prompt (agent.observed_prompts)
+        keep = c["prompt_mask"].bool().any(0)  # left padding no rollout of this micro-batch needs
+        prompt_ids, prompt_mask = c["prompt_ids"][:, keep], c["prompt_mask"][:, keep]
+        groups = torch.stack([prompt_ids, prompt_mask]).reshape(2, -1, n, prompt_ids.shape[1])
+        differ = not bool((groups == groups[:, :, :1]).all())  # a group's prompts differ: no prompt sharing
     cmask = c["completion_mask"] * c["tool_mask"] if "tool_mask" in c else c["completion_mask"]  # tools: not trained
     if g.mask_truncated_completions:
         cmask = cmask * c["terminated"][:, None].float()
@@ -222,7 +228,7 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
             "labels": labels, "completion_mask": cmask, "prompt_length": torch.tensor(p), "advantages": adv,
             "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
-            "lengths": c["lengths"], "group_size": torch.tensor(n),
+            "lengths": c["lengths"], "group_size": torch.tensor(n), "prompts_differ": torch.tensor(differ),
             **({"model_lengths": c["tool_mask"].sum(1).long(), "tool_calls": c["tool_calls"],
                 "tool_failures": c["tool_failures"], "turns": c["turns"]} if "tool_mask" in c else {})}
 

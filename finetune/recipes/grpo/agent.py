@@ -10,9 +10,11 @@ the template's, masked out of the loss, the KL, the token counts and ``completio
 (``tool_mask`` of :func:`multi_turn`'s output; :func:`finetune.recipes.grpo._sequences` multiplies it in).
 
 An environment (TRL 1.16's ``environment_factory``) has one instance per rollout, reset with its row's
-``data.reward_columns``; its public methods are the rollout's tools, and the reward functions receive the
-instances as ``environments`` (its ``get_reward`` is the reward named after its class, weight 1:
-:func:`environment_reward`).
+``data.reward_columns`` before the rollout's first turn; what ``reset`` returns (None or text, the first
+observation) is appended to the prompt's last message, as TRL does, and the rollout starts from that prompt,
+rendered by the chat template: prompt tokens, never trained (:func:`observed_prompts`); its public methods are the
+rollout's tools, and the reward functions receive the instances as ``environments`` (its ``get_reward`` is the
+reward named after its class, weight 1: :func:`environment_reward`).
 """
 
 from __future__ import annotations
@@ -71,29 +73,78 @@ def environment_reward(prompts, completions, environments=None, **columns) -> li
     return [float(e.get_reward()) if e is not None and hasattr(e, "get_reward") else None for e in environments]
 
 
-def start_environments(agent: Agent, columns: dict[str, list], n: int) -> list:
-    """One fresh instance per rollout, reset with its row's columns; ``n`` rollouts. None without an environment.
+def start_environments(agent: Agent, columns: dict[str, list], n: int) -> tuple[list, list[str | None]]:
+    """One fresh instance per rollout, reset with its row's columns (TRL 1.16's ``environment_factory``: ``reset(**row)``
+    returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn, since an
+    observation belongs to the prompt (:func:`observed_prompts`).
+
+    Returns:
+        ``(environments, observations)``: ``n`` instances (``[None] * n`` without an environment) and what each
+        ``reset`` returned (None or text).
 
     Raises:
-        RunFailure: ``reset`` raised, or returned an observation (text): put the task in the prompt column.
+        RunFailure: ``reset`` raised, or returned something other than None or text (one line).
     """
     if agent.factory is None:
-        return [None] * n
-    out = []
+        return [None] * n, [None] * n
+    out, observations = [], []
     for i in range(n):
         env = agent.factory()
-        row = {k: v[i] for k, v in columns.items()}
+        row = {k: v[i] for k, v in columns.items() if k != "environments"}
         try:
             observation = env.reset(**row)
         except Exception as e:  # noqa: BLE001  (the user's environment: one line on every rank via the caller)
             raise RunFailure(f"grpo: train.grpo.environment: {type(env).__name__}.reset({', '.join(row)}) failed: "
                              f"{type(e).__name__}: {e}") from e
-        if observation is not None:
-            raise RunFailure(f"grpo: train.grpo.environment: {type(env).__name__}.reset returned an observation; "
-                             f"finetune takes the task from the prompt column (data.prompt_column): return None and "
-                             f"state the task there")
+        if observation is not None and not isinstance(observation, str):
+            raise RunFailure(f"grpo: train.grpo.environment: {type(env).__name__}.reset returned a "
+                             f"{type(observation).__name__}; return None or the first observation as text (it is "
+                             f"appended to the prompt's last message)")
         out.append(env)
-    return out
+        observations.append(observation)
+    return out, observations
+
+
+def observe(prompt, observation: str | None):
+    """The prompt a rollout starts from: ``prompt`` (a list of ``{role, content}`` messages) with ``observation``
+    appended to its last message's content, as TRL 1.16's ``GRPOTrainer`` does (``content + observation``, no
+    separator; the input row is left untouched); ``prompt`` itself when the observation is None."""
+    if observation is None:
+        return prompt
+    messages = list(prompt)
+    return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
+
+
+def observed_prompts(prompts: list, observations: list[str | None], encode, max_seq_len: int, pad: int) \
+        -> tuple[dict, list] | None:
+    """The rollouts' own prompts when an environment's ``reset`` returned observations: each prompt with its
+    observation (:func:`observe`), rendered as the data's prompts are (``encode``: the prompt rows' encoder, the
+    tools offered, the assistant's turn opened) and cut to its last ``max_seq_len`` tokens (``data.max_seq_len``).
+    The observation is prompt: never trained. Rollouts of one group may then start from different prompts (the
+    training pass runs each with its own prompt, without prompt sharing: :func:`finetune.recipes.grpo._sequences`).
+
+    Args:
+        prompts: one raw prompt per rollout (messages).
+        observations: one per rollout (:func:`start_environments`).
+        encode: messages -> token ids (:meth:`finetune.recipes.grpo.prompts.PromptRows.encode`).
+        max_seq_len: the prompt length at most.
+        pad: the pad token id (left padding).
+
+    Returns:
+        None when every observation is None (the rollouts start from the data's prompts), else ``(batch,
+        messages)``: ``input_ids`` and ``attention_mask`` ``[N, longest]`` int64,
+        left-padded with ``pad``, and each rollout's prompt messages with its observation.
+    """
+    if all(o is None for o in observations):
+        return None
+    messages = [observe(p, o) for p, o in zip(prompts, observations)]
+    ids = [encode(m)[-max_seq_len:] for m in messages]
+    width = max(map(len, ids))
+    out = torch.full((len(ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        out[i, width - len(x):], mask[i, width - len(x):] = torch.tensor(x, dtype=torch.long), 1
+    return {"input_ids": out, "attention_mask": mask}, messages
 
 
 def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agent: Agent, environments: list,
@@ -109,7 +160,7 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
         tok: the tokenizer.
         g: ``train.grpo``.
         agent: the run's tools and environment.
-        environments: one instance (or None) per rollout (:func:`start_environments`).
+        environments: one instance (or None) per rollout (:func:`start_environments`'s first).
         chat_template: ``data.chat_template`` as text, or None (the tokenizer's).
 
     Returns:

@@ -104,11 +104,12 @@ def prompt_shared_rows(batch: dict, pad_token_id: int) -> dict:
 
 def shares_prompts(model, batch: dict, share: bool) -> bool:
     """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
-    than one completion per prompt, and a model that takes a block mask per row
+    than one completion per prompt, the same prompt for a group's completions (an environment's observations may
+    make them differ: ``prompts_differ``), and a model that takes a block mask per row
     (:func:`finetune.recipes.reward.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
     flash-attention kernels take none). When it cannot, a line says why, once per process."""
-    if not share or int(batch.get("group_size", 1)) <= 1:
-        return False
+    if not share or int(batch.get("group_size", 1)) <= 1 or bool(batch.get("prompts_differ", False)):
+        return False  # prompts_differ: an environment's observations gave a group's rollouts different prompts
     problem = reward.sharing_problem(unwrap(model))
     if problem is not None and problem not in _SHARING_OFF:
         _SHARING_OFF.add(problem)

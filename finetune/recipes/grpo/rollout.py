@@ -13,7 +13,8 @@ import torch
 from finetune.config import GrpoConfig, RunConfig
 from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig, make_rollout
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes.grpo.agent import agent_of, multi_turn, start_environments
+from finetune.recipes.grpo.agent import agent_of, multi_turn, observed_prompts, start_environments
+from finetune.recipes.grpo.prompts import PromptRows
 from finetune.recipes.sft import template_text
 
 
@@ -22,13 +23,16 @@ class Completions:
     """The step's completions on this rank (:func:`generate_completions`)."""
 
     batches: list[dict]
-    """One :func:`generate` output per prompt batch (``B G`` completions each, a prompt's ``G`` consecutive)."""
+    """One :func:`generate` output per prompt batch (``B G`` completions each, a prompt's ``G`` consecutive); with an
+    environment's observations, also ``prompt_ids`` and ``prompt_mask`` ``[B G, P']``: each rollout's own prompt,
+    left-padded."""
     texts: list[str]
     """Every completion as text, in the batches' order."""
     ids: list[list[int]]
     """Every completion's token ids up to and including its EOS."""
     prompts: list
-    """Every completion's prompt (each prompt ``G`` times)."""
+    """Every completion's prompt (each prompt ``G`` times; with an environment's observation, the rollout's own:
+    the prompt's last message with the observation appended)."""
     columns: dict[str, list]
     """Every completion's ``data.reward_columns`` values (each row's ``G`` times); with an environment, also
     ``environments``: each rollout's instance (the reward functions' ``environments`` argument, TRL's)."""
@@ -46,29 +50,49 @@ def generate_completions(engine, micro: list[dict], cfg: RunConfig, step: int, t
             for n in cfg.data.reward_columns}
     seed = _seed(cfg.train.seed, step, joined["row_seeds"])
     transcripts = None
+    prompts = [p for b in micro for p in b["prompts"] for _ in range(g.num_generations)]
+    agent = agent_of(cfg)
+    # an environment's reset before the first turn: its observations become the rollouts' own prompts
+    environments, observed = _environments(agent, cols, prompts, cfg, tok)
     with _rollout(engine, g, tok).weights():  # ZeRO-3: the whole model gathered once for the step's generation
-        whole = generate(engine, joined, g, tok, g.num_generations, True, seed, _synced(engine, g))
-        agent = agent_of(cfg)
-        if agent is not None:  # the tool turns, in the same gathered weights
+        if observed is None:
+            whole = generate(engine, joined, g, tok, g.num_generations, True, seed, _synced(engine, g))
             repeated = {k: joined[k].repeat_interleave(g.num_generations, 0) for k in ("input_ids", "attention_mask")}
-            whole, transcripts, cols = _tool_turns(engine, whole, repeated, cols, cfg, tok, agent, seed, True)
+        else:  # one prompt per rollout
+            repeated, prompts = observed
+            whole = generate(engine, repeated, g, tok, 1, True, seed, _synced(engine, g))
+        if agent is not None:  # the tool turns, in the same gathered weights
+            whole, transcripts, cols = _tool_turns(engine, whole, repeated, cols, cfg, tok, agent, seed, True,
+                                                   environments)
+    if observed is not None:  # the training pass's prompts: each rollout's own
+        whole.update(prompt_ids=repeated["input_ids"], prompt_mask=repeated["attention_mask"])
     done = split_completions(whole, [len(b["prompts"]) * g.num_generations for b in micro], tok.pad_token_id)
-    texts, ids, prompts = [], [], []
-    for b, c in zip(micro, done):
+    texts, ids = [], []
+    for c in done:
         t, i = _texts(tok, c)
         texts += t
         ids += i
-        prompts += [p for p in b["prompts"] for _ in range(g.num_generations)]
     return Completions(done, texts, ids, prompts, cols, transcripts)
 
 
+def _environments(agent, cols: dict, prompts: list, cfg: RunConfig, tok) -> tuple[list | None, tuple | None]:
+    """With an environment: one instance per rollout, reset before its first turn
+    (:func:`~finetune.recipes.grpo.agent.start_environments`), and, when some ``reset`` returned an observation, the
+    rollouts' own prompts (:func:`~finetune.recipes.grpo.agent.observed_prompts`: ``(batch, messages)``)."""
+    if agent is None or agent.factory is None:
+        return None, None
+    environments, observations = start_environments(agent, cols, len(prompts))
+    encode = PromptRows(tok, cfg.data, agent.schemas).encode
+    return environments, observed_prompts(prompts, observations, encode, cfg.data.max_seq_len, tok.pad_token_id)
+
+
 def _tool_turns(engine, whole: dict, prompts: dict, cols: dict, cfg: RunConfig, tok, agent, seed: int,
-                sample: bool) -> tuple[dict, list[list[dict]], dict]:
+                sample: bool, environments: list | None) -> tuple[dict, list[list[dict]], dict]:
     """:func:`~finetune.recipes.grpo.agent.multi_turn` on this rank's rollouts, each continuation sampled as the
-    first turn (seeded from the step's seed and the turn); with an environment, one instance per rollout, added
-    to the columns as ``environments``."""
+    first turn (seeded from the step's seed and the turn); with an environment, its instances (one per rollout,
+    :func:`_environments`) added to the columns as ``environments``."""
     g = cfg.train.grpo
-    environments = start_environments(agent, cols, len(whole["completion_ids"]))
+    environments = environments or [None] * len(whole["completion_ids"])
     turn = iter(range(1, 1 << 20))
 
     def continue_(batch: dict, max_new: int) -> dict:
@@ -88,12 +112,13 @@ def greedy_completions(model, batch: dict, g: GrpoConfig, tok, cfg: RunConfig | 
     reward columns (with an environment, its instances added as ``environments``); with tools (``cfg``), the tool
     turns too."""
     cols = dict(batch["reward_columns"])
+    agent = agent_of(cfg) if cfg is not None else None
+    environments, observed = _environments(agent, cols, list(batch["prompts"]) if agent else [], cfg, tok)
+    prompts = {k: batch[k] for k in ("input_ids", "attention_mask")} if observed is None else observed[0]
     with _rollout(model, g, tok).weights():
-        c = generate(model, batch, g, tok, 1, False, 0, _synced(model, g))
-        agent = agent_of(cfg) if cfg is not None else None
+        c = generate(model, prompts, g, tok, 1, False, 0, _synced(model, g))
         if agent is not None:
-            prompts = {k: batch[k] for k in ("input_ids", "attention_mask")}
-            c, _, cols = _tool_turns(model, c, prompts, cols, cfg, tok, agent, 0, False)
+            c, _, cols = _tool_turns(model, c, prompts, cols, cfg, tok, agent, 0, False, environments)
     texts, ids = _texts(tok, c)
     return texts, ids, cols
 

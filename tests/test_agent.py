@@ -1,0 +1,164 @@
+"""Multi-turn ``grpo`` with an environment, in one process (:mod:`finetune.recipes.grpo.agent`): the first
+observation ``reset(**row)`` returns (TRL 1.16's ``environment_factory`` contract) becomes part of the rollout's
+prompt, rendered by the chat template, never trained; rollouts of one group may then start from different prompts,
+and the training pass runs each with its own (no prompt sharing), with the same log-probabilities as each sequence
+run alone."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import CONFIGS, REPO, scratch_model
+from finetune.config import load_run_config
+from finetune.errors import RunFailure
+from finetune.recipes import grpo
+from finetune.recipes.grpo import agent as agent_mod
+
+CONFIG = CONFIGS / "tiny_grpo.yaml"
+TEMPLATE = REPO / "data/chat_templates/chatml_tools.jinja"
+ENVIRONMENTS = '''
+class Lamp:
+    """A lamp to switch on; reset says which room it is in, and, with ``numbered``, which rollout this is."""
+
+    made = 0
+
+    def __init__(self):
+        Lamp.made += 1
+        self._number, self._on = Lamp.made, False
+
+    def reset(self, answer, room, **row):
+        """The first observation: the room (the row's) and, in odd rooms, the instance's number (so the rollouts of
+        one prompt start from different prompts)."""
+        self._room = room
+        return f" (You are in the {room}." + (f" Lamp {self._number}.)" if len(room) % 2 else ")")
+
+    def switch(self, on: bool) -> str:
+        """Switch the lamp.
+
+        Args:
+            on: On or off.
+        """
+        self._on = bool(on)
+        return "on" if self._on else "off"
+
+    def get_reward(self) -> float:
+        """1 when the lamp is on."""
+        return float(self._on)
+
+
+class Silent(Lamp):
+    def reset(self, answer, room, **row):
+        """No observation: the prompt states the task."""
+        return None
+
+
+class Loud(Lamp):
+    def reset(self, answer, room, **row):
+        """An observation that is not text."""
+        return {"room": room}
+'''
+
+
+def _setup(tmp_path, factory: str, rooms=("hall", "kitchen")):
+    env = tmp_path / "lamps.py"
+    env.write_text(ENVIRONMENTS)
+    data = tmp_path / "prompts.parquet"
+    rows = [{"prompt": [{"role": "user", "content": f"Switch the lamp on, please ({i})."}], "answer": "on",
+             "room": room} for i, room in enumerate(rooms)]
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    overrides = [f"data.train_files=[{data}]", f"data.validation_files=[{data}]", "data.prompt_column=prompt",
+                 "data.reward_columns=[answer,room]", f"data.chat_template={TEMPLATE}", "data.max_seq_len=384",
+                 f"train.grpo.environment={env}:{factory}", "train.grpo.rewards=[]", "train.grpo.reward_weights=[]",
+                 "train.grpo.num_generations=3", "train.grpo.max_completion_length=6", "train.grpo.log_completions=8",
+                 f"output_dir={tmp_path / 'run'}"]
+    cfg = load_run_config(CONFIG, overrides)
+    (tmp_path / "run").mkdir()
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    recipe = get_recipe("grpo").configure(get_recipe("grpo"), cfg)
+    tok = load_tokenizer(cfg, recipe)
+    fn = recipe.tokenize_function(tok, cfg.data)
+    table = pq.read_table(data).to_pydict()
+    tokenized = fn({k: table[k] for k in ("prompt", "answer", "room")})
+    prompt_rows = [{k: tokenized[k][i] for k in tokenized} | {"_seed": i} for i in range(len(rows))]
+    batch = recipe.make_collator(tok, cfg.data)(prompt_rows)
+    return cfg, tok, fn, batch
+
+
+def test_the_reset_observation_is_the_rollouts_prompt_and_never_trained(tmp_path):
+    """``reset`` returns text: each rollout's prompt is the row's with the observation appended to its last message
+    (TRL's ``content + observation``), rendered with the tools offered; its tokens are prompt (labels -100, outside
+    ``completion_mask``); completions.jsonl shows it. The kitchen's observations number the instances, so its group's
+    prompts differ: prompt sharing is off for that micro-batch, and the loss's log-probabilities equal each sequence
+    run alone."""
+    cfg, tok, fn, batch = _setup(tmp_path, "Lamp")
+    model = scratch_model(cfg).eval()
+    out = grpo._generate_and_score(model, [batch], cfg, 0)
+    assert len(out) == 1
+    b, g = out[0], cfg.train.grpo.num_generations
+    p = int(b["prompt_length"])
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 * g
+    prompts = [r["prompt"] for r in logged]
+    for k in range(g):  # the hall's: one observation for all; the kitchen's: one per instance
+        assert prompts[k][-1]["content"] == "Switch the lamp on, please (0). (You are in the hall.)"
+        assert prompts[g + k][-1]["content"].startswith("Switch the lamp on, please (1). (You are in the kitchen. Lamp ")
+    assert len({json.dumps(x) for x in prompts[g:]}) == g  # the kitchen's rollouts start from different prompts
+    for i, messages in enumerate(prompts):  # the sequence's prompt: the observed messages as the template renders them
+        expected = fn.encode(messages)
+        real = b["input_ids"][i, :p][b["attention_mask"][i, :p].bool()].tolist()
+        assert real == expected, i
+        assert "<tools>" in tok.decode(real) and "switch" in tok.decode(real)  # the tools' schemas offered
+        assert (b["labels"][i, :p] == -100).all()  # never trained
+    assert "You are in the hall" not in tok.decode(batch["input_ids"][0])  # the data's own prompt has none
+    assert bool(b["prompts_differ"]) and not grpo.shares_prompts(model, b, True)
+    logps, _ = grpo.completion_logps(model, b, cfg.train.grpo.temperature, share=True)
+    for i in range(len(b["input_ids"])):  # each sequence alone, unpadded: the same log-probabilities
+        ids = b["input_ids"][i][b["attention_mask"][i].bool()]
+        n_prompt = int(b["attention_mask"][i, :p].sum())
+        n = int(b["lengths"][i])
+        with torch.no_grad():
+            logits = model(input_ids=ids[None]).logits[0, n_prompt - 1:n_prompt + n - 1].float()
+        alone = torch.log_softmax(logits / cfg.train.grpo.temperature, -1).gather(-1, ids[n_prompt:, None]).squeeze(-1)
+        assert torch.allclose(logps[i, :n], alone, atol=1e-5), i
+
+
+def test_equal_observations_keep_prompt_sharing_and_no_observation_keeps_the_datas_prompts(tmp_path):
+    """Observations that depend on the row only (even rooms): a group's prompts are equal, prompt sharing stays on
+    and gives the unshared log-probabilities. ``reset`` returning None: the rollouts start from the data's prompts
+    (the path without observations, unchanged)."""
+    cfg, tok, _, batch = _setup(tmp_path, "Lamp", rooms=("hall", "cellar"))
+    model = scratch_model(cfg).eval()
+    b = grpo._generate_and_score(model, [batch], cfg, 0)[0]
+    assert not bool(b["prompts_differ"]) and grpo.shares_prompts(model, b, True)
+    shared, _ = grpo.completion_logps(model, b, cfg.train.grpo.temperature, share=True)
+    plain, _ = grpo.completion_logps(model, b, cfg.train.grpo.temperature, share=False)
+    assert torch.allclose(shared * b["completion_mask"], plain * b["completion_mask"], atol=1e-5)
+    assert "(You are in the cellar.)<|endoftext|>" in tok.decode(b["input_ids"][-1])
+
+    silent = tmp_path / "silent"
+    silent.mkdir()
+    cfg, tok, _, batch = _setup(silent, "Silent")
+    b = grpo._generate_and_score(model, [batch], cfg, 0)[0]
+    p, g = int(b["prompt_length"]), cfg.train.grpo.num_generations
+    assert torch.equal(b["input_ids"][:, :p], batch["input_ids"].repeat_interleave(g, 0))
+    assert not bool(b["prompts_differ"])
+
+
+def test_a_reset_that_returns_other_than_text_stops_in_one_line(tmp_path):
+    cfg, tok, _, batch = _setup(tmp_path, "Loud")
+    agent = agent_mod.agent_of(cfg)
+    with pytest.raises(RunFailure, match=r"^grpo: train.grpo.environment: Loud.reset returned a dict; return None "
+                                         r"or the first observation as text"):
+        agent_mod.start_environments(agent, {"answer": ["on"], "room": ["hall"]}, 1)
+
+
+def test_observe_appends_to_the_last_message_as_trl_does():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."}]
+    assert agent_mod.observe(messages, " Door open.") == [messages[0], {"role": "user", "content": "Go. Door open."}]
+    assert messages[1]["content"] == "Go." and agent_mod.observe(messages, None) is messages
