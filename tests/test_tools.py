@@ -115,8 +115,37 @@ def test_calls_are_parsed_and_every_failure_is_a_message(tool_file, tokenizer):
     assert errors[2] == "TypeError: add() missing 1 required positional argument: 'b'"
     assert errors[3] == "ZeroDivisionError: the tool divided by zero"
     assert errors[4] == "unknown tool 'search'; the tools are: add, broken, sleepy"
-    assert (stats.calls, stats.failures, stats.non_text) == (6, 5, 1)  # add's int result went as JSON
+    assert (stats.calls, stats.failures, stats.non_text) == (6, 5, 1)  # add's int result went as str(5)
     assert stats.per_tool == {"add": 2, "sleepy": 1, "<unparsed>": 1, "broken": 1, "search": 1}
+
+
+class _Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(("value", "text"), [(None, "None"), ({"a": 1, "b": [2]}, "{'a': 1, 'b': [2]}"), (2.5, "2.5"),
+                                             ([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "ab"),
+                                             ([1, 2], "[1, 2]"), (_Unprintable(), "<_Unprintable>")])
+def test_a_result_that_is_not_text_is_sent_as_trl_sends_it_and_counted(value, text):
+    """TRL 1.16's ``str(result)`` (text content blocks: their texts); counted as ``non_text``, not a failure."""
+    stats = T.ToolStats()
+    assert T.call_tool({"f": lambda: value}, {"name": "f", "arguments": {}, "error": None}, 1.0, stats) == text
+    assert (stats.calls, stats.failures, stats.non_text) == (1, 0, 1)
+
+
+def test_a_tool_without_a_docstring_is_refused_in_one_line(tmp_path):
+    """Issue 53's "a bad tool file: one line": type hints but no docstring, or an argument the docstring does not
+    describe."""
+    path = tmp_path / "bare.py"
+    path.write_text("def bare(x: int) -> int:\n    return x\n\n\ndef partial(x: int, y: int) -> int:\n"
+                    "    \"\"\"Half documented.\n\n    Args:\n        x: The first.\n    \"\"\"\n    return x\n")
+    for name, needle in (("bare", "Cannot generate JSON schema for bare because it has no docstring"),
+                         ("partial", "Cannot generate JSON schema for partial because the docstring has no "
+                                     "description for the argument 'y'")):
+        with pytest.raises(ConfigError, match=f"^train.grpo.tools: '{path}:{name}' cannot be offered as a tool: ") as e:
+            T.load_tools([f"{path}:{name}"])
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_a_result_is_appended_as_the_template_renders_it(tokenizer):
@@ -194,3 +223,15 @@ def test_tool_turns_append_results_unmasked_never_and_continue_together(tool_fil
     assert [s.calls for s in stats] == [1, 0, 2, 2] and T.ToolStats.total(stats).per_tool == {"add": 5}
     short = T.tool_turns(prompts[:1], [call], generate_fn, tokenizer, [fns], limit - 15, 2, 1.0, [T.ToolStats()])
     assert short[0].ids == call and short[0].mask == [1] * len(call)  # no room for the result: it ends there
+
+
+def test_a_template_that_fails_on_tool_messages_is_refused_in_one_line(tool_file, tokenizer):
+    """A template that renders the schemas but raises on a ``tool`` message (a Jinja error of the user's template):
+    one line naming the error, before any model."""
+    tools = [t.schema for t in T.load_tools([f"{tool_file}:add"])]
+    template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+                "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+    problem = T.template_problem(tokenizer, tools, template)
+    assert problem.startswith("the chat template cannot render tools, tool calls or tool results (") and \
+        "no tool role" in problem and "\n" not in problem, problem

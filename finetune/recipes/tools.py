@@ -11,8 +11,9 @@ result is appended to the sampled tokens as the template renders a ``tool`` mess
 model then continues. Token in, token out: the sampled tokens are never re-tokenized from text.
 
 A tool that raises, runs past ``train.grpo.tool_timeout_s``, is unknown, or gets arguments that are not a JSON
-object returns ``{"error": ...}`` to the model (as TRL does) and is counted (``tools/failure_frequency``); a
-result that is not a string is sent as JSON (``str`` when it is not serializable) and counted as ``non_text``.
+object returns ``{"error": ...}`` (JSON) to the model (as TRL does) and is counted (``tools/failure_frequency``); a
+result that is not a string is sent as TRL 1.16 sends it, ``str(result)`` (a list of text content blocks: their
+texts), and counted as ``non_text`` (not a failure).
 No tool call ever stops a rank. A tool that hangs keeps its thread (Python cannot stop one); the rollout goes on
 without it.
 
@@ -235,10 +236,20 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: T
     if isinstance(value, str):
         return value
     stats.non_text += 1
+    return _as_text(value)
+
+
+def _as_text(value) -> str:
+    """A tool's result that is not a string, as the model reads it: TRL 1.16's ``str(result)`` (``None`` ->
+    ``"None"``, ``{"a": 1}`` -> ``"{'a': 1}"``, ``3`` -> ``"3"``); a list of text content blocks
+    (``[{"type": "text", "text": ...}]``, which TRL passes to the template as multimodal content) -> their texts
+    joined. Never raises (a ``__str__`` that raises gives the type's name)."""
+    if isinstance(value, list) and value and all(isinstance(b, dict) and b.get("type") == "text" for b in value):
+        return "".join(str(b.get("text", "")) for b in value)
     try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
         return str(value)
+    except Exception:  # noqa: BLE001  (the user's object)
+        return f"<{type(value).__name__}>"
 
 
 def _failed(stats: ToolStats, why: str) -> str:
