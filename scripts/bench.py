@@ -410,13 +410,18 @@ class PeakRSS(threading.Thread):
             self.done.wait(0.2)
 
 
+LAUNCH_PORTS: set[int] = set()  # the master ports deepspeed_cmd gave out (clean_shm removes their buffers only)
+
+
 def deepspeed_cmd(args, script: str, *script_args: str) -> list[str]:
     """``deepspeed --num_gpus <nproc> --master_port <free port> <script> <script_args...>`` (this venv's launcher),
     under ``flock <--lock>`` when given (the lock held for this launch only)."""
     lock = ["flock", args.lock] if getattr(args, "lock", "") else []
     runner = Path(sys.executable).parent / "deepspeed"  # elsewhere (pip install --target): the same runner's module
     launcher = [str(runner)] if runner.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    return [*lock, *launcher, "--num_gpus", str(args.nproc), "--master_port", str(free_port()), script, *script_args]
+    port = free_port()
+    LAUNCH_PORTS.add(port)
+    return [*lock, *launcher, "--num_gpus", str(args.nproc), "--master_port", str(port), script, *script_args]
 
 
 class OverBudget(RuntimeError):
@@ -459,8 +464,12 @@ def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
 
 
 def clean_shm(before: set[str]) -> None:
-    """Remove the ``/dev/shm/deepspeed_allreduce_buffer_*`` files a launch left (HF Trainer leaves them)."""
+    """Remove the ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` files a launch left (HF Trainer
+    leaves them): those made since ``before`` on a master port of :func:`deepspeed_cmd`'s, never the buffer of another
+    job's launch beside this one (its ranks may not have mapped it yet)."""
     for path in set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) - before:
+        if not path.rsplit("_", 2)[-2].isdigit() or int(path.rsplit("_", 2)[-2]) not in LAUNCH_PORTS:
+            continue
         try:
             os.unlink(path)
         except OSError:

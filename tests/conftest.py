@@ -27,6 +27,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def shm_buffers() -> set[str]:
+    """The CPU backend's all-reduce buffers now in ``/dev/shm`` (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<n>``)."""
+    return {str(p) for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}
+
+
+def leftover_shm(before: set[str], wait_s: float = 30.0) -> set[str]:
+    """Buffers made since ``before`` that are still there after up to ``wait_s`` seconds. A launch unlinks its buffer
+    once its ranks have mapped it, so a buffer of a test running beside this one (pytest-xdist) lives only while its
+    ranks start; one that stays was left behind."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while (new := shm_buffers() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return new
+
+
 def cpu_env(**extra: str) -> dict:
     """Environment for CPU DeepSpeed runs: CPU accelerator, one OpenMP thread per rank, shared caches."""
     env = dict(os.environ)

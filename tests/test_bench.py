@@ -11,20 +11,19 @@ smoke run (suite budget). The ``reward`` preset against TRL's ``RewardTrainer`` 
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 
 import pytest
 
-from conftest import run_python
+from conftest import leftover_shm, run_python, shm_buffers
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.extended  # suite budget
 def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
-    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    shm_before = shm_buffers()
     proc = run_python(["scripts/bench.py", "--preset", "gpt_clm", "--steps", "3", "--skip", "1", "--rounds", "1",
                        "--nproc", "1", "--tiny", "--keep", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -50,7 +49,7 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     # the bare loop trains the toolkit's own batches, model and loss: the same losses, to float rounding
     assert bare["final_loss"] == pytest.approx(ours["final_loss"], rel=1e-5)
     assert "gpt_clm: loop overhead of finetune over the bare engine loop on its own batches: " in proc.stdout
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+    assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
 @pytest.mark.extended
@@ -61,7 +60,7 @@ def test_dpo_benchmark_against_trl(tmp_path):
     All start from a policy equal to its reference, so the first losses are log 2 on every side, and from the same
     weights, so finetune's cached reference log-probabilities equal TRL's reference model's (1e-5 relative). The
     end-to-end figures (launch to last step, reference passes included) are there and below the timed steps'."""
-    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    shm_before = shm_buffers()
     proc = run_python(["scripts/bench.py", "--preset", "dpo_realistic", "--steps", "3", "--skip", "1", "--rounds",
                        "1", "--nproc", "1", "--tiny", "--no-warm-up", "--keep", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -86,7 +85,7 @@ def test_dpo_benchmark_against_trl(tmp_path):
     # the same initial weights on both sides: finetune's cached reference = TRL's reference model's, pair by pair
     line = next(x for x in proc.stdout.splitlines() if x.startswith("dpo: reference log-probabilities of the first"))
     assert float(line.split("max relative difference ")[1].split(";")[0]) < 1e-5, line
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+    assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
 @pytest.mark.extended
@@ -94,7 +93,7 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     """``scripts/bench_startup.py`` on a 1 MB corpus, 1 rank, 2 steps: every contender's time to its first step;
     finetune's second launch and the launch after ``finetune prepare`` hit the cache (no data phase of their own);
     the anonymous peak is at most the resident peak; the ratio lines are printed; no /dev/shm buffer is left."""
-    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    shm_before = shm_buffers()
     proc = run_python(["scripts/bench_startup.py", "--corpus-mb", "1", "--nproc", "1", "--steps", "2",
                        "--keep", str(tmp_path)], timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:]
@@ -114,7 +113,7 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     assert 0 < prepared["prepare_peak_anon_mb"] <= prepared["prepare_peak_mb"]
     assert rows["hf cold"]["data_s"] > 0
     assert "time to first step, hf cold / finetune cold: " in proc.stdout
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+    assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
@@ -125,7 +124,7 @@ def test_reward_benchmark_against_trl_best(tmp_path):
     3 steps, no warm-up launch: every figure there and finite, the held-out accuracy of the test pairs in [0, 1] on
     both sides, losses near log 2 (the scores of a random score head are close), the shared share of the pairs'
     tokens reported (the prompts: some, not most), the LM-head share printed (0%: a one-output score head)."""
-    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    shm_before = shm_buffers()
     separate = "finetune[train.reward.share_prefix=false]"
     proc = run_python(["scripts/bench.py", "--preset", "reward_prompt_only", "--steps", "3", "--skip", "1",
                        "--rounds", "1", "--nproc", "1", "--tiny", "--no-warm-up", "--contenders",
@@ -147,4 +146,4 @@ def test_reward_benchmark_against_trl_best(tmp_path):
     assert best["ratio_ours_over_this"] == pytest.approx(ours["real_tokens_per_s"] / best["real_tokens_per_s"])
     assert "reward_prompt_only: LM-head share of the matmul FLOPs per position 0.0% (no LM head" in proc.stdout
     assert "reward_prompt_only:\ncontender" in proc.stdout and "held-out acc" in proc.stdout
-    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before, "a launch left /dev/shm buffers"
+    assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
