@@ -30,6 +30,21 @@ is drawn by inverting the cumulative distribution with one uniform number per ro
 ``generate``'s ``torch.multinomial`` draws an exponential variate for every vocabulary entry. What each saves on the
 ``grpo`` bench's model: docs/performance.md, "Against TRL's ``GRPOTrainer``".
 
+Across the turns of a multi-turn rollout (tools, environments: :func:`finetune.recipes.tools.tool_turns`), ``fast``
+also keeps the KV cache: inside one :meth:`HFGenerateRollout.weights` block, each ``generate`` call's cache is kept
+with the real tokens it covers (:class:`TurnCache`), and a later call whose every row extends one of those rows
+(its previous turn, then the tool result's tokens) starts from the cached keys and values of that row instead of
+encoding the whole prefix again (:meth:`HFGenerateRollout._cached_prefix`). The cached entries are gathered into
+the new call's left-padded layout, real token by real token: a token's key and value depend only on the tokens
+before it and on its position, which counts real tokens, so they are the entries a full prefill would compute
+(float rounding aside: the greedy completions are those of the full prefill). Only the new tokens (the longest
+row's new tail) are encoded. It falls back to a full prefill, and says why once per process
+(:data:`TURN_CACHE_STATS`), when a row does not extend a cached one, a call asks for several completions per
+prompt, generation runs in lockstep (ZeRO-3 without ``gather_for_generation``), ``fast_generation`` is off, the
+model keeps no ``DynamicCache`` or has cache layers other than full attention (sliding-window, linear-attention),
+or the call is outside ``weights()`` (the weights may change between calls). The idea is the prefix caching of
+inference servers (vLLM's automatic prefix caching, SGLang's RadixAttention) for one rollout's own turns.
+
 Completions are sampled from the policy the loss assumes: ``softmax(logits / temperature)`` with top-k / top-p and
 nothing else. A model's ``generation_config.json`` may add logits processors of its own (Qwen2.5-Instruct ships
 ``repetition_penalty: 1.05``; others ``no_repeat_ngram_size``, ``min_new_tokens``, ``suppress_tokens``, ``min_p``,
@@ -42,6 +57,7 @@ once per process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 
 import torch
@@ -200,6 +216,37 @@ def announce_overrides(model) -> None:
                     f"itself (train.grpo.temperature, top_p, top_k only), so these are not applied")
 
 
+@dataclasses.dataclass
+class TurnCache:
+    """The KV cache of a ``generate`` call inside :meth:`HFGenerateRollout.weights`, for the next turn."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per layer, keys and values ``[R, H_kv, L, D]`` of the call's rows (on the model's device)."""
+    positions: list[torch.Tensor]
+    """Per row, the columns ``< L`` that hold its real tokens (int64, ascending)."""
+    index: dict[tuple[int, ...], int]
+    """Each row's real tokens (prompt, then the response up to and including its EOS) -> the row."""
+    lengths: list[int]
+    """The distinct lengths of the rows' real tokens, longest first."""
+
+
+TURN_CACHE_STATS = {"reused": 0, "full": 0, "cached_tokens": 0, "encoded_tokens": 0, "why_not": {}}
+"""Counts of this process's continuation calls inside ``weights()``: ``reused`` (started from the cache),
+``full`` (a full prefill after a cached call), the real tokens taken from the cache and the prefix tokens encoded
+again (the reused calls' rows), and ``why_not``: reason -> calls that fell back for it."""
+_TURNS: dict[int, TurnCache | None] = {}
+"""id(model) -> the last call's :class:`TurnCache` while a ``weights()`` block of that model is open."""
+_TOLD: set[str] = set()
+
+
+def _no_reuse(why: str) -> None:
+    TURN_CACHE_STATS["full"] += 1
+    TURN_CACHE_STATS["why_not"][why] = TURN_CACHE_STATS["why_not"].get(why, 0) + 1
+    if why not in _TOLD and dist_utils.is_main():
+        _TOLD.add(why)
+        logger.info(f"rollout: a turn is encoded from its whole prefix, not from the previous turn's KV cache: {why}")
+
+
 class HFGenerateRollout(RolloutEngine):
     """DeepSpeed's :class:`~deepspeed.runtime.rollout.RolloutEngine` over transformers' ``generate`` on the
     training engine's module.
@@ -230,6 +277,9 @@ class HFGenerateRollout(RolloutEngine):
         (the gather is a collective)."""
         was_training = self.model.training
         self.model.eval()
+        key, opened = id(self.model), id(self.model) not in _TURNS
+        if opened:  # the turns' KV caches live as long as these weights (module docstring)
+            _TURNS[key] = None
         try:
             if self._zero3() and self.gather:
                 import deepspeed
@@ -238,6 +288,8 @@ class HFGenerateRollout(RolloutEngine):
             else:
                 yield
         finally:
+            if opened:
+                _TURNS.pop(key, None)
             self.model.train(was_training)
 
     def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None) -> RolloutBatch:
@@ -256,7 +308,9 @@ class HFGenerateRollout(RolloutEngine):
             ``response_start_idx`` ``[B n]`` = ``T_p``.
 
         Decodes with a KV cache whatever the model's ``use_cache`` says (an SFT export of packed rows says false),
-        and with none of the model's own generation settings (:func:`policy_generation_config`).
+        and with none of the model's own generation settings (:func:`policy_generation_config`). Inside
+        :meth:`weights` with ``fast``, a prompt that extends a previous call's row starts from that row's KV cache
+        (module docstring); the tokens are those of a full prefill.
         """
         device = next(self.model.parameters()).device
         ids = request.prompt_ids.to(device)
@@ -275,12 +329,28 @@ class HFGenerateRollout(RolloutEngine):
         tok = self.tokenizer
         base = self._base()
         announce_overrides(base)
+        key = id(self.model)
+        session = key in _TURNS  # inside weights(): keep this call's cache for the next turn
+        keep = session and fast and self._caches_dynamically()
+        previous = _TURNS.get(key)
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 _generation_config(base, policy_generation_config(base)):
             if seed is not None:
                 torch.manual_seed(seed)
-            if fast and n > 1 and ids.shape[1] > 1 and self._caches_dynamically():
+            cache = None
+            if session and not keep and dist_utils.is_main() and "off" not in _TOLD:
+                _TOLD.add("off")
+                logger.info("rollout: turns are encoded from their whole prefix, no KV cache kept across turns: "
+                            + ("lockstep ZeRO-3 generation (gather_for_generation false)" if synced else
+                               "fast_generation is off" if not self.fast else "the model keeps no DynamicCache"))
+            if previous is not None:  # a continuation: from the previous turn's cache where every row extends one
+                if n > 1:
+                    _no_reuse("several completions per prompt")
+                else:
+                    cache = self._cached_prefix(previous, ids, mask, sampling.max_new_tokens)
+            if cache is None and fast and ids.shape[1] > 1 and self._caches_dynamically() and (n > 1 or keep):
                 cache = self._prefill_once(ids, mask, n, sampling.max_new_tokens)
+            if cache is not None:
                 ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
                 knobs |= {"past_key_values": cache, "num_return_sequences": 1}
             else:
@@ -288,7 +358,72 @@ class HFGenerateRollout(RolloutEngine):
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                       synced_gpus=synced, use_cache=True, **knobs)
-        return response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], tok.eos_token_id, n)
+        batch = response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], tok.eos_token_id, n)
+        if session:
+            _TURNS[key] = _turn_cache(cache, batch) if keep and cache is not None else None
+        return batch
+
+    def _cached_prefix(self, turn: TurnCache, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) \
+            -> DynamicCache | None:
+        """The KV cache of ``ids[:, :-1]`` (``[R, W]`` left-padded, one completion each) from ``turn``'s rows that
+        each row extends: the cached real tokens gathered into this call's layout (row ``i``'s first ``K - pad_i``
+        real tokens, ``K`` the same for all rows: the longest new tail decides it; zeros on the padding), then the
+        rest encoded, the full-attention layers reserved for ``new_tokens`` more; None (a full prefill) when a row
+        extends no cached row."""
+        width = ids.shape[1]
+        cpu_ids, cpu_mask = ids.cpu(), mask.cpu().bool()
+        source, take = [], []
+        for row, m in zip(cpu_ids, cpu_mask):
+            real = row[m].tolist()
+            found = next((turn.index[k] for k in (tuple(real[:n]) for n in turn.lengths if n < len(real))
+                          if k in turn.index), None)
+            if found is None:
+                _no_reuse("a prompt that extends no row of the previous call")
+                return None
+            source.append(found)
+            take.append((width - len(real), len(turn.positions[found])))  # (padding, cached real tokens)
+        k = min(pad + cached for pad, cached in take)
+        if k <= 0:
+            _no_reuse("nothing of the prompts cached")
+            return None
+        column = torch.zeros((len(source), k), dtype=torch.long)
+        valid = torch.zeros((len(source), k), dtype=torch.bool)
+        for i, (o, (pad, _)) in enumerate(zip(source, take)):
+            n = max(0, k - pad)
+            if n:
+                column[i, k - n:] = turn.positions[o][:n]
+                valid[i, k - n:] = True
+        device = ids.device
+        column, valid, rows = column.to(device), valid.to(device), torch.tensor(source, device=device)
+        base = self._base()
+        cache = DynamicCache(config=base.config.get_text_config(decoder=True))
+        if len(cache.layers) != len(turn.layers):
+            _no_reuse("the model's cache layers changed")
+            return None
+        layers = []
+        for keys, values in turn.layers:
+            picked = []
+            for t in (keys, values):
+                t = t.index_select(0, rows)
+                at = column[:, None, :, None].expand(t.shape[0], t.shape[1], k, t.shape[3])
+                picked.append(torch.gather(t, 2, at).masked_fill_(~valid[:, None, :, None], 0.0))
+            layer = DynamicLayer()
+            layer.dtype, layer.device, layer.is_initialized = picked[0].dtype, picked[0].device, True
+            layer.keys, layer.values = picked
+            layers.append(layer)
+        cache.layers = layers
+        TURN_CACHE_STATS["reused"] += 1
+        TURN_CACHE_STATS["cached_tokens"] += int(valid.sum())
+        TURN_CACHE_STATS["encoded_tokens"] += int(mask[:, k:width - 1].sum())
+        if k < width - 1:  # the new tokens but the last (generate runs that one and decodes)
+            params = inspect.signature(base.forward).parameters
+            extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+            if "position_ids" in params:
+                extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, k:-1]
+            self.model(input_ids=ids[:, k:-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True,
+                       **extra)
+        cache.layers = [ReservedLayer.reserve(x, width + new_tokens) for x in cache.layers]
+        return cache
 
     def _base(self):
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
@@ -318,6 +453,23 @@ class HFGenerateRollout(RolloutEngine):
 
     def sync_weights(self, step: int) -> None:
         """Nothing to push: the rollout runs on the training engine's own weights."""
+
+
+def _turn_cache(cache: DynamicCache, batch: RolloutBatch) -> TurnCache | None:
+    """What the next turn needs of a call's ``cache`` (which covers ``batch.input_ids``' first columns); None when
+    a layer is not full attention (its cache is not one entry per column)."""
+    if not all(isinstance(x, DynamicLayer) and type(x) in (DynamicLayer, ReservedLayer) and x.is_initialized
+               for x in cache.layers):
+        _no_reuse("cache layers other than full attention (sliding-window, linear-attention)")
+        return None
+    length = cache.get_seq_length()
+    real = batch.attention_mask.bool()
+    index = {}
+    for i, (row, m) in enumerate(zip(batch.input_ids, real)):
+        index.setdefault(tuple(row[m].tolist()), i)
+    return TurnCache(layers=[(x.keys, x.values) for x in cache.layers],
+                     positions=[m[:length].nonzero().flatten() for m in real],
+                     index=index, lengths=sorted({len(k) for k in index}, reverse=True))
 
 
 @contextlib.contextmanager
