@@ -124,6 +124,8 @@ class DataConfig:
     """reward only: a numeric column of per-pair margins ``m`` (TRL's ``margin``): the loss is ``-log sigma(r_chosen - r_rejected - m)``; empty: no margin (a ``margin`` column in the files is then ignored, with a warning)."""
     messages_column: str = ""
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
+    tools_column: str = ""
+    """sft only, with ``messages_column``: a column of the tools each conversation may call, a list of JSON schemas or that list as JSON text (TRL's ``tools`` column); the chat template renders them (``apply_chat_template(tools=...)``) as ``grpo`` renders ``train.grpo.tools`` and ``environment`` into its prompts; empty: no tools."""
     chat_template: str = ""
     """sft, dpo, kto and reward: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: Truncation = "truncate"

@@ -6,18 +6,33 @@ expert trajectories that play it by bisection, as chat conversations with tool c
 ``train.parquet`` / ``test.parquet``: columns ``prompt`` (the task: a conversation of one user message), ``low``, ``high``,
 ``secret`` (1,000 and 100 games, ranges 1-16 to 1-64). ``train_chat.parquet``: column ``messages``, the user
 message, then for each guess an assistant turn calling ``guess`` and the ``tool`` result, and a last assistant turn
-stating the number.
+stating the number; column ``tools``, the JSON text of the tool schemas that ``grpo`` offers with
+``train.grpo.environment: data/environments/guess_number.py:GuessNumber`` (built by the same
+:func:`finetune.recipes.tools.environment_tools`), which ``sft`` renders into each conversation
+(``data.tools_column: tools``) so that the SFT model learns the prompt GRPO's rollouts show it.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-OUT = Path(__file__).resolve().parent.parent / "data" / "guess_number"
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "data" / "guess_number"
+ENVIRONMENT = "data/environments/guess_number.py:GuessNumber"
+
+
+def tool_schemas() -> list[dict]:
+    """The schemas ``grpo`` offers for :data:`ENVIRONMENT` (its public methods, one probe instance)."""
+    sys.path.insert(0, str(REPO))
+    from finetune.recipes import tools
+
+    return [t.schema for t in tools.environment_tools(tools.load_environment(ENVIRONMENT)())]
 
 
 def prompt(low: int, high: int) -> str:
@@ -60,7 +75,8 @@ def main() -> None:
     train, test = games(1000, rng), games(100, rng)
     pq.write_table(pa.Table.from_pylist(train), OUT / "train.parquet")
     pq.write_table(pa.Table.from_pylist(test), OUT / "test.parquet")
-    chats = [{"messages": expert(r["low"], r["high"], r["secret"])} for r in train]
+    schemas = json.dumps(tool_schemas())
+    chats = [{"messages": expert(r["low"], r["high"], r["secret"]), "tools": schemas} for r in train]
     for chat in chats:  # one schema for every row: arguments as JSON text (the template writes a string as is)
         for m in chat["messages"]:
             for call in m.get("tool_calls") or []:

@@ -14,7 +14,11 @@ Data, one of two forms (:func:`form`):
   transformers' ``apply_chat_template(return_assistant_tokens_mask=True)``; for other templates each assistant
   turn is the difference between rendering the conversation up to it with ``add_generation_prompt=True`` and
   rendering it including the turn (so the turn's end marker, e.g. Qwen's ``<|im_end|>``, is trained on too).
-  Conversations without an assistant turn are dropped and counted.
+  Conversations without an assistant turn are dropped and counted. With ``data.tools_column`` each conversation
+  is rendered with its row's tool schemas (``apply_chat_template(tools=...)``: e.g. the shipped
+  ``data/chat_templates/chatml_tools.jinja`` lists them in a system turn), the prompt format ``grpo`` shows a
+  model that it offers ``train.grpo.tools`` or an ``environment``, so expert trajectories with tool calls
+  (``data/guess_number/train_chat.parquet``) teach the format that multi-turn GRPO then samples.
 
 The first label of every example is -100 (nothing predicts it), so a packed row and its examples run one by one
 have exactly the same targets. An example longer than ``data.max_seq_len`` is cut to it
@@ -39,6 +43,7 @@ cross-entropy over labels != -100, i.e. answer tokens; eval loss and perplexity 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -69,7 +74,7 @@ def form(data_cfg: DataConfig) -> str:
 def columns(data_cfg: DataConfig) -> list[str]:
     """Parquet columns the tokenize function reads."""
     if form(data_cfg) == "chat":
-        return [data_cfg.messages_column]
+        return [data_cfg.messages_column] + ([data_cfg.tools_column] if data_cfg.tools_column else [])
     return [data_cfg.prompt_column, data_cfg.response_column]
 
 
@@ -154,6 +159,25 @@ def message_problem(messages) -> str | None:
     return None
 
 
+def row_tools(value) -> list[dict] | None:
+    """A ``data.tools_column`` value as the list of tool JSON schemas ``apply_chat_template(tools=...)`` takes:
+    the list itself, or parsed from its JSON text; None for a null, empty or ``"[]"`` value (no tools).
+
+    Raises:
+        ValueError: text that is not JSON, or a value that is not a list of dicts (one line, for the caller).
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"{value!r:.80} is not a list of tool JSON schemas ({{type, function}} dicts)")
+    return list(value) or None
+
+
 def has_answer(messages) -> bool:
     """True when the conversation has an assistant turn."""
     return any(m["role"] == "assistant" for m in messages)
@@ -189,6 +213,7 @@ def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[
     for conversations, the turns before the last assistant turn (rendered, the assistant's turn opened) and that
     turn's content. Rows with an empty prompt or reference, or no assistant turn, are left out."""
     pairs = []
+    tools_col = data_cfg.tools_column if form(data_cfg) == "chat" else ""
     for row in rows:
         if form(data_cfg) == "pair":
             prompt, response = row.get(data_cfg.prompt_column), row.get(data_cfg.response_column)
@@ -200,7 +225,11 @@ def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[
             continue
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last > 0:
-            pairs.append((prompt_ids(tokenizer, list(messages[:last]), chat_template(data_cfg, tokenizer)),
+            try:
+                tools = row_tools(row.get(tools_col)) if tools_col else None
+            except ValueError:
+                continue  # reported before training by check_labels
+            pairs.append((prompt_ids(tokenizer, list(messages[:last]), chat_template(data_cfg, tokenizer), tools),
                           messages[last]["content"]))
     return pairs
 
@@ -211,8 +240,10 @@ def prompt_length(tokenizer, messages: list[dict], template: str) -> int:
     return len(_render(tokenizer, messages, template, add_generation_prompt=True))
 
 
-def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[list[int], list[int]]:
-    """Token ids and labels of one conversation rendered with ``template`` (lists of int, same length).
+def encode_messages(tokenizer, messages: list[dict], template: str,
+                    tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one conversation rendered with ``template`` (lists of int, same length); with
+    ``tools`` (JSON schemas) the template offers them (``apply_chat_template(tools=...)``).
 
     Labels are the token ids on assistant turns (content and what the template ends the turn with, e.g. EOS),
     -100 elsewhere and on the first position. With ``{% generation %}`` markers in the template the turns come
@@ -222,18 +253,19 @@ def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[lis
         ConfigError: a template without ``{% generation %}`` renders a conversation's beginning differently when
             more turns follow (the prefix difference is then undefined).
     """
+    offered = {"tools": tools} if tools else {}
     if _GENERATION.search(re.sub(r"{#.*?#}", "", template, flags=re.S)):  # a marker outside Jinja comments
         out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                                            return_assistant_tokens_mask=True, **offered)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
-        ids = _render(tokenizer, messages, template)
+        ids = _render(tokenizer, messages, template, **offered)
         mask = [0] * len(ids)
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            start = len(_render(tokenizer, messages[:i], template, add_generation_prompt=True)) if i else 0
-            upto = _render(tokenizer, messages[: i + 1], template)
+            start = len(_render(tokenizer, messages[:i], template, add_generation_prompt=True, **offered)) if i else 0
+            upto = _render(tokenizer, messages[: i + 1], template, **offered)
             if ids[: len(upto)] != upto:
                 raise ConfigError("data.chat_template: the chat template renders the start of a conversation "
                                   "differently when more turns follow, so assistant turns cannot be located; mark "
@@ -244,7 +276,8 @@ def encode_messages(tokenizer, messages: list[dict], template: str) -> tuple[lis
     return ids, labels
 
 
-def encode_rendered(tokenizer, messages: list[dict], template: str, column: str) -> tuple[list[int], list[int]]:
+def encode_rendered(tokenizer, messages: list[dict], template: str, column: str,
+                    tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """:func:`encode_messages`, with an error the template raises (``raise_exception``) as one ConfigError line
     (the input checks render every row first, :class:`TemplateCheck`; this is the backstop).
 
@@ -252,7 +285,7 @@ def encode_rendered(tokenizer, messages: list[dict], template: str, column: str)
         ConfigError: the template raised on the conversation, or :func:`encode_messages`'s.
     """
     try:
-        return encode_messages(tokenizer, messages, template)
+        return encode_messages(tokenizer, messages, template, tools)
     except jinja2.TemplateError as e:
         raise ConfigError(f"data.chat_template: the chat template raised on a row of column '{column}': "
                           f"{_one_line(e)}; fix the row or the template") from None
@@ -316,17 +349,18 @@ class TemplateCheck:
 
     def check(self, key: str, path: str, cols: list[str], conversations: Iterable[tuple[int, str, list]],
               problems: list[str]) -> None:
-        """Render ``conversations`` (``(row, column, messages)``, well-formed ones) of the file ``path``; append one
-        line for the first that raises; mark the file when all render."""
+        """Render ``conversations`` (``(row, column, messages)`` or ``(row, column, messages, tools)``, well-formed
+        ones) of the file ``path``; append one line for the first that raises; mark the file when all render."""
         mark = self._mark(path, cols)
         if mark is not None and mark.exists():
             return
         if self.tokenizer() is None or self._loaded[1] is None:
             return
         tokenizer, template = self._loaded
-        for row, col, messages in conversations:
+        for row, col, messages, *tools in conversations:
             try:
-                tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+                tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                              **({"tools": tools[0]} if tools and tools[0] else {}))
             except Exception as e:  # noqa: BLE001  (jinja2.TemplateError from raise_exception, or any other)
                 problems.append(f"{key}: '{path}' row {row} of column '{col}': the chat template raised "
                                 f"{_one_line(e)}; fix that row or data.chat_template")
@@ -391,7 +425,11 @@ class SftExamples:
                 if not has_answer(messages):
                     c["no_answer"] += 1
                     continue
-                ids, labels = encode_rendered(self.tokenizer, messages, self.template, d.messages_column)
+                try:
+                    tools = row_tools(batch[d.tools_column][i]) if d.tools_column else None
+                except ValueError as e:
+                    raise ConfigError(f"data.tools_column: a row of '{d.tools_column}' is {e}") from None
+                ids, labels = encode_rendered(self.tokenizer, messages, self.template, d.messages_column, tools)
             else:
                 prompt, response = batch[d.prompt_column][i], batch[d.response_column][i]
                 if not isinstance(response, str) or not response.strip() or not isinstance(prompt, str):
@@ -502,7 +540,8 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
 
     Problems: neither or both data forms set, an unknown ``data.truncation``, a file without a needed column, a
     prompt/response column that is not text, a messages column whose first malformed row (not a list of
-    ``{role, content}`` strings) is named, training files in which no conversation has an assistant turn,
+    ``{role, content}`` strings) is named, ``data.tools_column`` without ``data.messages_column`` or a tools row that
+    is not a list of schemas (nor its JSON text), training files in which no conversation has an assistant turn,
     no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file, and a row
     on which the chat template raises (:class:`TemplateCheck`: every row rendered once per file version).
     """
@@ -515,6 +554,9 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
         problems.append("data.prompt_column: sft needs data.prompt_column and data.response_column (prompt/response "
                         "text), or data.messages_column (a list of {role, content} per row)")
         return
+    if cfg.data.tools_column and not cfg.data.messages_column:
+        problems.append("data.tools_column: tools are rendered into conversations; set data.messages_column too, or "
+                        "leave data.tools_column empty")
     answers = read = 0  # conversations with an answer; training files read without a problem
     templates = TemplateCheck(cfg)
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
@@ -524,17 +566,27 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 continue
             for col, what in ((cfg.data.messages_column, "messages_column"), (cfg.data.prompt_column, "prompt_column"),
-                              (cfg.data.response_column, "response_column")):
+                              (cfg.data.response_column, "response_column"), (cfg.data.tools_column, "tools_column")):
                 if not col:
                     continue
                 if col not in schema.names:
                     problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); set "
                                     f"data.{what}")
-                elif what != "messages_column" and not string_type(schema.field(col).type):
+                elif what not in ("messages_column", "tools_column") and not string_type(schema.field(col).type):
                     problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
                                     f"(string); set data.{what} to a text column")
             if cfg.data.messages_column and cfg.data.messages_column in schema.names:
                 rows = pq.read_table(f, columns=[cfg.data.messages_column]).column(cfg.data.messages_column).to_pylist()
+                tools = [None] * len(rows)
+                if cfg.data.tools_column and cfg.data.tools_column in schema.names:
+                    values = pq.read_table(f, columns=[cfg.data.tools_column]).column(cfg.data.tools_column).to_pylist()
+                    for i, value in enumerate(values):
+                        try:
+                            tools[i] = row_tools(value)
+                        except ValueError as e:
+                            problems.append(f"{key}: '{f}' row {i} of column '{cfg.data.tools_column}' is {e}; set "
+                                            f"data.tools_column to a column of tool schema lists (or their JSON text)")
+                            break
                 for i, messages in enumerate(rows):
                     problem = message_problem(messages)
                     if problem:
@@ -546,7 +598,8 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                         answers += sum(has_answer(m) for m in rows)
                         read += 1
                     col = cfg.data.messages_column
-                    templates.check(key, f, [col], ((i, col, m) for i, m in enumerate(rows)), problems)
+                    templates.check(key, f, columns(cfg.data), ((i, col, m, tools[i]) for i, m in enumerate(rows)),
+                                    problems)
     if cfg.data.messages_column and train_files and read == len(train_files) and not answers:
         problems.append(f"data.train_files: no conversation in column '{cfg.data.messages_column}' has an assistant turn, "
                         f"so there is nothing to train on (sft trains on assistant turns only)")
