@@ -192,8 +192,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if cfg.parallel.tiled_mlp:
         logger.info(f"tiled MLP (DeepSpeed TiledMLP): {sequence.tile_mlps(model)} modules")
     # Ulysses attention and the SP groups (sp > 1): the rows the model gets per micro-batch (one when flattened; a
-    # dpo pair is two sequences)
-    rows = 1 if flattens(cfg, recipe) else cfg.train.micro_batch_size * recipe.capabilities.sequences_per_row
+    # dpo pair is two sequences; a grpo prompt its num_generations completions, Recipe.rollout)
+    per_row = (recipe.rollout(cfg) or (recipe.capabilities.sequences_per_row,))[0]
+    rows = 1 if flattens(cfg, recipe) else cfg.train.micro_batch_size * per_row
     mpu = sequence.start_sequence_parallel(model, cfg, lay, rows)
     if mpu is not None:
         logger.info(f"sequence parallelism: DeepSpeed Ulysses over {lay.sp} ranks ({cfg.model.attn_implementation}); "

@@ -416,6 +416,8 @@ class SequenceShard:
     share of the micro-batch's count, so that the sum over the SP group is exact), ``row_targets`` ``[B]`` (int64:
     each whole row's target count, the same on every slice: for losses of whole sequences); no ``labels`` and no
     ``attention_mask`` (see the module docstring). Keeps ``row_seeded`` and ``set_epoch`` of the wrapped collator.
+    A batch whose ``labels`` are one per row (``[B]``: ``grpo``'s prompt batches, from which the recipe generates the
+    sequences it trains on and cuts them itself, :func:`finetune.recipes.grpo.loss.completion_logps`) passes whole.
 
     Raises:
         ValueError: (when called) a row is padded on the left (a real token after a pad), which causal attention
@@ -431,7 +433,10 @@ class SequenceShard:
         getattr(self.collator, "set_epoch", lambda e: None)(epoch)
 
     def __call__(self, rows):
-        return shard_batch(self.collator(rows), self.lay.sp, self.lay.sp_rank, self.pad_id)
+        batch = self.collator(rows)
+        if batch["labels"].dim() == 1:  # a prompt batch (grpo): the recipe cuts the sequences it builds from it
+            return batch
+        return shard_batch(batch, self.lay.sp, self.lay.sp_rank, self.pad_id)
 
 
 def shard_batch(batch: dict, sp: int, sp_rank: int, pad_id: int = 0) -> dict:

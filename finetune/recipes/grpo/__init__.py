@@ -89,6 +89,7 @@ from finetune.config import GrpoConfig, RunConfig
 from finetune.data.batch import to_device
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
+from finetune.parallel import sequence
 from finetune.recipes import Capabilities, Recipe, dpo
 from finetune.recipes.grpo import rollout, scoring
 from finetune.recipes.grpo.agent import agent_of
@@ -177,10 +178,13 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
     """:func:`before_step`'s generation, scoring, advantages and no-gradient log-probabilities."""
     g, tok = cfg.train.grpo, tokenizer_of(cfg)
     functions = reward_functions(cfg)
-    done = generate_completions(engine, micro, cfg, step, tok)
-    texts = done.texts
-    tables, own, mine, batch_std = score_completions(functions, done.prompts, texts, done.ids, done.columns,
+    with sequence.sequence_parallel_off():  # whole sequences: generation runs as without SP
+        done = generate_completions(engine, micro, cfg, step, tok)
+    tables, own, mine, batch_std = score_completions(functions, done.prompts, done.texts, done.ids, done.columns,
                                                      g.scale_rewards)
+    if sequence.sequence_group() is not None:
+        done, own, mine, batch_std = _same_in_sequence_group(engine, done, tables, own, mine, batch_std, functions)
+    texts = done.texts
     out, start = [], 0
     for b, c in zip(micro, done.batches):
         n = len(c["completion_ids"])
@@ -205,6 +209,42 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
     _log_sample(cfg, step + 1, done.prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
                 functions, done.transcripts)
     return out
+
+
+_DIFFERED: list = []
+
+
+def _same_in_sequence_group(engine, done, tables: list, own, mine, batch_std, functions) -> tuple:
+    """Under sequence parallelism, the completions and rewards of the SP group's first rank on every rank of the
+    group (one broadcast of host objects over the group): the group trains the same rows, each rank a slice of every
+    sequence (:func:`~finetune.recipes.grpo.loss.completion_logps`), so its ranks must hold the very same
+    completions. Each rank generated them from the same prompts, seeds and weights (every rank still enters every
+    gathered forward of generation, ZeRO-3's included), which gives the same tokens unless a kernel is not
+    deterministic; a rank whose own differ says so once and trains the first rank's. With ``scale_rewards: batch``
+    the global batch's standard deviation counts each group's rows once (its first rank's table).
+
+    Returns:
+        ``(done, own, mine, batch_std)`` as :func:`~finetune.recipes.grpo.scoring.score_completions` and
+        :func:`~finetune.recipes.grpo.rollout.generate_completions` give them, the group's first rank's.
+    """
+    group = sequence.sequence_group()
+    first = torch.distributed.get_global_rank(group, 0)
+    sp = torch.distributed.get_world_size(group)
+    payload = [(dataclasses.replace(done, columns={}), own, mine)]  # environments stay on their rank
+    device = engine.device if getattr(engine.device, "type", "cpu") == "cuda" else None
+    torch.distributed.broadcast_object_list(payload, src=first, group=group, device=device)
+    theirs, own, mine = payload[0]
+    if theirs.ids != done.ids and not _DIFFERED:
+        _DIFFERED.append(True)
+        logger.warning(f"grpo: rank {dist_utils.rank()} generated other completions than rank {first} of its "
+                       f"sequence-parallel group from the same prompts, seeds and weights (a kernel that is not "
+                       f"deterministic); the group trains rank {first}'s (said once)")
+    done = dataclasses.replace(theirs, columns=done.columns)
+    if batch_std is not None:  # every SP group's rows once: the tables of the groups' first ranks
+        weights = torch.tensor([f.weight for f in functions], dtype=torch.float32)
+        firsts = [row for r, t in enumerate(tables) if r % sp == 0 for row in t]
+        batch_std = scoring._nanstd(combine(torch.tensor(firsts, dtype=torch.float32), weights))
+    return done, own, mine, batch_std
 
 
 def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
@@ -262,7 +302,8 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
 
 
 RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
-                capabilities=Capabilities(generates_text=True, reports_perplexity=False, disables_dropout=True,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION}), generates_text=True,
+                                          reports_perplexity=False, disables_dropout=True,
                                           eval_metrics=("reward",), checks_columns=True, counts_rows=True,
                                           evaluates_exports=True, mixes_sources=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,

@@ -108,6 +108,12 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     if g.log_completions < 0:
         problems.append(f"train.grpo.log_completions: {g.log_completions} must be >= 0")
     _tool_problems(cfg, problems)
+    sp = cfg.parallel.sequence_parallel_size
+    if sp > 1 and g.generation_backend != "hf_generate":
+        problems.append(f"train.grpo.generation_backend: {g.generation_backend} is not checked under sequence "
+                        f"parallelism (parallel.sequence_parallel_size={sp}: its inference kernels would generate "
+                        f"with the training layout's groups); use generation_backend=hf_generate, or "
+                        f"parallel.sequence_parallel_size=1")
     try:
         reward_functions(cfg)
     except ConfigError as e:

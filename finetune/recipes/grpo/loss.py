@@ -16,6 +16,7 @@ from finetune.config import GrpoConfig, RunConfig
 from finetune.data.batch import LossOutput
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
+from finetune.parallel import sequence
 from finetune.recipes import reward
 from finetune.recipes.grpo.prompts import tokenizer_of
 from finetune.recipes.grpo.rollout import greedy_completions
@@ -25,13 +26,17 @@ from finetune.recipes.lm_loss import check_head_output, chunk_tokens, find_head,
 
 def count_targets(batch: dict, loss_type: str = "dapo") -> torch.Tensor:
     """What the step's loss is a mean over (the module docstring's table): a training batch's active completion
-    tokens (``dapo``) or completions (the others); a prompt batch's (evaluation) real rows."""
+    tokens (``dapo``) or completions (the others); a prompt batch's (evaluation) real rows. Under sequence
+    parallelism the ranks of an SP group hold the same rows: the group's first rank counts them, the others 0 (as
+    ``dpo`` counts its pairs), so the count summed over all ranks is the global batch's."""
     labels = batch["labels"]
     if labels.dim() == 1:
-        return (labels != -100).sum()
-    if loss_type == "dapo":
-        return batch["completion_mask"].sum().long()
-    return torch.tensor(labels.shape[0], dtype=torch.long)
+        n = (labels != -100).sum()
+    elif loss_type == "dapo":
+        n = batch["completion_mask"].sum().long()
+    else:
+        n = torch.tensor(labels.shape[0], dtype=torch.long)
+    return n if sequence.sequence_rank() == 0 else n * 0
 
 
 _HEAD_WHY = ("grpo: the LM head runs on the completion positions only and returns their per-token log-probabilities "
@@ -110,7 +115,10 @@ def shares_prompts(model, batch: dict, share: bool) -> bool:
     flash-attention kernels take none). When it cannot, a line says why, once per process."""
     if not share or int(batch.get("group_size", 1)) <= 1 or bool(batch.get("prompts_differ", False)):
         return False  # prompts_differ: an environment's observations gave a group's rollouts different prompts
-    problem = reward.sharing_problem(unwrap(model))
+    if sequence.sequence_group() is not None:  # Ulysses attends causally with no mask (sequence_slice)
+        problem = "sequence parallelism (parallel.sequence_parallel_size > 1) attends with no mask"
+    else:
+        problem = reward.sharing_problem(unwrap(model))
     if problem is not None and problem not in _SHARING_OFF:
         _SHARING_OFF.add(problem)
         if dist_utils.is_main():
@@ -120,6 +128,51 @@ def shares_prompts(model, batch: dict, share: bool) -> bool:
 
 
 _SHARING_OFF: set = set()
+
+
+def sequence_slice(batch: dict, sp: int, sp_rank: int, pad_token_id: int = 0) -> dict:
+    """Slice ``sp_rank`` of ``sp`` of a training micro-batch's sequences under sequence parallelism (DeepSpeed
+    Ulysses, :mod:`finetune.parallel.sequence`), and which completion tokens this slice predicts.
+
+    Ulysses attends causally with no mask, so the rows are right-padded first: each row's real prompt tokens (its
+    left padding dropped), then its ``C`` completion columns, then filler up to ``W`` (the longest row, rounded up to
+    a multiple of ``sp``), at positions ``0..W - 1``: every real token keeps the position it has in
+    :func:`before_step`'s row, and what follows a completion's last token (its padding, the filler) comes after
+    every token that predicts a target, so causal attention never lets a target see it. Rank ``sp_rank`` holds
+    columns ``[sp_rank W / sp, (sp_rank + 1) W / sp)`` of every row; the hidden state of column ``j`` predicts the
+    token of column ``j + 1`` (the last column of a slice predicts the first of the next slice, as
+    :func:`finetune.parallel.sequence.shard_batch` shifts the labels before the cut).
+
+    Args:
+        batch: :func:`before_step`'s micro-batch (``input_ids``, ``attention_mask`` ``[N, P + C]`` int64 with the
+            prompts left-padded, ``prompt_length``).
+        sp: the SP group's size.
+        sp_rank: this rank's place in it.
+        pad_token_id: the filler's token id.
+
+    Returns:
+        ``input_ids``, ``position_ids`` ``[N, W / sp]`` int64 (this rank's slice); ``source``, ``target``, ``dest``
+        ``[K]`` int64: the flattened ``[N W / sp]`` index of each hidden state of the slice that predicts a completion
+        token, that token, and its index in the flattened ``[N, C]`` completion grid (``K``: those of this slice;
+        the slices of an SP group hold every ``(row, column)`` of the grid once).
+    """
+    ids, mask, p = batch["input_ids"], batch["attention_mask"], int(batch["prompt_length"])
+    n, c, device = ids.shape[0], ids.shape[1] - p, ids.device
+    real = mask[:, :p].sum(1).long()  # [N] each row's prompt tokens
+    w = int(real.max()) + c
+    w += -w % sp
+    cols = torch.arange(w, device=device)
+    taken = (p - real)[:, None] + cols[None, :]  # the column of the batch's row each right-padded column holds
+    right = torch.where(taken < ids.shape[1], ids.gather(1, taken.clamp(max=ids.shape[1] - 1)), pad_token_id)
+    size = w // sp
+    mine = cols[size * sp_rank:size * (sp_rank + 1)]
+    k = mine[None, :] - real[:, None] + 1  # [N, W / sp]: the completion column each hidden state predicts
+    hit = (k >= 0) & (k < c)
+    dest = torch.arange(n, device=device)[:, None] * c + k
+    target = ids[:, p:].gather(1, k.clamp(0, max(c - 1, 0)))
+    return {"input_ids": right[:, mine].contiguous(), "position_ids": mine.expand(n, size).contiguous(),
+            "source": torch.arange(n * size, device=device).view(n, size)[hit], "target": target[hit],
+            "dest": dest[hit]}
 
 
 def completion_logps(model, batch: dict, temperature: float, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +192,11 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
         temperature: the logits are divided by it (``train.grpo.temperature``).
         share: run each prompt once for its completions (``train.grpo.share_prompt``) where the model allows it.
 
+    Under sequence parallelism every rank of an SP group holds the whole micro-batch and runs the model on its slice
+    of every sequence (:func:`sequence_slice`); the head runs on the slice's hidden states that predict completion
+    tokens, and the slices' values are added over the group (:func:`finetune.parallel.sequence.sum_over_sequence`,
+    differentiably), so every rank returns the whole ``[B G, C]`` values, as ``dpo`` does with its sequences' sums.
+
     Returns:
         ``(logps, entropy)``, each ``[B G, C]`` float32 (0 past a completion's length when shared); ``logps``
         differentiable when gradients are on.
@@ -155,9 +213,14 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
     transform = logits_transform(model)
     post = transform[1] if transform is not None else (lambda z: z)
     shared = prompt_shared_rows(batch, 0) if shares_prompts(model, batch, share) else None
+    group = sequence.sequence_group()
+    sliced = None if group is None else sequence_slice(batch, torch.distributed.get_world_size(group),
+                                                       torch.distributed.get_rank(group))
 
     def forward(hidden, *args, **kwargs):
-        if shared is None:
+        if sliced is not None:  # this slice's hidden states that predict a completion token
+            rows, flat_t = hidden.reshape(-1, hidden.shape[-1])[sliced["source"]], sliced["target"]
+        elif shared is None:
             h = hidden[:, p - 1:-1]
             rows, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
         else:  # the positions that predict a completion token, in [B G, C] order
@@ -173,6 +236,8 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
                 parts.append(checkpoint(lambda a, b: _chunk_logps(fn, a, b, temperature), *args_, use_reentrant=False))
             else:
                 parts.append(_chunk_logps(fn, *args_, temperature))
+        if sliced is not None:
+            return _on_grid(fn, hidden, parts, sliced["dest"], targets, state)
         logps, entropy = torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
         if shared is not None:
             logps = torch.zeros(keep.shape, dtype=logps.dtype, device=logps.device).masked_scatter(keep, logps)
@@ -181,13 +246,33 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
         return logps.view_as(targets)
 
     with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)), head_output(head) as seen:
-        if shared is None:
+        if sliced is not None:  # Ulysses: no mask, the positions gathered over the group (right padding)
+            out = model(input_ids=sliced["input_ids"], position_ids=sliced["position_ids"])
+        elif shared is None:
             out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         position_ids=batch["position_ids"])
         else:
             out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
                         attention_mask=reward.block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))
-    return check_head_output(model, head, out.logits, seen, transform), state["entropy"]
+    logps = check_head_output(model, head, out.logits, seen, transform)
+    if sliced is not None:  # each slice's tokens, 0 elsewhere: the whole grid on every rank of the group
+        return sequence.sum_over_sequence(logps), sequence.sum_over_sequence(state["entropy"])
+    return logps, state["entropy"]
+
+
+def _on_grid(fn, hidden: torch.Tensor, parts: list, dest: torch.Tensor, targets: torch.Tensor, state: dict):
+    """A slice's log-probabilities and entropies (``parts``: :func:`_chunk_logps` of its chunks) at their places
+    ``dest`` of the ``[N, C]`` grid of ``targets``, 0 elsewhere (entropies into ``state``). A slice that predicts no
+    completion token (all prompt) still runs the head on one hidden state, weighted 0: under ZeRO-3 every rank
+    gathers the head's parameters and reduces their gradients as often as the others."""
+    grid = torch.zeros(targets.numel(), dtype=torch.float32, device=hidden.device)
+    if not parts:
+        logp, _ = _chunk_logps(fn, hidden.reshape(-1, hidden.shape[-1])[:1], targets.reshape(-1)[:1] * 0, 1.0)
+        state["entropy"] = grid.view_as(targets)
+        return (grid + 0.0 * logp.sum()).view_as(targets)
+    logps, entropy = torch.cat([x[0] for x in parts]), torch.cat([x[1] for x in parts])
+    state["entropy"] = grid.scatter(0, dest, entropy).view_as(targets)
+    return grid.scatter(0, dest, logps).view_as(targets)
 
 
 def token_losses(logps, old, adv, mask, g: GrpoConfig, ref=None) -> tuple[torch.Tensor, dict]:
@@ -253,11 +338,14 @@ def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | No
     g = settings or GrpoConfig()
     if batch["labels"].dim() == 1:
         return _evaluate(model, batch, g, cfg)
+    # under sequence parallelism every rank of an SP group computes the whole loss of the same rows (completion_logps
+    # adds the slices' log-probabilities over the group): each adds 1 / sp of it, so it counts once (dpo's way)
+    weight = sequence.sequence_weight()
     mask = batch["completion_mask"].float()
     logps, entropy = completion_logps(model, batch, g.temperature, g.share_prompt)
     old = batch.get("old_logps", logps.detach())
     per_token, parts = token_losses(logps, old, batch["advantages"].to(logps.dtype), mask, g, batch.get("ref_logps"))
-    total = loss_sum(per_token, mask, g)
+    total = loss_sum(per_token, mask, g) * weight
     n = torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
     tokens = mask.sum().double()
     region = torch.clamp(parts["low"] + parts["high"], max=1)
@@ -288,7 +376,8 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
     if cfg is None:
         raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
     tok, functions = tokenizer_of(cfg), reward_functions(cfg)
-    texts, ids, cols = greedy_completions(model, batch, g, tok, cfg)
+    with sequence.sequence_parallel_off():  # whole sequences: each rank generates its prompts, as without SP
+        texts, ids, cols = greedy_completions(model, batch, g, tok, cfg)
     _, table, r, _ = score_completions(functions, list(batch["prompts"]), texts, ids, cols)
     real = (batch["labels"] != -100).cpu()
     _write_eval_records(model, cfg, batch, texts, table, functions, real)
@@ -309,6 +398,8 @@ def _write_eval_records(engine, cfg: RunConfig, batch: dict, texts: list[str], t
     mine = [{"index": i, "prompt": p, "completion": t,
              "rewards": {f.name: (None if math.isnan(v) else v) for f, v in zip(functions, row)}}
             for i, p, t, row, ok in zip(batch["row_index"], batch["prompts"], texts, table.tolist(), real.tolist()) if ok]
+    if sequence.sequence_rank() != 0:  # the SP group's ranks evaluate the same rows: its first writes them
+        mine = []
     everyone = dist_utils.all_gather_object(mine)
     if not dist_utils.is_main() or not cfg.output_dir:
         return

@@ -1,0 +1,137 @@
+"""``grpo`` under sequence parallelism (DeepSpeed Ulysses): SP = 2 trains exactly as SP = 1 on long multi-turn
+trajectories (issue 53 item 5).
+
+Fixed multi-turn trajectories of about 4k tokens, teacher-forced (this module, run as a launch's entry point,
+replaces the recipe's ``generate`` with scripted turns of 700-1,100 random bytes that call the shipped
+calculator; the toolkit's tool loop runs the calls and renders their results, which the loss never trains:
+``tool_mask`` 0), train two optimizer steps on 2 ranks forming one SP group and on 1 rank with the same global
+batch (2 prompts x 2 completions per step): the same loss and gradient norm per step (rel 1e-5, fp32). ``dapo``
+with ``num_iterations: 2`` (step 2 reuses step 1's rollouts: the old policy's log-probabilities, computed on the
+sequence slices, make its ratios differ from 1) at ZeRO-3 with every parameter partitioned, and ``grpo`` (each
+completion's own token mean) at ZeRO-2.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+LENGTH = 3000
+"""``train.grpo.max_completion_length`` of the launches (prompts of up to 1,024 tokens: trajectories of up to 4,024)."""
+
+
+def long_turn(context: list[int], tokenizer, budget: int) -> list[int]:
+    """The turn that continues ``context`` (prompt + the completion so far, real tokens), drawn from a generator
+    seeded with it (the same on every rank and layout): 700-1,100 random printable bytes, then a calculator call and
+    EOS (a first turn always; a turn after a tool result one time in two), else EOS (or, one time in four, nothing:
+    a completion that never ends); at most ``budget`` ids."""
+    gen = torch.Generator().manual_seed(sum((i + 1) * t for i, t in enumerate(context)) % (2 ** 31))
+    after_result = "<tool_response>" in tokenizer.decode(context[-40:])
+    n = int(torch.randint(700, 1100, (1,), generator=gen))
+    ids = torch.randint(3 + 32, 3 + 127, (n,), generator=gen).tolist()  # printable ASCII (ByT5: byte + 3)
+    draw = int(torch.randint(0, 4, (1,), generator=gen))
+    if not after_result or draw < 2:
+        a, b = (int(x) for x in torch.randint(1, 99, (2,), generator=gen))
+        call = '\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "%d + %d"}}\n</tool_call>' % (a, b)
+        ids += tokenizer(call, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    elif draw == 2:
+        ids.append(tokenizer.eos_token_id)
+    return ids[:budget]
+
+
+def _generate(engine, batch, g, tokenizer, n, sample, seed, synced):
+    """``finetune.recipes.grpo.rollout.generate`` of scripted turns (:func:`long_turn`): a prompt's ``n`` first turns
+    continue the prompt and their index, so they differ."""
+    rows = []
+    for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+        context = ids[mask.bool()].tolist()
+        for k in range(n):
+            rows.append(long_turn(context + ([k] if n > 1 else []), tokenizer, g.max_completion_length))
+    width = max(max(len(r) for r in rows), 1)
+    completion = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    cmask = torch.zeros((len(rows), width))
+    for i, r in enumerate(rows):
+        completion[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        cmask[i, :len(r)] = 1
+    terminated = torch.tensor([bool(r) and r[-1] == tokenizer.eos_token_id for r in rows])
+    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
+            "lengths": cmask.sum(1).long()}
+
+
+def _files(tmp: Path) -> list[str]:
+    """A Llama config with 8,192 positions and a byte vocabulary (tiny-llama's, hidden 64, 4 heads, 2 key/value
+    heads; the ByT5 tokenizer of data/models/gpt2-bytes: 259 ids, so that the output head of 4k-token sequences is
+    cheap on CPUs), 8 one-message conversations with an answer, and the overrides that train on them with the
+    calculator."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = tmp / "model"
+    model.mkdir(exist_ok=True)
+    config = json.loads((REPO / "data/models/tiny-llama/config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192, "vocab_size": 259,
+                                                   "bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0}))
+    rows = [{"prompt": [{"role": "user", "content": f"What is {a} plus {b}? Use the calculator."}],
+             "answer": str(a + b)} for a, b in zip(range(11, 19), range(40, 48))]
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "prompts.parquet")
+    data = tmp / "prompts.parquet"
+    return [f"model.path={model}", f"model.tokenizer_path={REPO}/data/models/gpt2-bytes",
+            f"data.train_files=[{data}]", f"data.validation_files=[{data}]",
+            "data.prompt_column=prompt", f"data.chat_template={REPO}/data/chat_templates/chatml_tools.jinja",
+            "data.max_seq_len=1024", f"data.cache_dir={tmp / 'cache'}",
+            f"train.grpo.tools=[{REPO}/data/tools/calculator.py:calculate]", "train.grpo.max_tool_calling_iterations=2",
+            f"train.grpo.max_completion_length={LENGTH}", "train.grpo.num_generations=2", "train.grpo.rewards=[length]",
+            "train.grpo.reward_weights=[]", "train.grpo.length_cache=2800", "train.micro_batch_size=1",
+            "train.gradient_accumulation_steps=2", "train.max_steps=2", "train.grpo.log_completions=4"]
+
+
+def _run(tmp: Path, name: str, overrides: list[str], nproc: int) -> list[dict]:
+    from conftest import launch, ok, read_metrics
+
+    run = tmp / name
+    ok(launch(REPO / "tests/configs/tiny_grpo.yaml", [f"output_dir={run}", *overrides], nproc=nproc,
+              script="tests/test_grpo_sp.py"))
+    return sorted((r for r in read_metrics(run) if "train/loss" in r), key=lambda r: r["step"])
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
+@pytest.mark.parametrize(("loss_type", "stage", "iterations"), [("dapo", 3, 2), ("grpo", 2, 1)])
+def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_path, loss_type, stage, iterations):
+    from test_dpo import max_rel
+
+    overrides = [*_files(tmp_path), f"train.grpo.loss_type={loss_type}", f"ds.zero_optimization.stage={stage}",
+                 f"train.grpo.num_iterations={iterations}"]
+    sp2 = _run(tmp_path, "sp2", [*overrides, "parallel.sequence_parallel_size=2"], nproc=2)
+    sp1 = _run(tmp_path, "sp1", overrides, nproc=1)
+    assert [r["step"] for r in sp2] == [r["step"] for r in sp1] == [1, 2]
+    # the trajectories: about 4k tokens, the calculator called, its results' tokens in the sequences but not trained
+    assert all(r["train/completions/mean_length"] > 1500 for r in sp1 + sp2), sp1
+    assert all(r["train/tools/call_frequency"] >= 1 for r in sp1 + sp2), sp1
+    for key in ("train/completions/mean_length", "train/tools/call_frequency", "train/reward"):
+        assert [r[key] for r in sp2] == pytest.approx([r[key] for r in sp1], rel=1e-9), key
+    losses = ([r["train/loss"] for r in sp2], [r["train/loss"] for r in sp1])
+    norms = ([r["train/grad_norm"] for r in sp2], [r["train/grad_norm"] for r in sp1])
+    assert min(norms[1]) > 1e-3, norms  # the rewards differ within groups: something is trained
+    if loss_type == "grpo":  # ratio 1: each completion's token mean is -A, and a group's advantages sum to 0
+        assert max(abs(x) for x in losses[0] + losses[1]) <= 1e-6, losses
+    else:
+        assert max_rel(*losses) <= 1e-5, losses
+        if iterations > 1:  # step 2 trains step 1's rollouts against their old log-probabilities: ratios differ from 1
+            assert abs(losses[1][1] - losses[1][0]) > 1e-4, losses
+    assert max_rel(*norms) <= 1e-5, norms
+
+
+if __name__ == "__main__":  # a launch's entry point: finetune/run.py with the scripted turns
+    sys.path.insert(0, str(REPO))
+    from finetune.recipes.grpo import rollout
+
+    rollout.generate = _generate
+    sys.argv[0] = str(REPO / "finetune/run.py")
+    runpy.run_path(str(REPO / "finetune/run.py"), run_name="__main__")
