@@ -8,7 +8,8 @@ calculator; the toolkit's tool loop runs the calls and renders their results, wh
 batch (2 prompts x 2 completions per step): the same loss and gradient norm per step (rel 1e-5, fp32). ``dapo``
 with ``num_iterations: 2`` (step 2 reuses step 1's rollouts: the old policy's log-probabilities, computed on the
 sequence slices, make its ratios differ from 1) at ZeRO-3 with every parameter partitioned, and ``grpo`` (each
-completion's own token mean) at ZeRO-2.
+completion's own token mean) at ZeRO-2 with LoRA and ``beta`` 0.1 (the reference's log-probabilities, adapters
+off, on the slices too: step 2's KL).
 """
 
 from __future__ import annotations
@@ -64,6 +65,41 @@ def _generate(engine, batch, g, tokenizer, n, sample, seed, synced):
             "lengths": cmask.sum(1).long()}
 
 
+@pytest.mark.parametrize("sp", [1, 2, 3])
+def test_sequence_slices_predict_every_completion_token_once_at_its_own_position(sp):
+    """:func:`~finetune.recipes.grpo.loss.sequence_slice`: prompts left-padded to different lengths, completions of
+    different lengths; the slices of an SP group together predict every ``(row, column)`` of the completion grid
+    exactly once, each from the hidden state of the token just before it, every real token at the position
+    :func:`~finetune.recipes.grpo.before_step` gives it, the right-padded rows' real tokens first."""
+    from finetune.recipes.grpo.loss import sequence_slice
+
+    gen = torch.Generator().manual_seed(sp)
+    prompts, p, c = [3, 7, 5, 1], 7, 6
+    ids = torch.randint(10, 99, (4, p + c), generator=gen)
+    mask = torch.zeros(4, p + c, dtype=torch.long)
+    for r, n in enumerate(prompts):
+        ids[r, :p - n] = 0
+        mask[r, p - n:p] = 1
+        mask[r, p:p + 2 + r] = 1  # the completion's real tokens (the rest: padding after its EOS)
+    batch = {"input_ids": ids, "attention_mask": mask, "prompt_length": torch.tensor(p),
+             "position_ids": (mask.cumsum(1) - 1).clamp(min=0)}
+    parts = [sequence_slice(batch, sp, k, pad_token_id=-1) for k in range(sp)]
+    row = torch.cat([x["input_ids"] for x in parts], 1)  # the right-padded rows, slices joined
+    pos = torch.cat([x["position_ids"] for x in parts], 1)
+    size = parts[0]["input_ids"].shape[1]
+    assert row.shape[1] == size * sp and row.shape[1] % sp == 0 and row.shape[1] - sp < max(prompts) + c
+    assert sorted(torch.cat([x["dest"] for x in parts]).tolist()) == list(range(4 * c))  # each once
+    for k, x in enumerate(parts):
+        r, col = x["source"] // size, x["source"] % size + k * size  # the predicting token's row and column
+        assert torch.equal(x["target"], ids[:, p:].reshape(-1)[x["dest"]])
+        assert torch.equal(row[r, col + 1], x["target"])  # the next token of the right-padded row
+        assert torch.equal(x["dest"] // c, r) and torch.equal(x["dest"] % c, col + 1 - torch.tensor(prompts)[r])
+    for r, n in enumerate(prompts):  # real tokens first, at the positions the batch gives them
+        real = mask[r].bool()
+        assert torch.equal(row[r, :int(real.sum())], ids[r][real])
+        assert torch.equal(pos[r, :int(real.sum())], batch["position_ids"][r][real])
+
+
 def _files(tmp: Path) -> list[str]:
     """A Llama config with 8,192 positions and a byte vocabulary (tiny-llama's, hidden 64, 4 heads, 2 key/value
     heads; the ByT5 tokenizer of data/models/gpt2-bytes: 259 ids, so that the output head of 4k-token sequences is
@@ -102,12 +138,14 @@ def _run(tmp: Path, name: str, overrides: list[str], nproc: int) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
-@pytest.mark.parametrize(("loss_type", "stage", "iterations"), [("dapo", 3, 2), ("grpo", 2, 1)])
-def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_path, loss_type, stage, iterations):
+@pytest.mark.parametrize(("loss_type", "stage", "iterations", "beta"), [("dapo", 3, 2, 0.0), ("grpo", 2, 1, 0.1)])
+def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_path, loss_type, stage, iterations,
+                                                                           beta):
     from test_dpo import max_rel
 
     overrides = [*_files(tmp_path), f"train.grpo.loss_type={loss_type}", f"ds.zero_optimization.stage={stage}",
-                 f"train.grpo.num_iterations={iterations}"]
+                 f"train.grpo.num_iterations={iterations}", f"train.grpo.beta={beta}",
+                 *(["model.lora.r=4"] if beta else [])]
     sp2 = _run(tmp_path, "sp2", [*overrides, "parallel.sequence_parallel_size=2"], nproc=2)
     sp1 = _run(tmp_path, "sp1", overrides, nproc=1)
     assert [r["step"] for r in sp2] == [r["step"] for r in sp1] == [1, 2]
@@ -126,6 +164,10 @@ def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_pa
         if iterations > 1:  # step 2 trains step 1's rollouts against their old log-probabilities: ratios differ from 1
             assert abs(losses[1][1] - losses[1][0]) > 1e-4, losses
     assert max_rel(*norms) <= 1e-5, norms
+    if beta:  # the reference's log-probabilities (adapters off) on the slices: step 2's KL, after step 1 moved them
+        kl = ([r["train/kl"] for r in sp2], [r["train/kl"] for r in sp1])
+        assert kl[1][0] == pytest.approx(0.0, abs=1e-9) and kl[1][1] > 1e-7, kl
+        assert max_rel(kl[0][1:], kl[1][1:]) <= 1e-5 and abs(kl[0][0]) <= 1e-9, kl
 
 
 if __name__ == "__main__":  # a launch's entry point: finetune/run.py with the scripted turns
