@@ -100,6 +100,23 @@ def test_sequence_slices_predict_every_completion_token_once_at_its_own_position
         assert torch.equal(pos[r, :int(real.sum())], batch["position_ids"][r][real])
 
 
+def test_check_accepts_grpo_under_sequence_parallelism_and_refuses_the_hybrid_engine(tmp_path, capsys):
+    """``--check`` with 2 ranks and ``parallel.sequence_parallel_size: 2``: ``grpo`` passes (it declares sequence
+    parallelism); with ``generation_backend: hybrid_engine`` it is refused in one line naming the key and the fix,
+    exit 2, before any model is built."""
+    from conftest import CONFIGS, check_here
+
+    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    args = ["--config", CONFIGS / "tiny_grpo.yaml", f"output_dir={tmp_path / 'r'}", f"data.cache_dir={tmp_path}",
+            "parallel.sequence_parallel_size=2"]
+    code, out = check_here(args, capsys, **ranks)
+    assert code == 0, out
+    code, out = check_here([*args, "train.grpo.generation_backend=hybrid_engine"], capsys, **ranks)
+    errs = [line for line in out.splitlines() if "is not checked under sequence parallelism" in line]
+    assert code == 2 and len(errs) == 1 and "use generation_backend=hf_generate" in errs[0], out
+    assert not (tmp_path / "r").exists()
+
+
 def _files(tmp: Path) -> list[str]:
     """A Llama config with 8,192 positions and a byte vocabulary (tiny-llama's, hidden 64, 4 heads, 2 key/value
     heads; the ByT5 tokenizer of data/models/gpt2-bytes: 259 ids, so that the output head of 4k-token sequences is

@@ -243,7 +243,7 @@ def test_checks_before_any_model(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     code, out = check_here(["--config", CONFIGS / "tiny_bert.yaml", f"output_dir={tmp_path / 'b'}",
                             "parallel.sequence_parallel_size=2"], capsys, WORLD_SIZE="2", **RANKS)
-    assert code == 2 and "recipe bert_mlm does not support sequence parallelism (dpo, gpt_clm and sft do)" in out
+    assert code == 2 and "recipe bert_mlm does not support sequence parallelism (dpo, gpt_clm, grpo and sft do)" in out
 
 
 @pytest.mark.extended
