@@ -277,6 +277,33 @@ PRESETS: dict[str, dict] = {
                            "scripts/bench_rewards.py:exact_match]"],
              "contenders": ["finetune", "trl", "trl_best"],
              "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=16"]},
+    # Multi-turn online RL with tools (issue 53): the grpo preset's shape and settings on the shipped guess-the-number
+    # environment (data/environments/guess_number.py: one instance per rollout, its guess method the tool, its
+    # get_reward the only reward), the games of data/guess_number/train.parquet as chat prompts rendered with
+    # data/chat_templates/chatml_tools.jinja (the tool's schema in a system turn: about 425 prompt tokens with this
+    # BPE), against TRL's GRPOTrainer(environment_factory=...) with the same template, iterations and completion budget
+    # (tool results included). From random weights no rollout calls the tool; --init-from an SFT export of this shape
+    # trained on the expert games (data/guess_number/train_chat.parquet; the command in the module docstring) makes
+    # the loop run (tools/call_frequency per contender).
+    "grpo_tools": {"config": "finetune/recipes/configs/grpo_gsm8k.yaml", "epoch": True, "grpo": True, "tools": True,
+                   "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
+                                 f"model.config_overrides={{{REALISTIC_SHAPE[1:-1]}, max_position_embeddings: 1024}}",
+                                 "model.tokenizer_path=data/models/gsm8k-bpe-8k",
+                                 "data.train_files=[data/guess_number/train.parquet]",
+                                 "data.validation_files=[data/guess_number/test.parquet]",
+                                 "data.prompt_column=prompt", "data.reward_columns=[low, high, secret]",
+                                 "data.chat_template=data/chat_templates/chatml_tools.jinja",
+                                 "data.max_seq_len=512", "train.micro_batch_size=2",
+                                 "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
+                                 "train.warmup_steps=0", "train.lr=5e-4", "train.grpo.num_generations=4",
+                                 "train.grpo.max_completion_length=320", "train.grpo.temperature=1.0",
+                                 "train.grpo.top_p=1.0", "train.grpo.top_k=0", "train.grpo.loss_type=dapo",
+                                 "train.grpo.beta=0", "train.grpo.num_iterations=1", "train.grpo.rewards=[]",
+                                 "train.grpo.environment=data/environments/guess_number.py:GuessNumber",
+                                 "train.grpo.max_tool_calling_iterations=3"],
+                   "contenders": ["finetune", "trl", "trl_best"],
+                   "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=24",
+                            "train.grpo.max_tool_calling_iterations=1"]},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
@@ -488,7 +515,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     records = [json.loads(f.read_text()) for f in (out / "launches" / "1" / "ranks").glob("rank*.json")]
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
-    ends, cpu, tokens, positions, losses, mfu, rewards = [], [], [], [], [], [], []
+    ends, cpu, tokens, positions, losses, mfu, rewards, tool_calls = [], [], [], [], [], [], [], []
     prev = {"step": 0, "train/tokens_seen": 0}
     for r in rows:
         n = r["step"] - prev["step"]
@@ -502,9 +529,12 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             mfu.append(r.get("train/mfu"))
             if "train/reward" in r:  # grpo: the mean reward of the window's completions
                 rewards.append(r["train/reward"])
+            if "train/tools/call_frequency" in r:  # grpo with tools: tool calls per rollout
+                tool_calls.append(r["train/tools/call_frequency"])
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies, "rewards": rewards,
+            "tool_calls": tool_calls,
             "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
                                                                     if "train/shared_tokens" in r]) else None}
@@ -528,8 +558,12 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
     logged_rewards = sorted((int(k), v) for k, v in ranks[0].get("rewards", {}).items())  # grpo
     rewards = [next((v for k, v in logged_rewards if k >= s), None) for s in range(1, steps + 1)] \
         if logged_rewards else []
+    logged_calls = sorted((int(k), v) for k, v in ranks[0].get("tool_calls", {}).items())  # grpo with tools
+    tool_calls = [next((v for k, v in logged_calls if k >= s), None) for s in range(1, steps + 1)] \
+        if logged_calls else []
     return {"start": start, "ends": ranks[0]["step_ends"][:steps], "cpu": ranks[0]["step_cpu"][:steps],
             "tokens": tokens, "positions": positions, "reward_accuracies": accuracies, "rewards": rewards,
+            "tool_calls": [c for c in tool_calls if c is not None],
             "losses": losses, "peaks": peaks,
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
@@ -590,6 +624,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
     (grpo: ``num_generations``) adds completions/s and the mean rewards."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
     mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout, rewards, last_rewards = [], [], [], 0, 0.0, [], [], []
+    tool_calls = []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -610,6 +645,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
         if r.get("rewards"):  # grpo: every step's mean reward (warm-up steps included), and the last steps'
             rewards += r["rewards"]
             last_rewards.append(statistics.fmean(r["rewards"][-last:]))
+        tool_calls += r.get("tool_calls") or []  # grpo with tools: every step's tool calls per rollout
         peaks.append(max(r["peaks"].values(), default=0) / 1024 or None)  # the launch's largest rank, MiB
         e2e_tokens += sum(r["tokens"][:len(ends)])  # every step, from the launcher's start to the last step's end
         e2e_seconds += ends[-1] - r["start"]
@@ -622,6 +658,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
                                   if completions_per_row and rows_per_step else None),
             "mean_reward": statistics.fmean(rewards) if rewards else None,
             "final_reward": statistics.fmean(last_rewards) if last_rewards else None,
+            "tool_call_frequency": statistics.fmean(tool_calls) if tool_calls else None,
             "step_time_median_s": statistics.median(step_times), "step_time_iqr_s": q[2] - q[0],
             "timed_steps": len(step_times), "time_to_first_step_s": statistics.median(first) if first else None,
             "peak_rss_per_rank_mb": statistics.median(peaks) if all(peaks) else None,
@@ -645,11 +682,15 @@ def grpo_summary(name: str, results: list[dict]) -> str:
     ours/this, lower is better for us)."""
     ours = results[0]
     lines = [f"{name}: completions/s, trained (prompt + completion, non-pad) tokens/s, peak RSS MB per rank, mean "
-             f"reward over every step (and the last steps)"]
+             f"reward over every step (and the last steps)"
+             + (", tools/call_frequency (tool calls per rollout, mean over steps)"
+                if any(r.get("tool_call_frequency") is not None for r in results) else "")]
     for r in results:
         line = (f"  {r['contender']:<10} {r['completions_per_s']:7.2f} compl/s {r['real_tokens_per_s']:8.0f} tok/s "
                 f"{r['peak_rss_per_rank_mb'] or float('nan'):7.0f} MB/rank  reward {r['mean_reward'] or 0:.4f} "
                 f"(last {r['final_reward'] or 0:.4f})")
+        if r.get("tool_call_frequency") is not None:
+            line += f"  tool calls/rollout {r['tool_call_frequency']:.2f}"
         if r is not ours:
             line += (f"  finetune/{r['contender']}: completions/s "
                      f"{ours['completions_per_s'] / r['completions_per_s']:.2f}x, tokens/s "
@@ -722,7 +763,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
             "gradient_checkpointing": m.gradient_checkpointing,
-            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns), "init": m.init}
+            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns), "init": m.init,
+            "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
 
 def init_from(folder: str) -> list[str]:
@@ -742,7 +784,7 @@ def table(preset: str, results: list[dict]) -> str:
             ("1st step s", "{:.1f}", "time_to_first_step_s"), ("peak MB/rank", "{:.0f}", "peak_rss_per_rank_mb"),
             ("rows/s", "{:.1f}", "rows_per_s"), ("compl/s", "{:.2f}", "completions_per_s"),
             ("final loss", "{:.4f}", "final_loss"), ("mean reward", "{:.4f}", "mean_reward"),
-            ("last reward", "{:.4f}", "final_reward"),
+            ("last reward", "{:.4f}", "final_reward"), ("tool calls", "{:.2f}", "tool_call_frequency"),
             ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
             ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),

@@ -146,6 +146,7 @@ def main() -> None:
     accuracies: dict[int, float] = {}
     accuracy_key = "accuracy" if reward else "rewards/accuracies"
     rewards: dict[int, float] = {}  # GRPO: the logged mean reward of each step
+    tool_calls: dict[int, float] = {}  # GRPO with tools: the logged tools/call_frequency of each step
     phases: dict[str, list[float]] = {}  # GRPO: wall seconds of each call of the timed parts (per rank)
 
     class Meter(TrainerCallback):
@@ -160,6 +161,8 @@ def main() -> None:
                 accuracies[state.global_step] = float(logs[accuracy_key])
             if logs and grpo and "reward" in logs:
                 rewards[state.global_step] = float(logs["reward"])
+            if logs and grpo and "tools/call_frequency" in logs:
+                tool_calls[state.global_step] = float(logs["tools/call_frequency"])
 
     half = spec["precision"]
     common = dict(
@@ -186,17 +189,36 @@ def main() -> None:
         from trl import GRPOConfig, GRPOTrainer
 
         def load_reward(entry: str):
-            """A ``path/to/file.py:function`` entry of ``train.grpo.rewards``, imported from its file."""
+            """A ``path/to/file.py:function`` entry (``train.grpo.rewards``, ``tools``, ``environment``), imported
+            from its file."""
             path, _, name = entry.rpartition(":")
             if not path.endswith(".py"):
-                raise SystemExit(f"bench_trl.py: reward {entry!r} is no path/to/file.py:function entry (TRL needs "
-                                 f"a callable; the grpo preset's rewards come from scripts/bench_rewards.py)")
+                raise SystemExit(f"bench_trl.py: {entry!r} is no path/to/file.py:function entry (TRL needs a "
+                                 f"callable; the grpo preset's rewards come from scripts/bench_rewards.py)")
             module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
             return getattr(module, name)
 
         g = spec["grpo"]
+        agentic = {}
+        if g.get("tools") or g.get("environment"):  # multi-turn (grpo_tools preset): TRL's tools= / environment_factory=
+            import re
+
+            from trl.chat_template_utils import qwen3_template
+
+            if spec.get("chat_template"):  # data.chat_template: the template finetune renders the prompts with
+                tokenizer.chat_template = Path(spec["chat_template"]).read_text()
+            # TRL parses a completion's tool calls with the tokenizer's response template, which it sets only for the
+            # chat templates it ships (add_response_schema); data/chat_templates/chatml_tools.jinja writes Qwen's
+            # Hermes form (<tool_call>{json}</tool_call>, then EOS), so a TRL user sets TRL's own Qwen3 template, its
+            # end-of-turn marker this tokenizer's EOS
+            response = copy.deepcopy(qwen3_template)
+            response["fields"]["content"]["close_pattern"] = re.escape(tokenizer.eos_token) + r"\s*"
+            tokenizer.response_template = response
+            agentic["tools"] = [load_reward(e) for e in g.get("tools") or []] or None
+            if g.get("environment"):
+                agentic["environment_factory"] = load_reward(g["environment"])
         common["per_device_train_batch_size"] *= g["num_generations"]  # TRL counts completions, ours prompts
         common["per_device_eval_batch_size"] = common["per_device_train_batch_size"]
         gargs = GRPOConfig(**common, num_generations=g["num_generations"],
@@ -206,9 +228,10 @@ def main() -> None:
                            scale_rewards=g["scale_rewards"], mask_truncated_completions=g["mask_truncated_completions"],
                            importance_sampling_level=g["importance_sampling_level"],
                            num_iterations=g["num_iterations"], reward_weights=g["reward_weights"] or None,
-                           use_vllm=False)
+                           use_vllm=False,
+                           **({"max_tool_calling_iterations": g["max_tool_calling_iterations"]} if agentic else {}))
         trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(e) for e in g["rewards"]], args=gargs,
-                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()])
+                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()], **agentic)
         compute_loss = trainer.compute_loss
 
         def counting_loss(model_, inputs, *a, **kw):
@@ -296,7 +319,8 @@ def main() -> None:
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "reward_accuracies": accuracies,
-                                                      "rewards": rewards, "phases": phases,
+                                                      "rewards": rewards, "tool_calls": tool_calls,
+                                                      "phases": phases,
                                                       "reference_logps_first": reference_first,
                                                       "heldout": heldout, "gpu_max_allocated": peak_gpu}))
     # as scripts/bench_hf.py: leave without the interpreter's teardown of gloo's threads, after a last barrier

@@ -147,3 +147,26 @@ def test_reward_benchmark_against_trl_best(tmp_path):
     assert "reward_prompt_only: LM-head share of the matmul FLOPs per position 0.0% (no LM head" in proc.stdout
     assert "reward_prompt_only:\ncontender" in proc.stdout and "held-out acc" in proc.stdout
     assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
+
+
+@pytest.mark.extended  # suite budget
+def test_grpo_tools_benchmark_against_trl_best(tmp_path):
+    """The ``grpo_tools`` preset (multi-turn GRPO on the guess-the-number environment) against TRL's
+    ``GRPOTrainer(environment_factory=...)`` at its best, tiny, 1 rank, 2 steps, no warm-up launch: completions/s,
+    peak memory, the mean reward and ``tools/call_frequency`` on both sides (a random model calls no tool: 0), the
+    environment's reward in [0, 1], and the ratio line."""
+    proc = run_python(["scripts/bench.py", "--preset", "grpo_tools", "--steps", "2", "--skip", "1", "--rounds", "1",
+                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
+                       "--keep", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
+    ours, best = rows
+    for r in rows:
+        for key in ("completions_per_s", "real_tokens_per_s", "peak_rss_per_rank_mb", "step_time_median_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
+        assert 0.0 <= r["mean_reward"] <= 1.0 and r["tool_call_frequency"] is not None
+        assert r["completions_per_s"] == pytest.approx(8 / r["step_time_median_s"], rel=1e-6)  # 2 prompts x 4
+    assert "grpo_tools: completions/s" in proc.stdout and "tools/call_frequency" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.strip().startswith("trl_best"))
+    assert "finetune/trl_best: completions/s " in line and "tool calls/rollout" in line, line
