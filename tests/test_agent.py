@@ -7,6 +7,7 @@ run alone."""
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -162,3 +163,47 @@ def test_observe_appends_to_the_last_message_as_trl_does():
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go."}]
     assert agent_mod.observe(messages, " Door open.") == [messages[0], {"role": "user", "content": "Go. Door open."}]
     assert messages[1]["content"] == "Go." and agent_mod.observe(messages, None) is messages
+
+
+def test_inspect_shows_a_multi_turn_rollout_with_the_models_tokens_marked(tmp_path, capsys):
+    """``finetune inspect`` on a grpo config with the shipped guessing game: the rows' prompts, then a sample
+    multi-turn rollout of row 0 built by the training loop's own code: the prompt offering ``guess``, the model's
+    tool call (trained, marked), the environment's real answer rendered by the template (not trained), the model's
+    next turn (trained, marked)."""
+    from finetune.commands import inspect as inspect_cmd
+
+    overrides = ["data.train_files=[data/guess_number/train.parquet]", "data.validation_files=[data/guess_number/test.parquet]",
+                 "data.prompt_column=prompt", "data.reward_columns=[low,high,secret]", f"data.chat_template={TEMPLATE}",
+                 "data.max_seq_len=384", "train.grpo.environment=data/environments/guess_number.py:GuessNumber",
+                 "train.grpo.rewards=[]", "train.grpo.reward_weights=[]", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert inspect_cmd.main([str(CONFIG), *overrides, "--rows", "1", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "; then a sample multi-turn rollout of row 0 with the model's tokens marked" in out.splitlines()[0]
+    head, sample = out.split("--- row 0 a sample multi-turn rollout (the model's turns are scripted here; training "
+                             "samples them): ")
+    assert "--- row 0: 277 prompt tokens\n" in head and "[[" not in head  # the prompts: nothing trained
+    counts, text = sample.split("\n", 1)
+    assert counts.startswith("277 prompt tokens, then ") and "; train.grpo.max_completion_length=12 would end" in counts
+    model, tools = (int(x) for x in re.search(r"tokens: (\d+) the model's .*\), (\d+) the tools'", counts).groups())
+    assert model > 10 and tools > 10
+    assert '"name": "guess"' in text.split("<|im_start|>assistant\n[[")[0]  # the prompt offers the tool
+    assert text.endswith('<|im_start|>assistant\n[[<tool_call>\n{"name": "guess", "arguments": {"number": 1}}\n'
+                         '</tool_call><|endoftext|>]]\n<|im_start|>user\n<tool_response>\n1 is too low: the secret is '
+                         "higher.\n</tool_response><|endoftext|>\n<|im_start|>assistant\n[[(the model's next turn)"
+                         "<|endoftext|>]]\n"), text[-400:]
+    # the marks are the training masks: tool_turns' own (1 on the model's tokens, 0 on the result's)
+    seq = inspect_cmd.agent_sample(load_run_config(CONFIG, overrides), _tokenizer(overrides), _first_row(overrides))
+    assert sum(seq.trained) == model and len(seq.ids) - 277 - model == tools
+
+
+def _tokenizer(overrides):
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    return load_tokenizer(load_run_config(CONFIG, overrides), get_recipe("grpo"))
+
+
+def _first_row(overrides):
+    cfg = load_run_config(CONFIG, overrides)
+    first = pq.read_table(REPO / "data/guess_number/train.parquet").slice(0, 1).to_pylist()[0]
+    return {grpo.PROMPT_COLUMN: first["prompt"], **{grpo.COLUMN_PREFIX + n: first[n] for n in cfg.data.reward_columns}}

@@ -206,3 +206,69 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
            "tool_calls": torch.tensor([float(s.calls) for s in per_stats]),
            "tool_failures": torch.tensor([float(s.failures) for s in per_stats])}
     return out, [t.turns for t in done], tool_utils.ToolStats.total(per_stats)
+
+
+def sample_arguments(schema: dict) -> dict:
+    """Arguments for a sample call of the tool whose JSON schema is ``schema`` (``finetune inspect``): each required
+    parameter (every parameter when none is marked required) gets its first ``enum`` value, or by type ``"text"``,
+    1, 1.5, true, [] or {}."""
+    params = schema["function"].get("parameters", {})
+    props = params.get("properties", {})
+    by_type = {"string": "text", "integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}
+    names = params.get("required") or list(props)
+    return {n: (props[n]["enum"][0] if props[n].get("enum") else by_type.get(props[n].get("type"), "text"))
+            for n in names}
+
+
+REPLY = "(the model's next turn)"
+"""The text of :func:`sample_rollout`'s second assistant turn."""
+
+
+def sample_rollout(agent: Agent, tok, prompt: list[dict], columns: dict, g: GrpoConfig, chat_template: str | None,
+                   encode) -> tuple[list[int], tool_utils.Trajectory]:
+    """A multi-turn rollout as training builds it, before any model has generated (``finetune inspect``): the
+    prompt (with the environment's first observation, :func:`observed_prompts`), an assistant turn calling the first
+    offered tool with :func:`sample_arguments` (as the chat template renders such a turn), the tool run for real
+    (an environment's method on an instance reset with the row's ``columns``) and its result rendered by the
+    template, then a second assistant turn (:data:`REPLY`): :func:`finetune.recipes.tools.tool_turns`, the training
+    loop's own, with these two turns in place of the model's.
+
+    Args:
+        agent: the run's tools and environment.
+        tok: the tokenizer.
+        prompt: the row's prompt messages.
+        columns: the row's ``data.reward_columns`` values (name -> value), for ``reset``.
+        g: ``train.grpo`` (``tool_timeout_s``; the sample is not cut to ``max_completion_length``: the caller
+            says when training would cut it).
+        chat_template: ``data.chat_template`` as text, or None (the tokenizer's).
+        encode: messages -> prompt token ids (:meth:`finetune.recipes.grpo.prompts.PromptRows.encode`).
+
+    Returns:
+        ``(prompt_ids, trajectory)``: the rollout's prompt tokens and its completion (``ids``, ``mask``: 1 on the
+        model's tokens, trained; 0 on the tool's and the template's; ``turns``).
+
+    Raises:
+        RunFailure: the environment's ``reset`` failed.
+    """
+    environments, observations = start_environments(agent, {k: [v] for k, v in columns.items()}, 1)
+    messages = observe(prompt, observations[0])
+    prompt_ids = encode(messages)
+    schema = agent.schemas[0]
+    name = schema["function"]["name"]
+    kwargs = {"chat_template": chat_template} if chat_template else {}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": sample_arguments(schema)}}]}
+    opened = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                     **kwargs)
+    whole = tok.apply_chat_template(messages + [call], tokenize=True, return_dict=False, **kwargs)
+    turn = whole[len(opened):]
+    eos = [i for i, t in enumerate(turn) if t == tok.eos_token_id]
+    turn = turn[:eos[-1] + 1] if eos else turn + [tok.eos_token_id]
+    reply = tok(REPLY, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    functions = {t.name: t.function for t in agent.tools}
+    if environments[0] is not None:
+        functions.update({m: getattr(environments[0], m) for m in agent.methods})
+    done = tool_utils.tool_turns([prompt_ids], [turn], lambda inputs, budget: [reply[:budget] for _ in inputs], tok,
+                                 [functions], 1 << 20, 1, g.tool_timeout_s,
+                                 [tool_utils.ToolStats()], chat_template)
+    return prompt_ids, done[0]
