@@ -178,7 +178,6 @@ def test_inspect_shows_a_multi_turn_rollout_with_the_models_tokens_marked(tmp_pa
                  "train.grpo.rewards=[]", "train.grpo.reward_weights=[]", f"data.cache_dir={tmp_path / 'cache'}"]
     assert inspect_cmd.main([str(CONFIG), *overrides, "--rows", "1", "--color", "never"]) == 0
     out = capsys.readouterr().out
-    assert "; then a sample multi-turn rollout of row 0 with the model's tokens marked" in out.splitlines()[0]
     head, sample = out.split("--- row 0 a sample multi-turn rollout (the model's turns are scripted here; training "
                              "samples them): ")
     assert "--- row 0: 277 prompt tokens\n" in head and "[[" not in head  # the prompts: nothing trained
@@ -192,8 +191,9 @@ def test_inspect_shows_a_multi_turn_rollout_with_the_models_tokens_marked(tmp_pa
                          "higher.\n</tool_response><|endoftext|>\n<|im_start|>assistant\n[[(the model's next turn)"
                          "<|endoftext|>]]\n"), text[-400:]
     # the marks are the training masks: tool_turns' own (1 on the model's tokens, 0 on the result's)
-    seq = inspect_cmd.agent_sample(load_run_config(CONFIG, overrides), _tokenizer(overrides), _first_row(overrides))
-    assert sum(seq.trained) == model and len(seq.ids) - 277 - model == tools
+    ids, trained = agent_mod.inspect_sample(load_run_config(CONFIG, overrides), _tokenizer(overrides),
+                                            _first_row(overrides))
+    assert sum(trained) == model and len(ids) - 277 - model == tools and not any(trained[:277])
 
 
 def _tokenizer(overrides):

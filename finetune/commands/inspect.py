@@ -22,10 +22,11 @@ with several sequences per row (``Capabilities.sequences_per_row``: ``dpo``, ``k
 
 A ``grpo`` run shows its rows' prompts (training generates their completions); with tools or an environment
 (``train.grpo.tools``, ``environment``) it then shows a sample multi-turn rollout of row 0 as training builds it
-(:func:`agent_sample`): the prompt with the tools' schemas (and the environment's first observation), an assistant
-turn calling the first tool, the tool's real result as the template renders it, and the next assistant turn (the
-two assistant turns scripted, since no model has generated yet), the model's tokens marked as trained and the
-tool's and template's tokens between them not (their mask 0 in training).
+(the recipe's ``sample_rollout`` hook, :func:`rollout_sample`): the prompt with the tools' schemas (and the
+environment's first observation), an assistant turn calling the first tool, the tool's real result as the template
+renders it, and the next assistant turn (the two assistant turns scripted, since no model has generated yet), the
+model's tokens marked as trained and the tool's and template's tokens between them not (their mask 0 in
+training).
 
 Warnings (``finetune: warning: ...`` on stderr; the exit status stays 0), for recipes that train on answers to
 prompts (those that generate text and take their rows apart themselves: ``Capabilities.generates_text`` and
@@ -236,44 +237,30 @@ def header(seq: Shown, packed: bool) -> str:
     return text
 
 
-def agent_sample(cfg: RunConfig, tokenizer, row: dict) -> Shown | None:
-    """For ``grpo`` with tools or an environment (``train.grpo.tools``, ``environment``): a multi-turn rollout of
-    the split's first row as training builds it, before any model has generated
-    (:func:`finetune.recipes.grpo.agent.sample_rollout`: the rendered prompt with the tools' schemas and the
-    environment's first observation, an assistant turn calling the first tool, the tool's result as the template
-    renders it, the next assistant turn), its trained tokens those of the model (mask 1); the prompt, the tool's and
-    the template's tokens (mask 0) are not. None for a run without tools.
+def rollout_sample(recipe: Recipe, cfg: RunConfig, tokenizer, row: dict) -> Shown | None:
+    """The recipe's sample of what it generates and trains on from ``row`` (its ``sample_rollout`` hook: ``grpo``
+    with tools or an environment shows a multi-turn rollout as training builds it, before any model has generated,
+    :func:`finetune.recipes.grpo.agent.inspect_sample`), or None.
 
     Raises:
-        ConfigError: a tool or environment that does not load, or an environment whose ``reset`` fails (one line).
+        ConfigError: bad input (one line).
     """
-    from finetune.errors import RunFailure
-    from finetune.recipes.grpo import agent as agent_mod
-    from finetune.recipes.grpo.prompts import COLUMN_PREFIX, PROMPT_COLUMN, PromptRows
-    from finetune.recipes.sft import template_text
-
-    agent = agent_mod.agent_of(cfg)
-    if agent is None or not agent.schemas:
+    sample = recipe.sample_rollout(cfg, tokenizer, row)
+    if sample is None:
         return None
-    columns = {n: row[COLUMN_PREFIX + n] for n in cfg.data.reward_columns}
-    try:
-        prompt, done = agent_mod.sample_rollout(agent, tokenizer, list(row[PROMPT_COLUMN]), columns, cfg.train.grpo,
-                                                template_text(cfg.data),
-                                                PromptRows(tokenizer, cfg.data, agent.schemas).encode)
-    except RunFailure as e:
-        raise ConfigError(str(e)) from e
-    return Shown(0, "a sample multi-turn rollout", prompt + done.ids, [False] * len(prompt) + [bool(m) for m in done.mask],
-                 label=SAMPLE)
+    ids, trained = sample
+    return Shown(0, "a sample multi-turn rollout", list(ids), list(trained), label=SAMPLE)
 
 
 SAMPLE = "sample"
-"""The label of :func:`agent_sample`'s sequence."""
+"""The label of :func:`rollout_sample`'s sequence."""
 
 
 def sample_header(seq: Shown, color: bool, max_completion_length: int) -> str:
     """``--- row 0 a sample multi-turn rollout (...): P prompt tokens, then C completion tokens: K the model's
     (trained, ...), T the tools' and the template's (not trained)``, and a note when ``C`` is more than
-    ``max_completion_length`` (``train.grpo.max_completion_length``: training would end the rollout sooner)."""
+    ``max_completion_length`` (the recipe's ``rollout`` tokens per sequence less ``data.max_seq_len``; ``grpo``:
+    ``train.grpo.max_completion_length``): training would end the rollout sooner."""
     prompt = next((i for i, t in enumerate(seq.trained) if t), len(seq.ids))
     trained, n = sum(seq.trained), len(seq.ids) - prompt
     return (f"--- {seq.name()} (the model's turns are scripted here; training samples them): {prompt} prompt tokens, "
@@ -423,10 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     color = _use_color(args.color)
     packed = bool(recipe.capabilities.packs_rows and cfg.data.packing)
     one_label = bool(sequences) and sequences[0].label is not None
-    agentic = cfg.recipe == "grpo" and bool(cfg.train.grpo.tools or cfg.train.grpo.environment)
-    marked = ("prompts only: every training step generates their completions" +
-              ("; then a sample multi-turn rollout of row 0 with the model's tokens marked" if agentic else "")
-              if recipe.rollout(cfg) is not None
+    marked = ("prompts only: every training step generates their completions" if recipe.rollout(cfg) is not None
               else "one label per row" if one_label else
               f"trained tokens (labels != -100) in {'green' if color else '[[...]]'}")
     print(f"finetune inspect: recipe {cfg.recipe}, {args.split} split, rows 0-{n - 1} of {len(split):,} collated as "
@@ -453,11 +437,12 @@ def main(argv: list[str] | None = None) -> int:
             _warn(f"{len(texts) - WARN_EACH} more examples shown with {kind}")
     if one_label:
         try:
-            sample = agent_sample(cfg, tokenizer, rows[0]) if rows and cfg.recipe == "grpo" else None
+            sample = rollout_sample(recipe, cfg, tokenizer, rows[0]) if rows else None
         except ConfigError as e:
             return report_error(e)
         if sample is not None:
-            print(sample_header(sample, color, cfg.train.grpo.max_completion_length))
+            shape = recipe.rollout(cfg)
+            print(sample_header(sample, color, shape[1] - cfg.data.max_seq_len if shape else len(sample.ids)))
             print(render(tokenizer, sample, color))
         return 0
     shown = len({s.row for s in sequences})

@@ -102,6 +102,11 @@ def no_rollout(cfg: RunConfig) -> None:
     return None
 
 
+def no_sample(cfg: RunConfig, tokenizer, row: dict) -> None:
+    """Default ``sample_rollout``: nothing to show beyond the rows."""
+    return None
+
+
 def once(cfg: RunConfig) -> int:
     """Default ``batch_repeats``: each global batch trains one optimizer step."""
     return 1
@@ -284,6 +289,11 @@ class Recipe:
     """``(cfg) -> (sequences per row, tokens per sequence)`` that the recipe generates every step and then trains on
     (``grpo``: ``num_generations`` completions of up to ``data.max_seq_len + max_completion_length`` tokens), or
     None (default): for the planner's activations and the generation's KV cache."""
+    sample_rollout: Callable[[RunConfig, Any, dict], tuple[list[int], list[bool]] | None] = no_sample
+    """``(cfg, tokenizer, tokenized row) -> (token ids, trained per token)`` of a sample of what the recipe
+    generates and trains on from the row, for ``finetune inspect`` before any model has generated (``grpo`` with
+    tools or an environment: a multi-turn rollout, the model's turns scripted, the tools' tokens not trained), or
+    None (default: nothing to show beyond the rows). Raises ``ConfigError`` (one line) for bad input."""
     batch_repeats: Callable[[RunConfig], int] = once
     """``(cfg) -> int``: optimizer steps each global batch of rows trains, one after the other (``grpo``:
     ``train.grpo.num_iterations``, its generation batch reused with importance ratios to the generation-time

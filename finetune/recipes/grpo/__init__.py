@@ -92,7 +92,7 @@ from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
 from finetune.recipes import Capabilities, Recipe, dpo
 from finetune.recipes.grpo import rollout, scoring
-from finetune.recipes.grpo.agent import agent_of
+from finetune.recipes.grpo.agent import agent_of, inspect_sample
 from finetune.recipes.grpo.checks import check_rows
 from finetune.recipes.grpo.loss import completion_logps, count_targets, forward, loss_sum, prompt_shared_rows, \
     shares_prompts, token_losses
@@ -310,4 +310,4 @@ RECIPE = Recipe(name="grpo", model_class=MODEL_CLASS,
                 forward=forward, count_targets=count_targets, configure=configure, before_step=before_step,
                 columns=columns, cache_key=cache_key, check_data=check_rows, prepare_model_config=prepare_model_config,
                 generation_pairs=generation_pairs, rollout=rollout_shape, batch_repeats=batch_repeats,
-                rank_state=rank_state, load_rank_state=load_rank_state)
+                rank_state=rank_state, load_rank_state=load_rank_state, sample_rollout=inspect_sample)

@@ -272,3 +272,28 @@ def sample_rollout(agent: Agent, tok, prompt: list[dict], columns: dict, g: Grpo
                                  [functions], 1 << 20, 1, g.tool_timeout_s,
                                  [tool_utils.ToolStats()], chat_template)
     return prompt_ids, done[0]
+
+
+def inspect_sample(cfg: RunConfig, tok, row: dict) -> tuple[list[int], list[bool]] | None:
+    """The recipe's ``sample_rollout`` hook (``finetune inspect``): :func:`sample_rollout` of a tokenized row
+    (its ``prompt_raw`` and ``reward_column:<name>`` columns), as ``(prompt + completion ids, trained per token)``:
+    the model's tokens trained, the prompt's, the tool's and the template's not; None without tools or an
+    environment.
+
+    Raises:
+        ConfigError: a tool or environment that does not load, or an environment whose ``reset`` fails (one line).
+    """
+    from finetune.errors import ConfigError
+    from finetune.recipes.grpo.prompts import COLUMN_PREFIX, PROMPT_COLUMN, PromptRows
+    from finetune.recipes.sft import template_text
+
+    agent = agent_of(cfg)
+    if agent is None or not agent.schemas:
+        return None
+    columns = {n: row[COLUMN_PREFIX + n] for n in cfg.data.reward_columns}
+    try:
+        prompt, done = sample_rollout(agent, tok, list(row[PROMPT_COLUMN]), columns, cfg.train.grpo,
+                                      template_text(cfg.data), PromptRows(tok, cfg.data, agent.schemas).encode)
+    except RunFailure as e:
+        raise ConfigError(str(e)) from e
+    return prompt + done.ids, [False] * len(prompt) + [bool(m) for m in done.mask]
