@@ -22,6 +22,10 @@ GRPO_START = ["model.path=data/models/tiny-llama", "model.init=scratch", "model.
 """grpo_gsm8k.yaml starts from the export of an SFT run (the two-command chain); here the model it is built from."""
 STAND_INS = {
     "grpo_gsm8k.yaml": GRPO_START,
+    "grpo_guess_number.yaml": [  # the model sft_guess_number.yaml trains, from scratch instead of its export
+        "model.path=data/models/tiny-llama", "model.init=scratch", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
+        "model.config_overrides={vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, eos_token_id: 0, "
+        "max_position_embeddings: 1536}"],
     "bert_large_mlm_wikitext2_zero3.yaml": [
         "model.path=data/models/bert-small", "model.init=scratch",
         "model.tokenizer_path=data/models/bert-base-uncased-tokenizer",
