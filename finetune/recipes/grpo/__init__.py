@@ -248,7 +248,10 @@ def _same_in_sequence_group(engine, done, tables: list, own, mine, batch_std, fu
 
 
 def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
-    """A training micro-batch from a prompt batch and its completions."""
+    """A training micro-batch from a prompt batch and its completions; with an environment's observations, each
+    rollout's own prompt (``c["prompt_ids"]``, ``c["prompt_mask"]``:
+    :func:`~finetune.recipes.grpo.agent.observed_prompts`) and ``prompts_differ`` (0-d bool: some group's prompts
+    differ, so :func:`~finetune.recipes.grpo.loss.shares_prompts` turns prompt sharing off for this micro-batch)."""
     n = g.num_generations
     prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
     differ = False
