@@ -74,8 +74,8 @@ def environment_reward(prompts, completions, environments=None, **columns) -> li
 
 
 def start_environments(agent: Agent, columns: dict[str, list], n: int) -> tuple[list, list[str | None]]:
-    """One fresh instance per rollout, reset with its row's columns (TRL 1.16's ``environment_factory``: ``reset(**row)``
-    returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn, since an
+    """One fresh instance per rollout, reset with its row's columns (TRL 1.16's ``environment_factory``:
+    ``reset(**row)`` returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn, since an
     observation belongs to the prompt (:func:`observed_prompts`).
 
     Returns:
