@@ -8,12 +8,12 @@ rendered with the tool schemas, then multi-turn GRPO against the environment.
   assistant's ``guess`` tool call; without the tools column it does not (the gap the column closes).
 * :func:`test_bad_tools_row_is_one_line` (default suite): a tools row that is not JSON is refused before any model,
   one line naming the file, the row and the column.
-* :func:`test_shipped_chain_improves_held_out_success` (extended): the chain itself, both shipped configs as they
-  are except the SFT run's output folder and the GRPO run's start (that folder's export); it asserts that the SFT
-  export wins some held-out games but not all (room for GRPO), that the GRPO rollouts call the tool, and that
-  GRPO's greedy held-out success (the 100 games of ``data/guess_number/test.parquet``, a game won when its
-  ``GuessNumber`` reward is above 0 in ``<run>/eval/step<N>_completions.jsonl``) is above the SFT export's by at
-  least ``MARGIN`` games. docs/performance.md has the measured figures.
+* :func:`test_shipped_chain_reduced` (extended): both shipped configs, the SFT run cut to 60 of its steps and the
+  GRPO run (from that export) to 2 steps with 4 held-out games evaluated before and after. A run this short cannot
+  show the held-out improvement reliably (the full chain takes longer than a test should:
+  docs/performance.md has its measured before/after success), so it asserts what it can: the SFT loss falls, the
+  GRPO rollouts call the environment's tool (more than one call per rollout on average), the evaluation plays the
+  games with the environment's reward, and the logged rollouts hold their tool turns.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from conftest import REPO, check_files, launch, ok, read_metrics, write_parquet
 
 SFT = REPO / "finetune" / "recipes" / "configs" / "sft_guess_number.yaml"
 GRPO = REPO / "finetune" / "recipes" / "configs" / "grpo_guess_number.yaml"
-MARGIN = 5
-"""Games of the 100 held-out ones that GRPO must win beyond the SFT export (the measured gain is larger:
-docs/performance.md)."""
 
 
 @pytest.fixture(autouse=True)
@@ -91,17 +88,19 @@ def held_out(run: Path) -> dict[int, tuple[int, int]]:
     return out
 
 
-@pytest.mark.extended  # two launches, several minutes on 2 CPU cores
-def test_shipped_chain_improves_held_out_success(tmp_path):
+@pytest.mark.extended  # two launches, about four minutes on 2 CPU cores
+def test_shipped_chain_reduced(tmp_path):
     sft_run, grpo_run = tmp_path / "sft", tmp_path / "grpo"
-    ok(launch(SFT, [f"output_dir={sft_run}"], timeout=900))
-    assert (sft_run / "export" / "config.json").is_file()
-    ok(launch(GRPO, [f"output_dir={grpo_run}", f"model.path={sft_run / 'export'}"], timeout=900))
+    ok(launch(SFT, [f"output_dir={sft_run}", "train.max_steps=60", "train.eval_every=0", "train.save_every=60",
+                    "train.warmup_steps=5"], timeout=900))
+    losses = [r["train/loss"] for r in read_metrics(sft_run) if "train/loss" in r]
+    assert losses[-1] < 0.5 * losses[0], losses
+    ok(launch(GRPO, [f"output_dir={grpo_run}", f"model.path={sft_run / 'export'}", "train.max_steps=2",
+                     "train.eval_every=2", "train.eval_max_batches=2", "train.save_every=0", "train.log_every=1",
+                     "export=false"], timeout=900))
+    rows = [r for r in read_metrics(grpo_run) if "train/tools/call_frequency" in r]
+    assert len(rows) == 2 and all(r["train/tools/call_frequency"] > 1 for r in rows), rows
     steps = held_out(grpo_run)
-    last = max(steps)
-    (before, n), (after, m) = steps[0], steps[last]
-    assert n == m == 100, steps
-    assert 0 < before < n, f"the SFT export wins {before}/{n} held-out games: no room to improve, or no start"
-    calls = [r["train/tools/call_frequency"] for r in read_metrics(grpo_run) if "train/tools/call_frequency" in r]
-    assert calls and min(calls) > 1, calls  # every logged step's rollouts play the game through the tool
-    assert after >= before + MARGIN, f"held-out games won: {before} after SFT, {after} after GRPO (step {last})"
+    assert sorted(steps) == [0, 2] and all(n == 4 for _, n in steps.values()), steps  # 2 ranks x 2 batches x 1
+    turns = [json.loads(x) for x in (grpo_run / "completions.jsonl").read_text().splitlines()]
+    assert any(t.get("turns") for t in turns)  # the logged rollouts hold their tool turns
