@@ -58,6 +58,25 @@ rollout decodes with a cache anyway), e.g. the export of the shipped GSM8K SFT r
         train.eval_every=400 train.save_every=800 "model.config_overrides=<REALISTIC_SHAPE, below>"
     python scripts/bench.py --preset grpo --init-from runs/bench_sft_init/export --lock /tmp/heavy.lock
 
+``grpo_tools``: multi-turn GRPO with tools (issue 53): the ``grpo`` preset's shape, sampling, loss and batch layout on
+the shipped guess-the-number environment (``data/environments/guess_number.py``: one instance per rollout, reset with
+the row's ``low``, ``high``, ``secret``; its ``guess`` method the only tool; its ``get_reward`` the only reward), the
+games of ``data/guess_number/train.parquet`` as chat prompts rendered with ``data/chat_templates/chatml_tools.jinja``
+(the tool's schema in a system turn), ``max_completion_length`` 320 (the model's turns and the tool results),
+``max_tool_calling_iterations`` 3, against TRL's ``GRPOTrainer(environment_factory=...)`` (``scripts/bench_trl.py``:
+the same template, TRL's Qwen3 response template with this tokenizer's EOS, the same iterations and budget).
+``tool calls`` is ``tools/call_frequency`` (tool calls per rollout, mean over the steps) of each side. From random
+weights no rollout calls the tool; the loop runs from an SFT export of the preset's shape trained on the expert games
+(positions 1,024: prompt and completion exceed the shape's 512)::
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 finetune/run.py --config finetune/recipes/configs/sft_gsm8k_chat.yaml \
+        output_dir=runs/bench_guess_sft model.tokenizer_path=data/models/gsm8k-bpe-8k \
+        "model.config_overrides=<REALISTIC_SHAPE, max_position_embeddings: 1024>" \
+        data.train_files=[data/guess_number/train_chat.parquet] data.validation_files=[] data.tools_column=tools \
+        data.chat_template=data/chat_templates/chatml_tools.jinja data.max_seq_len=1024 train.micro_batch_size=2 \
+        train.max_steps=120 train.eval_every=0 train.eval_on_start=false train.save_every=120
+    python scripts/bench.py --preset grpo_tools --init-from runs/bench_guess_sft/export --lock /tmp/heavy.lock
+
 The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
 ``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
 
@@ -133,6 +152,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset bert_mlm --steps 3 --rounds 1 --nproc 1 --tiny   # a smoke run (tests)
     python scripts/bench.py --preset grpo --steps 8 --rounds 2 --lock /tmp/heavy.lock   # finetune vs GRPOTrainer
     python scripts/bench.py --preset grpo --steps 3 --skip 1 --rounds 1 --tiny --no-warm-up   # its smoke run
+    python scripts/bench.py --preset grpo_tools --init-from runs/bench_guess_sft/export   # multi-turn, tools
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
     python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
     python scripts/bench.py --preset long_context             # longest sequence per contender in 1280 MB per rank

@@ -52,6 +52,16 @@ both train the same prompts and completions per step; ``num_generations``, ``max
   path than the ``generate`` both sides are to use; it gains when completions of very different lengths share a
   batch); ``use_liger_kernel`` (Triton, GPUs); ``log_completions`` (off already).
 
+GRPO with tools or an environment (the ``grpo_tools`` preset; ``train.grpo.tools`` / ``environment``): TRL's
+``GRPOTrainer(tools=[...], environment_factory=Factory)`` with the same functions and class (imported from their
+files), ``max_tool_calling_iterations`` and ``max_completion_length`` (tool results included on both sides), the
+prompts rendered with the toolkit's ``data.chat_template`` (set as the tokenizer's chat template; TRL keeps it: it
+is prefix-preserving), and TRL's own Qwen3 response template with the tokenizer's EOS as the end of a turn (TRL
+sets a response template only for the chat templates it ships, and ``chatml_tools.jinja`` writes Qwen's Hermes
+tool calls). Both variants as above; TRL re-encodes each rollout's whole prompt and completion so far at every tool
+turn (no option of TRL 1.16 keeps the KV cache across its tool turns). The logged ``tools/call_frequency`` of each
+step goes into ``tool_calls``.
+
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds), the
 non-pad tokens and positions of each collated micro-batch (DPO: chosen and rejected sequences, stacked as ours;
 reward: the same; GRPO: the prompt and completion masks of each micro-batch ``compute_loss`` trains, i.e. prompt +
