@@ -46,6 +46,13 @@ def _generate(engine, batch, g, tokenizer, n, sample, seed, synced):
         context = ids[mask.bool()].tolist()
         for k in range(n):  # a prompt's n completions differ: each continues the prompt and its index
             rows.append(scripted_turn(context + ([k] if n > 1 else []), tokenizer, g.max_completion_length))
+    return as_generated(rows, tokenizer)
+
+
+def as_generated(rows: list[list[int]], tokenizer) -> dict:
+    """Completions (token ids, one list per rollout) in ``grpo.rollout.generate``'s output form:
+    ``completion_ids`` ``[N, C]`` int64 right-padded, ``completion_mask`` ``[N, C]`` float32, ``terminated`` ``[N]``
+    bool (ends with EOS), ``lengths`` ``[N]`` int64."""
     width = max(max(len(r) for r in rows), 1)
     completion = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     cmask = torch.zeros((len(rows), width))

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from grpo_tool_forced import as_generated
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = '''
@@ -121,15 +122,7 @@ def _scripted_generate(original):
                 rows.append(scripted_turn(ids[mask.bool()].tolist(), j * n + k, tokenizer, g.max_completion_length))
         with open(Path(os.environ["AGENT_RUN_LOG"]) / f"generate_rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
             f.write(json.dumps({"rows": len(rows)}) + "\n")
-        width = max(max(len(r) for r in rows), 1)
-        completion = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        cmask = torch.zeros((len(rows), width))
-        for i, r in enumerate(rows):
-            completion[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            cmask[i, :len(r)] = 1
-        terminated = torch.tensor([bool(r) and r[-1] == tokenizer.eos_token_id for r in rows])
-        return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
-                "lengths": cmask.sum(1).long()}
+        return as_generated(rows, tokenizer)
     return generate
 
 
