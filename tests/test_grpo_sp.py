@@ -174,8 +174,12 @@ def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_pa
     losses = ([r["train/loss"] for r in sp2], [r["train/loss"] for r in sp1])
     norms = ([r["train/grad_norm"] for r in sp2], [r["train/grad_norm"] for r in sp1])
     assert min(norms[1]) > 1e-3, norms  # the rewards differ within groups: something is trained
-    if loss_type == "grpo":  # ratio 1: each completion's token mean is -A, and a group's advantages sum to 0
-        assert max(abs(x) for x in losses[0] + losses[1]) <= 1e-6, losses
+    print(f"{loss_type}: losses (sp2, sp1) {losses}, grad norms {norms}")
+    if loss_type == "grpo":  # ratio 1: each completion's token mean is -A (+ beta KL), and a group's advantages sum
+        # to 0: the loss is a float32 difference of terms of order 1 (1e-7 apart whatever the layout), so compared
+        # absolutely; with beta 0 it is that rounding alone
+        assert max(abs(a - b) for a, b in zip(*losses)) <= 1e-6, losses
+        assert beta or max(abs(x) for x in losses[0] + losses[1]) <= 1e-6, losses
     else:
         assert max_rel(*losses) <= 1e-5, losses
         if iterations > 1:  # step 2 trains step 1's rollouts against their old log-probabilities: ratios differ from 1
@@ -183,6 +187,7 @@ def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_pa
     assert max_rel(*norms) <= 1e-5, norms
     if beta:  # the reference's log-probabilities (adapters off) on the slices: step 2's KL, after step 1 moved them
         kl = ([r["train/kl"] for r in sp2], [r["train/kl"] for r in sp1])
+        print(f"kl (sp2, sp1) {kl}")
         assert kl[1][0] == pytest.approx(0.0, abs=1e-9) and kl[1][1] > 1e-7, kl
         assert max_rel(kl[0][1:], kl[1][1:]) <= 1e-5 and abs(kl[0][0]) <= 1e-9, kl
 
