@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from grpo_tool_forced import as_generated
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTH = 3000
@@ -54,15 +55,7 @@ def _generate(engine, batch, g, tokenizer, n, sample, seed, synced):
         context = ids[mask.bool()].tolist()
         for k in range(n):
             rows.append(long_turn(context + ([k] if n > 1 else []), tokenizer, g.max_completion_length))
-    width = max(max(len(r) for r in rows), 1)
-    completion = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    cmask = torch.zeros((len(rows), width))
-    for i, r in enumerate(rows):
-        completion[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-        cmask[i, :len(r)] = 1
-    terminated = torch.tensor([bool(r) and r[-1] == tokenizer.eos_token_id for r in rows])
-    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
-            "lengths": cmask.sum(1).long()}
+    return as_generated(rows, tokenizer)
 
 
 @pytest.mark.parametrize("sp", [1, 2, 3])
