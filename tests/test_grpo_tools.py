@@ -96,9 +96,7 @@ def tool_reference(cfg, world: int, steps: int, masked: bool = True) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
-# CI budget: (0, "grpo") passes too (grad norms within 1e-4; the reference handles that loss type) but costs another
-# launch, so only ZeRO-3 dapo runs in CI
-@pytest.mark.parametrize(("stage", "loss_type"), [(3, "dapo")])
+@pytest.mark.parametrize(("stage", "loss_type"), [(3, "dapo"), (0, "grpo")])
 def test_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trained(tmp_path, stage, loss_type):
     from test_dpo import grad_norms, max_rel
 
