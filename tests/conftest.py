@@ -27,6 +27,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+EXPORT_STAND_INS = {
+    "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
+                        "model.tokenizer_path=data/models/tiny-gpt2"],
+    "grpo_guess_number.yaml": [
+        "model.path=data/models/tiny-llama", "model.init=scratch", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
+        "model.config_overrides={vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, eos_token_id: 0, "
+        "max_position_embeddings: 1536}"],
+}
+"""Overrides for the shipped configs that start from an SFT run's export (the two-command chains), which a clean
+clone does not have: the model each export is built from, from scratch."""
+
+
 def shm_buffers() -> set[str]:
     """The CPU backend's all-reduce buffers now in ``/dev/shm`` (``deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<n>``)."""
     return {str(p) for p in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")}

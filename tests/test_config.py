@@ -12,20 +12,14 @@ from finetune.errors import ConfigError
 from finetune.engine.ds_config import known_top_level_keys, resolve_ds_config
 from finetune.preflight.validate import validate_run
 
-from conftest import REPO, refused_here
+from conftest import EXPORT_STAND_INS, REPO, refused_here
 
 RUN_CONFIGS = sorted((REPO / "finetune" / "recipes" / "configs").glob("*.yaml"))
 DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
 
 # The reference user's target config points at paths on their cluster; here they become the tiny stand-ins.
-GRPO_START = ["model.path=data/models/tiny-llama", "model.init=scratch", "model.tokenizer_path=data/models/tiny-gpt2"]
-"""grpo_gsm8k.yaml starts from the export of an SFT run (the two-command chain); here the model it is built from."""
 STAND_INS = {
-    "grpo_gsm8k.yaml": GRPO_START,
-    "grpo_guess_number.yaml": [  # the model sft_guess_number.yaml trains, from scratch instead of its export
-        "model.path=data/models/tiny-llama", "model.init=scratch", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
-        "model.config_overrides={vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, eos_token_id: 0, "
-        "max_position_embeddings: 1536}"],
+    **EXPORT_STAND_INS,
     "bert_large_mlm_wikitext2_zero3.yaml": [
         "model.path=data/models/bert-small", "model.init=scratch",
         "model.tokenizer_path=data/models/bert-base-uncased-tokenizer",

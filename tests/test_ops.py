@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, REPO, cpu_env, run_python
+from conftest import CONFIGS, EXPORT_STAND_INS, REPO, cpu_env, run_python
 
 from finetune.preflight import plan
 
@@ -47,8 +47,7 @@ def _plan(capsys, argv):
                          ids=lambda p: p.stem)
 def test_plan_prints_table_for_shipped_configs(capsys, config):
     overrides = ["model.path=data/models/bert-large-config"] if "bert_large" in config.name else []
-    if config.name == "grpo_gsm8k.yaml":  # starts from an SFT run's export: the model that export is built from
-        overrides = ["model.path=data/models/tiny-llama", "model.tokenizer_path=data/models/tiny-gpt2"]
+    overrides = EXPORT_STAND_INS.get(config.name, overrides)  # an SFT run's export: the model it is built from
     code, out, err = _plan(capsys, [config, *overrides, "--gpus-per-node", "2"])
     assert code == 0, err
     rows = [line for line in out.splitlines() if line.startswith("ZeRO ")]

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import CONFIGS, REPO, check_here
+from conftest import CONFIGS, EXPORT_STAND_INS, REPO, check_here
 
 from finetune.lifecycle import report
 from finetune.commands import doctor
@@ -32,9 +32,7 @@ LOCAL = {"bert_large_mlm_wikitext2_zero3.yaml": [
     "model.path=data/models/bert-large-config", "model.tokenizer_path=data/models/bert-base-uncased-tokenizer",
     "model.init=scratch", "data.train_files=[data/wikitext2/test.parquet]",
     "data.validation_files=[data/wikitext2/validation.parquet]"],
-    # the export of an SFT run (the two-command chain): the model it is built from
-    "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
-                        "model.tokenizer_path=data/models/tiny-gpt2"]}
+    **EXPORT_STAND_INS}
 
 
 @pytest.fixture(autouse=True)
