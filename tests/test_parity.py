@@ -339,6 +339,7 @@ def test_accumulation_layouts_agree_with_each_other(runs):
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.extended  # suite budget (about 3 minutes beside another file): python -m pytest -m extended
 def test_sft_matches_single_device(runs, reference):
     """sft (prompt/response, best-fit packed rows with restarting position_ids, answer-only labels) on the
     Llama-architecture scratch model under ZeRO-3 with the optimizer and parameters on the CPU (DeepSpeedCPUAdam;
