@@ -405,11 +405,11 @@ def environment(gpu: bool) -> dict:
 
 
 def free_port() -> int:
-    import socket
+    """A master port below the ephemeral range (``finetune.parallel.distributed.free_port``: the kernel's pick can
+    go to another process's outgoing connection before the master listens)."""
+    from finetune.parallel.distributed import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 class PeakRSS(threading.Thread):

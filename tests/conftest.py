@@ -22,9 +22,15 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A master port for one launch: a free one below the ephemeral range (``distributed.free_port``), from this
+    pytest-xdist worker's share of it, so the launches of two workers never pick the same port."""
+    from finetune.parallel.distributed import FREE_PORTS, free_port as pick
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    share = (FREE_PORTS[1] - FREE_PORTS[0]) // max(count, 1)
+    return pick(FREE_PORTS[0] + index * share, FREE_PORTS[0] + (index + 1) * share)
 
 
 EXPORT_STAND_INS = {

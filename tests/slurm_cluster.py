@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import free_port
 from launch_helpers import apt_install
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -31,10 +32,6 @@ class SlurmUnavailable(RuntimeError):
     """The daemons cannot run here (packages missing and not installable, or a daemon would not start)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(name: str) -> str | None:
@@ -248,8 +245,8 @@ def start_cluster(root: Path, cpus: int = 8, gpus: int = 2) -> SlurmCluster:
             # job ids (and so the sbatch scripts' MASTER_PORT) unlike those of another test cluster beside it
             f"FirstJobId={random.randrange(1000, 60000)}",
             f"SlurmctldHost={node}(127.0.0.1)",  # no name resolution needed for the daemons
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             *_common_settings(sock),
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}",
@@ -335,8 +332,8 @@ def start_two_node_cluster(root: Path, cpus: int = 4) -> SlurmCluster:
             f"ClusterName=ft2n{os.getpid()}",
             f"FirstJobId={random.randrange(1000, 60000)}",
             f"SlurmctldHost={socket.gethostname()}({cluster.nodes[names[0]]})",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={free_port()}",
+            f"SlurmdPort={free_port()}",
             *_common_settings(sock),
             "SlurmdTimeout=10",  # a node that stops answering is DOWN after 10 s (node-loss test)
             f"StateSaveLocation={root / 'state'}",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import subprocess
 from datetime import timedelta
@@ -69,10 +70,33 @@ def slurm_head_node() -> str:
     return first
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+FREE_PORTS = (30000, 32768)
+"""Where :func:`free_port` looks: below Linux's ephemeral range (32768-60999, ``ip_local_port_range``), so no
+outgoing connection (gloo opens many) can take the port between the pick and the master's ``listen``, and above the
+ports derived from a job id (``_PORT_BASE`` + ``_PORT_SPAN``)."""
+
+
+def free_port(lo: int = FREE_PORTS[0], hi: int = FREE_PORTS[1]) -> int:
+    """A TCP port in ``[lo, hi)`` that nothing listens on now, starting from a random one.
+
+    The kernel's own pick (``bind(("", 0))``) is an ephemeral port: released at once, it can be handed to another
+    process's outgoing connection before the master binds it (``EADDRINUSE`` in ``TCPStore``). A port below the
+    ephemeral range is only ever taken by a process that asks for it by number; launches side by side (pytest-xdist
+    workers) pass disjoint ranges.
+
+    Raises:
+        RuntimeError: every port of the range is taken.
+    """
+    start = random.SystemRandom().randrange(lo, hi)
+    for i in range(hi - lo):
+        port = lo + (start - lo + i) % (hi - lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in [{lo}, {hi})")
 
 
 def _derived_port(key: int) -> int:
@@ -91,7 +115,7 @@ def _mpi_rendezvous(env) -> None:
         MPI = None
     if MPI is not None:
         comm = MPI.COMM_WORLD
-        mine = ("127.0.0.1" if one_node else socket.gethostname(), str(_free_port()))
+        mine = ("127.0.0.1" if one_node else socket.gethostname(), str(free_port()))
         addr, port = comm.bcast(mine if comm.Get_rank() == 0 else None, root=0)
         env.setdefault("MASTER_ADDR", addr)
         env.setdefault("MASTER_PORT", port)
@@ -150,7 +174,7 @@ def export_rank_env() -> str:
         env.setdefault("WORLD_SIZE", "1")
         env.setdefault("LOCAL_RANK", "0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
         _launcher = "single"
     return _launcher
 
