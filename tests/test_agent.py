@@ -16,7 +16,7 @@ import torch
 from conftest import CONFIGS, REPO, scratch_model
 from finetune.config import load_run_config
 from finetune.errors import RunFailure
-from finetune.recipes import grpo
+from finetune.recipes import get_recipe, grpo
 from finetune.recipes.grpo import agent as agent_mod
 
 CONFIG = CONFIGS / "tiny_grpo.yaml"
@@ -118,6 +118,12 @@ def test_the_reset_observation_is_the_rollouts_prompt_and_never_trained(tmp_path
         assert (b["labels"][i, :p] == -100).all()  # never trained
     assert "You are in the hall" not in tok.decode(batch["input_ids"][0])  # the data's own prompt has none
     assert bool(b["prompts_differ"]) and not grpo.shares_prompts(model, b, True)
+    # per-tool calls: one column per offered tool (the environment's switch), then calls naming none
+    assert b["tool_calls_by_name"].shape == (2 * g, 2)
+    assert torch.equal(b["tool_calls_by_name"].sum(1), b["tool_calls"])
+    recipe = get_recipe("grpo").configure(get_recipe("grpo"), cfg)
+    m = recipe.forward(model, b, metrics=True).metrics
+    assert {"tools/switch/call_frequency", "tools/(unknown)/call_frequency"} <= set(m)
     logps, _ = grpo.completion_logps(model, b, cfg.train.grpo.temperature, share=True)
     for i in range(len(b["input_ids"])):  # each sequence alone, unpadded: the same log-probabilities
         ids = b["input_ids"][i][b["attention_mask"][i].bool()]

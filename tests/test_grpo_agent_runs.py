@@ -191,6 +191,10 @@ def test_failing_tools_are_counted_and_ranks_with_different_turns_never_hang(run
     for r in rows.values():
         assert r["train/tools/call_frequency"] > 0 and r["train/tools/failure_frequency"] > 0, r
         assert r["train/tools/failure_frequency"] < 1, r  # the calculator, shape and press succeed
+        # per tool: every offered tool's calls per completion, (unknown) for calls naming none; they add up
+        per_tool = {k.split("/")[2]: v for k, v in r.items() if k.startswith("train/tools/") and k.count("/") == 3}
+        assert set(per_tool) == {"calculate", "explode", "nap", "shape", "press", "(unknown)"}, r
+        assert sum(per_tool.values()) == pytest.approx(r["train/tools/call_frequency"], rel=1e-6), r
     # each rank's generate calls: its rollouts' turns differ from the other rank's (different rows ask for 0-3)
     calls = {rank: [json.loads(x)["rows"] for x in (run / "gen" / f"generate_rank{rank}.jsonl").read_text().splitlines()]
              for rank in (0, 1)}

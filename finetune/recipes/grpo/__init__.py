@@ -273,7 +273,8 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
             "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
             "lengths": c["lengths"], "group_size": torch.tensor(n), "prompts_differ": torch.tensor(differ),
             **({"model_lengths": c["tool_mask"].sum(1).long(), "tool_calls": c["tool_calls"],
-                "tool_failures": c["tool_failures"], "turns": c["turns"]} if "tool_mask" in c else {})}
+                "tool_failures": c["tool_failures"], "turns": c["turns"],
+                "tool_calls_by_name": c["tool_calls_by_name"]} if "tool_mask" in c else {})}
 
 
 def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions, transcripts=None) -> None:

@@ -43,6 +43,12 @@ class Agent:
     methods: tuple[str, ...] = ()
     """The environment's methods offered as tools (bound to each rollout's instance by name)."""
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every tool name the prompts offer, in :attr:`schemas`' order: the per-tool call counts' columns (the
+        same on every rank: they come from the run config)."""
+        return tuple(t.name for t in self.tools) + self.methods
+
 
 @functools.cache
 def _load(tools: tuple[str, ...], environment: str) -> Agent:
@@ -167,8 +173,9 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
         ``(whole, transcripts, stats)``: ``whole`` with every rollout's tokens (``completion_ids`` padded,
         ``completion_mask`` 1 on every real token, ``lengths``, ``terminated``: the last turn ended with EOS) and
         ``tool_mask`` ``[N, C']`` float32 (1 on the model's tokens, 0 on the tools'); ``turns`` ``[N]`` int64 (the
-        model's turns); ``tool_calls``, ``tool_failures`` ``[N]`` float32; the transcripts (one list of turns per
-        rollout); the counts.
+        model's turns); ``tool_calls``, ``tool_failures`` ``[N]`` float32; ``tool_calls_by_name`` ``[N, T + 1]``
+        float32 (the calls of each of :attr:`Agent.names`, then those naming no offered tool or none at all); the
+        transcripts (one list of turns per rollout); the counts.
     """
     pad, eos = tok.pad_token_id, tok.eos_token_id
     n = len(whole["completion_ids"])
@@ -204,7 +211,10 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
            "lengths": real.sum(1).long(), "tool_mask": model,
            "turns": torch.tensor([sum(m["role"] == "assistant" for m in t.turns) for t in done], dtype=torch.long),
            "tool_calls": torch.tensor([float(s.calls) for s in per_stats]),
-           "tool_failures": torch.tensor([float(s.failures) for s in per_stats])}
+           "tool_failures": torch.tensor([float(s.failures) for s in per_stats]),
+           "tool_calls_by_name": torch.tensor([[float(s.per_tool.get(name, 0)) for name in agent.names]
+                                               + [float(s.calls - sum(s.per_tool.get(name, 0) for name in agent.names))]
+                                               for s in per_stats], dtype=torch.float32).reshape(n, -1)}
     return out, [t.turns for t in done], tool_utils.ToolStats.total(per_stats)
 
 

@@ -18,6 +18,7 @@ from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
 from finetune.recipes import reward
+from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.prompts import tokenizer_of
 from finetune.recipes.grpo.rollout import greedy_completions
 from finetune.recipes.grpo.scoring import reward_functions, score_completions
@@ -365,6 +366,10 @@ def forward(model, batch: dict, metrics: bool = False, settings: GrpoConfig | No
         m["tools/call_frequency"] = (calls, n)
         m["tools/failure_frequency"] = (batch["tool_failures"].double().sum(), calls)
         m["tools/turns_mean"] = (batch["turns"].double().sum(), n)
+        agent = agent_of(cfg) if cfg is not None else None
+        if agent is not None and "tool_calls_by_name" in batch:  # each tool's calls per completion
+            for name, count in zip(agent.names + ("(unknown)",), batch["tool_calls_by_name"].double().sum(0)):
+                m[f"tools/{name}/call_frequency"] = (count, n)  # (unknown): a call naming no offered tool
     for j, f in enumerate(functions or []):
         m[f"rewards/{f.name}/mean"] = _mean(batch["reward_table"][:, j])
     return LossOutput(total, count_targets(batch, g.loss_type), metrics=m)
