@@ -43,6 +43,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 SamplingLevel = Literal["token", "sequence"]
 GenerationBackend = Literal["hf_generate", "hybrid_engine"]
 Mode = Literal["min", "max"]
+DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"]
 
 
 def choices(choice_type: Any) -> tuple[str, ...]:
@@ -122,6 +123,8 @@ class DataConfig:
     """grpo only: columns passed to the reward functions as keyword arguments, one value per completion (TRL's ``**kwargs``; ``exact_match`` reads the first); every file must have them."""
     margin_column: str = ""
     """reward only: a numeric column of per-pair margins ``m`` (TRL's ``margin``): the loss is ``-log sigma(r_chosen - r_rejected - m)``; empty: no margin (a ``margin`` column in the files is then ignored, with a warning)."""
+    format: DataFormat = "auto"
+    """sft only: the form of the rows (finetune.data.formats): ``messages`` (OpenAI/TRL ``{role, content}`` lists), ``sharegpt`` (``conversations`` of ``{from, value}``), ``alpaca`` (``instruction``, ``input``, ``output``), ``prompt_completion`` (TRL's ``prompt``/``completion``, text or messages); ``auto``: the column keys when set, else recognised from the files' columns (one log line says which)."""
     messages_column: str = ""
     """sft only: chat column, a list of ``{role, content}`` per row; the loss is on every assistant turn."""
     tools_column: str = ""

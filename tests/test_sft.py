@@ -210,12 +210,13 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         "data.chat_template=": "data.chat_template: tokenizer 'data/models/tiny-gpt2' has no chat template",
         "data.chat_template=nowhere/x.jinja": "data.chat_template: 'nowhere/x.jinja' is neither a Jinja template",
         "model.attn_implementation=flash": "model.attn_implementation: 'flash' unknown (choose one of: sdpa, eager",
-        "data.messages_column=": "data.prompt_column: sft needs data.prompt_column and data.response_column",
+        "data.messages_column= data.response_column=answer": "data.prompt_column: sft needs data.prompt_column and data.response_column",
+        "data.format=alpaca": "is not Alpaca: it has the columns messages (no instruction, output)",
         "data.prompt_column=question": "data.messages_column: set either data.messages_column (chat) or",
         "data.truncation=cut": "data.truncation: 'cut' unknown (choose one of: truncate, drop)",
     }
     for override, want in cases.items():
-        problems = _problems(tmp_path, [override])
+        problems = _problems(tmp_path, override.split(" "))
         assert problems and all(want in p for p in problems), (override, problems)  # one line per file at most
         assert len(problems) == (2 if "column 'msgs'" in want else 1), (override, problems)
     pair = ["data.messages_column=", "data.chat_template=", "data.train_files=[data/gsm8k/train.parquet]",
@@ -223,6 +224,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     problems = _problems(tmp_path, [*pair, "data.response_column=solution"])
     assert len(problems) == 2 and all("has no column 'solution' (columns: question, answer)" in p for p in problems)
     assert _problems(tmp_path, [*pair, "data.response_column=answer"]) == []
+    assert _problems(tmp_path, ["data.messages_column="]) == []  # the messages form, recognised from the columns
 
     # The command line: every problem at once, one 'finetune: error:' line each, exit 2, before any model.
     code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'cli'}", "model.attn_implementation=flash",

@@ -43,6 +43,7 @@ cross-entropy over labels != -100, i.e. answer tokens; eval loss and perplexity 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from collections import Counter
@@ -55,6 +56,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
 from finetune.config import DataConfig, RunConfig
+from finetune.data import formats
 from finetune.data.dataset import default_cache_dir, file_id, fingerprint, string_type
 from finetune.errors import ConfigError
 from finetune.parallel import sequence, tensor
@@ -67,21 +69,37 @@ _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def form(data_cfg: DataConfig) -> str:
-    """``"chat"`` when ``data.messages_column`` is set, else ``"pair"`` (prompt/response columns)."""
-    return "chat" if data_cfg.messages_column else "pair"
+    """``"chat"`` for conversations (``data.messages_column``, or a ShareGPT, Alpaca, messages or conversational
+    prompt-completion file: :func:`finetune.data.formats.resolve`), else ``"pair"`` (prompt/response text)."""
+    return "chat" if formats.resolve(data_cfg).chat else "pair"
 
 
 def columns(data_cfg: DataConfig) -> list[str]:
     """Parquet columns the tokenize function reads."""
-    if form(data_cfg) == "chat":
-        return [data_cfg.messages_column] + ([data_cfg.tools_column] if data_cfg.tools_column else [])
-    return [data_cfg.prompt_column, data_cfg.response_column]
+    read = formats.resolve(data_cfg)
+    return list(read.columns) + ([data_cfg.tools_column] if read.chat and data_cfg.tools_column else [])
 
 
 def cache_key(data_cfg: DataConfig) -> dict:
-    """Settings besides the files, columns and tokenizer that decide the tokenized rows (the template's text)."""
-    return {"form": form(data_cfg), "truncation": data_cfg.truncation, "packing": data_cfg.packing,
+    """Settings besides the files, columns and tokenizer that decide the tokenized rows (the template's text, the
+    rows' form)."""
+    return {"form": form(data_cfg), "format": formats.resolve(data_cfg).name, "truncation": data_cfg.truncation,
+            "packing": data_cfg.packing,
             "chat_template": template_text(data_cfg) if form(data_cfg) == "chat" else None}
+
+
+def conversation(read: formats.Form, row: dict) -> tuple[list[dict], int]:
+    """A row of a chat form as ``(messages, first)``: the conversation and the index of its first message that may
+    be trained (0; for conversational prompt-completion, the completion's first: TRL trains the completion only).
+
+    Raises:
+        ValueError: the row does not fit the form (:func:`finetune.data.formats.to_messages`).
+    """
+    messages = formats.to_messages(read, row)
+    if isinstance(messages, tuple):
+        prompt, completion = messages
+        return prompt + completion, len(prompt)
+    return messages, 0
 
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
@@ -213,15 +231,19 @@ def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[
     for conversations, the turns before the last assistant turn (rendered, the assistant's turn opened) and that
     turn's content. Rows with an empty prompt or reference, or no assistant turn, are left out."""
     pairs = []
-    tools_col = data_cfg.tools_column if form(data_cfg) == "chat" else ""
+    read = formats.resolve(data_cfg)
+    tools_col = data_cfg.tools_column if read.chat else ""
     for row in rows:
-        if form(data_cfg) == "pair":
-            prompt, response = row.get(data_cfg.prompt_column), row.get(data_cfg.response_column)
+        if not read.chat:
+            prompt, response = row.get(read.columns[0]), row.get(read.columns[1])
             if isinstance(prompt, str) and isinstance(response, str) and prompt.strip() and response.strip():
                 pairs.append((tokenizer(prompt, add_special_tokens=True)["input_ids"], response))
             continue
-        messages = row.get(data_cfg.messages_column)
-        if message_problem(messages) or not has_answer(messages):
+        try:
+            messages, first = conversation(read, row)
+        except ValueError:
+            continue  # reported before training by check_labels
+        if message_problem(messages) or not has_answer(messages[first:]):
             continue
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last > 0:
@@ -241,9 +263,11 @@ def prompt_length(tokenizer, messages: list[dict], template: str) -> int:
 
 
 def encode_messages(tokenizer, messages: list[dict], template: str,
-                    tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+                    tools: list[dict] | None = None, first: int = 0) -> tuple[list[int], list[int]]:
     """Token ids and labels of one conversation rendered with ``template`` (lists of int, same length); with
-    ``tools`` (JSON schemas) the template offers them (``apply_chat_template(tools=...)``).
+    ``tools`` (JSON schemas) the template offers them (``apply_chat_template(tools=...)``); with ``first`` > 0,
+    the tokens of ``messages[:first]`` rendered with the assistant's turn opened are never trained (a
+    prompt-completion row's prompt).
 
     Labels are the token ids on assistant turns (content and what the template ends the turn with, e.g. EOS),
     -100 elsewhere and on the first position. With ``{% generation %}`` markers in the template the turns come
@@ -271,13 +295,16 @@ def encode_messages(tokenizer, messages: list[dict], template: str,
                                   "differently when more turns follow, so assistant turns cannot be located; mark "
                                   "assistant text with {% generation %} ... {% endgeneration %} in the template")
             mask[start:len(upto)] = [1] * (len(upto) - start)
+    if first:
+        prompt = len(_render(tokenizer, messages[:first], template, add_generation_prompt=True, **offered))
+        mask[:prompt] = [0] * min(prompt, len(mask))
     labels = [t if k else -100 for t, k in zip(ids, mask)]
     labels[0] = -100
     return ids, labels
 
 
 def encode_rendered(tokenizer, messages: list[dict], template: str, column: str,
-                    tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+                    tools: list[dict] | None = None, first: int = 0) -> tuple[list[int], list[int]]:
     """:func:`encode_messages`, with an error the template raises (``raise_exception``) as one ConfigError line
     (the input checks render every row first, :class:`TemplateCheck`; this is the backstop).
 
@@ -285,7 +312,7 @@ def encode_rendered(tokenizer, messages: list[dict], template: str, column: str,
         ConfigError: the template raised on the conversation, or :func:`encode_messages`'s.
     """
     try:
-        return encode_messages(tokenizer, messages, template, tools)
+        return encode_messages(tokenizer, messages, template, tools, first)
     except jinja2.TemplateError as e:
         raise ConfigError(f"data.chat_template: the chat template raised on a row of column '{column}': "
                           f"{_one_line(e)}; fix the row or the template") from None
@@ -403,8 +430,8 @@ class SftExamples:
     """
 
     def __init__(self, tokenizer, data_cfg: DataConfig):
-        self.tokenizer, self.d = tokenizer, data_cfg
-        self.template = chat_template(data_cfg, tokenizer) if form(data_cfg) == "chat" else None
+        self.tokenizer, self.d, self.read = tokenizer, data_cfg, formats.resolve(data_cfg)
+        self.template = chat_template(data_cfg, tokenizer) if self.read.chat else None
         self.reset()
 
     def reset(self) -> None:
@@ -414,24 +441,29 @@ class SftExamples:
     def _examples(self, batch: dict) -> list[tuple[list[int], list[int]]]:
         d, c = self.d, self.counts
         out = []
-        n = len(batch[columns(d)[0]])
+        cols = self.read.columns
+        n = len(batch[cols[0]])
         for i in range(n):
             c["rows"] += 1
             if self.template is not None:
-                messages = batch[d.messages_column][i]
+                try:
+                    messages, first = conversation(self.read, {k: batch[k][i] for k in cols})
+                except ValueError as e:
+                    raise ConfigError(f"data.format: a row of the {formats.NAMES[self.read.name]} form has {e}") \
+                        from None
                 problem = message_problem(messages)
                 if problem:
-                    raise ConfigError(f"data.messages_column: a row of '{d.messages_column}' is {problem}")
-                if not has_answer(messages):
+                    raise ConfigError(f"data.messages_column: a row of '{cols[0]}' is {problem}")
+                if not has_answer(messages[first:]):
                     c["no_answer"] += 1
                     continue
                 try:
                     tools = row_tools(batch[d.tools_column][i]) if d.tools_column else None
                 except ValueError as e:
                     raise ConfigError(f"data.tools_column: a row of '{d.tools_column}' is {e}") from None
-                ids, labels = encode_rendered(self.tokenizer, messages, self.template, d.messages_column, tools)
+                ids, labels = encode_rendered(self.tokenizer, messages, self.template, cols[0], tools, first)
             else:
-                prompt, response = batch[d.prompt_column][i], batch[d.response_column][i]
+                prompt, response = batch[cols[0]][i], batch[cols[1]][i]
                 if not isinstance(response, str) or not response.strip() or not isinstance(prompt, str):
                     c["empty"] += 1
                     continue
@@ -538,26 +570,36 @@ def make_collator(tokenizer, data_cfg: DataConfig):
 def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """Check the sft settings and data before any model is built; append one line per problem.
 
-    Problems: neither or both data forms set, an unknown ``data.truncation``, a file without a needed column, a
-    prompt/response column that is not text, a messages column whose first malformed row (not a list of
-    ``{role, content}`` strings) is named, ``data.tools_column`` without ``data.messages_column`` or a tools row that
-    is not a list of schemas (nor its JSON text), training files in which no conversation has an assistant turn,
-    no chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file, and a row
-    on which the chat template raises (:class:`TemplateCheck`: every row rendered once per file version).
+    Problems: both data forms set, half a prompt/response pair, no form recognised in the files or files of
+    different forms (:func:`finetune.data.formats.resolve`), an unknown ``data.truncation``, a file without a needed
+    column, a prompt/response column that is not text, the first row of a chat form that does not fit it or is not
+    a list of ``{role, content}`` strings (named), ``data.tools_column`` without a chat form or a tools row that is
+    not a list of schemas (nor its JSON text), training files in which no conversation has an assistant turn, no
+    chat template (none in ``data.chat_template`` nor in the tokenizer) or a missing template file, and a row on
+    which the chat template raises (:class:`TemplateCheck`: every row rendered once per file version).
     """
-    pair = bool(cfg.data.prompt_column or cfg.data.response_column)
-    if cfg.data.messages_column and pair:
+    d = cfg.data
+    pair = bool(d.prompt_column or d.response_column)
+    if d.messages_column and pair:
         problems.append("data.messages_column: set either data.messages_column (chat) or data.prompt_column and "
                         "data.response_column (prompt/response), not both")
         return
-    if not cfg.data.messages_column and not (cfg.data.prompt_column and cfg.data.response_column):
+    if d.format == "auto" and not d.messages_column and pair and not (d.prompt_column and d.response_column):
         problems.append("data.prompt_column: sft needs data.prompt_column and data.response_column (prompt/response "
                         "text), or data.messages_column (a list of {role, content} per row)")
         return
-    if cfg.data.tools_column and not cfg.data.messages_column:
+    try:
+        read = formats.resolve(dataclasses.replace(d, train_files=list(train_files),
+                                                   validation_files=list(validation_files)))
+    except ConfigError as e:
+        problems += e.problems
+        return
+    if d.tools_column and not read.chat:
         problems.append("data.tools_column: tools are rendered into conversations; set data.messages_column too, or "
                         "leave data.tools_column empty")
-    answers = read = 0  # conversations with an answer; training files read without a problem
+    keys = {"pair": ("prompt_column", "response_column"), "messages": ("messages_column",),
+            "sharegpt": ("messages_column", "format")}.get(read.name, ("format",) * len(read.columns))
+    answers = read_files = 0  # conversations with an answer; training files read without a problem
     templates = TemplateCheck(cfg)
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
         for f in files:
@@ -565,47 +607,56 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 schema = pq.ParquetFile(f).schema_arrow
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 continue
-            for col, what in ((cfg.data.messages_column, "messages_column"), (cfg.data.prompt_column, "prompt_column"),
-                              (cfg.data.response_column, "response_column"), (cfg.data.tools_column, "tools_column")):
-                if not col:
-                    continue
+            needed = list(zip(read.columns, keys)) + ([(d.tools_column, "tools_column")] if d.tools_column else [])
+            missing = False
+            for col, what in needed:
                 if col not in schema.names:
                     problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); set "
                                     f"data.{what}")
-                elif what not in ("messages_column", "tools_column") and not string_type(schema.field(col).type):
+                    missing = True
+                elif not read.chat and what != "tools_column" and not string_type(schema.field(col).type):
                     problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
                                     f"(string); set data.{what} to a text column")
-            if cfg.data.messages_column and cfg.data.messages_column in schema.names:
-                rows = pq.read_table(f, columns=[cfg.data.messages_column]).column(cfg.data.messages_column).to_pylist()
-                tools = [None] * len(rows)
-                if cfg.data.tools_column and cfg.data.tools_column in schema.names:
-                    values = pq.read_table(f, columns=[cfg.data.tools_column]).column(cfg.data.tools_column).to_pylist()
-                    for i, value in enumerate(values):
-                        try:
-                            tools[i] = row_tools(value)
-                        except ValueError as e:
-                            problems.append(f"{key}: '{f}' row {i} of column '{cfg.data.tools_column}' is {e}; set "
-                                            f"data.tools_column to a column of tool schema lists (or their JSON text)")
-                            break
-                for i, messages in enumerate(rows):
-                    problem = message_problem(messages)
-                    if problem:
-                        problems.append(f"{key}: '{f}' row {i} of column '{cfg.data.messages_column}' is {problem}; every "
-                                        f"row must be a list of {{role, content}} messages")
+            if not read.chat or missing:
+                continue
+            table = pq.read_table(f, columns=list(read.columns)).to_pylist()
+            tools = [None] * len(table)
+            if d.tools_column:
+                values = pq.read_table(f, columns=[d.tools_column]).column(d.tools_column).to_pylist()
+                for i, value in enumerate(values):
+                    try:
+                        tools[i] = row_tools(value)
+                    except ValueError as e:
+                        problems.append(f"{key}: '{f}' row {i} of column '{d.tools_column}' is {e}; set "
+                                        f"data.tools_column to a column of tool schema lists (or their JSON text)")
                         break
-                else:
-                    if key == "data.train_files":
-                        answers += sum(has_answer(m) for m in rows)
-                        read += 1
-                    col = cfg.data.messages_column
-                    templates.check(key, f, columns(cfg.data), ((i, col, m, tools[i]) for i, m in enumerate(rows)),
-                                    problems)
-    if cfg.data.messages_column and train_files and read == len(train_files) and not answers:
-        problems.append(f"data.train_files: no conversation in column '{cfg.data.messages_column}' has an assistant turn, "
+            rows = []
+            for i, row in enumerate(table):
+                try:
+                    messages, first = conversation(read, row)
+                except ValueError as e:
+                    problems.append(f"{key}: '{f}' row {i} of the {formats.NAMES[read.name]} form has {e}; fix the "
+                                    f"row or set data.format")
+                    break
+                problem = message_problem(messages)
+                if problem:
+                    problems.append(f"{key}: '{f}' row {i} of column '{read.columns[0]}' is {problem}; every "
+                                    f"row must be a list of {{role, content}} messages")
+                    break
+                rows.append((messages, first))
+            else:
+                if key == "data.train_files":
+                    answers += sum(has_answer(m[k:]) for m, k in rows)
+                    read_files += 1
+                col = read.columns[0]
+                templates.check(key, f, columns(d), ((i, col, m, tools[i]) for i, (m, _) in enumerate(rows)),
+                                problems)
+    if read.chat and train_files and read_files == len(train_files) and not answers:
+        problems.append(f"data.train_files: no conversation in column '{read.columns[0]}' has an assistant turn, "
                         f"so there is nothing to train on (sft trains on assistant turns only)")
-    if cfg.data.messages_column:
+    if read.chat:
         try:
-            if not template_text(cfg.data):
+            if not template_text(d):
                 tokenizer_template_problem(cfg, problems)
         except ConfigError as e:
             problems += e.problems
