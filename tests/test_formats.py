@@ -185,3 +185,14 @@ def test_no_form_mixed_forms_and_a_row_off_its_form_are_one_line_each(tmp_path, 
         errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
         assert code == 2 and len(errors) == (2 if train == bad else 1), out[-2000:]
         assert want in errors[0], errors
+
+
+def test_a_mixture_reads_each_source_in_its_own_form(tmp_path, capsys):
+    """data.sources: an Alpaca source beside a ShareGPT one passes the checks (each source's form is its own)."""
+    paths = _write_forms(tmp_path)
+    sources = (f"data.sources=[{{name: a, train_files: [{paths['alpaca']}], validation_fraction: 0.25, weight: 1}}, "
+               f"{{name: s, train_files: [{paths['sharegpt']}], validation_fraction: 0.25, weight: 1}}]")
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'run'}", "data.train_files=[]",
+                            "data.validation_files=[]", sources, "data.messages_column=",
+                            f"data.cache_dir={tmp_path / 'c'}"], capsys)
+    assert code == 0, out[-2000:]

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from finetune.config import DataConfig
+from finetune.data.dataset import expand_files
 from finetune.errors import ConfigError
 from finetune.logs import logger
 
@@ -118,7 +119,7 @@ def resolve(d: DataConfig) -> Form:
         return Form("messages", (d.messages_column,))
     if d.format == "auto" and (d.prompt_column or d.response_column):
         return Form("pair", (d.prompt_column, d.response_column))
-    files = tuple(str(f) for f in list(d.train_files) + list(d.validation_files))
+    files = tuple(expand_files(list(d.train_files) + list(d.validation_files), "data.train_files", []))
     return _resolve(files, d.format, d.messages_column, d.prompt_column, d.response_column)
 
 

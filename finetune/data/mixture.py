@@ -31,7 +31,7 @@ from finetune.config import DataConfig
 from finetune.errors import ConfigError
 
 COLUMN_KEYS = ("text_column", "text_pair_column", "label_column", "prompt_column", "response_column",
-               "messages_column", "chosen_column", "rejected_column", "chat_template")
+               "messages_column", "chosen_column", "rejected_column", "chat_template", "format")
 """The ``data`` keys a source may set for itself (its columns); the others are the run's."""
 
 SOURCE_KEYS = ("name", "train_files", "validation_files", "validation_fraction", "weight", "max_train_rows",

@@ -415,8 +415,12 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
             files[key] = expand_files(patterns, key, found)
             own_checks = recipe is not None and recipe.capabilities.checks_columns  # sft, dpo check their columns
             check_parquet_files(files[key], key, None if own_checks else data.text_column, found)
-            if recipe is not None:
-                check_utf8(files[key], key, recipe.columns(data), found,
+            try:
+                columns = recipe.columns(data) if recipe is not None else None
+            except ConfigError:  # no form recognised in the files (sft): the recipe's check_data says so
+                columns = None
+            if columns is not None:
+                check_utf8(files[key], key, columns, found,
                            checked=default_cache_dir(cfg.data) / "checked", marks=marks)
         if recipe is not None:
             recipe.check_data(dataclasses.replace(cfg, data=data), files["data.train_files"],
