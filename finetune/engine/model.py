@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import lora, moe, muon
+from finetune.engine import lora, moe, muon, neftune
 
 from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
@@ -188,6 +188,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(f"mixture of experts: ZeRO-3 gathers each {', '.join(leaves)} whole (leaf modules: a rank that "
                     f"routes no token to an expert still joins every all-gather)")
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
+    if optimizer and neftune.activate(model, cfg.train.neftune_noise_alpha) is not None:
+        logger.info(f"NEFTune: noise alpha {cfg.train.neftune_noise_alpha:g} on the input embeddings, training "
+                    f"forwards only")
     lay = layout.layout(cfg)
     if cfg.parallel.tiled_mlp:
         logger.info(f"tiled MLP (DeepSpeed TiledMLP): {sequence.tile_mlps(model)} modules")

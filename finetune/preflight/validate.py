@@ -283,6 +283,12 @@ def _check_optimizer(cfg: RunConfig, problems: list[str]) -> None:
             problems.append(f"{key}: must be in [0, 1) (a running average's decay; default {default}), got {value}")
     if not 0 < t.adam_eps < math.inf:
         problems.append(f"train.adam_eps: must be a finite number > 0 (default 1e-08), got {t.adam_eps}")
+    if not 0 <= t.neftune_noise_alpha < math.inf:
+        problems.append(f"train.neftune_noise_alpha: must be a finite number >= 0 (the NEFTune paper uses 5-15; 0: "
+                        f"off), got {t.neftune_noise_alpha}")
+    elif t.neftune_noise_alpha and cfg.recipe not in ("sft", "gpt_clm"):
+        problems.append(f"train.neftune_noise_alpha: NEFTune is for the causal-LM recipes sft and gpt_clm (noise on "
+                        f"the embeddings of text trained on), not {cfg.recipe}; set it to 0")
     if math.isinf(t.weight_decay):
         problems.append(f"train.weight_decay: must be a finite number >= 0, got {t.weight_decay}")
 
