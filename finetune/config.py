@@ -63,6 +63,14 @@ class LoraConfig:
     """Dropout on the adapter's input, in [0, 1)."""
     target_modules: list = field(default_factory=lambda: ["all-linear"])
     """Modules to adapt, by name (``c_attn`` matches every module whose name is ``c_attn`` or ends with ``.c_attn``), or ``all-linear``: every linear layer except the output layer."""
+    use_dora: bool = False
+    """DoRA (Liu et al. 2024, "DoRA: Weight-Decomposed Low-Rank Adaptation"; peft's ``use_dora``): each adapted weight split into a trained magnitude vector and a direction that LoRA adapts."""
+    use_rslora: bool = False
+    """rsLoRA (Kalajdzievski 2023, "A Rank Stabilization Scaling Factor for Fine-Tuning with LoRA"; peft's ``use_rslora``): the adapter's output scaled by ``alpha / sqrt(r)`` instead of ``alpha / r``."""
+    modules_to_save: list = field(default_factory=list)
+    """Modules trained in full beside the adapters and saved in the adapter folder (peft's ``modules_to_save``), by name, e.g. ``[lm_head]``, or ``[embed_tokens, lm_head]`` for new tokens."""
+    loraplus_lr_ratio: float = 0.0
+    """LoRA+ (Hayou et al. 2024, "LoRA+: Efficient Low Rank Adaptation of Large Models"; peft's ``create_loraplus_optimizer`` groups): the ``B`` matrices and 1-D adapter parameters learn at ``lr`` x this ratio (the paper suggests 16), LoRA on embeddings at 1e-6; 0: off."""
 
 
 @dataclass

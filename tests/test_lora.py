@@ -98,6 +98,63 @@ def test_lora_gpt_one_device_equals_zero3_sequence_parallel_and_exports(tmp_path
 
 
 @pytest.mark.slow
+def test_dora_rslora_loraplus_zero0_equals_zero3_and_exports(tmp_path):
+    """Issue 54's PEFT variants together: DoRA, rsLoRA, LoRA+ (ratio 4) and ``modules_to_save`` (the final layer
+    norm) on GPT-2, 2 ranks at ZeRO 0 and at ZeRO 3 with every parameter partitioned (threshold 0: DoRA's weight
+    norm reads the base layer's gathered weight): the same losses (1e-5 relative), and each export, merged and the
+    adapter folder on the pretrained base, reproduces its engine's logits."""
+    import peft
+    import transformers
+
+    variants = ["model.lora.use_dora=true", "model.lora.use_rslora=true", "model.lora.loraplus_lr_ratio=4",
+                "model.lora.modules_to_save=[ln_f]", "ds.zero_optimization.stage3_param_persistence_threshold=0"]
+    runs = {}
+    for stage in (0, 3):
+        runs[stage] = tmp_path / f"z{stage}"
+        ok(launch(GPT, [f"ds.zero_optimization.stage={stage}", *LORA, *variants, f"output_dir={runs[stage]}"]))
+        assert "LoRA (DoRA, rsLoRA, LoRA+ ratio 4, modules_to_save ['ln_f']) r=4" in _log(runs[stage])
+    l0, l3 = train_losses(runs[0]), train_losses(runs[3])
+    assert sorted(l0) == sorted(l3) == [1, 2, 3, 4] and len(set(l0.values())) == 4, l0
+    for step in l0:
+        assert l3[step] == pytest.approx(l0[step], rel=1e-5), f"step {step}: ZeRO-3 {l3[step]!r} vs ZeRO-0 {l0[step]!r}"
+    for run in runs.values():
+        check = _export_check(run)
+        inputs = {k: torch.tensor(v) for k, v in check["inputs"].items()}
+        adapter = json.loads((run / "export" / "adapter" / "adapter_config.json").read_text())
+        assert adapter["use_dora"] and adapter["use_rslora"] and adapter["modules_to_save"] == ["ln_f"], adapter
+        pretrained = transformers.AutoModelForCausalLM.from_pretrained(REPO / "data" / "models" / "tiny-gpt2",
+                                                                      local_files_only=True)
+        adapted = peft.PeftModel.from_pretrained(pretrained, run / "export" / "adapter").eval()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(run / "export", local_files_only=True).eval()
+        with torch.no_grad():
+            got_adapter, got_merged = adapted(**inputs).logits, merged(**inputs).logits
+        assert got_adapter.reshape(-1)[:8].tolist() == pytest.approx(check["engine_logits_head"], abs=1e-5)
+        assert torch.allclose(got_adapter, got_merged, atol=1e-5)
+
+
+def test_peft_variants_reach_peft_and_loraplus_groups():
+    """rsLoRA scales by alpha / sqrt(r), DoRA adds magnitude vectors, LoRA+ puts B matrices and 1-D adapter
+    parameters at lr x ratio and the A matrices at lr (peft's create_loraplus_optimizer grouping)."""
+    import transformers
+
+    from finetune.config import LoraConfig
+    from finetune.engine import lora
+    from finetune.engine.model import param_groups
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(REPO / "data" / "models" / "tiny-gpt2",
+                                                              local_files_only=True)
+    config = LoraConfig(r=4, alpha=8, use_dora=True, use_rslora=True, loraplus_lr_ratio=16)
+    wrapped = lora.wrap(model, config, transformers.AutoModelForCausalLM, 0)
+    layer = wrapped.base_model.model.transformer.h[0].attn.c_attn
+    assert layer.scaling["default"] == 8 / 4 ** 0.5 and "default" in layer.lora_magnitude_vector
+    groups = lora.loraplus_groups(wrapped, param_groups(wrapped, 0.01), 1e-3, 16)
+    names = {id(p): n for n, p in wrapped.named_parameters()}
+    rates = {names[id(p)].split(".")[-3]: g["lr"] for g in groups for p in g["params"]}  # <layer>.<kind>.default.weight
+    assert rates == {"lora_A": 1e-3, "lora_B": 1.6e-2, "lora_magnitude_vector": 1.6e-2}, rates
+    assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in wrapped.parameters())
+
+
+@pytest.mark.slow
 @pytest.mark.extended  # suite budget: LoRA at ZeRO-3 stays in (test_lora_gpt_zero0_equals_zero3_and_exports)
 def test_lora_bert_zero3_resume_with_gradient_checkpointing(tmp_path):
     import transformers

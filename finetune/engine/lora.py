@@ -40,7 +40,32 @@ def peft_config(lora: LoraConfig, model_class):
     targets = [str(t) for t in lora.target_modules]
     return peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
+                           use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                           modules_to_save=[str(m) for m in lora.modules_to_save] or None,
                            task_type=_TASK_TYPES.get(model_class.__name__))
+
+
+def loraplus_groups(model: torch.nn.Module, groups: list[dict], lr: float, ratio: float) -> list[dict]:
+    """LoRA+ (Hayou et al. 2024): ``groups`` (AdamW's, :func:`finetune.engine.model.param_groups`) split as peft's
+    ``create_loraplus_optimizer`` splits the parameters: LoRA on an embedding at 1e-6, the ``lora_B`` matrices and
+    every 1-D trained parameter (biases, DoRA's magnitudes) at ``lr`` x ``ratio``, the rest (the ``A`` matrices,
+    ``modules_to_save``) at ``lr``. Each group keeps its weight decay and gets its own ``lr``, which the LR schedule
+    scales (``LambdaLR`` per group)."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    out = []
+    for group in groups:
+        parts: dict[float, list] = {}
+        for p in group["params"]:
+            name = names.get(id(p), "")
+            if "lora_embedding_" in name:  # the adapters of a peft lora.Embedding layer
+                rate = 1e-6
+            elif "lora_B" in name or p.ndim == 1:
+                rate = lr * ratio
+            else:
+                rate = lr
+            parts.setdefault(rate, []).append(p)
+        out += [{**group, "params": ps, "lr": rate} for rate, ps in parts.items()]
+    return out
 
 
 def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
@@ -89,7 +114,12 @@ def apply(model: torch.nn.Module, cfg: RunConfig, recipe) -> torch.nn.Module:
         model = wrap(model, cfg.model.lora, recipe.model_class, cfg.train.seed)
         trainable, total = count_parameters(model)
         targets = sorted({n.rsplit(".", 1)[-1] for n in model.targeted_module_names})
-        logger.info(f"LoRA r={cfg.model.lora.r} alpha={cfg.model.lora.alpha:g} dropout={cfg.model.lora.dropout:g} on "
+        variants = [k for k, on in (("DoRA", cfg.model.lora.use_dora), ("rsLoRA", cfg.model.lora.use_rslora),
+                                    (f"LoRA+ ratio {cfg.model.lora.loraplus_lr_ratio:g}", cfg.model.lora.loraplus_lr_ratio),
+                                    (f"modules_to_save {cfg.model.lora.modules_to_save}", cfg.model.lora.modules_to_save))
+                    if on]
+        logger.info(f"LoRA{' (' + ', '.join(variants) + ')' if variants else ''} r={cfg.model.lora.r} "
+                    f"alpha={cfg.model.lora.alpha:g} dropout={cfg.model.lora.dropout:g} on "
                     f"{len(model.targeted_module_names)} modules ({', '.join(targets)}): trainable parameters "
                     f"{trainable:,} of {total:,} ({100 * trainable / total:.3f}%)")
     if cfg.model.gradient_checkpointing:
@@ -156,6 +186,9 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
             problems.append(f"model.lora.dropout: must be in [0, 1), got {lora.dropout}")
         if not lora.target_modules:
             problems.append(f"model.lora.target_modules: empty; name modules to adapt or use {ALL_LINEAR}")
+        if not 0 <= lora.loraplus_lr_ratio < float("inf"):
+            problems.append(f"model.lora.loraplus_lr_ratio: must be a finite number >= 0 (the LoRA+ paper suggests "
+                            f"16; 0: off), got {lora.loraplus_lr_ratio}")
         if len(problems) > before:
             return
     if lora is None and not cfg.model.gradient_checkpointing:

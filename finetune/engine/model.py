@@ -224,6 +224,8 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         keep.append(muon.keep_tags())
     with patches.applied(*keep):
         groups = param_groups(model, cfg.train.weight_decay)
+        if cfg.model.lora is not None and cfg.model.lora.loraplus_lr_ratio:
+            groups = lora.loraplus_groups(model, groups, cfg.train.lr, cfg.model.lora.loraplus_lr_ratio)
         if "expert_parallel" in ds:  # DeepSpeed splits each named group into its dense and expert parameters
             groups = expert.name_groups(groups)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
