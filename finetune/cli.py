@@ -1,7 +1,8 @@
 """The ``finetune`` command: parses the verb and hands the rest of the command line to its module.
 
 ``finetune <verb> ...`` (``COMMANDS``) (also ``python -m finetune ...``); ``deepspeed finetune/run.py``
-runs ``train``. Each verb is a module of :mod:`finetune.commands` with ``main(argv) -> int``.
+runs ``train``. Each verb is a module of :mod:`finetune.commands` with ``main(argv) -> int`` (``-`` in a verb is ``_`` in its
+module's name: ``lm-eval`` is ``finetune.commands.lm_eval``).
 
 The one lazy import of the package is here: a verb's module is imported only when that verb runs, so that
 ``finetune report`` or ``finetune --help`` do not pay for importing DeepSpeed's training stack.
@@ -16,6 +17,7 @@ COMMANDS = {
     "train": "fine-tune a model with DeepSpeed (what deepspeed finetune/run.py runs)",
     "export": "a Hugging Face folder from a checkpoint",
     "evaluate": "loss, perplexity and the recipe's metrics of an export on a run config's data",
+    "lm-eval": "lm-evaluation-harness tasks on an export, offline; scores into the run folder and the model card",
     "prepare": "tokenize a run's data into the cache its launches read, on a CPU node (no GPU, no process group)",
     "inspect": "tokenized rows as the model gets them, trained tokens marked (label masks, packing, chat templates)",
     "plan": "memory per GPU and node of each ZeRO stage, offload and checkpointing choice",
@@ -48,4 +50,4 @@ def main(argv: list[str] | None = None) -> int:
         unknown = f"finetune: error: unknown command '{argv[0]}'\n" if argv else ""
         print(unknown + usage(), file=sys.stderr)
         return 2
-    return importlib.import_module(f"finetune.commands.{argv[0]}").main(argv[1:])
+    return importlib.import_module(f"finetune.commands.{argv[0].replace('-', '_')}").main(argv[1:])

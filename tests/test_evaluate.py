@@ -67,6 +67,28 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tiny_gpt_run, tmp_path, c
     scores = json.loads(next((tmp_path / "lm_eval").rglob("results_*.json")).read_text())["results"]
     assert 0.0 <= scores["gsm8k_local"]["exact_match,strict-match"] <= 1.0
     assert 1.0 < scores["wikitext2_local"]["byte_perplexity,none"] < 1e4, scores
+    # finetune lm-eval with the same arguments: the harness CLI's scores, in the run folder and the model card
+    code, printed = finetune_here(["lm-eval", run, "--tasks", "gsm8k_local,wikitext2_local", "--include-path",
+                                   "scripts/lm_eval_tasks", "--limit", "4", "--num-fewshot", "0", "--device", "cpu",
+                                   "--batch-size", "4", "--gen-kwargs", "max_gen_toks=16", "--dtype", "float32"], capsys)
+    assert code == 0, printed[-3000:]
+    (ours,) = sorted((run / "lm_eval").glob("results-*.json"))
+    mine = json.loads(ours.read_text())["results"]
+    for task in ("gsm8k_local", "wikitext2_local"):
+        numbers = {k: v for k, v in scores[task].items() if "," in k}
+        assert numbers and {k: mine[task][k] for k in numbers} == numbers, (task, mine[task], scores[task])
+    from huggingface_hub import ModelCard
+
+    index = ModelCard.load(run / "export" / "README.md").data.eval_results
+    harness = {(r.dataset_name, r.metric_name): r.metric_value for r in index if r.source_name == "lm-evaluation-harness"}
+    assert harness[("wikitext2_local", "byte_perplexity")] == scores["wikitext2_local"]["byte_perplexity,none"]
+    assert harness[("gsm8k_local", "exact_match (strict-match)")] == scores["gsm8k_local"]["exact_match,strict-match"]
+    assert any(r.metric_name == "eval/loss" for r in index)  # the run's own evaluation stays
+    code, refused = finetune_here(["lm-eval", run, "--tasks", "gsm8k_nowhere", "--include-path",
+                                   "scripts/lm_eval_tasks"], capsys)
+    assert code == 2 and "lm-eval: --tasks: gsm8k_nowhere not in the harness's tasks" in refused
+    code, refused = finetune_here(["lm-eval", run, "--tasks", "gsm8k_local", "--out", ours], capsys)
+    assert code == 2 and "exists; it is never overwritten" in refused
 
     # bad input: one line each, exit 2, nothing evaluated
     code, again = finetune_here(["evaluate", run, "--config", TINY, "--out", written[0]], capsys)
