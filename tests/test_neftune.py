@@ -57,7 +57,7 @@ def test_noise_in_training_forwards_only_of_transformers_magnitude():
 
 def test_bad_alpha_and_other_recipes_are_one_line(tmp_path, capsys):
     for config, value, want in ((SFT, "-1", "train.neftune_noise_alpha: must be a finite number >= 0"),
-                                (CONFIGS / "tiny_grpo.yaml", "5", "NEFTune is for the causal-LM recipes sft and gpt_clm")):
+                                (CONFIGS / "tiny_grpo.yaml", "5", "NEFTune is for the causal-LM recipes gpt_clm and sft")):
         code, out = check_here(["--config", config, f"output_dir={tmp_path / 'run'}",
                                 f"train.neftune_noise_alpha={value}"], capsys)
         errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]

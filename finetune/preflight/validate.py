@@ -286,9 +286,10 @@ def _check_optimizer(cfg: RunConfig, problems: list[str]) -> None:
     if not 0 <= t.neftune_noise_alpha < math.inf:
         problems.append(f"train.neftune_noise_alpha: must be a finite number >= 0 (the NEFTune paper uses 5-15; 0: "
                         f"off), got {t.neftune_noise_alpha}")
-    elif t.neftune_noise_alpha and cfg.recipe not in ("sft", "gpt_clm"):
-        problems.append(f"train.neftune_noise_alpha: NEFTune is for the causal-LM recipes sft and gpt_clm (noise on "
-                        f"the embeddings of text trained on), not {cfg.recipe}; set it to 0")
+    elif t.neftune_noise_alpha and cfg.recipe in RECIPES and not get_recipe(cfg.recipe).capabilities.noisy_embeddings:
+        problems.append(f"train.neftune_noise_alpha: NEFTune is for the causal-LM recipes "
+                        f"{said(offering(lambda c: c.noisy_embeddings))} (noise on the embeddings of text trained on), "
+                        f"not {cfg.recipe}; set it to 0")
     if math.isinf(t.weight_decay):
         problems.append(f"train.weight_decay: must be a finite number >= 0, got {t.weight_decay}")
 

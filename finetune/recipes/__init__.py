@@ -185,6 +185,9 @@ class Capabilities:
     (``dpo``, ``kto``, ``grpo``, ``reward``): after the model is built, LoRA adapters included, every
     ``torch.nn.Dropout`` is turned off (:func:`finetune.engine.lora.disable_dropout`, TRL's
     ``disable_dropout_in_model``); the config's ``*dropout`` fields alone leave peft's ``lora_dropout`` on."""
+    noisy_embeddings: bool = False
+    """NEFTune (``train.neftune_noise_alpha``, :mod:`finetune.engine.neftune`) applies: a causal LM trained on text
+    (``sft``, ``gpt_clm``), where noise on the input embeddings is the paper's regularizer."""
     counts_rows: bool = False
     """The tokenize function gets every row (:mod:`finetune.data.dataset` drops no empty texts for it), skips and
     counts bad rows itself, and has ``reset()`` and ``summary() -> str`` (logged once per split): ``sft``, ``dpo``,

@@ -139,7 +139,7 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS,
                 capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION}),
                                           packs_rows=True,
-                                          generates_text=True),
+                                          generates_text=True, noisy_embeddings=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, cache_key=cache_key, check_tokenizer=check_tokenizer,
                 generation_pairs=generation_pairs)

@@ -677,7 +677,8 @@ def tokenizer_template_problem(cfg: RunConfig, problems: list[str]) -> None:
 
 RECIPE = Recipe(name="sft", model_class=MODEL_CLASS,
                 capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION}), packs_rows=True,
-                                          generates_text=True, checks_columns=True, counts_rows=True),
+                                          generates_text=True, checks_columns=True, counts_rows=True,
+                                          noisy_embeddings=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, columns=columns, cache_key=cache_key,
                 check_data=check_labels, prepare_model_config=prepare_model_config, generation_pairs=generation_pairs)
