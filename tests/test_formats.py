@@ -171,7 +171,11 @@ def test_no_form_mixed_forms_and_a_row_off_its_form_are_one_line_each(tmp_path, 
     bad = tmp_path / "bad_sharegpt.parquet"
     pq.write_table(pa.table({"conversations": [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
                                                [{"from": "narrator", "value": "once"}]]}), bad)
+    bare = tmp_path / "alpaca_bare.parquet"  # Alpaca without the optional columns
+    pq.write_table(pa.table({"instruction": ["2+2?"], "output": ["4"]}), bare)
     cases = {
+        (paths["alpaca"], bare): f"'{bare}' has the Alpaca columns instruction, output but '{paths['alpaca']}' has "
+                                 f"instruction, output, input, system, history; give every file the same columns",
         (odd, odd): f"data.train_files: '{odd}' has the columns question, reply: no form sft reads; it reads messages",
         (paths["alpaca"], paths["sharegpt"]): f"data.train_files: '{paths['sharegpt']}' is ShareGPT (columns: "
                                               f"conversations, system) but '{paths['alpaca']}' is Alpaca: one form "

@@ -156,8 +156,11 @@ def _resolve(files: tuple[str, ...], fmt: str, messages_column: str, prompt_colu
             raise ConfigError(f"data.format: '{f}' is not {NAMES[name]}: it has the columns {', '.join(s.names)}"
                               f"{' (no ' + ', '.join(missing) + ')' if missing else ''}; sft reads {ACCEPTED}")
     form = forms[first]
-    if form.columns != forms[max(forms, key=lambda f: len(forms[f].columns))].columns:
-        form = Form(form.name, tuple(c for c in form.columns if all(c in s.names for s in schemas.values())))
+    for f in schemas:
+        if forms[f].columns != form.columns:  # an optional column (input, system, history) in some files only
+            raise ConfigError(f"{key}: '{f}' has the {NAMES[name]} columns {', '.join(forms[f].columns)} but "
+                              f"'{first}' has {', '.join(form.columns)}; give every file the same columns (an empty "
+                              f"'input' or 'system' is the same as none)")
     rows = sum(pq.ParquetFile(f).metadata.num_rows for f in schemas)
     how = "recognised" if fmt == "auto" else "data.format"
     target = "conversations" if form.chat else "prompt/response pairs"
