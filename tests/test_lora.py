@@ -98,6 +98,7 @@ def test_lora_gpt_one_device_equals_zero3_sequence_parallel_and_exports(tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_dora_rslora_loraplus_zero0_equals_zero3_and_exports(tmp_path):
     """Issue 54's PEFT variants together: DoRA, rsLoRA, LoRA+ (ratio 4) and ``modules_to_save`` (the final layer
     norm) on GPT-2, 2 ranks at ZeRO 0 and at ZeRO 3 with every parameter partitioned (threshold 0: DoRA's weight

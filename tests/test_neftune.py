@@ -65,6 +65,7 @@ def test_bad_alpha_and_other_recipes_are_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # suite budget: python -m pytest -m extended
 def test_a_neftune_run_evaluates_and_exports_as_without_it(tmp_path, capsys, monkeypatch):
     """Issue 54's acceptance: 2 ranks, ZeRO-2, NEFTune alpha 5; the run's final evaluation (every validation row,
     the hook attached, eval mode) equals ``finetune evaluate`` of its export on one rank without NEFTune (the same
