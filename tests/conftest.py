@@ -21,26 +21,6 @@ CONFIGS = REPO / "tests" / "configs"
 BIN = Path(sys.executable).parent
 
 
-DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds each test took (``nodeid`` -> seconds; made by ``scripts/test_durations.py`` from the ``--durations=0``
-output of a run of the suite and of the extended checks on 2 cores, two files at a time)."""
-
-
-@pytest.hookimpl(trylast=True)  # after -m has deselected
-def pytest_collection_modifyitems(config, items):
-    """The test files longest first (the sum of their selected tests' recorded seconds; a test not recorded counts
-    30 s), a file's tests in their own order: pytest-xdist's ``loadfile`` hands files out in this order
-    (``--no-loadscope-reorder``), so the last files to start are short ones and neither worker idles long at the
-    end (longest-processing-time-first scheduling)."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    files: dict[str, float] = {}
-    for item in items:
-        name = item.nodeid.split("::")[0]
-        files[name] = files.get(name, 0.0) + seconds.get(item.nodeid, 30.0)
-    first = {name: i for i, name in enumerate(files)}
-    items.sort(key=lambda item: (-files[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
-
-
 def free_port() -> int:
     """A master port for one launch: a free one below the ephemeral range (``distributed.free_port``), from this
     pytest-xdist worker's share of it, so the launches of two workers never pick the same port."""
