@@ -119,22 +119,25 @@ def resolve(d: DataConfig) -> Form:
         return Form("messages", (d.messages_column,))
     if d.format == "auto" and (d.prompt_column or d.response_column):
         return Form("pair", (d.prompt_column, d.response_column))
-    files = tuple(expand_files(list(d.train_files) + list(d.validation_files), "data.train_files", []))
-    return _resolve(files, d.format, d.messages_column, d.prompt_column, d.response_column)
+    patterns = tuple(str(f) for f in list(d.train_files) + list(d.validation_files))
+    return _resolve(patterns, d.format, d.messages_column, d.prompt_column, d.response_column)
 
 
 @functools.lru_cache(maxsize=64)
-def _resolve(files: tuple[str, ...], fmt: str, messages_column: str, prompt_column: str, response_column: str) -> Form:
+def _resolve(patterns: tuple[str, ...], fmt: str, messages_column: str, prompt_column: str,
+             response_column: str) -> Form:
     d = DataConfig(format=fmt, messages_column=messages_column, prompt_column=prompt_column,
                    response_column=response_column)
+    files = expand_files(list(patterns), "data.train_files", [])
     key = "data.train_files" if files else "data.format"
     found: dict[str, str | None] = {}
-    schemas = {}
+    schemas, rows = {}, 0
     for f in files:
         try:
-            schemas[f] = pq.ParquetFile(f).schema_arrow
+            footer = pq.ParquetFile(f)
         except Exception:  # noqa: BLE001  (a missing or unreadable file: reported by the file checks)
             continue
+        schemas[f], rows = footer.schema_arrow, rows + footer.metadata.num_rows
         found[f] = detect(schemas[f])
     if not schemas:
         raise ConfigError(f"{key}: sft reads {ACCEPTED}, or the columns data.messages_column, or "
@@ -161,7 +164,6 @@ def _resolve(files: tuple[str, ...], fmt: str, messages_column: str, prompt_colu
             raise ConfigError(f"{key}: '{f}' has the {NAMES[name]} columns {', '.join(forms[f].columns)} but "
                               f"'{first}' has {', '.join(form.columns)}; give every file the same columns (an empty "
                               f"'input' or 'system' is the same as none)")
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in schemas)
     how = "recognised" if fmt == "auto" else "data.format"
     target = "conversations" if form.chat else "prompt/response pairs"
     logger.info(f"sft: {NAMES[name]} form ({how}; columns {', '.join(form.columns)}) in {len(schemas)} file(s), "
