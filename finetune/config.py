@@ -44,6 +44,8 @@ SamplingLevel = Literal["token", "sequence"]
 GenerationBackend = Literal["hf_generate", "hybrid_engine"]
 Mode = Literal["min", "max"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"]
+QuantType = Literal["nf4", "fp4"]
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 def choices(choice_type: Any) -> tuple[str, ...]:
@@ -74,6 +76,22 @@ class LoraConfig:
 
 
 @dataclass
+class QuantizationConfig:
+    """QLoRA (Dettmers et al. 2023, "QLoRA: Efficient Finetuning of Quantized LLMs"): the frozen base model's linear
+    layers stored in 4 or 8 bits by bitsandbytes (transformers' ``BitsAndBytesConfig``), LoRA adapters trained on
+    top in ``compute_dtype`` (docs/lora.md). Needs ``model.lora``, ``model.init: pretrained`` and ZeRO stage 0-2."""
+
+    bits: int = 4
+    """4 (``load_in_4bit``: 0.5 byte a weight plus one scale per 64 weights) or 8 (``load_in_8bit``, LLM.int8: 1 byte a weight plus one scale per output row)."""
+    quant_type: QuantType = "nf4"
+    """4-bit data type (``bnb_4bit_quant_type``): ``nf4`` (NormalFloat, the QLoRA paper's) or ``fp4``."""
+    double_quant: bool = True
+    """4-bit: quantize the per-block scales too (``bnb_4bit_use_double_quant``): about 0.37 bit a weight less."""
+    compute_dtype: ComputeDtype = "auto"
+    """The dtype the quantized weights are dequantized to for each matmul (``bnb_4bit_compute_dtype``); ``auto``: the run's precision (bfloat16, float16 or float32)."""
+
+
+@dataclass
 class ModelConfig:
     """Where the model and tokenizer come from (local folders only; the Hub is never contacted)."""
 
@@ -89,6 +107,8 @@ class ModelConfig:
     """Attention kernel passed to transformers: ``sdpa`` (PyTorch scaled-dot-product), ``eager`` or ``flash_attention_2`` (needs ``flash-attn``, GPUs)."""
     lora: LoraConfig | None = None
     """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
+    quantization: QuantizationConfig | None = None
+    """QLoRA: the frozen base quantized by bitsandbytes (``model.quantization.bits=4`` turns it on with the defaults below; needs ``model.lora``); null: the base in the run's precision."""
     fused_kernels: bool = True
     """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.engine.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
     gradient_checkpointing: bool = False

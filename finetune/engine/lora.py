@@ -86,10 +86,12 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter counts; ZeRO-3 partitioned parameters count with their full size."""
+    """``(trainable, total)`` parameter counts; ZeRO-3 partitioned parameters and bitsandbytes' packed 4-bit weights
+    count with their full size."""
     trainable = total = 0
     for p in model.parameters():
-        n = getattr(p, "ds_numel", p.numel())
+        state = getattr(p, "quant_state", None)  # Params4bit: two weights a byte, the shape in its QuantState
+        n = state.shape.numel() if state is not None else getattr(p, "ds_numel", p.numel())
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

@@ -43,12 +43,12 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import lora, moe, muon, neftune
+from finetune.engine import lora, moe, muon, neftune, quantize
 
 from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
 from finetune.data.batch import flattens
-from finetune.engine.ds_config import zero_stage
+from finetune.engine.ds_config import precision_of, zero_stage
 from finetune.logs import logger
 from finetune import patches
 
@@ -173,14 +173,22 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.preflight.validate)
-    if cfg.model.init == "pretrained":
+    if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized as it loads (bitsandbytes)
+        model = quantize.load_base(recipe.model_class, cfg.model.path, model_config, cfg.model.quantization,
+                                   precision_of(ds), attn)
+        q = cfg.model.quantization
+        logger.info(f"quantized base: bitsandbytes {q.bits}-bit"
+                    f"{f' {q.quant_type}, double quantization {q.double_quant}' if q.bits == 4 else ''}, compute "
+                    f"dtype {str(quantize.compute_dtype(q, precision_of(ds))).removeprefix('torch.')}")
+    elif cfg.model.init == "pretrained":
         model = load_pretrained(recipe.model_class, cfg.model.path, model_config, attn)
     elif hf_ds is not None:  # inside zero.Init; transformers runs only _init_weights, gathered per module
         model = recipe.model_class.from_config(model_config, dtype=torch.float32, attn_implementation=attn)
     else:
         model = scratch_model(recipe.model_class, model_config, attn)
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters, ZeRO stage "
+    n_params = lora.count_parameters(model)[1]
+    logger.info(f"model: {type(model).__name__} ({cfg.model.init}), {n_params:,} parameters "
+                f"({quantize.model_bytes(model) / 2**20:.1f} MiB of weights on this rank), ZeRO stage "
                 f"{zero_stage(ds)}, attention {attn}")
     if cfg.model.fused_kernels:
         logger.info(f"fused kernels: {kernels.fuse(model)}")

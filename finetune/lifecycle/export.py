@@ -33,7 +33,8 @@ from transformers.integrations import deepspeed as hf_ds
 
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import expert
-from finetune.engine import lora
+from finetune.engine import lora, quantize
+from finetune.engine.ds_config import precision_of
 from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
 from finetune.lifecycle.model_card import CARD, write_card
 from finetune.config import load_run_config
@@ -103,6 +104,30 @@ def _check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt
             problems.append(f"'{name}' is missing from the checkpoint")
     if problems:
         raise ConfigError([f"export: {ckpt}: {p}" for p in problems])
+
+
+def _load_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """Load the trained parameters of ``model`` (the adapters, ``modules_to_save``) from ``state``; the frozen base
+    stays as built. Every one must be in ``state`` with its shape."""
+    problems, trained = [], {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if name not in state:
+            problems.append(f"'{name}' is missing from the checkpoint")
+        elif state[name].shape != p.shape:
+            problems.append(f"'{name}' has shape {tuple(state[name].shape)}, the model expects {tuple(p.shape)}")
+        else:
+            trained[name] = state[name]
+    if problems:
+        raise ConfigError([f"export: {ckpt}: {p}" for p in problems])
+    model.load_state_dict(trained, strict=False)
+
+
+def run_precision(run_dir: Path) -> str:
+    """``fp32``, ``bf16`` or ``fp16``: what the run in ``run_dir`` trained in (its ``ds_config.json``; fp32 without)."""
+    ds = run_dir / "ds_config.json"
+    return precision_of(json.loads(ds.read_text())) if ds.is_file() else "fp32"
 
 
 PROVENANCE = "finetune_export.json"
@@ -183,13 +208,20 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     state = consolidated_state_dict(ckpt) if state is None else state
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     config.use_cache = source_use_cache(run_cfg)  # sft's packing trains without; the export generates with a cache
+    q = run_cfg.model.quantization
     with plain_model_construction():
-        model = recipe.model_class.from_config(config, dtype=torch.float32)
+        if q is not None:  # QLoRA: the checkpoint's base is packed; the same base dequantized, the adapters from it
+            model = quantize.dequantized_base(recipe.model_class, run_cfg.model.path, config, q, run_precision(run_dir))
+        else:
+            model = recipe.model_class.from_config(config, dtype=torch.float32)
         if run_cfg.model.lora is not None:  # the checkpoint holds the PeftModel's state (base + adapters)
             model = lora.wrap(model, run_cfg.model.lora, recipe.model_class, 0)
             model.peft_config["default"].base_model_name_or_path = (
                 str(Path(run_cfg.model.path).resolve()) if run_cfg.model.init == "pretrained" else None)
-    _check_and_load(model, state, ckpt)
+    if q is not None:
+        _load_trained(model, state, ckpt)
+    else:
+        _check_and_load(model, state, ckpt)
 
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -235,7 +267,10 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
         return None
     config = AutoConfig.from_pretrained(run_dir / MODEL_META, local_files_only=True)
     with plain_model_construction():
-        if run_cfg.model.init == "pretrained":
+        if run_cfg.model.quantization is not None:  # the adapter is for the quantized base, as QLoRA users load it
+            base = quantize.load_base(recipe.model_class, run_cfg.model.path, config, run_cfg.model.quantization,
+                                      run_precision(run_dir))
+        elif run_cfg.model.init == "pretrained":
             base = load_pretrained(recipe.model_class, run_cfg.model.path, config)
         else:
             peft_model = lora.wrap(recipe.model_class.from_config(config, dtype=torch.float32), run_cfg.model.lora,
@@ -292,7 +327,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
         if adapter_diff is not None:
             summary["max_abs_logit_diff_adapter"] = finite(adapter_diff)
             diff = max(diff, adapter_diff) if math.isfinite(adapter_diff) else adapter_diff
-        low_precision = bool(ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled"))
+        low_precision = bool(ds.get("bf16", {}).get("enabled") or ds.get("fp16", {}).get("enabled")) or _int8_base(run_dir)
         tolerance = logit_tolerance(ref, low_precision)
         summary["tolerance"] = finite(tolerance)
         (run_dir / "export_check.json").write_text(json.dumps(summary, indent=2, allow_nan=False))
@@ -312,6 +347,13 @@ LOW_PRECISION_SPREAD = 0.2
 """bf16/fp16 runs: the export check's tolerance as a share of the standard deviation of the engine's logits."""
 
 
+def _int8_base(run_dir: Path) -> bool:
+    """True when the run's base is quantized to 8 bits (LLM.int8 rounds each activation row to 8 bits in every
+    matmul, which the dequantized merged export does not: its logits differ as a low-precision run's do)."""
+    q = load_run_config(run_dir / "run_config.yaml").model.quantization
+    return q is not None and q.bits == 8
+
+
 def logit_tolerance(ref: torch.Tensor, low_precision: bool) -> float:
     """The largest max-absolute logit difference the export check accepts.
 
@@ -322,7 +364,7 @@ def logit_tolerance(ref: torch.Tensor, low_precision: bool) -> float:
 
     Args:
         ref: the engine's logits (any shape, float32).
-        low_precision: the run trains in bf16 or fp16.
+        low_precision: the run trains in bf16 or fp16, or on an 8-bit base (``model.quantization.bits=8``).
     """
     if not low_precision:
         return 1e-4

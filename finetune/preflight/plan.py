@@ -91,7 +91,7 @@ from finetune.engine.ds_config import (
 )
 from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
-from finetune.engine import lora, moe, muon
+from finetune.engine import lora, moe, muon, quantize
 from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
@@ -167,6 +167,12 @@ class ModelShape:
     generation: tuple[int, int] | None = None
     """The recipe's ``rollout``: ``(sequences per row, tokens per sequence)`` generated every step (``grpo``), else
     None."""
+    quantized_params: int = 0
+    """Base weights stored quantized (``model.quantization``, QLoRA: the linear layers but the output one); 0: none."""
+    quantized_bytes: float = 0.0
+    """Bytes those weights take quantized (:func:`finetune.engine.quantize.quantized_weight_bytes`: 4-bit 0.5 byte
+    a weight plus the block scales, 8-bit 1 byte plus a scale per row), in place of ``quantized_params`` x the
+    precision's bytes."""
     generation_micro_batches: int = 1
     """Micro batches whose rows one generation holds at once: ``train.gradient_accumulation_steps`` (``grpo`` joins
     the step's micro batches into one ``generate`` call per rank, ``grpo.join_prompts``)."""
@@ -227,6 +233,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         config = load_model_config(cfg, recipe)
         with torch.device("meta"):
             model = recipe.model_class.from_config(config)
+        quantized = (quantize.planned(model, cfg.model.quantization) if cfg.model.quantization is not None
+                     else (0, 0.0))
         if cfg.model.lora is not None:  # the adapters, built on the meta device too
             model = lora.wrap(model, cfg.model.lora, recipe.model_class, cfg.train.seed)
     except ConfigError:
@@ -264,6 +272,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       generation_micro_batches=cfg.train.gradient_accumulation_steps if recipe.rollout(cfg) else 1,
                       trainable=trainable if trainable < params else 0,
                       muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
+                      quantized_params=quantized[0], quantized_bytes=quantized[1],
                       expert_params=expert_params, experts=routed.experts if routed else 0,
                       top_k=routed.top_k if routed else 0, aux_loss_coef=routed.aux_loss_coef if routed else 0.0,
                       expert_parallel=cfg.parallel.expert_parallel_size if routed else 1)
@@ -371,7 +380,9 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
     mixed = w == 2
     shard = 1 if stage == 0 else world
     e = Estimate(stage, offload, checkpointing, micro_batch)
-    params = n * w / world + shape.largest_layer * w if stage == 3 else held * w
+    # QLoRA: the quantized weights at their packed size (stages 0-2 only: finetune.engine.quantize refuses 3)
+    params = n * w / world + shape.largest_layer * w if stage == 3 else \
+        (held - shape.quantized_params) * w + shape.quantized_bytes
     grads = t * w / world if stage >= 2 else t_held * w
     states = {"fp32 master weights": 4 * t / shard if (mixed or stage > 0) else 0,
               # bf16 ZeRO 1 runs DeepSpeed's BF16_Optimizer, which accumulates the whole gradient in fp32
@@ -424,10 +435,10 @@ def cpu_rank_bytes(e: Estimate, gpus_per_node: int) -> int:
 
 def plan_options(shape: ModelShape, ds: dict, micro_batch: int, seq_len: int, gpus_per_node: int, nodes: int,
                  precision: str) -> list[Estimate]:
-    """Every ZeRO stage 0-3 x offload (stages 1-3) x gradient checkpointing, fastest first (Muon: stages 1-3, the ones
+    """Every ZeRO stage 0-3 x offload (stages 1-3) x gradient checkpointing, fastest first (QLoRA: stages 0-2; Muon: stages 1-3, the ones
     it runs with, :func:`finetune.engine.muon.check`)."""
     out = [estimate(shape, ds, z, off, gc, micro_batch, seq_len, gpus_per_node, nodes, precision)
-           for z in range(1 if shape.muon else 0, 4) for off in ((False,) if z == 0 else (False, True)) for gc in (False, True)]
+           for z in range(1 if shape.muon else 0, 3 if shape.quantized_params else 4) for off in ((False,) if z == 0 else (False, True)) for gc in (False, True)]
     return sorted(out, key=lambda e: (e.cost, e.stage))
 
 
@@ -484,6 +495,8 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              f"{shape.largest_layer:,} parameters"
              + (f"; LoRA: {shape.trainable:,} trainable, the only ones with gradients and optimizer states"
                 if shape.trainable else "")
+             + (f"; quantized base: {shape.quantized_params:,} weights in {_fmt(shape.quantized_bytes)}"
+                if shape.quantized_params else "")
              + (f"; Muon: {shape.muon:,} in matrices with one fp32 momentum buffer, the rest AdamW's two moments"
                 if shape.muon else "")
              + (f"; mixture of experts: {shape.experts} experts, top-{shape.top_k}, {active_parameters(shape):,} "

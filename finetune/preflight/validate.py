@@ -19,7 +19,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.engine import lora, moe, muon
+from finetune.engine import lora, moe, muon, quantize
 from finetune.data import mixture
 from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -586,6 +586,8 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
         problems += _check_trackers(ds)
         checks.check_zero_stage(cfg, zero_stage(ds), problems)
         muon.check(cfg, zero_stage(ds), problems)
+        problems += quantize.problems(cfg, zero_stage(ds), {
+            "parallel.tensor_parallel_size": tp, "parallel.expert_parallel_size": cfg.parallel.expert_parallel_size})
     except ConfigError as e:
         problems += e.problems
     universal = False
