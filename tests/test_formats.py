@@ -200,3 +200,18 @@ def test_a_mixture_reads_each_source_in_its_own_form(tmp_path, capsys):
                             "data.validation_files=[]", sources, "data.messages_column=",
                             f"data.cache_dir={tmp_path / 'c'}"], capsys)
     assert code == 0, out[-2000:]
+
+
+def test_bundle_starting_config_names_the_recognised_form(tmp_path):
+    """``finetune bundle``'s starting run config names the form ``sft`` recognises from the dataset's columns."""
+    from types import SimpleNamespace
+
+    from finetune.airgap.bundle import _recipe_guess
+
+    def guess(*columns):
+        return _recipe_guess([], [SimpleNamespace(splits={"train": {"columns": list(columns)}})], tmp_path)
+
+    assert guess("instruction", "input", "output") == ("sft", {"format": "alpaca"})
+    assert guess("conversations") == ("sft", {"format": "sharegpt"})
+    assert guess("prompt", "completion") == ("sft", {"format": "prompt_completion"})
+    assert guess("question", "answer") == ("sft", {"prompt_column": "question", "response_column": "answer"})

@@ -604,7 +604,12 @@ def _recipe_guess(models: list[Source], datasets: list[Source], out: Path) -> tu
         return "dpo", {"prompt_column": "prompt", "chosen_column": "chosen", "rejected_column": "rejected"}
     if "messages" in cols:
         return "sft", {"messages_column": "messages"}
-    for p, r in (("prompt", "response"), ("question", "answer"), ("instruction", "output"), ("prompt", "completion")):
+    # the peers' forms sft recognises (finetune.data.formats): named, so the tokens are those of their messages
+    for form, needs in (("sharegpt", {"conversations"}), ("alpaca", {"instruction", "output"}),
+                        ("prompt_completion", {"prompt", "completion"})):
+        if needs <= cols:
+            return "sft", {"format": form}
+    for p, r in (("prompt", "response"), ("question", "answer")):
         if {p, r} <= cols:
             return "sft", {"prompt_column": p, "response_column": r}
     if {"text", "label"} <= cols:
