@@ -13,6 +13,10 @@ if __package__ in (None, ""):
     sys.path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
+from finetune.startup import skip_unused  # noqa: E402, I001
+
+skip_unused(sys.argv[1:])  # before transformers and peft: bitsandbytes only for a quantized base
+
 # health first: its atexit handler (exit_process: no interpreter teardown) must run after every library's
 from finetune.lifecycle.health import exit_process  # noqa: E402, I001
 from finetune.commands.train import main as train_main  # noqa: E402

@@ -127,3 +127,22 @@ def test_qlora_zero2_trains_exports_and_resumes_exactly(pretrained_llama, tmp_pa
     first, second = train_losses(run), train_losses(resumed)
     assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [3, 4]
     assert [second[s] for s in (3, 4)] == [first[s] for s in (3, 4)], (first, second)
+
+
+def test_launches_without_quantization_never_import_bitsandbytes(tmp_path):
+    """``finetune/run.py`` blocks bitsandbytes (peft would import it, and with it TorchInductor) unless the command
+    line or the ``--config`` file mentions ``quantization``; blocked, transformers and peft see it as not installed."""
+    import subprocess
+    import sys
+
+    qlora = tmp_path / "qlora.yaml"
+    qlora.write_text("model:\n  quantization: {bits: 4}\n")
+    probe = ("import sys; from finetune.startup import skip_unused; blocked = skip_unused(sys.argv[1:]); "
+             "import peft, transformers.utils as u; "
+             "print(blocked, u.is_bitsandbytes_available(), 'torch._inductor.compile_fx' in sys.modules)")
+    for argv, expected in (([f"--config={SFT}"], "['bitsandbytes'] False False"),
+                           (["--config", str(SFT), "model.quantization.bits=4"], "[] True True"),
+                           (["--config", str(qlora)], "[] True True")):
+        out = subprocess.run([sys.executable, "-c", probe, *argv], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout
+        assert out.strip().splitlines()[-1] == expected, (argv, out)

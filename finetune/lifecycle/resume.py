@@ -3,8 +3,9 @@
 A checkpoint keeps the resolved run config it was trained with (``<ckpt>/run_config.yaml``). On
 ``--resume`` the launch's config is compared with it key by key and every difference is printed:
 
-* **Refused always**: a change of ``model.lora`` on/off, ``model.lora.r`` or ``model.lora.target_modules``, which
-  gives the model parameters the checkpoint does not hold (it could never be loaded).
+* **Refused always**: a change of ``model.lora`` on/off, ``model.lora.r`` or ``model.lora.target_modules``, or of
+  ``model.quantization`` on/off, its ``bits``, ``quant_type`` or ``double_quant``, which gives the model parameters
+  the checkpoint does not hold (it could never be loaded).
 * **Refused** (the continuation would be a different run), one line per key, unless
   ``--resume-allow-changes`` is given: ``recipe``, every ``model.*`` key but ``gradient_checkpointing`` and
   ``fused_kernels``,
@@ -63,7 +64,8 @@ _NOT_COMPARED = {"output_dir", "output_root"}
 _ADDED = ("train.optimizer", "train.muon_lr", "train.muon_momentum")
 # Keys whose change gives the model other parameters (names or shapes) than the checkpoint holds: its state dict
 # can never load, so these are refused even with --resume-allow-changes.
-_UNLOADABLE = {"model.lora", "model.lora.r", "model.lora.target_modules"}
+_UNLOADABLE = {"model.lora", "model.lora.r", "model.lora.target_modules", "model.quantization",
+               "model.quantization.bits", "model.quantization.quant_type", "model.quantization.double_quant"}
 SCHEDULE_KEYS = ("train.lr", "train.muon_lr", "train.lr_scheduler", "train.warmup_steps", "train.max_steps",
                  "train.epochs")
 _OPTIMIZER_KEYS = ("train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_eps",
@@ -139,7 +141,8 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
     problems, notes = [], []
     unloadable = [f"{k} {diff[k][0]!r} -> {diff[k][1]!r}" for k in diff if k in _UNLOADABLE]
     if unloadable:
-        problems.append(f"--resume: the LoRA adapters changed ({', '.join(unloadable)}): the model's parameters no "
+        problems.append(f"--resume: the LoRA adapters or the quantized base changed ({', '.join(unloadable)}): the "
+                        f"model's parameters no "
                         f"longer match the checkpoint's, which can then never be loaded (not even with "
                         f"--resume-allow-changes); start a new run (drop --resume), e.g. from the export as model.path")
     if "train.optimizer" in diff:
@@ -151,7 +154,7 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
     for key, (was, now) in diff.items():
         if key in ("train.micro_batch_size", "train.gradient_accumulation_steps"):
             continue
-        if (key.startswith("model.lora") and unloadable) or key == "train.optimizer":
+        if (key in _UNLOADABLE or key.startswith("model.lora") and unloadable) or key == "train.optimizer":
             continue  # one line for the whole LoRA change, above; the optimizer's line above
         if key == "train.grpo.num_iterations":  # the sampler's position counts repeated rows
             line = (f"--resume: {key} changed ({was!r} -> {now!r}): the sampler repeats each step's prompts "
