@@ -53,6 +53,10 @@ no GPU). For each option it adds up, per rank:
   rank holds ``1 / EP`` of the experts: that is what ZeRO 0 keeps of parameters, gradients and optimizer states,
   ZeRO 1 of parameters and gradients, ZeRO 2 of parameters; ZeRO then partitions the experts over the ``world /
   EP`` ranks of their expert-data-parallel group, the same ``1 / world`` share as without EP.
+* **QLoRA** (``model.quantization``, :mod:`finetune.engine.quantize`): the weights bitsandbytes quantizes (every
+  linear layer but the output one) count at their packed size, 4-bit: half a byte a weight plus the block scales and
+  code maps (``quantized_weight_bytes``), 8-bit: one byte plus a scale per row; the rest of the base in the run's
+  precision. ZeRO 3 is not an option (refused with a quantized base).
 * **Generation** of a recipe with a rollout (``grpo``, ``Recipe.rollout``), before the step's forward passes: one
   ``generate`` call per rank holds the sequences of all the step's ``gradient_accumulation_steps`` micro batches
   (their KV cache and the prefill's working set, :func:`generation_bytes`), and under ZeRO 3 the whole model gathered
