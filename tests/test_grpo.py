@@ -538,13 +538,12 @@ def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
     ("z0-grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=grpo"], 2),
     ("z3-grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=grpo"], 2),
     ("z0-dr_grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=dr_grpo"], 2),
-    ("z3-dr_grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=dr_grpo"], 2),
     ("z0-bnpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=bnpo"], 2),
-    ("z3-bnpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=bnpo"], 2),
     ("z0-split", ["ds.zero_optimization.stage=0", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1"], 2),
     ("z2-world1", ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"], 1)])
 def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, overrides, nproc):
-    """Every other loss type at ZeRO 0 and 3 (2 ranks x accumulation 2): grpo (per-completion means, averaged over the
+    """Every other loss type at ZeRO 0 (2 ranks x accumulation 2), grpo at ZeRO 3 too (the loss types differ only in the
+    normalisation, which is stage-blind; the stage's own path is the ZeRO-3 dapo and grpo runs): grpo (per-completion means, averaged over the
     global batch's completions), dr_grpo (the global batch's token sum / completions x max_completion_length), bnpo
     (each micro-batch's token mean, averaged over micro-batches, TRL's local normalisation); dapo at ZeRO-0, micro
     batch 2 x accumulation 1, and on one rank at micro batch 2 x accumulation 2 (the same 4 prompts per step, cut

@@ -45,9 +45,10 @@ def test_muon_zero3_resumes_exactly(tmp_path, capsys):
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1])
 def test_muon_zero12_resumes_exactly(tmp_path, stage, capsys):
-    """The same at ZeRO 1 and 2 (DeepSpeedZeroOptimizer's Muon path)."""
+    """The same at ZeRO 1, DeepSpeedZeroOptimizer's Muon path (ZeRO 2 is the same class and code path in DeepSpeed
+    0.19.8's ``stage_1_and_2.py``, its partitioned gradients apart; left out for the CI budget)."""
     _run_and_resume(tmp_path, [*MUON[:-1], f"ds.zero_optimization.stage={stage}"], capsys)
 
 
