@@ -275,12 +275,6 @@ def test_orpo_zero3_equals_the_paper(tmp_path, cache):
     _orpo_equals_the_paper(tmp_path, cache, 3)
 
 
-@pytest.mark.extended  # suite budget: python -m pytest -m extended
-def test_orpo_zero0_equals_the_paper(tmp_path, cache):
-    """At ZeRO-0 (the loop's own gradient norm, DeepSpeed's plain data parallelism) too."""
-    _orpo_equals_the_paper(tmp_path, cache, 0)
-
-
 def test_simpo_ipo_and_orpo_losses_from_their_papers():
     """``pair_losses`` against the formulas written out here (in process, random log-probabilities)."""
     from finetune.config import DpoConfig

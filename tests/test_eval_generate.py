@@ -50,7 +50,7 @@ def _single_process_outputs(export, prompts: int, new_tokens: int) -> list[str]:
     return outs
 
 
-@pytest.mark.parametrize("stage", [3, 0, pytest.param(2, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("stage", [3, 0])
 def test_generation_during_eval_equals_one_process_on_the_export(tmp_path, stage):
     run = tmp_path / "run"
     ok(launch(SFT, [f"output_dir={run}", f"deepspeed=ds_configs/zero{stage}.json", *GEN]))

@@ -534,7 +534,6 @@ def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
 @pytest.mark.slow
 @pytest.mark.extended  # suite budget: python -m pytest -m extended
 @pytest.mark.parametrize(("name", "overrides", "nproc"), [
-    ("z0-dapo", ["ds.zero_optimization.stage=0"], 2),
     ("z0-grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=grpo"], 2),
     ("z3-grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=grpo"], 2),
     ("z0-dr_grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=dr_grpo"], 2),
