@@ -104,12 +104,6 @@ def _check_quant_state(module, state_dict, prefix, *_args) -> None:
                                f"quantized from model.path now; resume with the model.path the run was trained on")
 
 
-def is_quantized_name(name: str) -> bool:
-    """True for a state-dict key that bitsandbytes owns (a packed weight's quantization state, e.g.
-    ``...q_proj.base_layer.weight.absmax``)."""
-    return any(part in name for part in (".absmax", ".quant_map", ".nested_", ".quant_state.", ".SCB", ".weight_format"))
-
-
 def quantized_weight_bytes(out_features: int, in_features: int, q: QuantizationConfig) -> float:
     """Bytes one quantized ``nn.Linear`` weight of ``out_features x in_features`` takes (its bias stays as it is).
 
@@ -171,39 +165,31 @@ def _quiet_cpu_kernel_notice() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def _quantized(model_class, path: str, model_config, q: QuantizationConfig, precision: str, devices, attn: str):
+    """``model_class.from_pretrained(path)`` quantized by ``model.quantization`` on ``devices`` (a ``device_map``)."""
+    from transformers.utils import logging as hf_logging
+
+    _quiet_cpu_kernel_notice()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return model_class.from_pretrained(path, config=model_config, local_files_only=True,
+                                           quantization_config=bnb_config(q, precision), device_map=devices,
+                                           dtype=compute_dtype(q, precision), attn_implementation=attn)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def load_base(model_class, path: str, model_config, q: QuantizationConfig, precision: str, attn: str = "sdpa"):
     """``model_class.from_pretrained(path)`` quantized by ``model.quantization`` (on this rank's device), then
     :func:`prepare`. The base a QLoRA run trains on, and the one its adapter folder is for."""
-    from transformers.utils import logging as hf_logging
-
-    _quiet_cpu_kernel_notice()
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = model_class.from_pretrained(path, config=model_config, local_files_only=True,
-                                            quantization_config=bnb_config(q, precision), device_map=device_map(),
-                                            dtype=compute_dtype(q, precision), attn_implementation=attn)
-    finally:
-        hf_logging.set_verbosity(level)
-    return prepare(model)
+    return prepare(_quantized(model_class, path, model_config, q, precision, device_map(), attn))
 
 
 def dequantized_base(model_class, path: str, model_config, q: QuantizationConfig, precision: str):
-    """The quantized base (:func:`load_base`, quantized on the CPU) dequantized to fp32 ``nn.Linear`` layers
-    (transformers' ``dequantize``): the weights the engine's matmuls used, for a merged export."""
-    from transformers.utils import logging as hf_logging
-
-    _quiet_cpu_kernel_notice()
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = model_class.from_pretrained(path, config=model_config, local_files_only=True,
-                                            quantization_config=bnb_config(q, precision), device_map="cpu",
-                                            dtype=compute_dtype(q, precision))
-    finally:
-        hf_logging.set_verbosity(level)
-    model = model.dequantize()
-    return model.float()
+    """The quantized base (quantized on the CPU as :func:`load_base` quantizes it) dequantized to fp32 ``nn.Linear``
+    layers (transformers' ``dequantize``): the weights the engine's matmuls used, for a merged export."""
+    return _quantized(model_class, path, model_config, q, precision, "cpu", "sdpa").dequantize().float()
 
 
 def model_bytes(model: torch.nn.Module) -> int:
