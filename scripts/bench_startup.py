@@ -17,7 +17,8 @@ contender is launched with ``deepspeed`` and timed from the launcher's start to 
   ``run_clm.py``'s tokenize-and-``group_texts`` ``map`` in one process under ``main_process_first`` (rank 0 maps,
   rank 1 reads its cache), a fresh ``datasets`` cache; ``hf warm``: the same launch again (``datasets``' cache).
 
-An untimed warm-up launch on the shipped data comes first (DeepSpeed's one-time builds of its CPU ops). Also
+An untimed warm-up launch on the shipped data comes first (DeepSpeed's one-time builds of its CPU ops;
+``--no-warm-up`` skips it for smoke runs). Also
 printed: the data phase's seconds (finetune: the ``info.json`` of its entry; HF: load and map, timed in the
 script), tokenization throughput per process (MB of text per second per process; finetune's multiplied by the
 node's cores gives what a node would do), and the peak resident memory of each launch's largest process (``VmHWM``
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["finetune", "hf"], default=None, help="run one contender")
     p.add_argument("--timeout", type=float, default=7200, help="seconds per launch")
     p.add_argument("--keep", default="", help="folder to keep the corpus, caches and run folders in")
+    p.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up launch (smoke runs: the "
+                   "first contender's launch then pays DeepSpeed's one-time op builds, if any)")
     args = p.parse_args(argv)
     from finetune.config import load_run_config
 
@@ -149,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = bench.hf_spec(load_run_config(REPO / bench.PRESETS["gpt_clm"]["config"], overrides), args.steps, "fp32")
         before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
         results: dict[str, dict] = {}
-        bench.warm_up(bench.PRESETS["gpt_clm"], [*bench.PRESETS["gpt_clm"]["overrides"], "train.precision=fp32",
-                                                 "export=false", "train.eval_on_start=false"], args, root / "warmup", env)
+        if not args.no_warm_up:
+            bench.warm_up(bench.PRESETS["gpt_clm"], [*bench.PRESETS["gpt_clm"]["overrides"],
+                                                     "train.precision=fp32", "export=false",
+                                                     "train.eval_on_start=false"], args, root / "warmup", env)
         try:
             if args.only in (None, "finetune"):
                 cache = {**env, "FINETUNE_CACHE": str(root / "cache-launch")}
