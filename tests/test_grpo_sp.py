@@ -10,6 +10,13 @@ with ``num_iterations: 2`` (step 2 reuses step 1's rollouts: the old policy's lo
 sequence slices, make its ratios differ from 1) at ZeRO-3 with every parameter partitioned, and ``grpo`` (each
 completion's own token mean) at ZeRO-2 with LoRA and ``beta`` 0.1 (the reference's log-probabilities, adapters
 off, on the slices too: step 2's KL).
+
+The LoRA run sets ``train.adam_eps`` to 1e-3. AdamW's first update is ``lr * g / (|g| + eps)``: with the default
+eps (1e-8) every gradient element well above 1e-8 moves by the full ``lr`` whatever its size, so elements whose
+value is rounding (they differ in the last bits between the layouts, and can change sign) become full-size,
+layout-dependent updates, and step 2 is then further apart than the layouts' rounding (measured: gradient norm
+4.0e-6 and KL 6.6e-5 relative). With eps 1e-3 the update is proportional to the gradient for such elements and
+step 2 is as close as step 1 (measured: 2.3e-7 and 1.1e-6): the gap is the optimizer's, not the layout's.
 """
 
 from __future__ import annotations
@@ -155,7 +162,7 @@ def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_pa
 
     overrides = [*_files(tmp_path), f"train.grpo.loss_type={loss_type}", f"ds.zero_optimization.stage={stage}",
                  f"train.grpo.num_iterations={iterations}", f"train.grpo.beta={beta}",
-                 *(["model.lora.r=4"] if beta else [])]
+                 *(["model.lora.r=4", "train.adam_eps=1e-3"] if beta else [])]  # eps: the module docstring
     sp2 = _run(tmp_path, "sp2", [*overrides, "parallel.sequence_parallel_size=2"], nproc=2)
     sp1 = _run(tmp_path, "sp1", overrides, nproc=1)
     assert [r["step"] for r in sp2] == [r["step"] for r in sp1] == [1, 2]
@@ -177,15 +184,12 @@ def test_sequence_parallel_2_equals_1_on_4k_token_multi_turn_trajectories(tmp_pa
         assert max_rel(*losses) <= 1e-5, losses
         if iterations > 1:  # step 2 trains step 1's rollouts against their old log-probabilities: ratios differ from 1
             assert abs(losses[1][1] - losses[1][0]) > 1e-4, losses
-    # with LoRA (beta > 0), step 2 follows an AdamW step on adapters of a scratch model: measured 2.8e-5 apart in
-    # gradient norm and 5e-4 in KL (step 1: 1e-7), not explained yet (suspected: AdamW's per-element normalisation
-    # turning rounding-level step-1 gradient elements into finite updates); checked at 1e-3 there
-    assert max_rel(norms[0][:1], norms[1][:1]) <= 1e-5 and max_rel(*norms) <= (1e-3 if beta else 1e-5), norms
+    assert max_rel(*norms) <= 1e-5, norms
     if beta:  # the reference's log-probabilities (adapters off) on the slices: step 2's KL, after step 1 moved them
         kl = ([r["train/kl"] for r in sp2], [r["train/kl"] for r in sp1])
         print(f"kl (sp2, sp1) {kl}")
         assert kl[1][0] == pytest.approx(0.0, abs=1e-9) and kl[1][1] > 1e-7, kl
-        assert max_rel(kl[0][1:], kl[1][1:]) <= 1e-3 and abs(kl[0][0]) <= 1e-9, kl
+        assert max_rel(kl[0][1:], kl[1][1:]) <= 1e-5 and abs(kl[0][0]) <= 1e-9, kl
 
 
 if __name__ == "__main__":  # a launch's entry point: finetune/run.py with the scripted turns
