@@ -11,6 +11,7 @@ import time
 import torch
 
 from finetune.data.batch import real_tokens
+from finetune.parallel import sequence
 
 __all__ = ["StepMeter", "PEAK_FLOPS", "peak_flops", "model_flops_per_token"]
 
@@ -102,7 +103,13 @@ class StepMeter:
     def count(self, batch: dict) -> None:
         """Count one collated micro-batch on the device, without a synchronisation: its real (non-pad) tokens
         (:func:`finetune.recipes.real_tokens`: the ``attention_mask`` ones, or ``num_tokens`` of packed rows),
-        positions and rows (``input_ids``: ``[rows, positions]``)."""
+        positions and rows (``input_ids``: ``[rows, positions]``). Under sequence parallelism a micro-batch that
+        still holds its ``attention_mask`` is whole on every rank of the SP group (``grpo`` builds its sequences
+        itself and cuts them in its loss; :class:`finetune.parallel.sequence.SequenceShard` slices the others and
+        drops the mask): the group's first rank counts it, the others nothing, so the sums over all ranks count each
+        token once."""
+        if "attention_mask" in batch and sequence.sequence_rank() > 0:
+            return
         real, ids = real_tokens(batch), batch["input_ids"]
         self.window[0] += real
         self.window[1] += ids.numel()
