@@ -273,7 +273,7 @@ class GrpoConfig:
     generation_backend: GenerationBackend = "hf_generate"
     """What generates the completions, behind DeepSpeed's rollout interface (``deepspeed.runtime.rollout``): ``hf_generate`` (transformers' ``generate`` on the engine's module; every device, ZeRO stage and LoRA) or ``hybrid_engine`` (DeepSpeed's ``HybridEngineRollout`` on its hybrid engine: DeepSpeed's inference kernels for the generation, CUDA GPUs only, ZeRO 0-2, no LoRA, GPT-2 / GPT-Neo / GPT-NeoX / GPT-J / BLOOM / OPT / Llama models; ``finetune selftest`` checks it on a GPU node)."""
     log_completions: int = 4
-    """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage); 0: none."""
+    """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage, with tools the turns, and the completion's token ids with the mask the loss used: ``finetune inspect --completions <run>`` shows them); 0: none."""
     tools: list = field(default_factory=list)
     """Tools the model may call, ``path/to/file.py:function`` each (TRL's ``tools``): Python functions with type hints and a Google-style docstring, offered through the chat template (``apply_chat_template(tools=...)``; prompts must be conversations). A completion that calls them gets their results and continues (multi-turn; :mod:`finetune.recipes.tools`); the results' tokens are never trained. Example: ``[data/tools/calculator.py:calculate]``."""
     environment: str = ""

@@ -127,6 +127,46 @@ def test_tool_turns_equal_the_textbook_and_the_tools_tokens_are_never_trained(tm
     assert first[0]["role"] == "assistant" and first[0]["tool_calls"][0]["name"] == "calculate"
     a, b = (int(x) for x in first[0]["tool_calls"][0]["arguments"]["expression"].split(" + "))
     assert first[1] == {"role": "tool", "name": "calculate", "content": str(a + b)}
+    _recorded_tokens_are_the_textbook_rollouts(run, cfg, logged)
+
+
+def _recorded_tokens_are_the_textbook_rollouts(run, cfg, logged: list[dict]) -> None:
+    """Each logged rollout's ``completion_ids`` and ``trained`` mask (``completions.jsonl``) are the textbook
+    rollout's ids and model mask (rank 0's first prompt, rollouts 0-3 of each step); ``finetune inspect
+    --completions`` prints them with the model's tokens in ``[[...]]`` and the calculator's results outside."""
+    from finetune.commands import inspect
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+    from grpo_tool_forced import reference_trajectory
+
+    recipe = get_recipe("grpo").configure(get_recipe("grpo"), cfg)
+    tok = load_tokenizer(cfg, recipe)
+    encode, g = recipe.tokenize_function(tok, cfg.data).encode, cfg.train.grpo
+    for k, row in enumerate(logged):
+        ids, model = reference_trajectory(encode(row["prompt"]), k % g.num_generations, g.num_generations, tok,
+                                          g.max_completion_length, TEMPLATE.read_text())
+        assert (row["completion_ids"], row["trained"]) == (ids, model), k
+    assert any(0 in row["trained"] for row in logged)  # some rollout holds a tool result, not trained
+    with capture() as out:
+        assert inspect.main(["--completions", str(run), "--step", "1", "--color", "never"]) == 0
+    text = out.getvalue()
+    assert "step 1 (logged steps: 1, 2), rollouts 0-3 of 4 logged" in text, text
+    called = next(i for i, row in enumerate(logged[:4]) if 0 in row["trained"])
+    shown = text.split("--- step 1 rollout ")[called + 1]
+    result = [t for t in logged[called]["turns"] if t["role"] == "tool"][0]["content"]
+    assert f"{sum(logged[called]['trained'])} trained (the model's)" in shown, shown
+    assert "[[<tool_call>" in shown, shown
+    start = shown.index("<tool_response>")
+    response = shown[start:shown.index("</tool_response>", start)]
+    assert result in response and "[[" not in response and "]]" not in response, shown  # the result: not trained
+
+
+def capture():
+    """stdout into a StringIO (``with capture() as out``)."""
+    import contextlib
+    import io
+
+    return contextlib.redirect_stdout(io.StringIO())
 
 
 def test_check_refuses_bad_tools_and_environments_in_one_line_each(tmp_path, capsys):
@@ -163,3 +203,45 @@ def test_check_refuses_bad_tools_and_environments_in_one_line_each(tmp_path, cap
     assert "train.grpo.environment: Env has no reset(**row) method" in capsys.readouterr().err
     env = f"train.grpo.environment={REPO}/data/environments/guess_number.py:GuessNumber"
     assert check_files(CONFIG, tmp_path, [prompts], [*base, env]) == 0, capsys.readouterr().err  # the example passes
+
+
+def test_inspect_completions_marks_the_recorded_mask_and_refuses_what_it_cannot_show(tmp_path, capsys):
+    """``finetune inspect --completions``, in process: a run folder's recorded rollout (``completion_ids``,
+    ``trained``) decoded with the run's tokenizer, the runs of trained tokens in ``[[...]]``, the others bare; one
+    line and exit 2 for a missing file, a line that is not JSON, rows without the token record, a step not logged,
+    and a run config given beside ``--completions``."""
+    from finetune.commands import inspect
+    from finetune.config import config_to_dict, dump_yaml
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    cfg = load_run_config(CONFIG, _overrides(tmp_path))
+    tok = load_tokenizer(cfg, get_recipe("grpo").configure(get_recipe("grpo"), cfg))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run_config.yaml").write_text(dump_yaml(config_to_dict(cfg)))
+    call = tok(" call it", add_special_tokens=False)["input_ids"]
+    result = tok(" RESULT 42", add_special_tokens=False)["input_ids"]
+    answer = tok(" the answer", add_special_tokens=False)["input_ids"]
+    row = {"step": 2, "prompt": [{"role": "user", "content": "What is 6 x 7?"}], "completion": "", "reward": 1.0,
+           "advantage": 0.5, "completion_ids": call + result + answer,
+           "trained": [1] * len(call) + [0] * len(result) + [1] * len(answer)}
+    (run / "completions.jsonl").write_text(json.dumps(row) + "\n")
+    assert inspect.main(["--completions", str(run), "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2 (logged steps: 2), rollouts 0-0 of 1 logged" in out, out
+    assert f"{len(row['trained'])} completion tokens, {len(call) + len(answer)} trained (the model's)" in out, out
+    assert "prompt: What is 6 x 7?\n [[call it]] RESULT 42 [[the answer]]\n" in out, out
+
+    def refused(argv: list[str], words: str) -> None:
+        assert inspect.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+
+    refused(["--completions", str(run), "--step", "5"], "has no rows of step 5; logged steps: 2")
+    refused(["--completions", str(tmp_path / "nowhere")], "nowhere does not exist (a grpo run folder writes completions.jsonl")
+    refused(["--completions", str(run), str(CONFIG)], "give a run folder or a run config, not both")
+    (run / "completions.jsonl").write_text(json.dumps({k: v for k, v in row.items() if k != "trained"}) + "\n")
+    refused(["--completions", str(run)], "hold no token record (completion_ids, trained)")
+    (run / "completions.jsonl").write_text(json.dumps(row) + "\n{not json\n")
+    refused(["--completions", str(run / "completions.jsonl")], "completions.jsonl line 2 is not JSON")

@@ -1,4 +1,5 @@
-"""``finetune inspect <run config> [key=value ...] [--rows N] [--split train|validation] [--color auto|always|never]``:
+"""``finetune inspect <run config> [key=value ...] [--rows N] [--split train|validation] [--color auto|always|never]``
+(or ``finetune inspect --completions <run folder>``, below):
 print the first tokenized rows of a run as the model gets them, with the trained tokens marked (a label-mask
 inspector, as axolotl's ``preprocess --debug``).
 
@@ -28,6 +29,13 @@ renders it, and the next assistant turn (the two assistant turns scripted, since
 model's tokens marked as trained and the tool's and template's tokens between them not (their mask 0 in
 training).
 
+``finetune inspect --completions <run folder> [--step S] [--rows N]`` shows what a ``grpo`` run really trained on:
+the rollouts it logged at step ``S`` (default: the last logged step) in ``completions.jsonl``, each rollout's
+completion tokens as the loss saw them (the token ids and the mask recorded at that step, decoded with the run's
+own tokenizer from its ``run_config.yaml``): the model's tokens marked as trained, the tools' results and the
+template's tokens between the turns not, and a truncated completion wholly unmarked under
+``mask_truncated_completions`` (:func:`show_recorded`).
+
 Warnings (``finetune: warning: ...`` on stderr; the exit status stays 0), for recipes that train on answers to
 prompts (those that generate text and take their rows apart themselves: ``Capabilities.generates_text`` and
 ``counts_rows``, i.e. ``sft``, ``dpo`` and ``kto``):
@@ -49,15 +57,17 @@ when the tokenized split holds its labels, the rows of the whole split that trai
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from finetune.config import DataConfig, RunConfig
+from finetune.config import DataConfig, RunConfig, load_run_config
 from finetune.data import mixture, tokenization
 from finetune.data.dataset import (
     RowSeededCollate,
@@ -373,6 +383,94 @@ def _use_color(choice: str) -> bool:
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
+def _recorded_rows(run: str, step: int | None) -> tuple[Path, list[dict], list[int], int]:
+    """The rows of a ``grpo`` run's ``completions.jsonl`` logged at ``step`` (None: the last logged step).
+
+    Args:
+        run: the run folder, or its ``completions.jsonl``.
+        step: an optimizer step the run logged, or None.
+
+    Returns:
+        ``(path, rows, steps, step)``: the file, its rows of that step, every logged step, the step shown.
+
+    Raises:
+        ConfigError: no such file, a line that is not JSON, a file with no rows, rows without the token record
+            (``completion_ids``, ``trained``), or a step that was not logged.
+    """
+    path = Path(run)
+    path = path / "completions.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"--completions: {path} does not exist (a grpo run folder writes completions.jsonl at its "
+                          f"logged steps unless train.grpo.log_completions is 0)")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--completions: {path} line {n} is not JSON ({e.msg})") from None
+    if not rows:
+        raise ConfigError(f"--completions: {path} holds no completion (no step logged yet)")
+    steps = sorted({r.get("step") for r in rows if isinstance(r.get("step"), int)})
+    step = steps[-1] if step is None and steps else step
+    if step not in steps:
+        raise ConfigError(f"--completions: {path} has no rows of step {step}; logged steps: "
+                          f"{', '.join(map(str, steps)) or 'none'}")
+    rows = [r for r in rows if r.get("step") == step]
+    if not all(isinstance(r.get("completion_ids"), list) and isinstance(r.get("trained"), list) for r in rows):
+        raise ConfigError(f"--completions: the rows of step {step} in {path} hold no token record (completion_ids, "
+                          f"trained): a finetune without it wrote them; rerun to record them")
+    return path, rows, steps, step
+
+
+def _prompt_line(prompt) -> str:
+    """A recorded prompt on one line: its text, or its last message's content, cut to 160 characters."""
+    text = prompt[-1].get("content", "") if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) \
+        else str(prompt)
+    text = " ".join(str(text).split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def show_recorded(run: str, rows: int, step: int | None, color: bool) -> int:
+    """``finetune inspect --completions <run>``: the rollouts a ``grpo`` run logged (``completions.jsonl``,
+    :data:`finetune.config.GrpoConfig.log_completions` per logged step) as its loss saw them: each completion's
+    tokens with the trained ones marked and the tools' and the template's (mask 0) not, decoded with the run's own
+    tokenizer (``run_config.yaml`` of the run folder). Returns 0.
+
+    Raises:
+        ConfigError: :func:`_recorded_rows`'s, a run folder without ``run_config.yaml``, or a tokenizer that does
+            not load.
+    """
+    path, records, steps, step = _recorded_rows(run, step)
+    config = path.parent / "run_config.yaml"
+    if not config.is_file():
+        raise ConfigError(f"--completions: {config} does not exist: the run folder's run_config.yaml names the "
+                          f"tokenizer to decode with")
+    cfg = load_run_config(config, [])
+    try:
+        tokenizer = load_tokenizer(cfg, recipe_for(cfg))
+    except OSError as e:
+        raise ConfigError(f"--completions: the run's tokenizer ({cfg.model.tokenizer_path or cfg.model.path}, from "
+                          f"{config}; relative paths are read from where the run was launched) does not load: "
+                          f"{str(e).splitlines()[0]}") from None
+    shown = records[:rows]
+    print(f"finetune inspect: {path}, step {step} (logged steps: {', '.join(map(str, steps))}), rollouts "
+          f"0-{len(shown) - 1} of {len(records)} logged as the loss saw them; trained tokens in "
+          f"{'green' if color else '[[...]]'}, the tools' and the template's not")
+    for i, r in enumerate(shown):
+        ids, trained = r["completion_ids"], [bool(t) for t in r["trained"]]
+        reward = "none" if r.get("reward") is None else f"{r['reward']:.4g}"
+        turns = sum(1 for t in r.get("turns") or [] if isinstance(t, dict) and t.get("role") == "assistant")
+        print(f"--- step {step} rollout {i}: reward {reward}, advantage {r.get('advantage', float('nan')):.4g}"
+              + (f", {turns} model turns" if turns else "") + f": {len(ids)} completion tokens, {sum(trained)} "
+              f"trained (the model's), {len(ids) - sum(trained)} not (the tools' and the template's, or a masked "
+              f"truncated completion's)")
+        print(f"prompt: {_prompt_line(r.get('prompt'))}")
+        print(render(tokenizer, Shown(i, "", ids, trained), color))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``finetune inspect <run config> [key=value ...] [--rows N] [--split train|validation]
     [--color auto|always|never]``: print the first ``N`` tokenized rows of the split with their trained tokens
@@ -380,14 +478,21 @@ def main(argv: list[str] | None = None) -> int:
     input, an unknown split or colour choice, ``--rows`` below 1)."""
     p = argparse.ArgumentParser(prog="finetune inspect", description="Print tokenized training rows as the model "
                                 "gets them, with the trained tokens (labels != -100) marked.")
-    p.add_argument("config", help="run config (YAML or JSON), as for finetune train")
+    p.add_argument("config", nargs="?", help="run config (YAML or JSON), as for finetune train")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, as for finetune train")
     p.add_argument("--rows", type=int, default=4, help="rows to show, collated as one micro-batch (default 4)")
     p.add_argument("--split", default="train", help="train (default) or validation")
     p.add_argument("--color", default="auto", help="auto (default: on a terminal), always or never")
+    p.add_argument("--completions", default="", metavar="RUN", help="instead of a config: a grpo run folder (or its "
+                   "completions.jsonl); show its logged rollouts as the loss saw them, the trained tokens marked")
+    p.add_argument("--step", type=int, default=None, help="with --completions: the logged step (default: the last)")
     args = p.parse_intermixed_args(argv)
     try:
         problems = []
+        if args.completions and (args.config or args.overrides):
+            problems.append("--completions: give a run folder or a run config, not both")
+        if not args.completions and not args.config:
+            problems.append("a run config (or --completions <run folder>) is required")
         if args.rows < 1:
             problems.append(f"--rows: must be >= 1, got {args.rows}")
         if args.split not in SPLITS:
@@ -396,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--color: '{args.color}' unknown (choose one of: {', '.join(COLORS)})")
         if problems:
             raise ConfigError(problems)
+        if args.completions:
+            return show_recorded(args.completions, args.rows, args.step, _use_color(args.color))
         cfg = checked_inputs_config(args.config, args.overrides)
         recipe = recipe_for(cfg)
         tokenizer = load_tokenizer(cfg, recipe)

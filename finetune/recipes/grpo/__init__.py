@@ -207,7 +207,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
                         b["ref_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
         module.train()
     _log_sample(cfg, step + 1, done.prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
-                functions, done.transcripts)
+                functions, done.transcripts, out)
     return out
 
 
@@ -277,12 +277,31 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
                 "tool_calls_by_name": c["tool_calls_by_name"]} if "tool_mask" in c else {})}
 
 
-def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions, transcripts=None) -> None:
+def _trained_tokens(batches: list[dict], k: int) -> list[tuple[list[int], list[int]]]:
+    """The first ``k`` rollouts of a step's training micro-batches (:func:`_sequences`) as the loss sees them: each
+    rollout's completion token ids (the model's and, with tools, the tools' and the template's between its turns;
+    padding left out) and its mask (1: trained; 0: a tool's or the template's token, or a truncated completion's
+    under ``mask_truncated_completions``), for ``completions.jsonl`` and ``finetune inspect --completions``."""
+    out = []
+    for b in batches:
+        p = int(b["prompt_length"])
+        for ids, real, mask in zip(b["input_ids"][:, p:], b["attention_mask"][:, p:].bool(), b["completion_mask"]):
+            if len(out) == k:
+                return out
+            out.append((ids[real].tolist(), (mask[real] > 0).long().tolist()))
+    return out
+
+
+def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions, transcripts=None,
+                batches: list[dict] | None = None) -> None:
     """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl`` (with
-    tools, each rollout's ``turns`` too: the assistant turns with their tool calls, and the tool results)."""
+    tools, each rollout's ``turns`` too: the assistant turns with their tool calls, and the tool results; with the
+    training micro-batches ``batches``, each rollout's ``completion_ids`` and ``trained`` mask,
+    :func:`_trained_tokens`)."""
     k = cfg.train.grpo.log_completions
     if not k or not dist_utils.is_main() or not cfg.output_dir or step % max(cfg.train.log_every, 1):
         return
+    tokens = _trained_tokens(batches, k) if batches else []
     with open(Path(cfg.output_dir) / "completions.jsonl", "a") as f:
         for i in range(min(k, len(texts))):
             f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": texts[i],
@@ -290,7 +309,9 @@ def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, funct
                                 "rewards": {fn.name: (None if math.isnan(v) else v)
                                             for fn, v in zip(functions, tables[0][i])},
                                 "advantage": float(adv[i]),
-                                **({"turns": transcripts[i]} if transcripts else {})}, default=str) + "\n")
+                                **({"turns": transcripts[i]} if transcripts else {}),
+                                **({"completion_ids": tokens[i][0], "trained": tokens[i][1]}
+                                   if i < len(tokens) else {})}, default=str) + "\n")
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
