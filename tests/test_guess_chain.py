@@ -8,7 +8,7 @@ rendered with the tool schemas, then multi-turn GRPO against the environment.
   assistant's ``guess`` tool call; without the tools column it does not (the gap the column closes).
 * :func:`test_bad_tools_row_is_one_line` (default suite): a tools row that is not JSON is refused before any model,
   one line naming the file, the row and the column.
-* :func:`test_shipped_chain_reduced` (extended): both shipped configs, the SFT run cut to 150 of its 340 steps
+* :func:`test_shipped_chain_reduced` (extended): both shipped configs, the SFT run cut to 150 of its 1,000 steps
   and the GRPO run (from that export) to 2 steps with 4 held-out games evaluated before and after. A run this
   short cannot show a held-out improvement (nor does the full chain yet: docs/performance.md has its measured
   before/after success), so it asserts what it can: the SFT loss falls, the GRPO rollouts call the environment's
