@@ -206,8 +206,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
                     with dpo.adapters_off(engine):
                         b["ref_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
         module.train()
-    _log_sample(cfg, step + 1, done.prompts, texts, mine, torch.cat([b["advantages"] for b in out]), tables,
-                functions, done.transcripts, out)
+    _log_sample(cfg, step + 1, done.prompts, texts, mine, tables, functions, done.transcripts, out)
     return out
 
 
@@ -292,16 +291,17 @@ def _trained_tokens(batches: list[dict], k: int) -> list[tuple[list[int], list[i
     return out
 
 
-def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, adv, tables, functions, transcripts=None,
-                batches: list[dict] | None = None) -> None:
-    """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl`` (with
-    tools, each rollout's ``turns`` too: the assistant turns with their tool calls, and the tool results; with the
-    training micro-batches ``batches``, each rollout's ``completion_ids`` and ``trained`` mask,
-    :func:`_trained_tokens`)."""
+def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, tables, functions, transcripts,
+                batches: list[dict]) -> None:
+    """Rank 0, on logged steps: the first ``log_completions`` completions to ``<run>/completions.jsonl``, each with
+    its advantage and, from the step's training micro-batches ``batches``, its ``completion_ids`` and ``trained``
+    mask (:func:`_trained_tokens`); with tools, each rollout's ``turns`` too (``transcripts``: the assistant turns
+    with their tool calls, and the tool results)."""
     k = cfg.train.grpo.log_completions
     if not k or not dist_utils.is_main() or not cfg.output_dir or step % max(cfg.train.log_every, 1):
         return
-    tokens = _trained_tokens(batches, k) if batches else []
+    adv = torch.cat([b["advantages"] for b in batches])
+    tokens = _trained_tokens(batches, k)
     with open(Path(cfg.output_dir) / "completions.jsonl", "a") as f:
         for i in range(min(k, len(texts))):
             f.write(json.dumps({"step": step, "prompt": prompts[i], "completion": texts[i],
