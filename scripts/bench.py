@@ -58,16 +58,20 @@ rollout decodes with a cache anyway), e.g. the export of the shipped GSM8K SFT r
         train.eval_every=400 train.save_every=800 "model.config_overrides=<REALISTIC_SHAPE, below>"
     python scripts/bench.py --preset grpo --init-from runs/bench_sft_init/export --lock /tmp/heavy.lock
 
-``grpo_tools``: multi-turn GRPO with tools (issue 53): the ``grpo`` preset's shape, sampling, loss and batch layout on
+``grpo_tools``: multi-turn GRPO with tools (issue 53): the ``grpo`` preset's sampling, loss and batch layout on
 the shipped guess-the-number environment (``data/environments/guess_number.py``: one instance per rollout, reset with
 the row's ``low``, ``high``, ``secret``; its ``guess`` method the only tool; its ``get_reward`` the only reward), the
 games of ``data/guess_number/train.parquet`` as chat prompts rendered with ``data/chat_templates/chatml_tools.jinja``
-(the tool's schema in a system turn), ``max_completion_length`` 320 (the model's turns and the tool results),
-``max_tool_calling_iterations`` 3, against TRL's ``GRPOTrainer(environment_factory=...)`` (``scripts/bench_trl.py``:
-the same template, TRL's Qwen3 response template with this tokenizer's EOS, the same iterations and budget).
-``tool calls`` is ``tools/call_frequency`` (tool calls per rollout, mean over the steps) of each side. From random
-weights no rollout calls the tool; the loop runs from an SFT export of the preset's shape trained on the expert games
-(positions 1,024: prompt and completion exceed the shape's 512)::
+(the tool's schema in a system turn), with the shipped guess-number chain's GRPO budget and learning rate
+(``grpo_guess_number.yaml``: ``max_completion_length`` 768, the model's turns and the tool results;
+``max_tool_calling_iterations`` 8; lr 5e-5: the ``grpo`` preset's 5e-4 is a learning rate for random weights, and
+its first AdamW update can break an SFT model's tool-call format), against TRL's
+``GRPOTrainer(environment_factory=...)`` (``scripts/bench_trl.py``: the same template, TRL's Qwen3 response template
+with this tokenizer's EOS, the same iterations, budget and learning rate). ``tool calls`` is ``tools/call_frequency``
+(tool calls per rollout, mean over the steps) of each side. From random weights no rollout calls the tool; the loop
+runs from an SFT export trained on the expert games: the chain's (``sft_guess_number.yaml``, the command in
+docs/online-rl.md; docs/performance.md's figures), or one of the preset's shape (positions 1,024: prompt and
+completion exceed the shape's 512)::
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 finetune/run.py --config finetune/recipes/configs/sft_gsm8k_chat.yaml \
         output_dir=runs/bench_guess_sft model.tokenizer_path=data/models/gsm8k-bpe-8k \
@@ -302,9 +306,10 @@ PRESETS: dict[str, dict] = {
     # get_reward the only reward), the games of data/guess_number/train.parquet as chat prompts rendered with
     # data/chat_templates/chatml_tools.jinja (the tool's schema in a system turn: about 425 prompt tokens with this
     # BPE), against TRL's GRPOTrainer(environment_factory=...) with the same template, iterations and completion budget
-    # (tool results included). From random weights no rollout calls the tool; --init-from an SFT export of this shape
-    # trained on the expert games (data/guess_number/train_chat.parquet; the command in the module docstring) makes
-    # the loop run (tools/call_frequency per contender).
+    # (tool results included), and the chain's GRPO budget and learning rate (grpo_guess_number.yaml). From random
+    # weights no rollout calls the tool; --init-from an SFT export trained on the expert games
+    # (data/guess_number/train_chat.parquet; the module docstring) makes the loop run (tools/call_frequency per
+    # contender).
     "grpo_tools": {"config": "finetune/recipes/configs/grpo_gsm8k.yaml", "epoch": True, "grpo": True, "tools": True,
                    "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
                                  f"model.config_overrides={{{REALISTIC_SHAPE[1:-1]}, max_position_embeddings: 1024}}",
@@ -315,12 +320,12 @@ PRESETS: dict[str, dict] = {
                                  "data.chat_template=data/chat_templates/chatml_tools.jinja",
                                  "data.max_seq_len=512", "train.micro_batch_size=2",
                                  "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
-                                 "train.warmup_steps=0", "train.lr=5e-4", "train.grpo.num_generations=4",
-                                 "train.grpo.max_completion_length=320", "train.grpo.temperature=1.0",
+                                 "train.warmup_steps=0", "train.lr=5e-5", "train.grpo.num_generations=4",
+                                 "train.grpo.max_completion_length=768", "train.grpo.temperature=1.0",
                                  "train.grpo.top_p=1.0", "train.grpo.top_k=0", "train.grpo.loss_type=dapo",
                                  "train.grpo.beta=0", "train.grpo.num_iterations=1", "train.grpo.rewards=[]",
                                  "train.grpo.environment=data/environments/guess_number.py:GuessNumber",
-                                 "train.grpo.max_tool_calling_iterations=3"],
+                                 "train.grpo.max_tool_calling_iterations=8"],
                    "contenders": ["finetune", "trl", "trl_best"],
                    "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=24",
                             "train.grpo.max_tool_calling_iterations=1"]},
