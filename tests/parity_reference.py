@@ -63,7 +63,7 @@ def full_logits_loss_sum(recipe: str, logits: torch.Tensor, labels: torch.Tensor
     """The textbook loss sum from the model's full logits, independent of the recipes' ``forward`` (which runs the
     head at target positions only): cross-entropy over every position (causal LMs, ``gpt_clm`` and ``sft``: ``logits[:, t]``
     predicts ``labels[:, t + 1]``; ``seq_cls``: one row per example), -100 ignored, summed, fp32."""
-    if recipe in ("gpt_clm", "sft"):
+    if recipe in ("gpt_clm", "sft", "vlm_sft"):
         logits, labels = logits[:, :-1], labels[:, 1:]
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
                            reduction="sum")

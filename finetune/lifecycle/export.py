@@ -42,7 +42,7 @@ from finetune.engine.model import load_pretrained
 from finetune.errors import ConfigError, RunFailure
 from finetune.logs import logger
 from finetune.recipes import get_recipe
-from finetune.lifecycle.run_folder import MODEL_META
+from finetune.lifecycle.run_folder import MODEL_META, copy_processor_files
 
 
 @contextlib.contextmanager
@@ -231,6 +231,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
             model = model.merge_and_unload()  # W + (alpha / r) B A, a plain transformers model again
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
+        copy_processor_files(Path(meta), tmp)  # a multimodal model's processor, as the run began with it
         (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
         write_card(tmp, ckpt, run_dir, run_cfg, chosen_by)
     except BaseException:

@@ -48,6 +48,10 @@ LOCK = ".lock"
 LAUNCHES = "launches"
 MODEL_META = "model_config"
 """Folder of the run folder with the model config and tokenizer the export is built from (written once)."""
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
+"""The files of a multimodal model's processor beside its tokenizer's (transformers' ``ProcessorMixin``): copied as
+they are into :data:`MODEL_META` and from there into every export, so that ``AutoProcessor.from_pretrained`` loads the
+export (copied, not loaded and saved: Qwen2.5-VL's processor cannot be built without torchvision)."""
 STALE_AFTER_S = 300.0
 """A lock of another host that has not been touched for this long (seconds) belongs to a dead launch."""
 _TOUCH_EVERY_S = 60.0
@@ -334,3 +338,14 @@ def write_launch(run_dir: Path, launch: int, cfg, ds: dict, tokenizer, model_con
     if not (run_dir / MODEL_META / "config.json").is_file():
         model_config.save_pretrained(run_dir / MODEL_META)
         tokenizer.save_pretrained(run_dir / MODEL_META)
+        copy_processor_files(Path(cfg.model.tokenizer_path or cfg.model.path), run_dir / MODEL_META)
+
+
+def copy_processor_files(source: Path, dest: Path) -> list[str]:
+    """Copy the :data:`PROCESSOR_FILES` that ``source`` has into ``dest``; returns their names."""
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file():
+            (dest / name).write_bytes((source / name).read_bytes())
+            copied.append(name)
+    return copied

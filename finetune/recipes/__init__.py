@@ -49,6 +49,7 @@ RECIPES: dict[str, str] = {
     "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
+    "vlm_sft": "finetune.recipes.vlm_sft",
 }
 """Recipe name (the run config's ``recipe:``) -> the module that defines its ``RECIPE``."""
 
