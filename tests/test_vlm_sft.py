@@ -163,6 +163,16 @@ def test_shipped_digits_config_learns_and_its_export_answers(tmp_path):
     assert answer[0]["generated_text"].strip()[:1].isdigit(), answer
 
 
+def test_plan_counts_the_whole_model_and_sizes_the_language_model():
+    """``finetune plan`` builds the VLM on the meta device: every parameter (vision tower, connector, language model)
+    in the model states, the language model's shape for the activations."""
+    from finetune.config import load_run_config
+    from finetune.preflight import plan
+
+    shape = plan.model_shape(load_run_config(CONFIG, []))
+    assert shape.params == 634_464 and shape.hidden == 64 and shape.layers == 2 and shape.head_outputs == 8256
+
+
 def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
     """In process, the launch's own validation: a missing image column, an unreadable image, a row with fewer images
     than image parts, packing on, a model folder without a processor: one line each, naming the file and the row."""

@@ -248,6 +248,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                           f"device: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
     trainable, params = lora.count_parameters(model)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    # a multimodal model's language model: its layers run the sequence (the vision tower's parameters are counted)
+    config = config.get_text_config(decoder=True)
     hidden = config.hidden_size
     routed = moe.moe_shape(config)
     gated = config.model_type in _GATED or routed is not None
