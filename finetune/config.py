@@ -109,6 +109,8 @@ class ModelConfig:
     """LoRA adapters (``model.lora.r=8`` on the command line turns them on with the defaults below); null: full fine-tuning."""
     quantization: QuantizationConfig | None = None
     """QLoRA: the frozen base quantized by bitsandbytes (``model.quantization.bits=4`` turns it on with the defaults below; needs ``model.lora``); null: the base in the run's precision."""
+    freeze: list = field(default_factory=list)
+    """Parts of the model that do not train (no gradient, no optimizer state, exported as loaded): ``vision_tower``, ``projector``, ``language_model`` (a multimodal model's parts, resolved per architecture as LLaMA-Factory's ``freeze_*`` keys are: finetune.engine.freeze) or any dotted module path; empty: everything trains."""
     fused_kernels: bool = True
     """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.engine.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
     gradient_checkpointing: bool = False

@@ -126,6 +126,10 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
                                                    attn_implementation=cfg.model.attn_implementation)
         model.initialize_weights()
         model.tie_weights()
+    if cfg.model.freeze:  # the same parameters left out of training
+        from finetune.engine.freeze import apply
+
+        apply(model, list(cfg.model.freeze))
     if cfg.model.fused_kernels:  # the engine computes the same function with the same kernels
         from finetune.engine.kernels import fuse
 

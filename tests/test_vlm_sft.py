@@ -73,11 +73,37 @@ def _max_rel(got: list[float], want: list[float]) -> float:
     return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    """The tiny SmolVLM with seeded random weights saved as a pretrained folder (weights, tokenizer, processor)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    source = REPO / "data" / "models" / "tiny-smolvlm"
+    folder = tmp_path_factory.mktemp("smolvlm_pretrained")
+    torch.manual_seed(3)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(source)).save_pretrained(folder)
+    for f in source.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
 @pytest.mark.parametrize("stage", [0, 3])
-def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, stage):
+def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretrained, stage):
+    """ZeRO 0 trains every weight from scratch; ZeRO 3 (every parameter partitioned) starts from a pretrained folder
+    with ``model.freeze: [vision_tower]``, and its export holds that tower's weights bit for bit as they were loaded
+    (and every other weight changed)."""
+    from safetensors.torch import load_file
+
     from finetune.config import load_run_config
 
     overrides = _overrides(rows, stage)
+    if stage == 3:
+        overrides += [f"model.path={pretrained}", "model.init=pretrained", "model.freeze=[vision_tower]",
+                      "export=true"]
     out = tmp_path / f"z{stage}"
     proc = launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2)
     ok(proc)
@@ -88,6 +114,18 @@ def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, stage):
     assert _max_rel(_logged(out, "train/loss"), ref.losses) <= 1e-5, (_logged(out, "train/loss"), ref.losses)
     norms = _logged(out, "train/grad_norm")
     assert _max_rel(norms, ref.grad_norms) <= (1e-4 if stage == 0 else 1e-5), (norms, ref.grad_norms)
+    if stage == 3:
+        assert "frozen: vision_tower (23,840 parameters); 610,624 parameters train" in proc.stdout
+        before, after = load_file(pretrained / "model.safetensors"), load_file(out / "export" / "model.safetensors")
+        tower = [k for k in before if ".vision_model." in k]
+        assert tower and all(torch_equal(before[k], after[k]) for k in tower)
+        assert all(not torch_equal(before[k], after[k]) for k in before if k not in tower)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
 
 
 def test_a_micro_batch_of_different_image_counts_is_the_processors_own_batch(rows):
@@ -175,7 +213,8 @@ def test_plan_counts_the_whole_model_and_sizes_the_language_model():
 
 def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
     """In process, the launch's own validation: a missing image column, an unreadable image, a row with fewer images
-    than image parts, packing on, a model folder without a processor: one line each, naming the file and the row."""
+    than image parts, packing on, a ``model.freeze`` key that matches nothing, a model folder without a processor:
+    one line each, naming the file and the row."""
     import pyarrow.parquet as pq
 
     from finetune.config import load_run_config
@@ -207,6 +246,7 @@ def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
         f"data.train_files=[{files['broken']}]": f"'{files['broken']}' row 5: image 1 cannot be read",
         f"data.train_files=[{files['fewer']}]": f"'{files['fewer']}' row 7: it has 1 image(s) for 2 image part(s)",
         "data.packing=true": "data.packing: vlm_sft does not pack rows",
+        "model.freeze=[vision_towr]": "model.freeze: 'vision_towr' match(es) no parameter of Idefics3For",
         "model.tokenizer_path=data/models/gsm8k-bpe-8k": "has no image processor; vlm_sft needs an image-text",
     }
     for override, want in cases.items():

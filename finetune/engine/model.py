@@ -43,7 +43,7 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import lora, moe, muon, neftune, quantize
+from finetune.engine import freeze, lora, moe, muon, neftune, quantize
 
 from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
@@ -195,6 +195,8 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if zero_stage(ds) == 3 and (leaves := moe.mark_leaf_modules(model)):  # before deepspeed.initialize
         logger.info(f"mixture of experts: ZeRO-3 gathers each {', '.join(leaves)} whole (leaf modules: a rank that "
                     f"routes no token to an expert still joins every all-gather)")
+    if cfg.model.freeze:  # before LoRA and deepspeed.initialize: DeepSpeed partitions the trainable parameters only
+        logger.info(freeze.apply(model, list(cfg.model.freeze)))
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
     if optimizer and neftune.activate(model, cfg.train.neftune_noise_alpha) is not None:
         logger.info(f"NEFTune: noise alpha {cfg.train.neftune_noise_alpha:g} on the input embeddings, training "

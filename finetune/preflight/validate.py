@@ -19,7 +19,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.engine import lora, moe, muon, quantize
+from finetune.engine import freeze, lora, moe, muon, quantize
 from finetune.data import mixture
 from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -176,6 +176,7 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]):
     else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
 
         lora.check(cfg, recipe.model_class, config, where, problems)
+        freeze.check(cfg, recipe.model_class, config, problems)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):
