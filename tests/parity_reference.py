@@ -126,6 +126,10 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
                                                    attn_implementation=cfg.model.attn_implementation)
         model.initialize_weights()
         model.tie_weights()
+    if cfg.model.lora is not None:  # peft's adapters, drawn as the engine draws them (seeded, base frozen)
+        from finetune.engine.lora import wrap
+
+        model = wrap(model, cfg.model.lora, recipe.model_class, t.seed)
     if cfg.model.freeze:  # the same parameters left out of training
         from finetune.engine.freeze import apply
 

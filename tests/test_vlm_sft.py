@@ -91,19 +91,22 @@ def pretrained(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("stage", [0, 3])
+@pytest.mark.parametrize("stage", [0, 3, "3-lora"])
 def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretrained, stage):
     """ZeRO 0 trains every weight from scratch; ZeRO 3 (every parameter partitioned) starts from a pretrained folder
     with ``model.freeze: [vision_tower]``, and its export holds that tower's weights bit for bit as they were loaded
-    (and every other weight changed)."""
+    (and every other weight changed); ZeRO 3 with LoRA (``all-linear``: the language model's linear layers only)
+    against peft's model on one device."""
     from safetensors.torch import load_file
 
     from finetune.config import load_run_config
 
+    lora = stage == "3-lora"
+    stage = 3 if lora else stage
     overrides = _overrides(rows, stage)
     if stage == 3:
-        overrides += [f"model.path={pretrained}", "model.init=pretrained", "model.freeze=[vision_tower]",
-                      "export=true"]
+        overrides += [f"model.path={pretrained}", "model.init=pretrained"]
+        overrides += ["model.lora.r=4"] if lora else ["model.freeze=[vision_tower]", "export=true"]
     out = tmp_path / f"z{stage}"
     proc = launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2)
     ok(proc)
@@ -114,7 +117,10 @@ def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretraine
     assert _max_rel(_logged(out, "train/loss"), ref.losses) <= 1e-5, (_logged(out, "train/loss"), ref.losses)
     norms = _logged(out, "train/grad_norm")
     assert _max_rel(norms, ref.grad_norms) <= (1e-4 if stage == 0 else 1e-5), (norms, ref.grad_norms)
-    if stage == 3:
+    if lora:
+        assert "LoRA r=4 alpha=16 dropout=0 on 14 modules (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, " \
+               "v_proj)" in proc.stdout  # the language model's 2 x 7 linear layers, none of the vision tower's
+    elif stage == 3:
         assert "frozen: vision_tower (23,840 parameters); 610,624 parameters train" in proc.stdout
         before, after = load_file(pretrained / "model.safetensors"), load_file(out / "export" / "model.safetensors")
         tower = [k for k in before if ".vision_model." in k]

@@ -82,7 +82,25 @@ def wrap(model: torch.nn.Module, lora: LoraConfig, model_class, seed: int):
         # peft's notices about GPT-2's Conv1D layout and a transformers deprecation
         warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-        return peft.get_peft_model(model, peft_config(lora, model_class))
+        config = peft_config(lora, model_class)
+        if config.target_modules == ALL_LINEAR:
+            config.target_modules = all_linear(model)
+        return peft.get_peft_model(model, config)
+
+
+def all_linear(model: torch.nn.Module) -> str | list[str]:
+    """What ``all-linear`` adapts in ``model``: peft's ``all-linear`` (every linear layer but the output head), or,
+    in a multimodal model (one with a language model part beside others, :mod:`finetune.engine.freeze`'s aliases),
+    the linear layers of its language model only, by their full names: the vision tower and the projector keep
+    their weights, as LLaMA-Factory's LoRA does by default (its ``freeze_vision_tower``)."""
+    from finetune.engine.freeze import matches
+
+    names = [n for n, _ in model.named_parameters()]
+    inside = [n for n in names if matches(n, "language_model")]
+    if not inside or all(n in inside or n.startswith(("lm_head.", "model.lm_head.")) for n in names):
+        return ALL_LINEAR
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and matches(f"{n}.weight", "language_model")]
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
