@@ -93,7 +93,7 @@ def pretrained(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("stage", [0, 3, "3-lora"])
 def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretrained, stage):
-    """ZeRO 0 trains every weight from scratch; ZeRO 3 (every parameter partitioned) starts from a pretrained folder
+    """ZeRO 0 trains every weight from scratch, and a resume from its step-2 checkpoint repeats its step 3; ZeRO 3 (every parameter partitioned) starts from a pretrained folder
     with ``model.freeze: [vision_tower]``, and its export holds that tower's weights bit for bit as they were loaded
     (and every other weight changed); ZeRO 3 with LoRA (``all-linear``: the language model's linear layers only)
     against peft's model on one device."""
@@ -107,6 +107,8 @@ def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretraine
     if stage == 3:
         overrides += [f"model.path={pretrained}", "model.init=pretrained"]
         overrides += ["model.lora.r=4"] if lora else ["model.freeze=[vision_tower]", "export=true"]
+    else:
+        overrides += ["train.save_every=2"]
     out = tmp_path / f"z{stage}"
     proc = launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2)
     ok(proc)
@@ -117,6 +119,11 @@ def test_vlm_sft_matches_the_plain_model_on_one_device(tmp_path, rows, pretraine
     assert _max_rel(_logged(out, "train/loss"), ref.losses) <= 1e-5, (_logged(out, "train/loss"), ref.losses)
     norms = _logged(out, "train/grad_norm")
     assert _max_rel(norms, ref.grad_norms) <= (1e-4 if stage == 0 else 1e-5), (norms, ref.grad_norms)
+    if stage == 0:  # resumed from the step-2 checkpoint, step 3 repeats the uninterrupted run's loss
+        again = tmp_path / "resumed"
+        ok(launch(CONFIG, [*overrides, f"output_dir={again}"], nproc=2, resume=str(out / "checkpoints" / "step2")))
+        resumed = {r["step"]: r["train/loss"] for r in read_metrics(again) if "train/loss" in r}
+        assert list(resumed) == [3] and resumed[3] == pytest.approx(_logged(out, "train/loss")[2], rel=1e-6)
     if lora:
         assert "LoRA r=4 alpha=16 dropout=0 on 14 modules (down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, " \
                "v_proj)" in proc.stdout  # the language model's 2 x 7 linear layers, none of the vision tower's
