@@ -194,6 +194,8 @@ def test_shipped_digits_config_learns_and_its_export_answers(tmp_path):
     out = tmp_path / "run"
     ok(launch(CONFIG, [f"output_dir={out}", f"data.cache_dir={cpu_env()['FINETUNE_CACHE']}"], nproc=2))
     export = out / "export"
+    card = (export / "README.md").read_text()
+    assert "pipeline_tag: image-text-to-text" in card and "A multimodal (image-text-to-text) model" in card
     processor = AutoProcessor.from_pretrained(export)
     model = AutoModelForImageTextToText.from_pretrained(export).eval()
     held_out = datasets.load_dataset("parquet", data_files=str(REPO / "data" / "digits" / "test.parquet"),

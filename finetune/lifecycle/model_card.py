@@ -53,7 +53,8 @@ CARD = REPOCARD_NAME
 """File name of the card in the export folder (``README.md``, what the Hub shows)."""
 
 PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForMaskedLM": "fill-mask",
-                 "AutoModelForSequenceClassification": "text-classification"}
+                 "AutoModelForSequenceClassification": "text-classification",
+                 "AutoModelForImageTextToText": "image-text-to-text"}
 """A recipe's model class -> the Hub's ``pipeline_tag`` (the task widget and filter); a class not listed gets none."""
 
 VERSIONS = ("torch", "transformers", "deepspeed", "peft", "datasets", "tokenizers", "safetensors", "huggingface_hub")
@@ -324,9 +325,17 @@ def card_text(facts: dict) -> str:
     if launch:
         text += [f"Training launch {launch.get('launch')}: "
                  + ", ".join(f"{k} {v}" for k, v in launch.items() if k != "launch" and v), ""]
-    text += ["## How to load", "", "```python", f"from transformers import AutoTokenizer, {facts['model_class']}", "",
-             f"model = {facts['model_class']}.from_pretrained(\"path/to/this/folder\")",
-             "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")", "```", ""]
+    if facts["model_class"] == "AutoModelForImageTextToText":  # a multimodal model: its processor is in the folder
+        text += ["## How to load", "", "A multimodal (image-text-to-text) model: it reads images and text, and the "
+                 "folder holds its processor.", "", "```python",
+                 f"from transformers import AutoProcessor, {facts['model_class']}, pipeline", "",
+                 f"model = {facts['model_class']}.from_pretrained(\"path/to/this/folder\")",
+                 "processor = AutoProcessor.from_pretrained(\"path/to/this/folder\")",
+                 "pipe = pipeline(\"image-text-to-text\", model=\"path/to/this/folder\")", "```", ""]
+    else:
+        text += ["## How to load", "", "```python", f"from transformers import AutoTokenizer, {facts['model_class']}",
+                 "", f"model = {facts['model_class']}.from_pretrained(\"path/to/this/folder\")",
+                 "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")", "```", ""]
     if "model.lora.r" in facts["hyperparameters"]:
         text += ["The LoRA adapters are merged into these weights; `adapter/` holds them alone (PEFT).", ""]
     return "\n".join(text)
