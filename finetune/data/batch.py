@@ -28,6 +28,13 @@ def model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
 
 
+def padded_length(rows: list[dict], multiple: int = 0) -> int:
+    """The width a micro-batch of ``rows`` is right-padded to: its longest ``input_ids``, rounded up to a multiple of
+    ``multiple`` (``data.pad_to_multiple_of``; 0: not rounded)."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    return -(-longest // multiple) * multiple if multiple else longest
+
+
 def real_tokens(batch: dict):
     """Real (non-pad) tokens of a collated micro-batch (0-dim int64 tensor, or int): the ``attention_mask`` ones,
     else ``num_tokens`` (packed rows), else every position of ``input_ids``."""

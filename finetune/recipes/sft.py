@@ -57,6 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 
 from finetune.config import DataConfig, RunConfig
 from finetune.data import formats
+from finetune.data.batch import padded_length
 from finetune.data.dataset import default_cache_dir, file_id, fingerprint, string_type
 from finetune.errors import ConfigError
 from finetune.parallel import sequence, tensor
@@ -544,9 +545,7 @@ class PackedCollator:
         self.pad, self.multiple = pad_token_id, pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict:
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.multiple:
-            longest = -(-longest // self.multiple) * self.multiple
+        longest = padded_length(rows, self.multiple)
         batch = {"input_ids": [], "labels": [], "position_ids": []}
         for r in rows:
             n = longest - len(r["input_ids"])

@@ -46,6 +46,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from finetune.config import DataConfig, RunConfig
+from finetune.data.batch import padded_length
 from finetune.data.dataset import default_cache_dir, file_id, fingerprint
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
@@ -82,15 +83,9 @@ def cache_key(data_cfg: DataConfig) -> dict:
 
 
 def prepare_tokenizer(tokenizer):
-    """EOS as the pad token when there is none, right padding.
-
-    Raises:
-        ConfigError: the tokenizer has no EOS token.
-    """
+    """A pad token (EOS when the tokenizer has none: :func:`~finetune.recipes.pad_with_eos`), right padding. No EOS
+    is appended: the chat template ends each turn with the model's own end-of-turn token, which trains."""
     tokenizer = pad_with_eos(tokenizer, "vlm_sft")
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no EOS token; use the "
-                          f"model's own tokenizer")
     tokenizer.padding_side = "right"
     return tokenizer
 
@@ -250,9 +245,7 @@ class ImageCollator:
         self.pad, self.multiple = pad_token_id, pad_to_multiple_of
 
     def __call__(self, rows: list[dict]) -> dict:
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.multiple:
-            longest = -(-longest // self.multiple) * self.multiple
+        longest = padded_length(rows, self.multiple)
         out = {}
         for key, fill in (("input_ids", self.pad), ("attention_mask", 0), ("labels", -100)):
             out[key] = torch.tensor([list(r[key]) + [fill] * (longest - len(r[key])) for r in rows], dtype=torch.long)
