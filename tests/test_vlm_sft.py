@@ -230,6 +230,8 @@ def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
     """In process, the launch's own validation: a missing image column, an unreadable image, a row with fewer images
     than image parts, packing on, a ``model.freeze`` key that matches nothing, a model folder without a processor:
     one line each, naming the file and the row."""
+    import importlib.util
+
     import pyarrow.parquet as pq
 
     from finetune.config import load_run_config
@@ -263,6 +265,9 @@ def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
         "data.packing=true": "data.packing: vlm_sft does not pack rows",
         "model.freeze=[vision_towr]": "model.freeze: 'vision_towr' match(es) no parameter of Idefics3For",
         "model.tokenizer_path=data/models/gsm8k-bpe-8k": "has no image processor; vlm_sft needs an image-text",
+        **({} if importlib.util.find_spec("torchvision") else {  # Qwen2.5-VL's processor is built on torchvision
+            "model.path=data/models/tiny-qwen2.5-vl": "cannot be built here: Qwen2VLVideoProcessor requires the "
+                                                      "Torchvision library"}),
     }
     for override, want in cases.items():
         found = problems(*override.split(" "))

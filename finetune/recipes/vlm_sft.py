@@ -100,11 +100,15 @@ def load_processor(path: str, tokenizer=None):
     """
     try:
         processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # noqa: BLE001  (missing files, a missing optional package: torchvision)
+    except ImportError as e:  # a package the processor is built on (Qwen2.5-VL's video processor: torchvision)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"model.path: the processor in '{path}' cannot be built here: {first.strip()} "
+                          f"Install that package (built for the installed torch) or use another model") from None
+    except Exception as e:  # noqa: BLE001  (missing or unreadable processor files)
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
         raise ConfigError(f"model.path: '{path}' has no processor vlm_sft can load ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); point model.tokenizer_path at the folder "
-                          f"with the model's processor files (preprocessor_config.json, processor_config.json)") \
-            from None
+                          f"{first.strip()}); point model.tokenizer_path at the folder with the model's processor "
+                          f"files (preprocessor_config.json, processor_config.json)") from None
     if getattr(processor, "image_processor", None) is None:
         raise ConfigError(f"model.path: the processor in '{path}' ({type(processor).__name__}) has no image "
                           f"processor; vlm_sft needs an image-text model's processor")
