@@ -81,6 +81,13 @@ completion exceed the shape's 512)::
         train.max_steps=120 train.eval_every=0 train.eval_on_start=false train.save_every=120
     python scripts/bench.py --preset grpo_tools --init-from runs/bench_guess_sft/export --lock /tmp/heavy.lock
 
+``vlm_sft``: vision-language SFT (issue 55), the shipped ``vlm_sft_digits.yaml`` (the tiny SmolVLM from scratch, the
+32x32 digits, the loss on the answer digit and its end-of-turn token) against TRL's ``SFTTrainer`` with the model's
+processor on the same rows (``scripts/bench_trl.py``: ``assistant_only_loss=True``, TRL's vision collator processing
+each batch's images); ``rows/s`` is samples/s::
+
+    python scripts/bench.py --preset vlm_sft --steps 30 --rounds 2
+
 The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
 ``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
 
@@ -310,6 +317,11 @@ PRESETS: dict[str, dict] = {
     # weights no rollout calls the tool; --init-from an SFT export trained on the expert games
     # (data/guess_number/train_chat.parquet; the module docstring) makes the loop run (tools/call_frequency per
     # contender).
+    # Vision-language SFT (issue 55): the shipped vlm_sft_digits.yaml (the tiny SmolVLM of data/models/tiny-smolvlm
+    # from scratch, the 32x32 digits of data/digits, the loss on the answer) against TRL's SFTTrainer on the same rows
+    # (TRL's conversational vision form), model, processor, batch and ZeRO stage (scripts/bench_trl.py).
+    "vlm_sft": {"config": "finetune/recipes/configs/vlm_sft_digits.yaml", "overrides": [],
+                "contenders": ["finetune", "trl", "trl_best"], "tiny": ["train.micro_batch_size=4"]},
     "grpo_tools": {"config": "finetune/recipes/configs/grpo_gsm8k.yaml", "epoch": True, "grpo": True, "tools": True,
                    "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
                                  f"model.config_overrides={{{REALISTIC_SHAPE[1:-1]}, max_position_embeddings: 1024}}",
@@ -751,7 +763,8 @@ def lm_head_share(cfg, seq_len: int | None = None) -> str:
     for k, v in (cfg.model.config_overrides or {}).items():
         setattr(config, k, v)
     auto = {"bert_mlm": transformers.AutoModelForMaskedLM, "seq_cls": transformers.AutoModelForSequenceClassification,
-            "reward": transformers.AutoModelForSequenceClassification}.get(cfg.recipe,
+            "reward": transformers.AutoModelForSequenceClassification,
+            "vlm_sft": transformers.AutoModelForImageTextToText}.get(cfg.recipe,
                                                                            transformers.AutoModelForCausalLM)
     with torch.device("meta"):
         model = auto.from_config(config)
@@ -789,6 +802,7 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
             "gradient_checkpointing": m.gradient_checkpointing,
             "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns), "init": m.init,
+            "messages_column": d.messages_column, "image_column": d.image_column,
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
 

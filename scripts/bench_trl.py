@@ -1,5 +1,5 @@
-"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic``, ``reward`` and ``grpo`` presets (run by it
-under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer`` or ``GRPOTrainer`` + DeepSpeed.
+"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic``, ``reward``, ``grpo`` and ``vlm_sft`` presets
+(run by it under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer``, ``GRPOTrainer`` or ``SFTTrainer`` + DeepSpeed.
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
 columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
@@ -51,6 +51,15 @@ both train the same prompts and completions per step; ``num_generations``, ``max
   ``use_transformers_continuous_batching`` (transformers' paged continuous-batching engine, another generation
   path than the ``generate`` both sides are to use; it gains when completions of very different lengths share a
   batch); ``use_liger_kernel`` (Triton, GPUs); ``log_completions`` (off already).
+
+Vision-language SFT (spec recipe ``vlm_sft``, the ``vlm_sft`` preset): ``SFTTrainer(model, args=SFTConfig(
+assistant_only_loss=True, ...), train_dataset=..., processing_class=processor)`` on the rows' ``messages`` and
+``images`` columns (TRL's conversational vision form), the model's own ``AutoProcessor``; TRL's
+``DataCollatorForVisionLanguageModeling`` renders and processes each batch's images as it collates it, and the
+loss is on the assistant turns (``{% generation %}``), as the toolkit's. ``defaults`` (``trl``): ``SFTConfig``'s
+defaults otherwise (gradient checkpointing on); ``best`` (``trl_best``): gradient checkpointing as the toolkit's
+run. Not applicable to vision rows in TRL 1.16: packing and ``padding_free`` (refused for vision datasets); length
+grouping gains nothing on rows of one length.
 
 GRPO with tools or an environment (the ``grpo_tools`` preset; ``train.grpo.tools`` / ``environment``): TRL's
 ``GRPOTrainer(tools=[...], environment_factory=Factory)`` with the same functions and class (imported from their
@@ -107,6 +116,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     reward = spec["recipe"] == "reward"
     grpo = spec["recipe"] == "grpo"
+    vlm = spec["recipe"] == "vlm_sft"
     best = spec.get("variant", "defaults") == "best"
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
     if tokenizer.pad_token is None:
@@ -132,11 +142,21 @@ def main() -> None:
         ds = ds.select_columns(list(dict.fromkeys([name, *spec["reward_columns"]])))
         return ds.rename_column(name, "prompt") if name != "prompt" else ds
 
-    raw = (prompts if grpo else pairs)(spec["train_files"], spec.get("max_train_rows") or 0)
+    def conversations(files: list[str], limit: int = 0):
+        """SFT's vision rows: the conversations as ``messages`` and the images as ``images`` (TRL's names)."""
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache)
+        if limit:
+            ds = ds.select(range(min(limit, len(ds))))
+        names = {spec["messages_column"] or "messages": "messages", spec["image_column"]: "images"}
+        ds = ds.select_columns(list(names))
+        return ds.rename_columns({k: v for k, v in names.items() if k != v})
+
+    raw = (prompts if grpo else conversations if vlm else pairs)(spec["train_files"], spec.get("max_train_rows") or 0)
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
-    auto = transformers.AutoModelForSequenceClassification if reward else transformers.AutoModelForCausalLM
+    auto = (transformers.AutoModelForSequenceClassification if reward else
+            transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM)
     torch.manual_seed(spec["seed"])
     if spec.get("init") == "pretrained":  # bench.py --init-from: the folder's weights, as finetune's model.init
         # a packed SFT export says use_cache false (finetune's recipes.sft); finetune's rollout decodes with a cache
@@ -188,6 +208,8 @@ def main() -> None:
         del common["max_length"]
     if best and grpo:  # checkpointing as the toolkit's run; dropout off (as the toolkit; the module docstring)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")), disable_dropout=True)
+    elif best and vlm:  # checkpointing as the toolkit's run (the rows have one length: no length grouping to gain)
+        common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")))
     elif best:  # checkpointing as the toolkit's run; length-grouped batches (on the ``length`` column added below)
         # (remove_unused_columns=False keeps that column, which is no model input, for the sampler; TRL's collators
         # read their own keys only)
@@ -272,6 +294,15 @@ def main() -> None:
         timed("_generate_and_score_completions", "generate_and_score")
         timed("compute_loss", "train_forward")
         timed("training_step", "training_step")  # the above + backward + (DeepSpeed) the optimizer step
+    elif vlm:
+        from trl import SFTConfig, SFTTrainer
+
+        # the model's processor renders the conversations and processes the images in TRL's collator, batch by
+        # batch; the loss on the assistant turns only ({% generation %} in the template), as the toolkit's
+        processor = transformers.AutoProcessor.from_pretrained(spec["tokenizer"], local_files_only=True)
+        processor.tokenizer = tokenizer
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common, assistant_only_loss=True, packing=False),
+                             train_dataset=raw, processing_class=processor, callbacks=[Meter()])
     elif reward:
         from trl import RewardConfig, RewardTrainer
 
@@ -289,7 +320,7 @@ def main() -> None:
         reference = None if best else copy.deepcopy(model)
         trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw,
                              processing_class=tokenizer, callbacks=[Meter()])
-    if best and not grpo:  # what LengthGroupedSampler measures (training and, for reward, evaluation): TRL's
+    if best and not grpo and not vlm:  # what LengthGroupedSampler measures (training and, for reward, evaluation): TRL's
         # tokenized rows have no input_ids column
         def with_length(ds):
             if reward:
@@ -311,7 +342,7 @@ def main() -> None:
         return batch
 
     reference_first = []
-    if not reward and not best and not grpo:
+    if not reward and not best and not grpo and not vlm:
         # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
         # for scripts/bench.py to compare with finetune's cached ones
         first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])

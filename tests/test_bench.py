@@ -173,3 +173,19 @@ def test_grpo_tools_benchmark_against_trl_best(tmp_path):
     lines = [x for x in proc.stdout.splitlines() if x.strip().startswith("trl_best")
              and "finetune/trl_best: completions/s " in x and "tool calls/rollout" in x]
     assert len(lines) == 1, proc.stdout[-3000:]
+
+
+@pytest.mark.extended  # suite budget
+def test_vlm_sft_benchmark_against_trl_best(tmp_path):
+    """The ``vlm_sft`` preset (the tiny SmolVLM on the digits) against TRL's ``SFTTrainer`` at its best, tiny, 1 rank,
+    3 steps, no warm-up launch: samples/s, tokens/s, peak memory and a finite loss on both sides, and the ratio."""
+    proc = run_python(["scripts/bench.py", "--preset", "vlm_sft", "--steps", "3", "--skip", "1", "--rounds", "1",
+                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
+                       "--keep", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
+    for r in rows:
+        for key in ("rows_per_s", "real_tokens_per_s", "peak_rss_per_rank_mb", "final_loss"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
+    assert rows[1]["ratio_ours_over_this"] > 0
