@@ -150,19 +150,25 @@ def test_reward_benchmark_against_trl_best(tmp_path):
     assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
+def _against_trl_best(preset: str, steps: int, tmp_path) -> tuple:
+    """A tiny smoke run of ``preset``, finetune against ``trl_best``, 1 rank, ``steps`` steps (the first untimed), no
+    warm-up launch: the process and its two JSON result rows (finetune's first)."""
+    proc = run_python(["scripts/bench.py", "--preset", preset, "--steps", str(steps), "--skip", "1", "--rounds", "1",
+                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
+                       "--keep", str(tmp_path)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
+    return proc, rows
+
+
 @pytest.mark.extended  # suite budget
 def test_grpo_tools_benchmark_against_trl_best(tmp_path):
     """The ``grpo_tools`` preset (multi-turn GRPO on the guess-the-number environment) against TRL's
     ``GRPOTrainer(environment_factory=...)`` at its best, tiny, 1 rank, 2 steps, no warm-up launch: completions/s,
     peak memory, the mean reward and ``tools/call_frequency`` on both sides (a random model calls no tool: 0), the
     environment's reward in [0, 1], and the ratio line."""
-    proc = run_python(["scripts/bench.py", "--preset", "grpo_tools", "--steps", "2", "--skip", "1", "--rounds", "1",
-                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
-                       "--keep", str(tmp_path)], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
-    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
-    ours, best = rows
+    proc, rows = _against_trl_best("grpo_tools", 2, tmp_path)
     for r in rows:
         for key in ("completions_per_s", "real_tokens_per_s", "peak_rss_per_rank_mb", "step_time_median_s"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
@@ -179,12 +185,7 @@ def test_grpo_tools_benchmark_against_trl_best(tmp_path):
 def test_vlm_sft_benchmark_against_trl_best(tmp_path):
     """The ``vlm_sft`` preset (the tiny SmolVLM on the digits) against TRL's ``SFTTrainer`` at its best, tiny, 1 rank,
     3 steps, no warm-up launch: samples/s, tokens/s, peak memory and a finite loss on both sides, and the ratio."""
-    proc = run_python(["scripts/bench.py", "--preset", "vlm_sft", "--steps", "3", "--skip", "1", "--rounds", "1",
-                       "--nproc", "1", "--tiny", "--no-warm-up", "--contenders", "finetune,trl_best",
-                       "--keep", str(tmp_path)], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench"')]
-    assert [r["contender"] for r in rows] == ["finetune", "trl_best"], proc.stdout[-3000:]
+    _, rows = _against_trl_best("vlm_sft", 3, tmp_path)
     for r in rows:
         for key in ("rows_per_s", "real_tokens_per_s", "peak_rss_per_rank_mb", "final_loss"):
             assert math.isfinite(r[key]) and r[key] > 0, (r["contender"], key, r[key])
