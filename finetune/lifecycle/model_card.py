@@ -325,17 +325,19 @@ def card_text(facts: dict) -> str:
     if launch:
         text += [f"Training launch {launch.get('launch')}: "
                  + ", ".join(f"{k} {v}" for k, v in launch.items() if k != "launch" and v), ""]
-    if facts["model_class"] == "AutoModelForImageTextToText":  # a multimodal model: its processor is in the folder
-        text += ["## How to load", "", "A multimodal (image-text-to-text) model: it reads images and text, and the "
-                 "folder holds its processor.", "", "```python",
-                 f"from transformers import AutoProcessor, {facts['model_class']}, pipeline", "",
-                 f"model = {facts['model_class']}.from_pretrained(\"path/to/this/folder\")",
-                 "processor = AutoProcessor.from_pretrained(\"path/to/this/folder\")",
-                 "pipe = pipeline(\"image-text-to-text\", model=\"path/to/this/folder\")", "```", ""]
-    else:
-        text += ["## How to load", "", "```python", f"from transformers import AutoTokenizer, {facts['model_class']}",
-                 "", f"model = {facts['model_class']}.from_pretrained(\"path/to/this/folder\")",
-                 "tokenizer = AutoTokenizer.from_pretrained(\"path/to/this/folder\")", "```", ""]
+    cls = facts["model_class"]
+    multimodal = cls == "AutoModelForImageTextToText"  # its processor (tokenizer and image processor) is in the folder
+    loader, name = ("AutoProcessor", "processor") if multimodal else ("AutoTokenizer", "tokenizer")
+    text += ["## How to load", ""]
+    if multimodal:
+        text += ["A multimodal (image-text-to-text) model: it reads images and text, and the folder holds its "
+                 "processor.", ""]
+    text += ["```python", f"from transformers import {loader}, {cls}{', pipeline' if multimodal else ''}", "",
+             f"model = {cls}.from_pretrained(\"path/to/this/folder\")",
+             f"{name} = {loader}.from_pretrained(\"path/to/this/folder\")"]
+    if multimodal:
+        text.append("pipe = pipeline(\"image-text-to-text\", model=\"path/to/this/folder\")")
+    text += ["```", ""]
     if "model.lora.r" in facts["hyperparameters"]:
         text += ["The LoRA adapters are merged into these weights; `adapter/` holds them alone (PEFT).", ""]
     return "\n".join(text)

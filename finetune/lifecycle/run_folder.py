@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -346,6 +347,6 @@ def copy_processor_files(source: Path, dest: Path) -> list[str]:
     copied = []
     for name in PROCESSOR_FILES:
         if (source / name).is_file():
-            (dest / name).write_bytes((source / name).read_bytes())
+            shutil.copyfile(source / name, dest / name)
             copied.append(name)
     return copied

@@ -117,25 +117,35 @@ def load_processor(path: str, tokenizer=None):
     return processor
 
 
+def open_image(value):
+    """One image of a row, opened lazily (``PIL.Image.open``: header read, pixels not decoded): ``{bytes, path}``
+    (``datasets.Image``'s storage; the bytes win), bytes, or a file path.
+
+    Raises:
+        ValueError: the value is none of these.
+        OSError: not an image (PIL's ``UnidentifiedImageError``), or a missing file.
+    """
+    from PIL import Image
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return Image.open(io.BytesIO(value))
+    if isinstance(value, str) and value:
+        return Image.open(value)
+    raise ValueError(f"an image is {type(value).__name__}, not image bytes or a file path")
+
+
 def decode_image(value, where: str):
-    """One image of a row as an RGB PIL image: ``{bytes, path}`` (``datasets.Image``'s storage), bytes, or a path.
+    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image.
 
     Raises:
         ConfigError: unreadable or empty (one line: ``where``, what was wrong).
     """
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
     try:
-        if isinstance(value, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(value))
-        elif isinstance(value, str) and value:
-            image = Image.open(value)
-        else:
-            raise ConfigError(f"{where}: an image is {type(value).__name__}, not image bytes or a file path")
+        image = open_image(value)
         image.load()
-    except (OSError, UnidentifiedImageError, ValueError) as e:
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: an image cannot be read ({type(e).__name__}: {e}); fix or drop that row") \
             from None
     if image.width == 0 or image.height == 0:
@@ -190,14 +200,10 @@ class VlmExamples:
         out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
         for i, messages in enumerate(batch[mcol]):
             c["rows"] += 1
-            problem = message_problem(messages)
+            problem = pairing_problem(messages, len(batch[icol][i] or []))
             if problem:
-                raise ConfigError(f"data.messages_column: a row of '{mcol}' is {problem}")
-            where = f"data.image_column: a row of '{icol}'"
-            images = [decode_image(v, where) for v in (batch[icol][i] or [])]
-            if image_parts(messages) != len(images):
-                raise ConfigError(f"{where} has {len(images)} image(s) for {image_parts(messages)} image part(s) "
-                                  f"in its conversation; give each {{\"type\": \"image\"}} part one image")
+                raise ConfigError(f"data: a row of '{mcol}' and '{icol}': {problem}; fix or drop that row")
+            images = [decode_image(v, f"data.image_column: a row of '{icol}'") for v in (batch[icol][i] or [])]
             kwargs = {"chat_template": self.template} if self.template else {}
             enc = self.processor.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_tensors="np", return_assistant_tokens_mask=True,
@@ -282,23 +288,27 @@ def make_collator(tokenizer, data_cfg: DataConfig) -> ImageCollator:
     return ImageCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
 
 
-def image_problem(messages, images) -> str | None:
-    """Why a row's conversation and images do not go together (a malformed conversation, an image that cannot be
-    read or is empty, image parts and images in different numbers); None when they do. Reads each image's header
-    only (``PIL.Image.verify``), not its pixels."""
-    from PIL import Image
-
+def pairing_problem(messages, images: int) -> str | None:
+    """Why a row's conversation and its ``images`` images do not go together (a malformed conversation, image parts
+    and images in different numbers); None when they do."""
     problem = message_problem(messages)
     if problem:
         return f"its conversation is {problem}"
+    if image_parts(messages) != images:
+        return f"it has {images} image(s) for {image_parts(messages)} image part(s) in its conversation"
+    return None
+
+
+def image_problem(messages, images) -> str | None:
+    """:func:`pairing_problem`, or why an image cannot be read or is empty; None when the row is fine. Reads each
+    image's header only (``PIL.Image.verify``), not its pixels."""
     images = list(images or [])
-    if image_parts(messages) != len(images):
-        return f"it has {len(images)} image(s) for {image_parts(messages)} image part(s) in its conversation"
+    problem = pairing_problem(messages, len(images))
+    if problem:
+        return problem
     for j, value in enumerate(images):
-        if isinstance(value, dict):
-            value = value.get("bytes") or value.get("path")
         try:
-            with (Image.open(io.BytesIO(value)) if isinstance(value, (bytes, bytearray)) else Image.open(value)) as im:
+            with open_image(value) as im:
                 im.verify()
                 if im.width == 0 or im.height == 0:
                     return f"image {j + 1} is empty ({im.width}x{im.height})"
