@@ -52,6 +52,11 @@ PARTIAL_PREFIX = ".partial-"
 """Tokenization in progress writes ``<cache>/tokenized/.partial-<random>/`` (with ``owner.json``), never the entry."""
 
 
+SOURCE_DIR = "__source_dir__"
+"""A key of every batch :meth:`ParquetRows.take` returns besides the columns: each row's parquet file's folder
+(a file path in a row is relative to it: :mod:`finetune.data.images`)."""
+
+
 class ParquetRows:
     """The rows of ``files`` (in order), columns ``columns`` only, read lazily by row group.
 
@@ -60,7 +65,8 @@ class ParquetRows:
         columns: the columns to read (each file must have them; checked before, by the data checks).
 
     ``len()`` is the total row count (from the footers). :meth:`take` reads the row groups that hold the
-    asked rows and keeps the last one read, so reading ascending rows batch by batch reads each row group once.
+    asked rows and keeps the last one read, so reading ascending rows batch by batch reads each row group once. Its
+    batches hold :data:`SOURCE_DIR` too.
     """
 
     def __init__(self, files: list[str], columns: list[str]):
@@ -88,6 +94,7 @@ class ParquetRows:
     def take(self, rows: np.ndarray) -> dict[str, list]:
         """The rows ``rows`` (ascending int indices into all files' rows) as ``{column: [values]}``."""
         out: dict[str, list] = {c: [] for c in self.columns}
+        out[SOURCE_DIR] = []
         rows = np.asarray(rows, dtype=np.int64)
         where = np.searchsorted(self.starts, rows, side="right") - 1
         for g in np.unique(where):
@@ -96,6 +103,7 @@ class ParquetRows:
             for c in self.columns:
                 column = values[c]
                 out[c] += [column[i] for i in local]
+            out[SOURCE_DIR] += [str(Path(self.groups[int(g)][0]).parent)] * len(local)
         return out
 
 

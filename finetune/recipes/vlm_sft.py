@@ -35,37 +35,24 @@ paths, and a recipe's capabilities are constants.
 
 from __future__ import annotations
 
-import contextlib
-import io
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForImageTextToText
 
 from finetune.config import DataConfig, RunConfig
+from finetune.data import images
 from finetune.data.batch import padded_length
-from finetune.data.dataset import default_cache_dir, file_id, fingerprint
+from finetune.data.dataset import default_cache_dir
+from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
 from finetune.recipes.sft import count_summary, template_text
 
 MODEL_CLASS = AutoModelForImageTextToText
-
-TEXT_KEYS = ("input_ids", "attention_mask", "assistant_masks", "token_type_ids", "mm_token_type_ids")
-"""Keys of the processor's output that are not image tensors (``token_type_ids`` and ``mm_token_type_ids`` mark
-image positions for some processors; the model does not need them for a causal-LM loss)."""
-
-STACKED = ("pixel_attention_mask",)
-"""Image tensors that a processor stacks per row (padded to the batch's most images) whatever their rank; besides
-these, any 5-dimensional ``pixel_values`` (``[rows, images, 3, H, W]``, Idefics3's)."""
-
-SHAPE = "{}__shape"
-"""The column that holds an image tensor's shape (the tensor itself is stored flat)."""
-
 
 def messages_column(data_cfg: DataConfig) -> str:
     """``data.messages_column``, ``messages`` when empty."""
@@ -90,94 +77,9 @@ def prepare_tokenizer(tokenizer):
     return tokenizer
 
 
-def load_processor(path: str, tokenizer=None):
-    """The model's ``AutoProcessor`` from ``path`` (local files only), with ``tokenizer`` (prepared) in place of its
-    own.
-
-    Raises:
-        ConfigError: ``path`` has no processor an image-text model can use (one line naming the folder and the
-            error).
-    """
-    try:
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
-    except ImportError as e:  # a package the processor is built on (Qwen2.5-VL's video processor: torchvision)
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ConfigError(f"model.path: the processor in '{path}' cannot be built here: {first.strip()} "
-                          f"Install that package (built for the installed torch) or use another model") from None
-    except Exception as e:  # noqa: BLE001  (missing or unreadable processor files)
-        first = next((line for line in str(e).splitlines() if line.strip()), "")
-        raise ConfigError(f"model.path: '{path}' has no processor vlm_sft can load ({type(e).__name__}: "
-                          f"{first.strip()}); point model.tokenizer_path at the folder with the model's processor "
-                          f"files (preprocessor_config.json, processor_config.json)") from None
-    if getattr(processor, "image_processor", None) is None:
-        raise ConfigError(f"model.path: the processor in '{path}' ({type(processor).__name__}) has no image "
-                          f"processor; vlm_sft needs an image-text model's processor")
-    if tokenizer is not None:
-        processor.tokenizer = tokenizer
-    return processor
-
-
-def open_image(value):
-    """One image of a row, opened lazily (``PIL.Image.open``: header read, pixels not decoded): ``{bytes, path}``
-    (``datasets.Image``'s storage; the bytes win), bytes, or a file path.
-
-    Raises:
-        ValueError: the value is none of these.
-        OSError: not an image (PIL's ``UnidentifiedImageError``), or a missing file.
-    """
-    from PIL import Image
-
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return Image.open(io.BytesIO(value))
-    if isinstance(value, str) and value:
-        return Image.open(value)
-    raise ValueError(f"an image is {type(value).__name__}, not image bytes or a file path")
-
-
-def decode_image(value, where: str):
-    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image.
-
-    Raises:
-        ConfigError: unreadable or empty (one line: ``where``, what was wrong).
-    """
-    try:
-        image = open_image(value)
-        image.load()
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: an image cannot be read ({type(e).__name__}: {e}); fix or drop that row") \
-            from None
-    if image.width == 0 or image.height == 0:
-        raise ConfigError(f"{where}: an image is empty ({image.width}x{image.height}); fix or drop that row")
-    return image.convert("RGB")
-
-
-def message_problem(messages) -> str | None:
-    """Why ``messages`` is not a list of ``{role, content}`` dicts whose content is text or a list of ``{type: text,
-    text}`` / ``{type: image}`` parts; None when it is."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        return f"{'an empty list' if isinstance(messages, (list, tuple)) else type(messages).__name__}, not a list " \
-               f"of {{role, content}} messages"
-    for i, m in enumerate(messages):
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
-                isinstance(content, str) or isinstance(content, (list, tuple)) and all(
-                    isinstance(p, dict) and (p.get("type") == "image" or p.get("type") == "text"
-                                             and isinstance(p.get("text"), str)) for p in content)):
-            return f"message {i} is {m!r:.80}, not {{role: str, content: str or a list of text and image parts}}"
-    return None
-
-
-def image_parts(messages: list) -> int:
-    """The number of ``{"type": "image"}`` parts of a conversation."""
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
-
-
 class VlmExamples:
     """Batched map function: rows -> ``input_ids``, ``attention_mask``, ``labels`` and the processor's image tensors
-    (each flat, with its shape in :data:`SHAPE`); skips and counts rows without an answer and rows too long.
+    (each flat, with its shape: :func:`finetune.data.images.store`); skips and counts rows without an answer and rows too long.
 
     Raises:
         ConfigError: a malformed conversation, an unreadable image, or a row whose image parts and images differ in
@@ -186,7 +88,7 @@ class VlmExamples:
 
     def __init__(self, tokenizer, data_cfg: DataConfig):
         self.tokenizer, self.d = tokenizer, data_cfg
-        self.processor = load_processor(tokenizer.name_or_path, tokenizer)
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer)
         self.template = template_text(data_cfg)
         self.reset()
 
@@ -200,14 +102,16 @@ class VlmExamples:
         out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
         for i, messages in enumerate(batch[mcol]):
             c["rows"] += 1
-            problem = pairing_problem(messages, len(batch[icol][i] or []))
+            problem = images.pairing_problem(messages, len(batch[icol][i] or []))
             if problem:
                 raise ConfigError(f"data: a row of '{mcol}' and '{icol}': {problem}; fix or drop that row")
-            images = [decode_image(v, f"data.image_column: a row of '{icol}'") for v in (batch[icol][i] or [])]
+            folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
+            pictures = [images.decode_image(v, f"data.image_column: a row of '{icol}'", folder)
+                        for v in (batch[icol][i] or [])]
             kwargs = {"chat_template": self.template} if self.template else {}
             enc = self.processor.apply_chat_template(
                 messages, tokenize=True, return_dict=True, return_tensors="np", return_assistant_tokens_mask=True,
-                processor_kwargs={"images": images} if images else {}, **kwargs)
+                processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
             ids = enc["input_ids"][0].tolist()
             trained = enc["assistant_masks"][0].tolist()
             if not any(trained[1:]):
@@ -221,15 +125,10 @@ class VlmExamples:
             out["input_ids"].append(ids)
             out["attention_mask"].append([1] * len(ids))
             out["labels"].append(labels)
-            for key, value in enc.items():
-                if key in TEXT_KEYS:
-                    continue
-                value = np.asarray(value)
-                out.setdefault(key, []).append(value.ravel())
-                out.setdefault(SHAPE.format(key), []).append(list(value.shape))
+            images.store(enc, out)
             c["examples"] += 1
             c["tokens"] += len(ids)
-            c["images"] += len(images)
+            c["images"] += len(pictures)
         return out
 
     def summary(self) -> str:
@@ -248,8 +147,8 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> VlmExamples:
 class ImageCollator:
     """Right-pad ``input_ids`` (pad token), ``attention_mask`` (0) and ``labels`` (-100) to the micro-batch's longest
     row (rounded up to ``pad_to_multiple_of``), and join each image tensor as its processor joins a batch: per-row
-    stacks (:data:`STACKED`, 5-dimensional ``pixel_values``) zero-padded to the micro-batch's most and largest
-    images (:func:`_padded`) and stacked, flat ones concatenated in row order."""
+    stacks zero-padded to the micro-batch's most and largest images and stacked, flat ones concatenated in row order
+    (:func:`finetune.data.images.join`)."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
         self.pad, self.multiple = pad_token_id, pad_to_multiple_of
@@ -259,28 +158,7 @@ class ImageCollator:
         out = {}
         for key, fill in (("input_ids", self.pad), ("attention_mask", 0), ("labels", -100)):
             out[key] = torch.tensor([list(r[key]) + [fill] * (longest - len(r[key])) for r in rows], dtype=torch.long)
-        for key in rows[0]:
-            if key in out or key.endswith("__shape") or SHAPE.format(key) not in rows[0]:
-                continue
-            parts = [torch.as_tensor(np.asarray(r[key])).reshape(list(r[SHAPE.format(key)])) for r in rows]
-            if key in STACKED or (key == "pixel_values" and parts[0].dim() == 5):
-                parts = _padded(parts)
-            out[key] = torch.cat(parts, 0)
-        return out
-
-
-def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor zero-padded at the end of every dimension but the first to the largest size among ``parts``
-    (more images, larger images: a processor pads a batch so, its ``pixel_attention_mask`` 0 on the padding)."""
-    most = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
-    out = []
-    for p in parts:
-        if list(p.shape[1:]) != most:
-            q = p.new_zeros((p.shape[0], *most))
-            q[(slice(None), *(slice(0, n) for n in p.shape[1:]))] = p
-            p = q
-        out.append(p)
-    return out
+        return {**out, **images.join([images.row_tensors(r) for r in rows])}
 
 
 def make_collator(tokenizer, data_cfg: DataConfig) -> ImageCollator:
@@ -288,38 +166,9 @@ def make_collator(tokenizer, data_cfg: DataConfig) -> ImageCollator:
     return ImageCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
 
 
-def pairing_problem(messages, images: int) -> str | None:
-    """Why a row's conversation and its ``images`` images do not go together (a malformed conversation, image parts
-    and images in different numbers); None when they do."""
-    problem = message_problem(messages)
-    if problem:
-        return f"its conversation is {problem}"
-    if image_parts(messages) != images:
-        return f"it has {images} image(s) for {image_parts(messages)} image part(s) in its conversation"
-    return None
-
-
-def image_problem(messages, images) -> str | None:
-    """:func:`pairing_problem`, or why an image cannot be read or is empty; None when the row is fine. Reads each
-    image's header only (``PIL.Image.verify``), not its pixels."""
-    images = list(images or [])
-    problem = pairing_problem(messages, len(images))
-    if problem:
-        return problem
-    for j, value in enumerate(images):
-        try:
-            with open_image(value) as im:
-                im.verify()
-                if im.width == 0 or im.height == 0:
-                    return f"image {j + 1} is empty ({im.width}x{im.height})"
-        except Exception as e:  # noqa: BLE001  (PIL raises many kinds for a bad file)
-            return f"image {j + 1} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return None
-
-
 def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """Before any model is built: packing is off; each file has the conversation and image columns, and every row's
-    images can be read and match its image parts (:func:`image_problem`: the first bad row of a file is one line
+    images can be read and match its image parts (:func:`finetune.data.images.image_problem`: the first bad row of a file is one line
     naming the file and the row; a file that passes is marked in ``<cache>/checked`` and not read again); the model
     folder has a processor with an image processor."""
     d = cfg.data
@@ -338,32 +187,13 @@ def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[st
                 problems.append(f"{key}: '{f}' has no column '{col}' ({setting}); columns: "
                                 f"{', '.join(sorted(names))}")
             if not missing:
-                _check_rows(key, f, cols, default_cache_dir(d), problems)
+                images.check_image_rows(key, f, cols, default_cache_dir(d), problems)
     path = cfg.model.tokenizer_path or cfg.model.path
     if path and Path(path).is_dir():
         try:
-            load_processor(path)
+            images.load_processor(path)
         except ConfigError as e:
             problems += e.problems
-
-
-def _check_rows(key: str, path: str, cols: list[str], cache: Path, problems: list[str]) -> None:
-    """:func:`image_problem` of every row of ``path``, one row group at a time; one line for the first bad row."""
-    mark = cache / "checked" / f"images-{fingerprint({'file': file_id(path), 'columns': cols, 'version': 1})}"
-    if mark.exists():
-        return
-    pf, row = pq.ParquetFile(path), 0
-    for g in range(pf.num_row_groups):
-        table = pf.read_row_group(g, columns=cols)
-        for messages, images in zip(table.column(cols[0]).to_pylist(), table.column(cols[1]).to_pylist()):
-            problem = image_problem(messages, images)
-            if problem:
-                problems.append(f"{key}: '{path}' row {row}: {problem}; fix or drop that row")
-                return
-            row += 1
-    with contextlib.suppress(OSError):  # a read-only cache: the rows are checked again next time
-        mark.parent.mkdir(parents=True, exist_ok=True)
-        mark.touch()
 
 
 RECIPE = Recipe(name="vlm_sft", model_class=MODEL_CLASS,

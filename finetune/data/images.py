@@ -1,0 +1,231 @@
+"""Images in the data pipeline, for the recipes that train image-text models (``vlm_sft``, ``grpo`` on an
+``AutoModelForImageTextToText`` checkpoint): the model's processor, a row's images read and checked, the processor's
+image tensors stored flat in the tokenized rows and joined per micro-batch the way the processor joins a batch.
+
+Images are stored as ``datasets.Image`` stores them (``{bytes, path}``; the bytes win), as bytes, or as file paths;
+a relative path is relative to the folder of the parquet file that names it (:data:`SOURCE_DIR`, which
+:class:`finetune.data.tokenization.ParquetRows` adds to every batch of rows it reads). Conversations are TRL's
+conversational vision form: a list of ``{role, content}`` whose content is text or a list of parts
+``{"type": "text", "text": ...}`` and ``{"type": "image"}``, the row's images in the order of its image parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from transformers import AutoProcessor
+
+from finetune.data.dataset import file_id, fingerprint
+from finetune.data.tokenization import SOURCE_DIR
+from finetune.errors import ConfigError
+
+TEXT_KEYS = ("input_ids", "attention_mask", "assistant_masks", "token_type_ids", "mm_token_type_ids")
+"""Keys of the processor's output that are not image tensors (``token_type_ids`` and ``mm_token_type_ids`` mark
+image positions for some processors; the model does not need them for a causal-LM loss)."""
+
+STACKED = ("pixel_attention_mask",)
+"""Image tensors that a processor stacks per row (padded to the batch's most images) whatever their rank; besides
+these, any 5-dimensional ``pixel_values`` (``[rows, images, 3, H, W]``, Idefics3's)."""
+
+SHAPE = "{}__shape"
+"""The column that holds an image tensor's shape (the tensor itself is stored flat)."""
+
+
+def is_image_text_model(path: str) -> bool:
+    """Whether the model folder ``path`` holds an image-text model: its ``config.json`` has a ``vision_config``
+    (Idefics3/SmolVLM, Qwen2.5-VL, LLaVA, Gemma 3, ...). False when there is no readable ``config.json``."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def load_processor(path: str, tokenizer=None, who: str = "vlm_sft"):
+    """The model's ``AutoProcessor`` from ``path`` (local files only), with ``tokenizer`` (prepared) in place of its
+    own; ``who`` (the recipe) names the caller in errors.
+
+    Raises:
+        ConfigError: ``path`` has no processor an image-text model can use (one line naming the folder and the
+            error).
+    """
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except ImportError as e:  # a package the processor is built on (Qwen2.5-VL's video processor: torchvision)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError(f"model.path: the processor in '{path}' cannot be built here: {first.strip()} "
+                          f"Install that package (built for the installed torch) or use another model") from None
+    except Exception as e:  # noqa: BLE001  (missing or unreadable processor files)
+        first = next((line for line in str(e).splitlines() if line.strip()), "")
+        raise ConfigError(f"model.path: '{path}' has no processor {who} can load ({type(e).__name__}: "
+                          f"{first.strip()}); point model.tokenizer_path at the folder with the model's processor "
+                          f"files (preprocessor_config.json, processor_config.json)") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ConfigError(f"model.path: the processor in '{path}' ({type(processor).__name__}) has no image "
+                          f"processor; {who} needs an image-text model's processor")
+    if tokenizer is not None:
+        processor.tokenizer = tokenizer
+    return processor
+
+
+def open_image(value, folder: str | None = None):
+    """One image of a row, opened lazily (``PIL.Image.open``: header read, pixels not decoded): ``{bytes, path}``
+    (``datasets.Image``'s storage; the bytes win), bytes, or a file path (a relative one relative to ``folder``,
+    the parquet file's folder, when given).
+
+    Raises:
+        ValueError: the value is none of these.
+        OSError: not an image (PIL's ``UnidentifiedImageError``), or a missing file.
+    """
+    from PIL import Image
+
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return Image.open(io.BytesIO(value))
+    if isinstance(value, str) and value:
+        return Image.open(Path(folder) / value if folder and not Path(value).is_absolute() else value)
+    raise ValueError(f"an image is {type(value).__name__}, not image bytes or a file path")
+
+
+def decode_image(value, where: str, folder: str | None = None):
+    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image.
+
+    Raises:
+        ConfigError: unreadable or empty (one line: ``where``, what was wrong).
+    """
+    try:
+        image = open_image(value, folder)
+        image.load()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: an image cannot be read ({type(e).__name__}: {e}); fix or drop that row") \
+            from None
+    if image.width == 0 or image.height == 0:
+        raise ConfigError(f"{where}: an image is empty ({image.width}x{image.height}); fix or drop that row")
+    return image.convert("RGB")
+
+
+def message_problem(messages) -> str | None:
+    """Why ``messages`` is not a list of ``{role, content}`` dicts whose content is text or a list of ``{type: text,
+    text}`` / ``{type: image}`` parts; None when it is."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        return f"{'an empty list' if isinstance(messages, (list, tuple)) else type(messages).__name__}, not a list " \
+               f"of {{role, content}} messages"
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(content, str) or isinstance(content, (list, tuple)) and all(
+                    isinstance(p, dict) and (p.get("type") == "image" or p.get("type") == "text"
+                                             and isinstance(p.get("text"), str)) for p in content)):
+            return f"message {i} is {m!r:.80}, not {{role: str, content: str or a list of text and image parts}}"
+    return None
+
+
+def image_parts(messages: list) -> int:
+    """The number of ``{"type": "image"}`` parts of a conversation."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
+
+
+def pairing_problem(messages, images: int) -> str | None:
+    """Why a row's conversation and its ``images`` images do not go together (a malformed conversation, image parts
+    and images in different numbers); None when they do."""
+    problem = message_problem(messages)
+    if problem:
+        return f"its conversation is {problem}"
+    if image_parts(messages) != images:
+        return f"it has {images} image(s) for {image_parts(messages)} image part(s) in its conversation"
+    return None
+
+
+def image_problem(messages, images, folder: str | None = None) -> str | None:
+    """:func:`pairing_problem`, or why an image cannot be read or is empty; None when the row is fine. Reads each
+    image's header only (``PIL.Image.verify``), not its pixels."""
+    images = list(images or [])
+    problem = pairing_problem(messages, len(images))
+    if problem:
+        return problem
+    for j, value in enumerate(images):
+        try:
+            with open_image(value, folder) as im:
+                im.verify()
+                if im.width == 0 or im.height == 0:
+                    return f"image {j + 1} is empty ({im.width}x{im.height})"
+        except Exception as e:  # noqa: BLE001  (PIL raises many kinds for a bad file)
+            return f"image {j + 1} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+def check_image_rows(key: str, path: str, cols: list[str], cache: Path, problems: list[str]) -> None:
+    """:func:`image_problem` of every row of ``path`` (``cols``: the conversation and image columns), one row group
+    at a time; one line for the first bad row, naming the file and the row. A file that passes is marked in
+    ``<cache>/checked`` and not read again."""
+    mark = cache / "checked" / f"images-{fingerprint({'file': file_id(path), 'columns': cols, 'version': 1})}"
+    if mark.exists():
+        return
+    pf, row = pq.ParquetFile(path), 0
+    for g in range(pf.num_row_groups):
+        table = pf.read_row_group(g, columns=cols)
+        for messages, images in zip(table.column(cols[0]).to_pylist(), table.column(cols[1]).to_pylist()):
+            problem = image_problem(messages, images, str(Path(path).parent))
+            if problem:
+                problems.append(f"{key}: '{path}' row {row}: {problem}; fix or drop that row")
+                return
+            row += 1
+    with contextlib.suppress(OSError):  # a read-only cache: the rows are checked again next time
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
+
+
+def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor zero-padded at the end of every dimension but the first to the largest size among ``parts``
+    (more images, larger images: a processor pads a batch so, its ``pixel_attention_mask`` 0 on the padding)."""
+    most = [max(p.shape[d] for p in parts) for d in range(1, parts[0].dim())]
+    out = []
+    for p in parts:
+        if list(p.shape[1:]) != most:
+            q = p.new_zeros((p.shape[0], *most))
+            q[(slice(None), *(slice(0, n) for n in p.shape[1:]))] = p
+            p = q
+        out.append(p)
+    return out
+
+
+def store(enc: dict, out: dict[str, list]) -> int:
+    """Append the image tensors of one row's processor output ``enc`` (every key but :data:`TEXT_KEYS`) to the
+    tokenized columns ``out``: each flat, its shape in :data:`SHAPE`. Returns how many tensors it stored."""
+    n = 0
+    for key, value in enc.items():
+        if key in TEXT_KEYS:
+            continue
+        value = np.asarray(value)
+        out.setdefault(key, []).append(value.ravel())
+        out.setdefault(SHAPE.format(key), []).append(list(value.shape))
+        n += 1
+    return n
+
+
+def row_tensors(row: dict) -> dict[str, torch.Tensor]:
+    """A tokenized row's image tensors (those :func:`store` wrote), each in its shape."""
+    return {key: torch.as_tensor(np.asarray(row[key])).reshape(list(row[SHAPE.format(key)]))
+            for key in row if not key.endswith("__shape") and SHAPE.format(key) in row}
+
+
+def join(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Several rows' image tensors (:func:`row_tensors`) as the processor joins a batch: per-row stacks
+    (:data:`STACKED`, 5-dimensional ``pixel_values``) zero-padded to the most and largest images (:func:`_padded`)
+    and stacked, flat ones (Qwen2.5-VL's patches and ``image_grid_thw``, LLaVA's ``[images, 3, H, W]``)
+    concatenated in row order. A row may appear several times (``grpo``'s completions of one prompt)."""
+    out = {}
+    for key in rows[0] if rows else ():
+        parts = [r[key] for r in rows]
+        if key in STACKED or (key == "pixel_values" and parts[0].dim() == 5):
+            parts = _padded(parts)
+        out[key] = torch.cat(parts, 0)
+    return out
