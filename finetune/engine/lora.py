@@ -31,7 +31,8 @@ ADAPTER_DIR = "adapter"
 """Subfolder of the export with the adapter (``adapter_config.json``, ``adapter_model.safetensors``)."""
 
 # peft task type by the recipe's transformers auto class; None (plain PeftModel) for the others, e.g. masked LM.
-_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForSequenceClassification": "SEQ_CLS",
+_TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForCausalOrImageTextLM": "CAUSAL_LM",
+               "AutoModelForSequenceClassification": "SEQ_CLS",
                "AutoModelForTokenClassification": "TOKEN_CLS", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM"}
 
 

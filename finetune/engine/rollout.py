@@ -292,7 +292,8 @@ class HFGenerateRollout(RolloutEngine):
                 _TURNS.pop(key, None)
             self.model.train(was_training)
 
-    def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None) -> RolloutBatch:
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None,
+                 inputs: dict | None = None) -> RolloutBatch:
         """``sampling.n_samples_per_prompt`` completions of each prompt, no gradient.
 
         Args:
@@ -300,6 +301,10 @@ class HFGenerateRollout(RolloutEngine):
             sampling: ``max_new_tokens``; ``temperature`` 0 for greedy decoding, else sampling with ``top_p`` and
                 ``top_k`` (<= 0: off).
             seed: seeds torch's RNG for this call (forked: the caller's RNG state is untouched); None: as it is.
+            inputs: more model inputs of the prompts (an image-text model's ``pixel_values``, ``image_grid_thw``,
+                ... as its processor joins a batch): they go to the prefill (``fast``) or to ``generate``, which
+                repeats them for the ``n`` completions (transformers' ``_expand_inputs_for_generation``, each model's
+                own where its image tensors are not one row per prompt).
 
         Returns:
             A :class:`~deepspeed.runtime.rollout.RolloutBatch` on the CPU: ``input_ids`` ``[B n, T_p + T_r]`` (a
@@ -327,8 +332,12 @@ class HFGenerateRollout(RolloutEngine):
         else:
             knobs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         tok = self.tokenizer
+        inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
         base = self._base()
         announce_overrides(base)
+        suppressed = image_token_ids(base.config)
+        if suppressed:  # an image-text model: never an image placeholder in a completion (image_token_ids)
+            knobs["suppress_tokens"] = suppressed
         key = id(self.model)
         session = key in _TURNS  # inside weights(): keep this call's cache for the next turn
         keep = session and fast and self._caches_dynamically()
@@ -344,17 +353,19 @@ class HFGenerateRollout(RolloutEngine):
                             + ("lockstep ZeRO-3 generation (gather_for_generation false)" if synced else
                                "fast_generation is off" if not self.fast else "the model keeps no DynamicCache"))
             if previous is not None:  # a continuation: from the previous turn's cache where every row extends one
-                if n > 1:
+                if inputs:
+                    _no_reuse("a prompt with images")
+                elif n > 1:
                     _no_reuse("several completions per prompt")
                 else:
                     cache = self._cached_prefix(previous, ids, mask, sampling.max_new_tokens)
             if cache is None and fast and ids.shape[1] > 1 and self._caches_dynamically() and (n > 1 or keep):
-                cache = self._prefill_once(ids, mask, n, sampling.max_new_tokens)
-            if cache is not None:
+                cache = self._prefill_once(ids, mask, n, sampling.max_new_tokens, inputs)
+            if cache is not None:  # the images are in the cache: generate decodes from the prompt's last token
                 ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
                 knobs |= {"past_key_values": cache, "num_return_sequences": 1}
             else:
-                knobs["num_return_sequences"] = n
+                knobs |= {"num_return_sequences": n, **inputs}
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
                                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                       synced_gpus=synced, use_cache=True, **knobs)
@@ -433,17 +444,20 @@ class HFGenerateRollout(RolloutEngine):
         base = self._base()
         return not base.config.is_encoder_decoder and getattr(base, "_supports_default_dynamic_cache", lambda: False)()
 
-    def _prefill_once(self, ids: torch.Tensor, mask: torch.Tensor, n: int, new_tokens: int) -> DynamicCache:
+    def _prefill_once(self, ids: torch.Tensor, mask: torch.Tensor, n: int, new_tokens: int,
+                      inputs: dict | None = None) -> DynamicCache:
         """The KV cache of each prompt but its last token, computed once and repeated ``n`` times (``[B n]`` rows, a
         prompt's copies consecutive, as ``num_return_sequences`` orders them), its full-attention layers reserved for
         the whole generation (:class:`ReservedLayer`); ``generate`` then runs the last prompt token and decodes.
         Positions as ``generate`` makes them from the left-padded mask (``cumsum - 1``, 0 on the padding), passed
-        when the model's forward takes them."""
+        when the model's forward takes them, unless it computes its own (:func:`own_positions`); ``inputs``: the
+        prompts' image tensors, encoded with them (a prompt's last token is never an image's)."""
         base = self._base()
         cache = DynamicCache(config=base.config.get_text_config(decoder=True))
         params = inspect.signature(base.forward).parameters
         extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        if "position_ids" in params:
+        extra |= inputs or {}
+        if "position_ids" in params and not own_positions(base):
             extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, :-1]
         self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True, **extra)
         cache.batch_repeat_interleave(n)
@@ -453,6 +467,31 @@ class HFGenerateRollout(RolloutEngine):
 
     def sync_weights(self, step: int) -> None:
         """Nothing to push: the rollout runs on the training engine's own weights."""
+
+
+IMAGE_TOKEN_KEYS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                    "vision_start_token_id")
+"""Config keys of an image-text model's placeholder tokens: each stands for image (or video) features that only the
+processor places, and Qwen2.5-VL's rotary positions start an image at ``vision_start_token_id``."""
+
+
+def image_token_ids(config) -> list[int]:
+    """The placeholder token ids of an image-text model's config (:data:`IMAGE_TOKEN_KEYS`; none for a text model),
+    which generation never samples (``generate``'s ``suppress_tokens``): a sampled image token would have no image
+    features in the training pass (transformers refuses the forward: "Image features and image tokens do not
+    match"). The sampling distribution is then the model's renormalised over the other tokens, as top-k and top-p
+    truncate it; the loss's log-probabilities stay the full softmax's, as with those (TRL's)."""
+    if getattr(config, "vision_config", None) is None:
+        return []
+    ids = {getattr(config, k, None) for k in IMAGE_TOKEN_KEYS}
+    return sorted(i for i in ids if isinstance(i, int) and i >= 0)
+
+
+def own_positions(model) -> bool:
+    """The model computes its positions from the attention mask and its image grid (Qwen2.5-VL's 3-D rotary
+    positions: ``get_rope_index``), so a caller passes none."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return any(hasattr(m, "get_rope_index") for m in (model, getattr(model, "model", None)) if m is not None)
 
 
 def _turn_cache(cache: DynamicCache, batch: RolloutBatch) -> TurnCache | None:
@@ -541,8 +580,16 @@ class HybridEngineGenerate(HFGenerateRollout):
         finally:
             switch.train(was_training)
 
-    def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None) -> RolloutBatch:
-        """As :meth:`HFGenerateRollout.generate`, through DeepSpeed's ``HybridEngineRollout``."""
+    def generate(self, request: RolloutRequest, sampling: SamplingConfig, seed: int | None = None,
+                 inputs: dict | None = None) -> RolloutBatch:
+        """As :meth:`HFGenerateRollout.generate`, through DeepSpeed's ``HybridEngineRollout`` (text prompts only).
+
+        Raises:
+            ValueError: ``inputs`` given (DeepSpeed's rollout takes token ids alone; refused before training by the
+                ``grpo`` checks).
+        """
+        if inputs:
+            raise ValueError("the hybrid_engine rollout takes no image inputs; use generation_backend hf_generate")
         from deepspeed.runtime.rollout import HybridEngineRollout
         from deepspeed.runtime.rollout.hybrid_engine_rollout import HybridEngineRolloutConfig
 

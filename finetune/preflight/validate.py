@@ -442,8 +442,9 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
     _check_numbers(cfg, number_problems)
     number_problems += _nan_problems(cfg, problems + number_problems)
     if not problems and tokenizer is not None and not any(p.startswith("data.") for p in number_problems):
+        launch = recipe.configure(recipe, cfg)  # the launch's map function, columns and cache key
         for source, data in [(s, s.data) for s in sources] or [(None, cfg.data)]:
-            _check_rows_left(recipe, tokenizer, data, cfg.train.seed, f"{source.where}: " if source else "", problems,
+            _check_rows_left(launch, tokenizer, data, cfg.train.seed, f"{source.where}: " if source else "", problems,
                              marks)
     problems += number_problems
     return problems, number_problems

@@ -155,10 +155,13 @@ def prepare_tokenizer(tokenizer):
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
     """Dropout off: every float ``*dropout``/``*pdrop`` probability of the config set to 0 (TRL's
-    ``disable_dropout``), so log-probabilities are deterministic (also in the export's ``config.json``)."""
-    for key, value in model_config.to_dict().items():
-        if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
-            setattr(model_config, key, 0.0)
+    ``disable_dropout``), so log-probabilities are deterministic (also in the export's ``config.json``); the same in
+    each sub-config (an image-text model's ``text_config`` and ``vision_config``)."""
+    subs = [getattr(model_config, k, None) for k in getattr(model_config, "sub_configs", {})]
+    for config in [model_config, *[c for c in subs if c is not None and hasattr(c, "to_dict")]]:
+        for key, value in config.to_dict().items():
+            if (key.endswith("dropout") or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+                setattr(config, key, 0.0)
     return model_config
 
 
@@ -547,10 +550,14 @@ def simpo_note(s: DpoConfig) -> str | None:
             f"{SIMPO_GAMMA_RATIO[1]:g}); e.g. train.dpo.beta=2.0 train.dpo.simpo_gamma=1.0")
 
 
+_NOTED: set = set()
+
+
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     """The recipe with ``train.dpo`` bound into ``forward``; logs :func:`simpo_note`'s warning when there is one."""
     note = simpo_note(cfg.train.dpo)
-    if note:
+    if note and note not in _NOTED:  # once per process (the pre-flight checks configure the recipe too)
+        _NOTED.add(note)
         logger.warning(note)
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
 

@@ -83,10 +83,10 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from finetune.config import GrpoConfig, RunConfig
+from finetune.data import images
 from finetune.data.batch import to_device
+from finetune.engine.auto import AutoModelForCausalOrImageTextLM
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
@@ -97,7 +97,7 @@ from finetune.recipes.grpo.checks import check_rows
 from finetune.recipes.grpo.loss import completion_logps, count_targets, forward, loss_sum, prompt_shared_rows, \
     shares_prompts, token_losses
 from finetune.recipes.grpo.prompts import COLUMN_PREFIX, PROMPT_COLUMN, PromptCollator, PromptRows, cache_key, \
-    columns, generation_pairs, make_collator, prepare_model_config, prepare_tokenizer, prompt_column, \
+    columns, generation_pairs, make_collator, prepare_model_config, prepare_tokenizer, prompt_column, with_images, \
     tokenize_function, tokenizer_of
 from finetune.recipes.grpo.rollout import Completions, generate, generate_completions, greedy_completions, \
     join_prompts, rollout_shape, split_completions
@@ -106,7 +106,9 @@ from finetune.recipes.grpo.scoring import advantages, combine, reward_functions,
 
 _texts, _nanstd = rollout._texts, scoring._nanstd  # the tests' names for them
 
-MODEL_CLASS = AutoModelForCausalLM
+MODEL_CLASS = AutoModelForCausalOrImageTextLM
+"""Any ``AutoModelForCausalLM``, or an ``AutoModelForImageTextToText`` (a config with a ``vision_config``): its prompts
+then hold images (:func:`configure`)."""
 
 
 _REUSED: dict = {}
@@ -250,7 +252,9 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     """A training micro-batch from a prompt batch and its completions; with an environment's observations, each
     rollout's own prompt (``c["prompt_ids"]``, ``c["prompt_mask"]``:
     :func:`~finetune.recipes.grpo.agent.observed_prompts`) and ``prompts_differ`` (0-d bool: some group's prompts
-    differ, so :func:`~finetune.recipes.grpo.loss.shares_prompts` turns prompt sharing off for this micro-batch)."""
+    differ, so :func:`~finetune.recipes.grpo.loss.shares_prompts` turns prompt sharing off for this micro-batch);
+    with images, each completion's prompt's image tensors (joined as the processor joins a batch of ``B G`` rows,
+    :func:`finetune.data.images.join`) and ``image_keys``, their names."""
     n = g.num_generations
     prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
     differ = False
@@ -259,6 +263,7 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
         prompt_ids, prompt_mask = c["prompt_ids"][:, keep], c["prompt_mask"][:, keep]
         groups = torch.stack([prompt_ids, prompt_mask]).reshape(2, -1, n, prompt_ids.shape[1])
         differ = not bool((groups == groups[:, :, :1]).all())  # a group's prompts differ: no prompt sharing
+    pictures = images.join([r for r in b["images"] for _ in range(n)]) if b.get("images") else {}
     cmask = c["completion_mask"] * c["tool_mask"] if "tool_mask" in c else c["completion_mask"]  # tools: not trained
     if g.mask_truncated_completions:
         cmask = cmask * c["terminated"][:, None].float()
@@ -271,6 +276,7 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
             "labels": labels, "completion_mask": cmask, "prompt_length": torch.tensor(p), "advantages": adv,
             "rewards": r, "group_std": std, "reward_table": table, "terminated": c["terminated"],
             "lengths": c["lengths"], "group_size": torch.tensor(n), "prompts_differ": torch.tensor(differ),
+            **pictures, **({"image_keys": tuple(pictures)} if pictures else {}),
             **({"model_lengths": c["tool_mask"].sum(1).long(), "tool_calls": c["tool_calls"],
                 "tool_failures": c["tool_failures"], "turns": c["turns"],
                 "tool_calls_by_name": c["tool_calls_by_name"]} if "tool_mask" in c else {})}
@@ -316,11 +322,17 @@ def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, tables, functions,
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     """The recipe with ``train.grpo``, the reward functions and the run config bound into ``forward`` and
-    ``count_targets``; with tools or an environment, their schemas into ``tokenize_function`` and ``cache_key``."""
+    ``count_targets``; with tools or an environment, their schemas into ``tokenize_function`` and ``cache_key``;
+    with an image-text model (:func:`~finetune.recipes.grpo.prompts.with_images`), ``data.image_column`` into ``columns``, ``tokenize_function``
+    and ``cache_key`` (the prompts rendered by the model's processor with their images)."""
     g = cfg.train.grpo
     agent = agent_of(cfg)  # tools and environment: the prompts offer their schemas, which the cache key holds
     tools = {} if agent is None else {"tokenize_function": functools.partial(tokenize_function, tools=agent.schemas),
                                       "cache_key": functools.partial(cache_key, tools=agent.schemas)}
+    if with_images(cfg):  # no tools with images (checks.check_rows)
+        tools = {"tokenize_function": functools.partial(tokenize_function, with_images=True),
+                 "cache_key": functools.partial(cache_key, with_images=True),
+                 "columns": functools.partial(columns, with_images=True)}
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=g, functions=reward_functions(cfg),
                                                                  cfg=cfg),
                                count_targets=functools.partial(count_targets, loss_type=g.loss_type), **tools)

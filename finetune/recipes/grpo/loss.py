@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from finetune import patches
 from finetune.config import GrpoConfig, RunConfig
 from finetune.data.batch import LossOutput
+from finetune.engine.rollout import own_positions
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
@@ -111,11 +112,13 @@ def prompt_shared_rows(batch: dict, pad_token_id: int) -> dict:
 def shares_prompts(model, batch: dict, share: bool) -> bool:
     """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
     than one completion per prompt, the same prompt for a group's completions (an environment's observations may
-    make them differ: ``prompts_differ``), and a model that takes a block mask per row
+    make them differ: ``prompts_differ``), no images, and a model that takes a block mask per row
     (:func:`finetune.recipes.reward.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
     flash-attention kernels take none). When it cannot, a line says why, once per process."""
-    if not share or int(batch.get("group_size", 1)) <= 1 or bool(batch.get("prompts_differ", False)):
-        return False  # prompts_differ: an environment's observations gave a group's rollouts different prompts
+    if not share or int(batch.get("group_size", 1)) <= 1 or bool(batch.get("prompts_differ", False)) \
+            or batch.get("image_keys"):
+        return False  # prompts_differ: an environment's observations gave a group's rollouts different prompts;
+        # images: each row's image tokens take its own image features
     if sequence.sequence_group() is not None:  # Ulysses attends causally with no mask (sequence_slice)
         problem = "sequence parallelism (parallel.sequence_parallel_size > 1) attends with no mask"
     else:
@@ -249,9 +252,11 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
     with patches.applied(patches.instance_forward(head, forward, _HEAD_WHY)), head_output(head) as seen:
         if sliced is not None:  # Ulysses: no mask, the positions gathered over the group (right padding)
             out = model(input_ids=sliced["input_ids"], position_ids=sliced["position_ids"])
-        elif shared is None:
-            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        position_ids=batch["position_ids"])
+        elif shared is None:  # images: the prompts' image tensors too, positions the model's own where it has them
+            pictures = {k: batch[k] for k in batch.get("image_keys", ())}
+            positions = {} if pictures and own_positions(unwrap(model)) else {"position_ids": batch["position_ids"]}
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **positions,
+                        **pictures)
         else:
             out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
                         attention_mask=reward.block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))

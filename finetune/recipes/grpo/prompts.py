@@ -10,6 +10,8 @@ from collections import Counter
 import torch
 
 from finetune.config import DataConfig, RunConfig
+from finetune.data import images
+from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 from finetune.recipes import dpo
 from finetune.recipes.sft import count_summary, message_problem, prompt_ids, template_text
@@ -20,21 +22,30 @@ COLUMN_PREFIX = "reward_column:"
 """Tokenized-row columns ``reward_column:<name>``: the ``data.reward_columns`` values."""
 
 
+def with_images(cfg: RunConfig) -> bool:
+    """The prompts hold images: the model (``model.path``) is an image-text model
+    (:func:`finetune.data.images.is_image_text_model`)."""
+    return bool(cfg.model.path) and images.is_image_text_model(cfg.model.path)
+
+
 def prompt_column(data_cfg: DataConfig) -> str:
     """``data.prompt_column``, or ``prompt`` when it is empty (TRL's name)."""
     return data_cfg.prompt_column or "prompt"
 
 
-def columns(data_cfg: DataConfig) -> list[str]:
-    """Parquet columns the tokenize function reads: the prompt, then the reward columns."""
-    return list(dict.fromkeys([prompt_column(data_cfg), *data_cfg.reward_columns]))
+def columns(data_cfg: DataConfig, with_images: bool = False) -> list[str]:
+    """Parquet columns the tokenize function reads: the prompt, then the reward columns; ``with_images`` (an
+    image-text model, :func:`finetune.recipes.grpo.configure`): then ``data.image_column``."""
+    return list(dict.fromkeys([prompt_column(data_cfg), *data_cfg.reward_columns,
+                               *([data_cfg.image_column] if with_images else [])]))
 
 
-def cache_key(data_cfg: DataConfig, tools: list[dict] | None = None) -> dict:
-    """The prompt truncation, chat template, reward columns and the tools the prompts offer."""
+def cache_key(data_cfg: DataConfig, tools: list[dict] | None = None, with_images: bool = False) -> dict:
+    """The prompt truncation, chat template, reward columns, the tools the prompts offer and whether the prompts
+    hold images."""
     return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
             "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left",
-            **({"tools": tools} if tools else {})}
+            **({"tools": tools} if tools else {}), **({"images": data_cfg.image_column} if with_images else {})}
 
 
 prepare_tokenizer = dpo.prepare_tokenizer
@@ -49,13 +60,19 @@ class PromptRows:
     ``max_seq_len`` tokens, or dropped with ``data.truncation: drop``), :data:`PROMPT_COLUMN` and one
     ``reward_column:<name>`` per reward column. Rows with a null or empty prompt are dropped and counted.
 
+    With ``with_images`` (an image-text model), each prompt is a conversation whose ``{"type": "image"}`` parts take
+    the row's ``data.image_column`` images in order: the model's processor renders it (the assistant's turn opened)
+    and its image tensors are stored with the row (:func:`finetune.data.images.store`); a prompt longer than
+    ``data.max_seq_len`` is dropped and counted, never cut (an image's tokens stay whole).
+
     Raises:
         ConfigError: a conversational prompt is malformed (checked before training by :func:`check_rows`).
     """
 
-    def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None, with_images: bool = False):
         self.tokenizer, self.d, self.tools = tokenizer, data_cfg, tools or None
         self.template = template_text(data_cfg) or None
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "grpo") if with_images else None
         self.reset()
 
     def reset(self) -> None:
@@ -78,6 +95,25 @@ class PromptRows:
             self.template = chat_template(self.d, self.tokenizer)
         return prompt_ids(self.tokenizer, list(prompt), self.template, self.tools)
 
+    def encode_with_images(self, prompt, row_images, folder: str | None) -> dict:
+        """A conversational prompt with its images through the processor: ``input_ids`` ``[1, T]`` and the image
+        tensors (numpy).
+
+        Raises:
+            ConfigError: the prompt is not a conversation, its image parts and images differ in number, or an image
+                cannot be read (one line naming the columns).
+        """
+        problem = images.pairing_problem(prompt, len(row_images or []))
+        if problem:
+            raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "
+                              f"fix or drop that row")
+        pictures = [images.decode_image(v, f"data.image_column: a row of '{self.d.image_column}'", folder)
+                    for v in (row_images or [])]
+        kwargs = {"chat_template": self.template} if self.template else {}
+        return self.processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True, return_tensors="np",
+                                                  processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
+
     def __call__(self, batch: dict) -> dict:
         d, c = self.d, self.counts
         names = columns(d)
@@ -88,9 +124,15 @@ class PromptRows:
             if prompt is None or not prompt or (isinstance(prompt, str) and not prompt.strip()):
                 c["empty"] += 1
                 continue
-            ids = self.encode(prompt)
+            enc = None
+            if self.processor is not None:
+                enc = self.encode_with_images(prompt, batch[d.image_column][i],
+                                              batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None)
+                ids = enc["input_ids"][0].tolist()
+            else:
+                ids = self.encode(prompt)
             if len(ids) > d.max_seq_len:
-                if d.truncation == "drop":
+                if d.truncation == "drop" or enc is not None:
                     c["too_long"] += 1
                     continue
                 c["truncated"] += 1
@@ -100,6 +142,9 @@ class PromptRows:
             out[PROMPT_COLUMN].append(prompt)
             for n in d.reward_columns:
                 out[COLUMN_PREFIX + n].append(batch[n][i])
+            if enc is not None:
+                images.store(enc, out)
+                c["images"] += len(batch[d.image_column][i] or [])
             c["prompts"] += 1
             c["tokens"] += len(ids)
         return out
@@ -111,14 +156,18 @@ class PromptRows:
                              self.d.max_seq_len, "prompt")
         if c["prompts"]:
             text += f"; {c['tokens'] / c['prompts']:.1f} tokens per prompt (prompts longer than data.max_seq_len " \
-                    f"keep their last tokens)"
+                    f"keep their last tokens{'; with images: left out' if self.processor is not None else ''})"
+        if self.processor is not None:
+            text += f"; {c['images']:,} images"
         return text
 
 
-def tokenize_function(tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None) -> PromptRows:
+def tokenize_function(tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None,
+                      with_images: bool = False) -> PromptRows:
     """The batched map function (:class:`PromptRows`); ``tools``: the JSON schemas the prompts offer
-    (``train.grpo.tools`` and the environment's methods, bound by :func:`finetune.recipes.grpo.configure`)."""
-    return PromptRows(tokenizer, data_cfg, tools)
+    (``train.grpo.tools`` and the environment's methods), ``with_images``: an image-text model's prompts with their
+    images (both bound by :func:`finetune.recipes.grpo.configure`)."""
+    return PromptRows(tokenizer, data_cfg, tools, with_images)
 
 
 class PromptCollator:
@@ -126,7 +175,8 @@ class PromptCollator:
     continues every prompt at the same position); ``labels`` ``[B]`` int64, 0 (-100 on evaluation filler rows);
     ``row_seeds`` ``[B]`` int64 (the rows' ``_seed``: the sampling seed, independent of ranks and split); and, not
     tensors, ``prompts`` (the raw prompts), ``reward_columns`` (name -> ``B`` values) and ``row_index`` (the
-    validation rows' indexes, -1 in training)."""
+    validation rows' indexes, -1 in training); with images, ``images``: each row's image tensors
+    (:func:`finetune.data.images.row_tensors`, joined per generation and training batch)."""
 
     row_seeded = True
 
@@ -145,7 +195,9 @@ class PromptCollator:
                 "row_seeds": torch.tensor([int(r.get("_seed", 0)) for r in rows], dtype=torch.long),
                 "row_index": [int(r.get("_index", -1)) for r in rows],
                 "prompts": [r[PROMPT_COLUMN] for r in rows],
-                "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names}}
+                "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names},
+                **({"images": [images.row_tensors(r) for r in rows]} if any(k.endswith("__shape") for k in rows[0])
+                   else {})}
 
 
 def make_collator(tokenizer, data_cfg: DataConfig) -> PromptCollator:
