@@ -47,6 +47,12 @@ def is_image_text_model(path: str) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def in_prompts(cfg) -> bool:
+    """Whether a run's prompts hold images (``grpo``, ``dpo``): its model (``model.path``, a
+    :class:`~finetune.config.RunConfig`'s) is an image-text model (:func:`is_image_text_model`)."""
+    return bool(cfg.model.path) and is_image_text_model(cfg.model.path)
+
+
 def load_processor(path: str, tokenizer=None, who: str = "vlm_sft"):
     """The model's ``AutoProcessor`` from ``path`` (local files only), with ``tokenizer`` (prepared) in place of its
     own; ``who`` (the recipe) names the caller in errors.

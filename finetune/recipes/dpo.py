@@ -86,13 +86,14 @@ import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM
 
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
 from finetune.parallel.layout import layout
-from finetune.data import mixture
+from finetune.data import images, mixture
 from finetune.data.batch import LossOutput, model_inputs, to_device
+from finetune.data.tokenization import SOURCE_DIR
+from finetune.engine.auto import AutoModelForCausalOrImageTextLM
 from finetune.engine.ds_config import engine_precision
 from finetune.config import DataConfig, DpoConfig, RunConfig
 from finetune.data.dataset import (
@@ -124,7 +125,9 @@ from finetune.recipes.sft import (
     tokenizer_template_problem,
 )
 
-MODEL_CLASS = AutoModelForCausalLM
+MODEL_CLASS = AutoModelForCausalOrImageTextLM
+"""Any ``AutoModelForCausalLM``, or an ``AutoModelForImageTextToText`` (a config with a ``vision_config``): its pairs' prompts
+then hold images (:func:`configure`)."""
 REFERENCE_COLUMN = "reference_logps"
 """Column added by :func:`before_training`: ``[ref_c, ref_r]`` per pair (float64 values of float32 sums)."""
 
@@ -134,14 +137,17 @@ def prompt_column(data_cfg: DataConfig) -> str:
     return data_cfg.prompt_column or "prompt"
 
 
-def columns(data_cfg: DataConfig) -> list[str]:
-    """Parquet columns the tokenize function reads: prompt, chosen, rejected."""
-    return [prompt_column(data_cfg), data_cfg.chosen_column, data_cfg.rejected_column]
+def columns(data_cfg: DataConfig, with_images: bool = False) -> list[str]:
+    """Parquet columns the tokenize function reads: prompt, chosen, rejected; ``with_images`` (an image-text model,
+    :func:`configure`): then ``data.image_column``."""
+    return [prompt_column(data_cfg), data_cfg.chosen_column, data_cfg.rejected_column,
+            *([data_cfg.image_column] if with_images else [])]
 
 
-def cache_key(data_cfg: DataConfig) -> dict:
+def cache_key(data_cfg: DataConfig, with_images: bool = False) -> dict:
     """Settings besides the files, columns and tokenizer that decide the tokenized rows."""
-    return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg)}
+    return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
+            **({"images": data_cfg.image_column} if with_images else {})}
 
 
 def prepare_tokenizer(tokenizer):
@@ -201,9 +207,10 @@ class PairExamples:
         ConfigError: a conversational row is malformed (checked before training by :func:`check_pairs`).
     """
 
-    def __init__(self, tokenizer, data_cfg: DataConfig):
+    def __init__(self, tokenizer, data_cfg: DataConfig, with_images: bool = False):
         self.tokenizer, self.d = tokenizer, data_cfg
         self.template = template_text(data_cfg) or None
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "dpo") if with_images else None
         self.reset()
 
     def reset(self) -> None:
@@ -237,10 +244,34 @@ class PairExamples:
         labels[:start] = [-100] * min(start, len(labels))
         return ids, labels
 
+    def encode_with_images(self, prompt, response, pictures: list) -> tuple[list[int], list[int], dict] | None:
+        """Ids, labels (the response's assistant tokens only, :func:`~finetune.recipes.vlm_sft` 's way: the template's
+        ``{% generation %}`` marks) and the processor's output of ``prompt + response`` with the row's decoded images;
+        None when the response has no assistant turn.
+
+        Raises:
+            ConfigError: the prompt or response is not a conversation, or the image parts and images differ in number.
+        """
+        messages = as_messages(response)
+        if not messages or not any(m.get("role") == "assistant" for m in messages if isinstance(m, dict)):
+            return None
+        problem = images.pairing_problem(list(prompt) + messages, len(pictures))
+        if problem:
+            raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "
+                              f"fix or drop that row")
+        kwargs = {"chat_template": self.template} if self.template else {}
+        enc = self.processor.apply_chat_template(
+            list(prompt) + messages, tokenize=True, return_dict=True, return_tensors="np",
+            return_assistant_tokens_mask=True, processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
+        ids = enc["input_ids"][0].tolist()
+        labels = [t if m else -100 for t, m in zip(ids, enc["assistant_masks"][0].tolist())]
+        labels[0] = -100
+        return ids, labels, enc
+
     def _fit(self, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]] | str:
         if len(ids) <= self.d.max_seq_len:
             return ids, labels
-        if self.d.truncation == "drop":
+        if self.d.truncation == "drop" or self.processor is not None:  # images: never cut (an image stays whole)
             return "too_long"
         ids, labels = ids[: self.d.max_seq_len], labels[: self.d.max_seq_len]
         return (ids, labels) if any(v != -100 for v in labels[1:]) else "truncated_no_answer"
@@ -250,7 +281,8 @@ class PairExamples:
         out: dict[str, list] = {k: [] for k in ("input_ids", "attention_mask", "labels", "rejected_input_ids",
                                                 "rejected_labels")}
         p_col = prompt_column(d)
-        for prompt, chosen, rejected in zip(batch[p_col], batch[d.chosen_column], batch[d.rejected_column]):
+        for i, (prompt, chosen, rejected) in enumerate(zip(batch[p_col], batch[d.chosen_column],
+                                                           batch[d.rejected_column])):
             c["rows"] += 1
             if prompt is None or not chosen or not rejected:
                 c["empty"] += 1
@@ -258,7 +290,16 @@ class PairExamples:
             if chosen == rejected:
                 c["identical"] += 1
                 continue
-            pair = [self.encode(prompt, chosen), self.encode(prompt, rejected)]
+            encs = None
+            if self.processor is not None:
+                folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
+                pictures = [images.decode_image(v, f"data.image_column: a row of '{d.image_column}'", folder)
+                            for v in (batch[d.image_column][i] or [])]
+                pair = [self.encode_with_images(prompt, r, pictures) for r in (chosen, rejected)]
+                encs = [p[2] if p else None for p in pair]
+                pair = [p[:2] if p else None for p in pair]
+            else:
+                pair = [self.encode(prompt, chosen), self.encode(prompt, rejected)]
             if pair[0] is None or pair[1] is None:
                 c["no_answer"] += 1
                 continue
@@ -285,6 +326,9 @@ class PairExamples:
             out["labels"].append(lab_c)
             out["rejected_input_ids"].append(ids_r)
             out["rejected_labels"].append(lab_r)
+            if encs is not None:  # the prompt's images, once for the pair
+                images.store(encs[0], out)
+                c["images"] += len(batch[d.image_column][i] or [])
             c["pairs"] += 1
             c["tokens"] += len(ids_c) + len(ids_r)
         return out
@@ -301,18 +345,23 @@ class PairExamples:
                              self.d.max_seq_len, "response")
         if c["pairs"]:
             text += f"; {c['tokens'] / (2 * c['pairs']):.1f} tokens per sequence"
+        if self.processor is not None:
+            text += f"; {c['images']:,} images (pairs longer than data.max_seq_len are left out, not cut)"
         return text
 
 
-def tokenize_function(tokenizer, data_cfg: DataConfig) -> PairExamples:
-    """The batched map function (:class:`PairExamples`)."""
-    return PairExamples(tokenizer, data_cfg)
+def tokenize_function(tokenizer, data_cfg: DataConfig, with_images: bool = False) -> PairExamples:
+    """The batched map function (:class:`PairExamples`); ``with_images``: an image-text model's pairs with their
+    prompt's images (bound by :func:`configure`)."""
+    return PairExamples(tokenizer, data_cfg, with_images)
 
 
 class PairCollator:
     """Rows of pairs -> one ``[2B, longest]`` batch: ``input_ids``, ``attention_mask``, ``labels`` (int64; the B
     chosen sequences, then the B rejected ones; right-padded with the pad token, mask 0, label -100; the length
-    rounded up to ``pad_to_multiple_of``) and, when the rows have it, ``reference_logps`` ``[2B]`` float32."""
+    rounded up to ``pad_to_multiple_of``) and, when the rows have it, ``reference_logps`` ``[2B]`` float32; with images,
+    each pair's prompt image tensors for its chosen and again for its rejected sequence, joined as the processor joins
+    a batch of the ``2B`` rows (:func:`finetune.data.images.join`), which the forward passes to the model."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
         self.pad, self.multiple = pad_token_id, pad_to_multiple_of
@@ -331,6 +380,9 @@ class PairCollator:
             labels[i, : len(s)] = torch.tensor(lab, dtype=torch.long)
             mask[i, : len(s)] = 1
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if any(k.endswith("__shape") for k in rows[0]):
+            pictures = [images.row_tensors(r) for r in rows]
+            batch.update(images.join(pictures + pictures))
         if REFERENCE_COLUMN in rows[0]:
             ref = [r[REFERENCE_COLUMN] for r in rows]
             batch[REFERENCE_COLUMN] = torch.tensor([c for c, _ in ref] + [r for _, r in ref], dtype=torch.float32)
@@ -554,12 +606,19 @@ _NOTED: set = set()
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
-    """The recipe with ``train.dpo`` bound into ``forward``; logs :func:`simpo_note`'s warning when there is one."""
+    """The recipe with ``train.dpo`` bound into ``forward``; with an image-text model (:func:`finetune.data.images.in_prompts`),
+    ``data.image_column`` into ``columns``, ``tokenize_function`` and ``cache_key``; logs :func:`simpo_note`'s
+    warning when there is one."""
     note = simpo_note(cfg.train.dpo)
     if note and note not in _NOTED:  # once per process (the pre-flight checks configure the recipe too)
         _NOTED.add(note)
         logger.warning(note)
-    return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo))
+    extra = {}
+    if recipe.name == "dpo" and images.in_prompts(cfg):
+        extra = {"tokenize_function": functools.partial(tokenize_function, with_images=True),
+                 "cache_key": functools.partial(cache_key, with_images=True),
+                 "columns": functools.partial(columns, with_images=True)}
+    return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.dpo), **extra)
 
 
 FULL_HASH_BYTES = 1 << 30
@@ -736,6 +795,9 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                         f"response's NLL; set train.dpo.rpo_alpha=0")
     if s.rpo_alpha < 0:
         problems.append(f"train.dpo.rpo_alpha: {s.rpo_alpha} must be >= 0")
+    if images.in_prompts(cfg):
+        _image_pair_problems(cfg, train_files, validation_files, problems)
+        return
     conversational = False
     templates = TemplateCheck(cfg, prepare_tokenizer)
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
@@ -829,6 +891,39 @@ def identical_after_truncation(tokenizer, data_cfg: DataConfig, files: list[str]
         if until_kept and fn.counts["pairs"]:
             break
     return fn
+
+
+def _image_pair_problems(cfg: RunConfig, train_files: list[str], validation_files: list[str],
+                         problems: list[str]) -> None:
+    """An image-text model's pairs: no sequence parallelism or ``train.eval_generate``; each file has the prompt,
+    chosen, rejected and image columns, its prompts are conversations whose image parts match the row's readable
+    images (:func:`finetune.data.images.check_image_rows`), and the model folder has a processor."""
+    d = cfg.data
+    where = f"model.path '{cfg.model.path}' is an image-text model (its prompts hold images)"
+    if cfg.parallel.sequence_parallel_size > 1:
+        problems.append(f"parallel.sequence_parallel_size: {cfg.parallel.sequence_parallel_size}; {where} and an "
+                        f"image's tokens cannot be split across ranks; set it to 1")
+    if cfg.train.eval_generate.prompts:
+        problems.append(f"train.eval_generate.prompts: {cfg.train.eval_generate.prompts}; {where}: not available "
+                        f"with images yet; set it to 0")
+    cols = columns(d, with_images=True)
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                names = pq.ParquetFile(f).schema_arrow.names
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            missing = [c for c in cols if c not in names]
+            if missing:
+                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                                f"{', '.join(names)}); dpo with images reads data.prompt_column (default 'prompt'), "
+                                f"data.chosen_column, data.rejected_column and data.image_column (default 'images')")
+                continue
+            images.check_image_rows(key, f, [prompt_column(d), d.image_column], default_cache_dir(d), problems)
+    try:
+        images.load_processor(cfg.model.tokenizer_path or cfg.model.path, who="dpo")
+    except ConfigError as e:
+        problems += e.problems
 
 
 def _check_pairs_left(tokenizer, d: DataConfig, key: str, files: list[str], problems: list[str]) -> None:

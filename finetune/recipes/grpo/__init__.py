@@ -97,7 +97,7 @@ from finetune.recipes.grpo.checks import check_rows
 from finetune.recipes.grpo.loss import completion_logps, count_targets, forward, loss_sum, prompt_shared_rows, \
     shares_prompts, token_losses
 from finetune.recipes.grpo.prompts import COLUMN_PREFIX, PROMPT_COLUMN, PromptCollator, PromptRows, cache_key, \
-    columns, generation_pairs, make_collator, prepare_model_config, prepare_tokenizer, prompt_column, with_images, \
+    columns, generation_pairs, make_collator, prepare_model_config, prepare_tokenizer, prompt_column, \
     tokenize_function, tokenizer_of
 from finetune.recipes.grpo.rollout import Completions, generate, generate_completions, greedy_completions, \
     join_prompts, rollout_shape, split_completions
@@ -323,13 +323,13 @@ def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, tables, functions,
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     """The recipe with ``train.grpo``, the reward functions and the run config bound into ``forward`` and
     ``count_targets``; with tools or an environment, their schemas into ``tokenize_function`` and ``cache_key``;
-    with an image-text model (:func:`~finetune.recipes.grpo.prompts.with_images`), ``data.image_column`` into ``columns``, ``tokenize_function``
+    with an image-text model (:func:`finetune.data.images.in_prompts`), ``data.image_column`` into ``columns``, ``tokenize_function``
     and ``cache_key`` (the prompts rendered by the model's processor with their images)."""
     g = cfg.train.grpo
     agent = agent_of(cfg)  # tools and environment: the prompts offer their schemas, which the cache key holds
     tools = {} if agent is None else {"tokenize_function": functools.partial(tokenize_function, tools=agent.schemas),
                                       "cache_key": functools.partial(cache_key, tools=agent.schemas)}
-    if with_images(cfg):  # no tools with images (checks.check_rows)
+    if images.in_prompts(cfg):  # no tools with images (checks.check_rows)
         tools = {"tokenize_function": functools.partial(tokenize_function, with_images=True),
                  "cache_key": functools.partial(cache_key, with_images=True),
                  "columns": functools.partial(columns, with_images=True)}

@@ -11,8 +11,7 @@ from finetune.config import RunConfig
 from finetune.data import images
 from finetune.data.dataset import default_cache_dir, string_type
 from finetune.errors import ConfigError
-from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of, \
-    with_images
+from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
 from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.scoring import reward_functions
 from finetune.recipes.tools import template_problem
@@ -122,7 +121,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
         reward_functions(cfg)
     except ConfigError as e:
         problems.extend(e.problems)
-    if with_images(cfg):
+    if images.in_prompts(cfg):
         _image_problems(cfg, train_files, validation_files, problems)
         return
     p_col = prompt_column(d)

@@ -22,12 +22,6 @@ COLUMN_PREFIX = "reward_column:"
 """Tokenized-row columns ``reward_column:<name>``: the ``data.reward_columns`` values."""
 
 
-def with_images(cfg: RunConfig) -> bool:
-    """The prompts hold images: the model (``model.path``) is an image-text model
-    (:func:`finetune.data.images.is_image_text_model`)."""
-    return bool(cfg.model.path) and images.is_image_text_model(cfg.model.path)
-
-
 def prompt_column(data_cfg: DataConfig) -> str:
     """``data.prompt_column``, or ``prompt`` when it is empty (TRL's name)."""
     return data_cfg.prompt_column or "prompt"
