@@ -218,12 +218,25 @@ def test_shipped_digits_config_learns_and_its_export_answers(tmp_path):
 
 def test_plan_counts_the_whole_model_and_sizes_the_language_model():
     """``finetune plan`` builds the VLM on the meta device: every parameter (vision tower, connector, language model)
-    in the model states, the language model's shape for the activations."""
+    in the model states, the language model's shape for the activations, the vision tower and projector's share, and
+    the tokens one image takes (the processor's own count: Idefics3's ``image_seq_len`` 4 for a 32x32 image, as the
+    rendered training rows hold them)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
     from finetune.config import load_run_config
     from finetune.preflight import plan
 
-    shape = plan.model_shape(load_run_config(CONFIG, []))
+    cfg = load_run_config(CONFIG, [])
+    shape = plan.model_shape(cfg)
     assert shape.params == 634_464 and shape.hidden == 64 and shape.layers == 2 and shape.head_outputs == 8256
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(cfg.model.path))
+    assert shape.vision_params == sum(p.numel() for n, p in model.named_parameters()
+                                      if n.startswith(("model.vision_model.", "model.connector.")))
+    assert (shape.image_tokens, shape.image_size) == (4, "32x32")
+    text = plan.render(cfg, shape, {}, [], "fp32", 1, 1, 1e9, None, None)
+    assert f"vision tower and projector: {shape.vision_params:,} parameters" in text and "32x32 image: 4 tokens" in text
 
 
 def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):

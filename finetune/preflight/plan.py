@@ -95,7 +95,7 @@ from finetune.engine.ds_config import (
 )
 from finetune.engine.model import load_model_config
 from finetune.errors import ConfigError
-from finetune.engine import lora, moe, muon, quantize
+from finetune.engine import freeze, lora, moe, muon, quantize
 from finetune.engine.kernels import fusable
 from finetune.recipes import get_recipe
 from finetune.recipes.lm_loss import chunk_tokens
@@ -177,6 +177,14 @@ class ModelShape:
     """Bytes those weights take quantized (:func:`finetune.engine.quantize.quantized_weight_bytes`: 4-bit 0.5 byte
     a weight plus the block scales, 8-bit 1 byte plus a scale per row), in place of ``quantized_params`` x the
     precision's bytes."""
+    vision_params: int = 0
+    """An image-text model's vision tower and projector parameters (``model.freeze``'s ``vision_tower`` and
+    ``projector``; counted in ``params``, run by every row's images: their activations are not in the estimate)."""
+    image_tokens: int = 0
+    """Tokens of the sequence one image takes (the image placeholders of :func:`image_tokens_per_image`); 0: a text
+    model, or no processor to ask."""
+    image_size: str = ""
+    """The image size ``image_tokens`` was measured at (``WxH``)."""
     generation_micro_batches: int = 1
     """Micro batches whose rows one generation holds at once: ``train.gradient_accumulation_steps`` (``grpo`` joins
     the step's micro batches into one ``generate`` call per rank, ``grpo.join_prompts``)."""
@@ -247,6 +255,10 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         raise ConfigError(f"model.path: cannot build the model of '{cfg.model.path}/config.json' on the meta "
                           f"device: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from e
     trainable, params = lora.count_parameters(model)
+    vision = sum(p.numel() for n, p in model.named_parameters()
+                 if any(freeze.matches(n, k) for k in ("vision_tower", "projector"))) \
+        if getattr(config, "vision_config", None) is not None else 0
+    tokens, size = image_tokens_per_image(cfg, config) if vision else (0, "")
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     # a multimodal model's language model: its layers run the sequence (the vision tower's parameters are counted)
     config = config.get_text_config(decoder=True)
@@ -276,6 +288,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
                       generation=recipe.rollout(cfg),
                       generation_micro_batches=cfg.train.gradient_accumulation_steps if recipe.rollout(cfg) else 1,
+                      vision_params=vision, image_tokens=tokens, image_size=size,
                       trainable=trainable if trainable < params else 0,
                       muon=muon.muon_parameter_count(model) if cfg.train.optimizer == "muon" else 0,
                       quantized_params=quantized[0], quantized_bytes=quantized[1],
@@ -490,6 +503,30 @@ def _fmt(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def image_tokens_per_image(cfg: RunConfig, config) -> tuple[int, str]:
+    """How many tokens of a row one image takes: the model's processor (``model.tokenizer_path`` or ``model.path``)
+    run on one blank image at its image processor's size (``size``'s ``longest_edge``, ``height`` x ``width``, or
+    ``shortest_edge``; 224 when it names none), its image placeholder tokens counted (``image_token_id``). Returns
+    ``(tokens, "WxH")``, ``(0, "")`` when the processor cannot be built here (Qwen2.5-VL's wants torchvision)."""
+    from PIL import Image
+
+    from finetune.data import images
+
+    try:
+        processor = images.load_processor(cfg.model.tokenizer_path or cfg.model.path)
+        size = getattr(processor.image_processor, "size", None) or {}
+        side = size.get("longest_edge") or size.get("height") or size.get("shortest_edge") or 224
+        width = size.get("width") or side
+        token = getattr(config, "image_token_id", None)
+        if token is None:
+            token = getattr(config, "image_token_index", None)
+        text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}]}], tokenize=False)
+        ids = processor(text=[text], images=[[Image.new("RGB", (width, side))]], return_tensors="np")["input_ids"]
+        return int((ids == token).sum()), f"{width}x{side}"
+    except Exception:  # noqa: BLE001  (no processor here: the plan goes on without the image tokens)
+        return 0, ""
+
+
 def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate], precision: str, gpus_per_node: int,
            nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None,
            seq: int | None = None) -> str:
@@ -509,7 +546,11 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                 f"active per token (non-expert + {shape.top_k}/{shape.experts} of the {shape.expert_params:,} expert "
                 f"parameters)" if shape.experts else "")
              + (f"; expert-parallel size {shape.expert_parallel}: {shape.expert_params // shape.expert_parallel:,} "
-                f"expert parameters per rank" if shape.expert_parallel > 1 else "") + ")",
+                f"expert parameters per rank" if shape.expert_parallel > 1 else "")
+             + (f"; vision tower and projector: {shape.vision_params:,} parameters, counted, their activations not"
+                if shape.vision_params else "")
+             + (f"; one {shape.image_size} image: {shape.image_tokens} tokens of a row's data.max_seq_len"
+                if shape.image_tokens else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"
