@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoProcessor
 
-from finetune.data.dataset import file_id, fingerprint
+from finetune.data.dataset import default_cache_dir, file_id, fingerprint
 from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 
@@ -187,6 +187,43 @@ def check_image_rows(key: str, path: str, cols: list[str], cache: Path, problems
     with contextlib.suppress(OSError):  # a read-only cache: the rows are checked again next time
         mark.parent.mkdir(parents=True, exist_ok=True)
         mark.touch()
+
+
+def check_prompt_files(cfg, who: str, cols: list[str], reads: str, train_files: list[str],
+                       validation_files: list[str], problems: list[str]) -> list[tuple[str, str]]:
+    """A recipe whose prompts hold images (``grpo``, ``dpo`` on an image-text model), before any model is built: no
+    sequence parallelism (an image's tokens cannot be split across ranks), every file has the columns ``cols``
+    (else one line, ``reads`` naming them), its rows pass :func:`check_image_rows` (the prompt column, ``cols[0]``,
+    with ``data.image_column``), and the model folder has a processor (:func:`load_processor`).
+
+    Returns:
+        The ``(key, file)`` of the files whose rows passed, for the recipe's own row checks.
+    """
+    d, passed = cfg.data, []
+    if cfg.parallel.sequence_parallel_size > 1:
+        problems.append(f"parallel.sequence_parallel_size: {cfg.parallel.sequence_parallel_size}; model.path "
+                        f"'{cfg.model.path}' is an image-text model and an image's tokens cannot be split across "
+                        f"ranks; set it to 1")
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                names = pq.ParquetFile(f).schema_arrow.names
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            missing = [c for c in cols if c not in names]
+            if missing:
+                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                                f"{', '.join(names)}); {who} with images reads {reads}")
+                continue
+            start = len(problems)
+            check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
+            if len(problems) == start:
+                passed.append((key, f))
+    try:
+        load_processor(cfg.model.tokenizer_path or cfg.model.path, who=who)
+    except ConfigError as e:
+        problems += e.problems
+    return passed
 
 
 def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -126,8 +126,8 @@ from finetune.recipes.sft import (
 )
 
 MODEL_CLASS = AutoModelForCausalOrImageTextLM
-"""Any ``AutoModelForCausalLM``, or an ``AutoModelForImageTextToText`` (a config with a ``vision_config``): its pairs' prompts
-then hold images (:func:`configure`)."""
+"""Any ``AutoModelForCausalLM``, or an ``AutoModelForImageTextToText`` (a config with a ``vision_config``): its
+pairs' prompts then hold images (:func:`configure`)."""
 REFERENCE_COLUMN = "reference_logps"
 """Column added by :func:`before_training`: ``[ref_c, ref_r]`` per pair (float64 values of float32 sums)."""
 
@@ -606,9 +606,9 @@ _NOTED: set = set()
 
 
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
-    """The recipe with ``train.dpo`` bound into ``forward``; with an image-text model (:func:`finetune.data.images.in_prompts`),
-    ``data.image_column`` into ``columns``, ``tokenize_function`` and ``cache_key``; logs :func:`simpo_note`'s
-    warning when there is one."""
+    """The recipe with ``train.dpo`` bound into ``forward``; with an image-text model
+    (:func:`finetune.data.images.in_prompts`), ``data.image_column`` into ``columns``, ``tokenize_function`` and
+    ``cache_key``; logs :func:`simpo_note`'s warning when there is one."""
     note = simpo_note(cfg.train.dpo)
     if note and note not in _NOTED:  # once per process (the pre-flight checks configure the recipe too)
         _NOTED.add(note)
@@ -895,35 +895,14 @@ def identical_after_truncation(tokenizer, data_cfg: DataConfig, files: list[str]
 
 def _image_pair_problems(cfg: RunConfig, train_files: list[str], validation_files: list[str],
                          problems: list[str]) -> None:
-    """An image-text model's pairs: no sequence parallelism or ``train.eval_generate``; each file has the prompt,
-    chosen, rejected and image columns, its prompts are conversations whose image parts match the row's readable
-    images (:func:`finetune.data.images.check_image_rows`), and the model folder has a processor."""
-    d = cfg.data
-    where = f"model.path '{cfg.model.path}' is an image-text model (its prompts hold images)"
-    if cfg.parallel.sequence_parallel_size > 1:
-        problems.append(f"parallel.sequence_parallel_size: {cfg.parallel.sequence_parallel_size}; {where} and an "
-                        f"image's tokens cannot be split across ranks; set it to 1")
+    """An image-text model's pairs: no ``train.eval_generate``; the files, their image rows and the processor as
+    :func:`finetune.data.images.check_prompt_files` checks them."""
     if cfg.train.eval_generate.prompts:
-        problems.append(f"train.eval_generate.prompts: {cfg.train.eval_generate.prompts}; {where}: not available "
-                        f"with images yet; set it to 0")
-    cols = columns(d, with_images=True)
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                names = pq.ParquetFile(f).schema_arrow.names
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            missing = [c for c in cols if c not in names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(names)}); dpo with images reads data.prompt_column (default 'prompt'), "
-                                f"data.chosen_column, data.rejected_column and data.image_column (default 'images')")
-                continue
-            images.check_image_rows(key, f, [prompt_column(d), d.image_column], default_cache_dir(d), problems)
-    try:
-        images.load_processor(cfg.model.tokenizer_path or cfg.model.path, who="dpo")
-    except ConfigError as e:
-        problems += e.problems
+        problems.append(f"train.eval_generate.prompts: {cfg.train.eval_generate.prompts}; model.path "
+                        f"'{cfg.model.path}' is an image-text model: not available with images yet; set it to 0")
+    images.check_prompt_files(cfg, "dpo", columns(cfg.data, with_images=True),
+                              "data.prompt_column (default 'prompt'), data.chosen_column, data.rejected_column and "
+                              "data.image_column (default 'images')", train_files, validation_files, problems)
 
 
 def _check_pairs_left(tokenizer, d: DataConfig, key: str, files: list[str], problems: list[str]) -> None:

@@ -1,6 +1,7 @@
 """GRPO: online reinforcement learning of any ``AutoModelForCausalLM`` from rewards of its own completions
 (Shao et al. 2024, "DeepSeekMath", sec. 4.1; DAPO, Yu et al. 2025; Dr. GRPO, Liu et al. 2025; GSPO, Zheng et al.
-2025; TRL 1.16's ``GRPOTrainer``, whose metric names and defaults this follows).
+2025; TRL 1.16's ``GRPOTrainer``, whose metric names and defaults this follows), or of an
+``AutoModelForImageTextToText`` on prompts with images (:func:`configure`; docs/vision-language.md).
 
 Data: ``data.prompt_column`` (default ``prompt``: text, used verbatim, or a list of ``{role, content}`` messages
 rendered with the chat template and the assistant's turn opened) and ``data.reward_columns`` (default
@@ -323,8 +324,8 @@ def _log_sample(cfg: RunConfig, step: int, prompts, texts, r, tables, functions,
 def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     """The recipe with ``train.grpo``, the reward functions and the run config bound into ``forward`` and
     ``count_targets``; with tools or an environment, their schemas into ``tokenize_function`` and ``cache_key``;
-    with an image-text model (:func:`finetune.data.images.in_prompts`), ``data.image_column`` into ``columns``, ``tokenize_function``
-    and ``cache_key`` (the prompts rendered by the model's processor with their images)."""
+    with an image-text model (:func:`finetune.data.images.in_prompts`), ``data.image_column`` into ``columns``,
+    ``tokenize_function`` and ``cache_key`` (the prompts rendered by the model's processor with their images)."""
     g = cfg.train.grpo
     agent = agent_of(cfg)  # tools and environment: the prompts offer their schemas, which the cache key holds
     tools = {} if agent is None else {"tokenize_function": functools.partial(tokenize_function, tools=agent.schemas),

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from finetune.config import RunConfig
 from finetune.data import images
-from finetune.data.dataset import default_cache_dir, string_type
+from finetune.data.dataset import string_type
 from finetune.errors import ConfigError
 from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
 from finetune.recipes.grpo.agent import agent_of
@@ -175,50 +175,29 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
 
 
 def _image_problems(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
-    """An image-text model's prompts: no tools or environment, sequence parallelism, ``hybrid_engine`` rollout or
-    ``train.eval_generate`` with them; each file has the prompt, reward and image columns, its prompts are
-    conversations whose image parts match the row's readable images
-    (:func:`finetune.data.images.check_image_rows`) and none ends with an assistant message; the model folder
-    has a processor with an image processor."""
+    """An image-text model's prompts: no tools or environment, ``hybrid_engine`` rollout or ``train.eval_generate``
+    with them; the files, their image rows and the processor as :func:`finetune.data.images.check_prompt_files`
+    checks them; no prompt ends with an assistant message."""
     g, d = cfg.train.grpo, cfg.data
     where = f"model.path '{cfg.model.path}' is an image-text model (its prompts hold images)"
     if g.tools or g.environment:
         problems.append(f"train.grpo.tools / environment: not available with images yet ({where}); use a text "
                         f"model for tool-calling rollouts")
-    if cfg.parallel.sequence_parallel_size > 1:
-        problems.append(f"parallel.sequence_parallel_size: {cfg.parallel.sequence_parallel_size}; {where} and an "
-                        f"image's tokens cannot be split across ranks; set it to 1")
     if g.generation_backend != "hf_generate":
         problems.append(f"train.grpo.generation_backend: {g.generation_backend} takes token ids alone; {where}: use "
                         f"hf_generate")
     if cfg.train.eval_generate.prompts:
         problems.append(f"train.eval_generate.prompts: {cfg.train.eval_generate.prompts}; {where}: grpo's evaluation "
                         f"already generates on the validation prompts with their images (eval/reward); set it to 0")
-    p_col, cols = prompt_column(d), columns(d, with_images=True)
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                names = pq.ParquetFile(f).schema_arrow.names
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            missing = [c for c in cols if c not in names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(names)}); grpo with images reads data.prompt_column (default "
-                                f"'prompt'), data.reward_columns (default ['answer']) and data.image_column "
-                                f"(default 'images')")
-                continue
-            start = len(problems)
-            images.check_image_rows(key, f, [p_col, d.image_column], default_cache_dir(d), problems)
-            if len(problems) > start:
-                continue
-            prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
-            answered = [i for i, p in enumerate(prompts) if p and p[-1].get("role") == "assistant"]
-            if answered:
-                problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
-                                f"({len(answered):,} such rows); give the conversations up to the turn the model "
-                                f"completes")
-    try:
-        images.load_processor(cfg.model.tokenizer_path or cfg.model.path, who="grpo")
-    except ConfigError as e:
-        problems += e.problems
+    p_col = prompt_column(d)
+    passed = images.check_prompt_files(cfg, "grpo", columns(d, with_images=True),
+                                       "data.prompt_column (default 'prompt'), data.reward_columns (default "
+                                       "['answer']) and data.image_column (default 'images')",
+                                       train_files, validation_files, problems)
+    for key, f in passed:
+        prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
+        answered = [i for i, p in enumerate(prompts) if p and p[-1].get("role") == "assistant"]
+        if answered:
+            problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
+                            f"({len(answered):,} such rows); give the conversations up to the turn the model "
+                            f"completes")
