@@ -161,6 +161,10 @@ class DataConfig:
     """sft only, with ``messages_column``: a column of the tools each conversation may call, a list of JSON schemas or that list as JSON text (TRL's ``tools`` column); the chat template renders them (``apply_chat_template(tools=...)``) as ``grpo`` renders ``train.grpo.tools`` and ``environment`` into its prompts; empty: no tools."""
     image_column: str = "images"
     """vlm_sft, and grpo and dpo on an image-text model (a ``model.path`` whose config has a ``vision_config``): a column of each row's images, a list of images as ``datasets.Image`` stores them (``{bytes, path}``) or of file paths (relative ones to the parquet file's folder), in the order of the ``{"type": "image"}`` parts of ``messages_column`` (TRL's conversational vision form)."""
+    min_pixels: int = 0
+    """Image-text recipes: each image smaller than this many pixels (width x height) is enlarged, its aspect ratio kept (bicubic), before the processor; a processor with its own ``min_pixels`` (Qwen2.5-VL) gets it too; 0: the processor's own setting."""
+    max_pixels: int = 0
+    """Image-text recipes: each image larger than this many pixels is shrunk, its aspect ratio kept (bicubic), before the processor (fewer image tokens per image where the processor makes them by size); a processor with its own ``max_pixels`` (Qwen2.5-VL) gets it too; 0: the processor's own setting."""
     chat_template: str = ""
     """sft, dpo, kto and reward: Jinja chat template for ``messages_column`` (a template string, or a file path like ``data/chat_templates/chatml.jinja``); empty: the tokenizer's own."""
     truncation: Truncation = "truncate"

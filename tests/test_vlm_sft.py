@@ -286,3 +286,36 @@ def test_bad_image_inputs_are_one_line_before_any_model(tmp_path, rows):
         found = problems(*override.split(" "))
         assert any(want in p for p in found), (override, found)
         assert len(found) == (2 if "pictures" in want else 1), (override, found)
+
+
+def test_min_and_max_pixels_bound_every_image(tmp_path):
+    """``data.min_pixels`` / ``data.max_pixels``: an image outside the bounds is resized into them, its aspect ratio
+    kept; Qwen2.5-VL's image processor takes them as its own ``min_pixels`` / ``max_pixels``; they are part of the
+    tokenization cache key; min above max is one line."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from finetune.config import load_run_config
+    from finetune.data import images
+    from finetune.errors import ConfigError
+    from finetune.preflight.validate import validate_run
+    from finetune.recipes import get_recipe
+
+    wide = Image.new("RGB", (40, 24))
+    small = images.fit_pixels(wide, 0, 500)
+    assert small.width * small.height <= 500 and abs(small.width / small.height - 40 / 24) < 0.1
+    large = images.fit_pixels(wide, 2000, 0)
+    assert large.width * large.height >= 2000 and abs(large.width / large.height - 40 / 24) < 0.1
+    assert images.fit_pixels(wide, 100, 1000) is wide
+    cfg = load_run_config(CONFIG, ["data.min_pixels=3136", "data.max_pixels=12544"])
+    qwen = AutoImageProcessor.from_pretrained(REPO / "data" / "models" / "tiny-qwen2.5-vl")
+    images.set_pixels(qwen, cfg.data)
+    assert (qwen.size.shortest_edge, qwen.size.longest_edge) == (3136, 12544)
+    idefics = images.load_processor(str(REPO / "data" / "models" / "tiny-smolvlm"), data_cfg=cfg.data).image_processor
+    assert idefics.size.longest_edge == 32  # its own setting: data.max_pixels reaches it by resizing the images
+    recipe = get_recipe("vlm_sft")
+    assert recipe.cache_key(cfg.data) != recipe.cache_key(load_run_config(CONFIG, []).data)
+    with pytest.raises(ConfigError) as e:
+        validate_run(load_run_config(CONFIG, [f"output_dir={tmp_path / 'out'}", "data.min_pixels=5000",
+                                              "data.max_pixels=1000"]), None, 1, True)
+    assert any("data.min_pixels: 5000 is more than data.max_pixels 1000" in p for p in e.value.problems)

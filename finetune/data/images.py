@@ -53,9 +53,10 @@ def in_prompts(cfg) -> bool:
     return bool(cfg.model.path) and is_image_text_model(cfg.model.path)
 
 
-def load_processor(path: str, tokenizer=None, who: str = "vlm_sft"):
+def load_processor(path: str, tokenizer=None, who: str = "vlm_sft", data_cfg=None):
     """The model's ``AutoProcessor`` from ``path`` (local files only), with ``tokenizer`` (prepared) in place of its
-    own; ``who`` (the recipe) names the caller in errors.
+    own; ``who`` (the recipe) names the caller in errors; ``data_cfg``'s ``min_pixels`` / ``max_pixels``, when set,
+    replace the image processor's own where it has them (Qwen2.5-VL's; :func:`fit_pixels` resizes for the others).""
 
     Raises:
         ConfigError: ``path`` has no processor an image-text model can use (one line naming the folder and the
@@ -77,7 +78,27 @@ def load_processor(path: str, tokenizer=None, who: str = "vlm_sft"):
                           f"processor; {who} needs an image-text model's processor")
     if tokenizer is not None:
         processor.tokenizer = tokenizer
+    if data_cfg is not None:
+        set_pixels(processor.image_processor, data_cfg)
     return processor
+
+
+def set_pixels(image_processor, data_cfg) -> None:
+    """``data.min_pixels`` / ``data.max_pixels`` (when set) as the image processor's own pixel bounds where it takes
+    them (its ``valid_kwargs`` name ``min_pixels``: Qwen2-VL's and Qwen2.5-VL's, whose ``size`` holds them as
+    ``shortest_edge`` / ``longest_edge``, in pixels); other image processors keep their settings."""
+    takes = "min_pixels" in getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    size = getattr(image_processor, "size", None)
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        value = getattr(data_cfg, key, 0)
+        if not value or not takes or size is None:
+            continue
+        if isinstance(size, dict):
+            size[edge] = value
+        else:
+            setattr(size, edge, value)
+        if hasattr(image_processor, key):
+            setattr(image_processor, key, value)
 
 
 def open_image(value, folder: str | None = None):
@@ -100,8 +121,29 @@ def open_image(value, folder: str | None = None):
     raise ValueError(f"an image is {type(value).__name__}, not image bytes or a file path")
 
 
-def decode_image(value, where: str, folder: str | None = None):
-    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image.
+def fit_pixels(image, min_pixels: int = 0, max_pixels: int = 0):
+    """``image`` resized (aspect ratio kept, bicubic, each side at least 1) so that its pixel count is at most
+    ``max_pixels`` and at least ``min_pixels`` (0: no bound); as it is when it already fits (``data.min_pixels`` /
+    ``data.max_pixels``, the bounds Qwen2.5-VL's processor takes as ``min_pixels`` / ``max_pixels``)."""
+    from PIL import Image
+
+    pixels = image.width * image.height
+    scale = 1.0
+    if max_pixels and pixels > max_pixels:
+        scale = (max_pixels / pixels) ** 0.5
+    elif min_pixels and pixels < min_pixels:
+        scale = (min_pixels / pixels) ** 0.5
+    if scale == 1.0:
+        return image
+    width, height = max(1, int(image.width * scale)), max(1, int(image.height * scale))
+    if min_pixels and width * height < min_pixels:  # rounding down fell short
+        width, height = width + 1, height + 1
+    return image.resize((width, height), Image.Resampling.BICUBIC)
+
+
+def decode_image(value, where: str, folder: str | None = None, data_cfg=None):
+    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image, resized into ``data_cfg``'s
+    ``min_pixels`` / ``max_pixels`` (:func:`fit_pixels`) when given.
 
     Raises:
         ConfigError: unreadable or empty (one line: ``where``, what was wrong).
@@ -114,7 +156,16 @@ def decode_image(value, where: str, folder: str | None = None):
             from None
     if image.width == 0 or image.height == 0:
         raise ConfigError(f"{where}: an image is empty ({image.width}x{image.height}); fix or drop that row")
-    return image.convert("RGB")
+    image = image.convert("RGB")
+    if data_cfg is not None:
+        image = fit_pixels(image, data_cfg.min_pixels, data_cfg.max_pixels)
+    return image
+
+
+def pixel_key(data_cfg) -> dict:
+    """The image settings that change the tokenized rows (for a recipe's cache key): ``min_pixels``, ``max_pixels``
+    when set."""
+    return {k: getattr(data_cfg, k) for k in ("min_pixels", "max_pixels") if getattr(data_cfg, k)}
 
 
 def message_problem(messages) -> str | None:

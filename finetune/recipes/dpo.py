@@ -147,7 +147,7 @@ def columns(data_cfg: DataConfig, with_images: bool = False) -> list[str]:
 def cache_key(data_cfg: DataConfig, with_images: bool = False) -> dict:
     """Settings besides the files, columns and tokenizer that decide the tokenized rows."""
     return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
-            **({"images": data_cfg.image_column} if with_images else {})}
+            **({"images": data_cfg.image_column, **images.pixel_key(data_cfg)} if with_images else {})}
 
 
 def prepare_tokenizer(tokenizer):
@@ -210,7 +210,8 @@ class PairExamples:
     def __init__(self, tokenizer, data_cfg: DataConfig, with_images: bool = False):
         self.tokenizer, self.d = tokenizer, data_cfg
         self.template = template_text(data_cfg) or None
-        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "dpo") if with_images else None
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "dpo", data_cfg) \
+            if with_images else None
         self.reset()
 
     def reset(self) -> None:
@@ -293,7 +294,7 @@ class PairExamples:
             encs = None
             if self.processor is not None:
                 folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
-                pictures = [images.decode_image(v, f"data.image_column: a row of '{d.image_column}'", folder)
+                pictures = [images.decode_image(v, f"data.image_column: a row of '{d.image_column}'", folder, d)
                             for v in (batch[d.image_column][i] or [])]
                 pair = [self.encode_with_images(prompt, r, pictures) for r in (chosen, rejected)]
                 encs = [p[2] if p else None for p in pair]

@@ -66,7 +66,8 @@ def columns(data_cfg: DataConfig) -> list[str]:
 
 def cache_key(data_cfg: DataConfig) -> dict:
     """Settings besides the files, columns and tokenizer that decide the tokenized rows."""
-    return {"chat_template": template_text(data_cfg), "max_seq_len": data_cfg.max_seq_len, "version": 1}
+    return {"chat_template": template_text(data_cfg), "max_seq_len": data_cfg.max_seq_len, "version": 1,
+            **images.pixel_key(data_cfg)}
 
 
 def prepare_tokenizer(tokenizer):
@@ -88,7 +89,7 @@ class VlmExamples:
 
     def __init__(self, tokenizer, data_cfg: DataConfig):
         self.tokenizer, self.d = tokenizer, data_cfg
-        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer)
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, data_cfg=data_cfg)
         self.template = template_text(data_cfg)
         self.reset()
 
@@ -106,7 +107,7 @@ class VlmExamples:
             if problem:
                 raise ConfigError(f"data: a row of '{mcol}' and '{icol}': {problem}; fix or drop that row")
             folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
-            pictures = [images.decode_image(v, f"data.image_column: a row of '{icol}'", folder)
+            pictures = [images.decode_image(v, f"data.image_column: a row of '{icol}'", folder, d)
                         for v in (batch[icol][i] or [])]
             kwargs = {"chat_template": self.template} if self.template else {}
             enc = self.processor.apply_chat_template(

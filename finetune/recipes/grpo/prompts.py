@@ -39,7 +39,7 @@ def cache_key(data_cfg: DataConfig, tools: list[dict] | None = None, with_images
     hold images."""
     return {"truncation": data_cfg.truncation, "chat_template": template_text(data_cfg),
             "reward_columns": list(data_cfg.reward_columns), "prompt_cut": "left",
-            **({"tools": tools} if tools else {}), **({"images": data_cfg.image_column} if with_images else {})}
+            **({"tools": tools} if tools else {}), **({"images": data_cfg.image_column, **images.pixel_key(data_cfg)} if with_images else {})}
 
 
 prepare_tokenizer = dpo.prepare_tokenizer
@@ -66,7 +66,8 @@ class PromptRows:
     def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None, with_images: bool = False):
         self.tokenizer, self.d, self.tools = tokenizer, data_cfg, tools or None
         self.template = template_text(data_cfg) or None
-        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "grpo") if with_images else None
+        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "grpo", data_cfg) \
+            if with_images else None
         self.reset()
 
     def reset(self) -> None:
@@ -101,7 +102,7 @@ class PromptRows:
         if problem:
             raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "
                               f"fix or drop that row")
-        pictures = [images.decode_image(v, f"data.image_column: a row of '{self.d.image_column}'", folder)
+        pictures = [images.decode_image(v, f"data.image_column: a row of '{self.d.image_column}'", folder, self.d)
                     for v in (row_images or [])]
         kwargs = {"chat_template": self.template} if self.template else {}
         return self.processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
