@@ -140,9 +140,9 @@ class DataConfig:
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
-    """sft, dpo, kto and reward: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo, kto and reward: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
+    """sft, vlm_sft, dpo, kto, reward and grpo: prompt column (text, no loss), used verbatim: put any separator into it; sft: with ``response_column``; dpo, kto and reward: text or a list of ``{role, content}`` messages, empty means ``prompt``."""
     response_column: str = ""
-    """sft only: response column (text, trained on, followed by EOS); with ``prompt_column``."""
+    """sft and vlm_sft: response column (text, trained on; sft: followed by EOS); with ``prompt_column`` (vlm_sft: the prompt a user turn that shows the row's images, then the prompt's text)."""
     completion_column: str = "completion"
     """kto only: the completion column (text, or a list of assistant messages when the prompt is a list of messages; TRL's unpaired form)."""
     chosen_column: str = "chosen"

@@ -319,3 +319,38 @@ def test_min_and_max_pixels_bound_every_image(tmp_path):
         validate_run(load_run_config(CONFIG, [f"output_dir={tmp_path / 'out'}", "data.min_pixels=5000",
                                               "data.max_pixels=1000"]), None, 1, True)
     assert any("data.min_pixels: 5000 is more than data.max_pixels 1000" in p for p in e.value.problems)
+
+
+def test_a_plain_prompt_column_renders_as_the_conversation(tmp_path):
+    """``data.prompt_column`` + ``data.response_column`` (text) with the images: each row becomes a user turn that
+    shows its images then asks the prompt, and an assistant turn with the response; the tokenized rows (ids, labels,
+    image tensors) equal those of the same rows written as conversations, and ``--check`` passes on them."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from finetune.config import load_run_config
+    from finetune.data.tokenization import ParquetRows
+    from finetune.engine.model import load_tokenizer
+    from finetune.preflight.validate import validate_run
+    from finetune.recipes import get_recipe
+
+    digits = REPO / "data" / "digits" / "test.parquet"
+    table = pq.read_table(digits).slice(0, 4)
+    question = [m[0]["content"][1]["text"] for m in table.column("messages").to_pylist()]
+    plain_rows = tmp_path / "plain.parquet"
+    pq.write_table(table.select(["images", "answer"]).append_column("question", [question]), plain_rows)
+    recipe = get_recipe("vlm_sft")
+    base = [f"data.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}"]
+    cfg_plain = load_run_config(CONFIG, [*base, "data.messages_column=", "data.prompt_column=question",
+                                         "data.response_column=answer", f"data.train_files=[{plain_rows}]",
+                                         f"data.validation_files=[{plain_rows}]"])
+    cfg_chat = load_run_config(CONFIG, base)
+    validate_run(cfg_plain, None, 1, True)
+    tok = load_tokenizer(cfg_chat, recipe)
+    got = recipe.tokenize_function(tok, cfg_plain.data)(
+        ParquetRows([str(plain_rows)], recipe.columns(cfg_plain.data)).take(np.arange(4)))
+    want = recipe.tokenize_function(tok, cfg_chat.data)(
+        ParquetRows([str(digits)], recipe.columns(cfg_chat.data)).take(np.arange(4)))
+    assert set(got) == set(want)
+    for key in want:
+        assert [np.asarray(v).tolist() for v in got[key]] == [np.asarray(v).tolist() for v in want[key]], key

@@ -190,9 +190,18 @@ def image_parts(messages: list) -> int:
                for p in m["content"] if isinstance(p, dict) and p.get("type") == "image")
 
 
+def conversation(prompt, images: int) -> list:
+    """A row's prompt as a conversation: a list of messages as it is; a plain text prompt as one user turn that shows
+    the row's ``images`` images, then the text (LLaVA's and TRL's order)."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": prompt}]}]
+    return prompt
+
+
 def pairing_problem(messages, images: int) -> str | None:
-    """Why a row's conversation and its ``images`` images do not go together (a malformed conversation, image parts
-    and images in different numbers); None when they do."""
+    """Why a row's conversation (or plain text prompt: :func:`conversation`) and its ``images`` images do not go
+    together (a malformed conversation, image parts and images in different numbers); None when they do."""
+    messages = conversation(messages, images)
     problem = message_problem(messages)
     if problem:
         return f"its conversation is {problem}"

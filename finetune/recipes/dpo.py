@@ -256,6 +256,7 @@ class PairExamples:
         messages = as_messages(response)
         if not messages or not any(m.get("role") == "assistant" for m in messages if isinstance(m, dict)):
             return None
+        prompt = images.conversation(prompt, len(pictures))
         problem = images.pairing_problem(list(prompt) + messages, len(pictures))
         if problem:
             raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "

@@ -59,9 +59,33 @@ def messages_column(data_cfg: DataConfig) -> str:
     return data_cfg.messages_column or "messages"
 
 
+def plain(data_cfg: DataConfig) -> bool:
+    """The rows are a plain text prompt and response (``data.prompt_column`` and ``data.response_column`` set,
+    ``data.messages_column`` empty) instead of conversations."""
+    return bool(data_cfg.prompt_column and data_cfg.response_column and not data_cfg.messages_column)
+
+
 def columns(data_cfg: DataConfig) -> list[str]:
-    """Parquet columns the tokenize function reads: the conversations and the images."""
+    """Parquet columns the tokenize function reads: the conversations (or the prompts and responses: :func:`plain`)
+    and the images."""
+    if plain(data_cfg):
+        return [data_cfg.prompt_column, data_cfg.response_column, data_cfg.image_column]
     return [messages_column(data_cfg), data_cfg.image_column]
+
+
+def row_messages(data_cfg: DataConfig, batch: dict, i: int) -> list:
+    """Row ``i`` of a batch of rows as a conversation: its messages, or (:func:`plain`) a user turn showing the row's
+    images then its prompt text, and an assistant turn with its response
+    (:func:`finetune.data.images.conversation`)."""
+    if not plain(data_cfg):
+        return batch[messages_column(data_cfg)][i]
+    prompt, response = batch[data_cfg.prompt_column][i], batch[data_cfg.response_column][i]
+    if not isinstance(prompt, str) or not isinstance(response, str):
+        raise ConfigError(f"data.prompt_column / data.response_column: a row's prompt or response is "
+                          f"{type(prompt if not isinstance(prompt, str) else response).__name__}, not text; fix "
+                          f"or drop that row")
+    return images.conversation(prompt, len(batch[data_cfg.image_column][i] or [])) + [
+        {"role": "assistant", "content": [{"type": "text", "text": response}]}]
 
 
 def cache_key(data_cfg: DataConfig) -> dict:
@@ -99,9 +123,10 @@ class VlmExamples:
 
     def __call__(self, batch: dict) -> dict:
         d, c = self.d, self.counts
-        mcol, icol = messages_column(d), d.image_column
+        mcol, icol = columns(d)[0], d.image_column
         out: dict[str, list] = {"input_ids": [], "attention_mask": [], "labels": []}
-        for i, messages in enumerate(batch[mcol]):
+        for i in range(len(batch[icol])):
+            messages = row_messages(d, batch, i)
             c["rows"] += 1
             problem = images.pairing_problem(messages, len(batch[icol][i] or []))
             if problem:
@@ -183,12 +208,14 @@ def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[st
                 names = set(pq.ParquetFile(f).schema_arrow.names)
             except Exception:  # noqa: BLE001  (reported by the generic parquet checks)
                 continue
-            missing = [(c, s) for c, s in zip(cols, ("data.messages_column", "data.image_column")) if c not in names]
+            settings = (("data.prompt_column", "data.response_column") if plain(d) else ("data.messages_column",)) \
+                + ("data.image_column",)
+            missing = [(c, s) for c, s in zip(cols, settings) if c not in names]
             for col, setting in missing:
                 problems.append(f"{key}: '{f}' has no column '{col}' ({setting}); columns: "
                                 f"{', '.join(sorted(names))}")
             if not missing:
-                images.check_image_rows(key, f, cols, default_cache_dir(d), problems)
+                images.check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
     path = cfg.model.tokenizer_path or cfg.model.path
     if path and Path(path).is_dir():
         try:

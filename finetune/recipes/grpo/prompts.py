@@ -105,6 +105,7 @@ class PromptRows:
         pictures = [images.decode_image(v, f"data.image_column: a row of '{self.d.image_column}'", folder, self.d)
                     for v in (row_images or [])]
         kwargs = {"chat_template": self.template} if self.template else {}
+        prompt = images.conversation(prompt, len(pictures))
         return self.processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
                                                   return_dict=True, return_tensors="np",
                                                   processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
