@@ -313,6 +313,20 @@ def check_files(config: str | Path, tmp_path: Path, files: list[Path], extra: li
         os.environ.update(saved)
 
 
+def launch_problems(config: str | Path, overrides: list[str]) -> list[str]:
+    """In process, the launch's own validation (``validate_run``, 1 rank, CPU) of ``config`` with ``overrides``: the
+    problem lines it refuses with, [] when it passes."""
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
+    from finetune.preflight.validate import validate_run
+
+    try:
+        validate_run(load_run_config(config, list(overrides)), None, 1, True)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert a launch succeeded, showing its output tail when not."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"

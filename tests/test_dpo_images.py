@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, launch, ok, read_metrics
-from test_grpo_images import MODEL, write_prompts
+from conftest import REPO, launch, launch_problems, ok, read_metrics
+from test_grpo_images import MODEL, first_batch, write_prompts
 
 CONFIG = REPO / "finetune" / "recipes" / "configs" / "dpo_gsm8k.yaml"
 
@@ -52,17 +51,9 @@ def test_both_sequences_of_a_pair_see_its_images(pairs, tmp_path):
     alone with its images."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from finetune.config import load_run_config
-    from finetune.data.tokenization import ParquetRows
-    from finetune.engine.model import load_tokenizer
-    from finetune.recipes import dpo, recipe_for
+    from finetune.recipes import dpo
 
-    cfg = load_run_config(CONFIG, _overrides(pairs, tmp_path))
-    recipe = recipe_for(cfg)
-    tok = load_tokenizer(cfg, recipe)
-    rows = recipe.tokenize_function(tok, cfg.data)(ParquetRows([str(pairs)], recipe.columns(cfg.data))
-                                                   .take(np.arange(3)))
-    batch = recipe.make_collator(tok, cfg.data)([{k: v[i] for k, v in rows.items()} for i in range(3)])
+    _, tok, batch = first_batch(CONFIG, _overrides(pairs, tmp_path), pairs, 3)
     assert batch["input_ids"].shape[0] == 6 and batch["pixel_values"].shape[:2] == (6, 2)
     assert torch.equal(batch["pixel_values"][:3], batch["pixel_values"][3:])
     answers = pq.read_table(pairs).column("answer").to_pylist()
@@ -92,16 +83,8 @@ def test_both_sequences_of_a_pair_see_its_images(pairs, tmp_path):
 
 def test_check_names_a_bad_image_and_what_does_not_go_with_images(pairs, tmp_path):
     """``--check`` (in process): a missing image column and ``train.eval_generate`` with images are one line each."""
-    from finetune.config import load_run_config
-    from finetune.errors import ConfigError
-    from finetune.preflight.validate import validate_run
-
     def problems(*overrides: str) -> list[str]:
-        try:
-            validate_run(load_run_config(CONFIG, [*_overrides(pairs, tmp_path), *overrides]), None, 1, True)
-        except ConfigError as e:
-            return e.problems
-        return []
+        return launch_problems(CONFIG, [*_overrides(pairs, tmp_path), *overrides])
 
     assert problems() == []
     assert any("has no column 'pictures'" in p for p in problems("data.image_column=pictures"))

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, launch, ok, read_metrics
+from conftest import REPO, launch, launch_problems, ok, read_metrics
 
 CONFIG = REPO / "finetune" / "recipes" / "configs" / "grpo_digits.yaml"
 MODEL = REPO / "data" / "models" / "tiny-smolvlm"
@@ -73,6 +73,22 @@ def prompts(tmp_path_factory) -> Path:
     return write_prompts(tmp_path_factory.mktemp("grpo_images"))
 
 
+def first_batch(config: Path, overrides: list[str], path: Path, n: int) -> tuple:
+    """``(cfg, tokenizer, batch)``: the first ``n`` rows of ``path`` tokenized and collated by the configured recipe
+    of ``config`` with ``overrides``, as the launch's data pipeline does."""
+    from finetune.config import load_run_config
+    from finetune.data.tokenization import ParquetRows
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import recipe_for
+
+    cfg = load_run_config(config, overrides)
+    recipe = recipe_for(cfg)
+    tok = load_tokenizer(cfg, recipe)
+    rows = recipe.tokenize_function(tok, cfg.data)(ParquetRows([str(path)], recipe.columns(cfg.data))
+                                                   .take(np.arange(n)))
+    return cfg, tok, recipe.make_collator(tok, cfg.data)([{k: v[i] for k, v in rows.items()} for i in range(n)])
+
+
 def _overrides(prompts: Path, tmp: Path) -> list[str]:
     return [f"model.path={MODEL}", "model.init=scratch", f"data.train_files=[{prompts}]",
             f"data.validation_files=[{prompts}]", f"data.cache_dir={tmp / 'cache'}", f"output_dir={tmp / 'run'}"]
@@ -86,21 +102,13 @@ def test_generation_and_the_training_pass_see_each_prompts_images(prompts, tmp_p
     gives each completion token the log-probability of the plain model's forward of that row alone."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from finetune.config import load_run_config
     from finetune.data import images
-    from finetune.data.tokenization import ParquetRows
-    from finetune.engine.model import load_tokenizer
     from finetune.engine.rollout import image_token_ids
-    from finetune.recipes import grpo, recipe_for
+    from finetune.recipes import grpo
     from finetune.recipes.grpo.loss import completion_logps
     from finetune.recipes.grpo.rollout import generate
 
-    cfg = load_run_config(CONFIG, _overrides(prompts, tmp_path))
-    recipe = recipe_for(cfg)
-    tok = load_tokenizer(cfg, recipe)
-    rows = recipe.tokenize_function(tok, cfg.data)(ParquetRows([str(prompts)], recipe.columns(cfg.data))
-                                                   .take(np.arange(3)))
-    batch = recipe.make_collator(tok, cfg.data)([{k: v[i] for k, v in rows.items()} for i in range(3)])
+    cfg, tok, batch = first_batch(CONFIG, _overrides(prompts, tmp_path), prompts, 3)
     assert [r["pixel_values"].shape[1] for r in batch["images"]] == [1, 2, 1]  # [1, images, 3, H, W] each
     assert batch["attention_mask"][0, 0] == 0 and batch["attention_mask"][1].all()  # left-padded, lengths differ
     torch.manual_seed(0)
@@ -156,16 +164,8 @@ def test_generation_and_the_training_pass_see_each_prompts_images(prompts, tmp_p
 def test_check_names_what_does_not_go_with_images(prompts, tmp_path):
     """``--check`` (in process): a bad image row, a missing image column, tools, sequence parallelism, the hybrid
     engine rollout and ``train.eval_generate`` are each one line before any model is built."""
-    from finetune.config import load_run_config
-    from finetune.errors import ConfigError
-    from finetune.preflight.validate import validate_run
-
     def problems(*overrides: str) -> list[str]:
-        try:
-            validate_run(load_run_config(CONFIG, [*_overrides(prompts, tmp_path), *overrides]), None, 1, True)
-        except ConfigError as e:
-            return e.problems
-        return []
+        return launch_problems(CONFIG, [*_overrides(prompts, tmp_path), *overrides])
 
     assert problems() == []
     table = pq.read_table(prompts)

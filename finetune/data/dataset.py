@@ -107,6 +107,19 @@ def _no_text_in_statistics(pf, column: str) -> bool:
     return True
 
 
+def file_columns(train_files: list[str], validation_files: list[str]):
+    """``(key, file, column names)`` of every readable training and validation file (``key``: ``data.train_files``
+    or ``data.validation_files``), for a recipe's column checks; an unreadable file is left out
+    (:func:`check_parquet_files` reports it)."""
+    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
+        for f in files:
+            try:
+                names = pq.ParquetFile(f).schema_arrow.names
+            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
+                continue
+            yield key, f, names
+
+
 def check_parquet_files(files: list[str], key: str, text_column: str | None, problems: list[str]) -> int:
     """Open each parquet file's footer: readable, non-empty, has ``text_column`` of a string type with text.
 

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoProcessor
 
-from finetune.data.dataset import default_cache_dir, file_id, fingerprint
+from finetune.data.dataset import default_cache_dir, file_columns, file_id, fingerprint
 from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 
@@ -264,21 +264,16 @@ def check_prompt_files(cfg, who: str, cols: list[str], reads: str, train_files: 
         problems.append(f"parallel.sequence_parallel_size: {cfg.parallel.sequence_parallel_size}; model.path "
                         f"'{cfg.model.path}' is an image-text model and an image's tokens cannot be split across "
                         f"ranks; set it to 1")
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                names = pq.ParquetFile(f).schema_arrow.names
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            missing = [c for c in cols if c not in names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(names)}); {who} with images reads {reads}")
-                continue
-            start = len(problems)
-            check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
-            if len(problems) == start:
-                passed.append((key, f))
+    for key, f, names in file_columns(train_files, validation_files):
+        missing = [c for c in cols if c not in names]
+        if missing:
+            problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
+                            f"{', '.join(names)}); {who} with images reads {reads}")
+            continue
+        start = len(problems)
+        check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
+        if len(problems) == start:
+            passed.append((key, f))
     try:
         load_processor(cfg.model.tokenizer_path or cfg.model.path, who=who)
     except ConfigError as e:

@@ -32,7 +32,7 @@ from transformers import AutoModelForSequenceClassification, DataCollatorWithPad
 
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
-from finetune.data.dataset import expand_files
+from finetune.data.dataset import expand_files, file_columns
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
 
@@ -103,38 +103,33 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
     train_labels: set = set()
     val_labels: dict[str, list] = {}
     kinds: dict[str, str] = {}  # label kind (int, str) -> first file holding it
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                names = pq.ParquetFile(f).schema_arrow.names
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            if cfg.data.text_pair_column and cfg.data.text_pair_column not in names:
-                problems.append(f"{key}: '{f}' has no column '{cfg.data.text_pair_column}' (columns: {', '.join(names)}); "
-                                f"set data.text_pair_column (or leave it empty for single texts)")
-            if cfg.data.label_column not in names:
-                problems.append(f"{key}: '{f}' has no label column '{cfg.data.label_column}' (columns: {', '.join(names)}); "
-                                f"set data.label_column")
-                continue
-            col = read_labels(f, cfg.data.label_column)
-            kind = _label_kind(col.type)
-            if kind not in ("int", "str"):
-                example = next((v for v in col.to_pylist() if v is not None), None)
-                fix = ("convert them, e.g. 1.0 -> 1" if kind == "float" else
-                       "cast the column to string or int, e.g. pandas df[col] = df[col].astype(str)")
-                problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' holds {kind} values (e.g. {example!r}); "
-                                f"seq_cls needs int or string class labels ({fix})")
-                continue
-            kinds.setdefault(kind, f)
-            if col.null_count:
-                row = col.to_pylist().index(None)
-                problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' has {col.null_count} missing (null) "
-                                f"label(s), e.g. row {row}; every row needs a label")
-            values = [v for v in col.unique().to_pylist() if v is not None]
-            if key == "data.train_files":
-                train_labels |= set(values)
-            else:
-                val_labels[f] = values
+    for key, f, names in file_columns(train_files, validation_files):
+        if cfg.data.text_pair_column and cfg.data.text_pair_column not in names:
+            problems.append(f"{key}: '{f}' has no column '{cfg.data.text_pair_column}' (columns: {', '.join(names)}); "
+                            f"set data.text_pair_column (or leave it empty for single texts)")
+        if cfg.data.label_column not in names:
+            problems.append(f"{key}: '{f}' has no label column '{cfg.data.label_column}' (columns: {', '.join(names)}); "
+                            f"set data.label_column")
+            continue
+        col = read_labels(f, cfg.data.label_column)
+        kind = _label_kind(col.type)
+        if kind not in ("int", "str"):
+            example = next((v for v in col.to_pylist() if v is not None), None)
+            fix = ("convert them, e.g. 1.0 -> 1" if kind == "float" else
+                   "cast the column to string or int, e.g. pandas df[col] = df[col].astype(str)")
+            problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' holds {kind} values (e.g. {example!r}); "
+                            f"seq_cls needs int or string class labels ({fix})")
+            continue
+        kinds.setdefault(kind, f)
+        if col.null_count:
+            row = col.to_pylist().index(None)
+            problems.append(f"{key}: '{f}' column '{cfg.data.label_column}' has {col.null_count} missing (null) "
+                            f"label(s), e.g. row {row}; every row needs a label")
+        values = [v for v in col.unique().to_pylist() if v is not None]
+        if key == "data.train_files":
+            train_labels |= set(values)
+        else:
+            val_labels[f] = values
     if len(kinds) > 1:
         problems.append(f"data: column '{cfg.data.label_column}' holds int labels in '{kinds['int']}' but string labels in "
                         f"'{kinds['str']}'; every file must use the same label type (convert one of them, e.g. "

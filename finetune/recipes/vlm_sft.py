@@ -38,14 +38,13 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForImageTextToText
 
 from finetune.config import DataConfig, RunConfig
 from finetune.data import images
 from finetune.data.batch import padded_length
-from finetune.data.dataset import default_cache_dir
+from finetune.data.dataset import default_cache_dir, file_columns
 from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
@@ -202,20 +201,14 @@ def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[st
         problems.append("data.packing: vlm_sft does not pack rows (an example's image tensors belong to its row); "
                         "set data.packing=false")
     cols = columns(d)
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                names = set(pq.ParquetFile(f).schema_arrow.names)
-            except Exception:  # noqa: BLE001  (reported by the generic parquet checks)
-                continue
-            settings = (("data.prompt_column", "data.response_column") if plain(d) else ("data.messages_column",)) \
-                + ("data.image_column",)
-            missing = [(c, s) for c, s in zip(cols, settings) if c not in names]
-            for col, setting in missing:
-                problems.append(f"{key}: '{f}' has no column '{col}' ({setting}); columns: "
-                                f"{', '.join(sorted(names))}")
-            if not missing:
-                images.check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
+    for key, f, names in file_columns(train_files, validation_files):
+        settings = (("data.prompt_column", "data.response_column") if plain(d) else ("data.messages_column",)) \
+            + ("data.image_column",)
+        missing = [(c, s) for c, s in zip(cols, settings) if c not in names]
+        for col, setting in missing:
+            problems.append(f"{key}: '{f}' has no column '{col}' ({setting}); columns: {', '.join(sorted(names))}")
+        if not missing:
+            images.check_image_rows(key, f, [cols[0], d.image_column], default_cache_dir(d), problems)
     path = cfg.model.tokenizer_path or cfg.model.path
     if path and Path(path).is_dir():
         try:
