@@ -40,6 +40,7 @@ EXPORT_STAND_INS = {
         "model.path=data/models/tiny-llama", "model.init=scratch", "model.tokenizer_path=data/models/gsm8k-bpe-8k",
         "model.config_overrides={vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, eos_token_id: 0, "
         "max_position_embeddings: 1536}"],
+    "grpo_digits.yaml": ["model.path=data/models/tiny-smolvlm", "model.init=scratch"],
 }
 """Overrides for the shipped configs that start from an SFT run's export (the two-command chains), which a clean
 clone does not have: the model each export is built from, from scratch."""
