@@ -42,6 +42,7 @@ GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
 ScaleRewards = Literal["group", "batch", "none"]
 SamplingLevel = Literal["token", "sequence"]
 GenerationBackend = Literal["hf_generate", "hybrid_engine"]
+Divergence = Literal["forward_kl", "reverse_kl", "jsd"]
 Mode = Literal["min", "max"]
 DataFormat = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion"]
 QuantType = Literal["nf4", "fp4"]
@@ -293,6 +294,33 @@ class GrpoConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Knowledge distillation (recipe ``distill``): the teacher, the divergence and the on-policy share
+    (docs/distillation.md)."""
+
+    teacher: str = ""
+    """The teacher: a local model folder (``config.json`` and weights, any ``AutoModelForCausalLM``) whose tokenizer has the student's vocabulary; frozen, in eval mode, without optimizer state, partitioned like the student under ZeRO-3."""
+    loss: Divergence = "forward_kl"
+    """The divergence per trained token between the teacher's and the student's next-token distributions at ``temperature``: ``forward_kl`` KL(teacher || student) (Hinton et al. 2015's soft targets), ``reverse_kl`` KL(student || teacher) (MiniLLM; mode seeking), ``jsd`` the generalized Jensen-Shannon divergence with ``beta`` (GKD: Agarwal et al. 2024; TRL's ``beta``)."""
+    beta: float = 0.5
+    """``jsd``: the mixture ``m = (1 - beta) p_student + beta p_teacher``, loss ``beta KL(p_teacher || m) + (1 - beta) KL(p_student || m)``; in (0, 1) (TRL's ``beta`` at 0 is ``forward_kl``, at 1 ``reverse_kl``)."""
+    temperature: float = 1.0
+    """Both models' logits are divided by it before the divergence, and on-policy completions are sampled at it (TRL's ``temperature``); > 0. The cross-entropy term uses temperature 1."""
+    alpha: float = 1.0
+    """Loss per trained token: ``alpha x divergence + (1 - alpha) x cross-entropy`` of the row's own next token; in [0, 1]; 1: distillation only (TRL's), 0: plain SFT."""
+    on_policy_fraction: float = 0.0
+    """Share of the training rows (GKD's ``lmbda``) whose response is replaced, each step, by a completion the student samples from the row's prompt (the text before its first trained token), through the rollout engine ``grpo`` uses; the teacher scores it token by token. Each row is chosen by its own seed, so a resume draws the same rows and completions. In [0, 1]; > 0 needs ``data.packing: false``. 1: TRL's ``DistillationTrainer`` (every row on-policy)."""
+    max_completion_length: int = 128
+    """On-policy rows: tokens sampled per completion at most."""
+    top_p: float = 1.0
+    """On-policy sampling: nucleus sampling's probability mass (1: off)."""
+    top_k: int = 0
+    """On-policy sampling: the k most likely tokens only (0: all)."""
+    gather_for_generation: bool = True
+    """ZeRO-3: gather the student's weights on every rank for the on-policy generation (as ``train.grpo.gather_for_generation``); false: generate layer by layer with ``synced_gpus``."""
+
+
+@dataclass
 class EvalGenerateConfig:
     """Generation during evaluation (causal-LM recipes): answers to validation prompts, scored (docs/evaluation.md)."""
 
@@ -414,6 +442,8 @@ class TrainConfig:
     """Loss of the ``reward`` recipe (a reward model trained on chosen/rejected pairs)."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     """Generation, rewards and loss of the ``grpo`` recipe (online RL)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """Teacher, divergence and on-policy share of the ``distill`` recipe (knowledge distillation)."""
     eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)
     """Generation during evaluation: exact match and ROUGE-L of answers to validation prompts."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
@@ -453,7 +483,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto``, ``reward`` or ``grpo`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto``, ``reward``, ``grpo``, ``vlm_sft`` or ``distill`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

@@ -69,7 +69,7 @@ def full_logits_loss_sum(recipe: str, logits: torch.Tensor, labels: torch.Tensor
                            reduction="sum")
 
 
-def reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
+def reference_run(cfg: RunConfig, world: int, steps: int, loss_fn=None, before_step=None) -> Reference:
     """Train ``steps`` optimizer steps of ``cfg`` on one device, as ``world`` ranks would split the data.
 
     Args:
@@ -78,6 +78,10 @@ def reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
             should be the launches' tokenization cache.
         world: number of ranks of the run being reproduced.
         steps: optimizer steps (the LR schedule is as long as ``steps``, like ``train.max_steps``).
+        loss_fn: ``(model, batch) -> loss sum`` (0-dim) in place of :func:`full_logits_loss_sum` of the model's
+            logits (``distill``: the teacher's and the student's full logits).
+        before_step: ``(model, micro-batches of one rank, step) -> micro-batches``, called per simulated rank
+            before the step runs (``distill``'s on-policy samples, drawn as that rank draws them).
 
     Returns:
         :class:`Reference`.
@@ -85,12 +89,12 @@ def reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the launched ranks (OMP_NUM_THREADS=1); 2 threads crawl on a busy 2-core machine
     try:
-        return _reference_run(cfg, world, steps)
+        return _reference_run(cfg, world, steps, loss_fn, before_step)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
+def _reference_run(cfg: RunConfig, world: int, steps: int, loss_fn=None, before_step=None) -> Reference:
     cfg = copy.deepcopy(cfg)
     t = cfg.train
     weighting = t.loss_weighting  # token or micro_batch: what is trained on and returned as ``losses``
@@ -146,7 +150,7 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
 
     out = Reference()
     epoch, used, its = 0, 0, None
-    for _ in range(steps):
+    for step in range(steps):
         if its is None or used >= micro_per_epoch:
             if its is not None:
                 epoch, used = epoch + 1, 0
@@ -156,11 +160,14 @@ def _reference_run(cfg: RunConfig, world: int, steps: int) -> Reference:
             its = [iter(dl) for dl in loaders]
         micro = [next(it) for it in its for _ in range(gas)]  # rank 0's micro-batches, then rank 1's, ...
         used += gas
+        if before_step is not None:
+            micro = [b for r in range(world) for b in before_step(model, micro[r * gas:(r + 1) * gas], step)]
         n_targets = int(sum(recipe.count_targets(b) for b in micro))
         token_loss = micro_loss = 0.0
         for b in micro:
             labels = b["labels"]
-            summed = full_logits_loss_sum(cfg.recipe, model(**model_inputs(b)).logits, labels)
+            summed = (loss_fn(model, b) if loss_fn is not None else
+                      full_logits_loss_sum(cfg.recipe, model(**model_inputs(b)).logits, labels))
             token = summed / max(n_targets, 1)
             micro_mean = summed / recipe.count_targets(b).clamp(min=1) / len(micro)
             (token if weighting == "token" else micro_mean).backward()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # torch and transformers are not imported by the config check
 
 RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
+    "distill": "finetune.recipes.distill",
     "dpo": "finetune.recipes.dpo",
     "gpt_clm": "finetune.recipes.gpt_clm",
     "grpo": "finetune.recipes.grpo",

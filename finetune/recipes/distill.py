@@ -1,0 +1,555 @@
+"""Knowledge distillation of any ``AutoModelForCausalLM`` (the student, ``model.path``) from a larger one with the
+same vocabulary (the teacher, ``train.distill.teacher``), offline on the user's data and on-policy on the student's own
+samples (docs/distillation.md).
+
+Sources: Hinton et al. 2015 ("Distilling the Knowledge in a Neural Network": the teacher's softened distribution as
+the target, forward KL); Gu et al. 2024 ("MiniLLM": reverse KL); Agarwal et al. 2024 ("On-Policy Distillation of
+Language Models", GKD: the generalized Jensen-Shannon divergence with ``beta`` and the on-policy share ``lmbda``);
+TRL 1.16's ``DistillationTrainer``, whose divergence, ``beta`` and ``temperature`` this follows.
+
+Data: ``sft``'s forms and tokenization (prompt/response, conversations; packed rows whose examples never attend to
+each other), so the trained tokens are exactly ``sft``'s: responses (assistant turns) and their end tokens; prompts
+and padding never train.
+
+Loss per trained token ``t`` (fp32; ``p_s``, ``p_t`` the student's and the teacher's next-token distributions at
+``temperature`` ``T``, ``y`` the row's own next token)::
+
+    l_t = alpha * D(p_t, p_s) + (1 - alpha) * CE(student logits at temperature 1, y)
+
+``D``: ``forward_kl`` ``sum p_t (log p_t - log p_s)``; ``reverse_kl`` ``sum p_s (log p_s - log p_t)``; ``jsd``
+``beta KL(p_t || m) + (1 - beta) KL(p_s || m)``, ``m = (1 - beta) p_s + beta p_t`` (TRL's). The recipe's
+:func:`forward` returns the sum of ``l_t`` over a micro-batch's trained tokens and :func:`count_targets` counts them,
+so the loop's loss is the exact mean over the global batch's trained tokens at every ZeRO stage, layout and
+accumulation. Where the two models' output heads differ in size (Qwen2.5's 0.5B and 7B models pad their
+vocabularies to different multiples), ``D`` compares the first ``min(V_student, V_teacher)`` logits, renormalised:
+the ids past that are padding no tokenizer produces.
+
+The teacher (:func:`build_teacher`, called by :func:`before_training`): built by
+:func:`finetune.engine.model.build_engine` without an optimizer (no optimizer state, no fp32 master copy, no
+gradients), in eval mode, in the student's precision; under ZeRO-3 partitioned as the student is (DeepSpeed's
+inference-only ZeRO-3 engine, ``DeepSpeedZeRoOffload``). Per micro-batch it runs one forward without gradients
+whose output head is replaced by a capture of the hidden states at the trained positions only; the student's head then
+computes both models' logits chunk by chunk (:class:`DistillHead`, the teacher's head weight gathered once per
+micro-batch under ZeRO-3), so no ``[tokens, vocabulary]`` tensor of either model exists whole, and the student's
+gradients are computed in the same pass (as :class:`finetune.recipes.lm_loss.LinearCrossEntropy` does for the
+cross-entropy). Logit soft-capping and scaling of either model (:func:`finetune.recipes.lm_loss.logits_transform`)
+apply to its chunk's logits.
+
+On-policy (``train.distill.on_policy_fraction`` > 0, GKD's ``lmbda``; :func:`before_step`): each training row is
+chosen with that probability by its own seed (``finetune.data.dataset.row_seed``: the same rows on a resume, whatever
+the ranks); a chosen row's prompt (its tokens before the first trained one) gets one completion sampled from the
+student at ``temperature`` through ``grpo``'s rollout (:func:`finetune.recipes.grpo.rollout.generate`: every ZeRO
+stage, the weights gathered once per step under ZeRO-3), seeded by the step and the rows' seeds, so a resumed run
+samples the same completions; the completion, its EOS included, is what trains.
+
+Metrics: ``train/kd_loss`` (mean ``D``), ``train/ce_loss``, ``train/entropy`` and ``train/teacher_entropy`` (mean
+per trained token, nats, at ``temperature``), ``train/on_policy_rows`` (share of rows sampled); evaluation reports the
+student's cross-entropy as ``eval/loss`` (and perplexity: comparable with ``sft``'s), ``eval/teacher_loss`` (the
+teacher's on the same tokens), ``eval/kd_loss``, ``eval/entropy``, ``eval/teacher_entropy``. ``finetune evaluate``
+of an export (no teacher) reports the student's cross-entropy alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from finetune import patches
+from finetune.config import DataConfig, DistillConfig, GrpoConfig, RunConfig
+from finetune.data.batch import LossOutput, model_inputs
+from finetune.errors import ConfigError
+from finetune.logs import logger
+from finetune.parallel import distributed as dist_utils
+from finetune.recipes import Capabilities, Recipe, sft
+from finetune.recipes.gpt_clm import count_targets, forward as ce_forward, next_token_targets
+from finetune.recipes.lm_loss import chunk_tokens, find_head, head_output, logits_transform, unwrap
+
+MODEL_CLASS = AutoModelForCausalLM
+
+EVAL_METRICS = ("kd_loss", "ce_loss", "entropy", "teacher_entropy", "teacher_loss")
+
+_TEACHER: dict = {}
+"""This process's teacher: ``engine`` (the DeepSpeed engine without optimizer), ``built`` (kept alive: its
+``HfDeepSpeedConfig`` under ZeRO-3), ``path``."""
+
+_NOT_INPUTS = ("row_seeds",)
+
+
+# ---------------------------------------------------------------- the teacher
+
+
+def teacher_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the teacher as the model: ``model.path`` = ``train.distill.teacher``, pretrained weights, no
+    LoRA, freezing, quantization, gradient checkpointing, overrides or NEFTune (it only runs forwards)."""
+    m = dataclasses.replace(cfg.model, path=cfg.train.distill.teacher, init="pretrained", lora=None, freeze=[],
+                            quantization=None, gradient_checkpointing=False, offload_activations=False,
+                            config_overrides={})
+    return dataclasses.replace(cfg, model=m, train=dataclasses.replace(cfg.train, neftune_noise_alpha=0.0))
+
+
+def build_teacher(engine, cfg: RunConfig):
+    """Build the teacher beside the student ``engine`` (every rank): :func:`finetune.engine.model.build_engine` with
+    ``optimizer=False`` on the student's DeepSpeed config (ZeRO-3 partitions it, stages 0-2 keep it whole), in eval
+    mode. Returns its engine, kept in :data:`_TEACHER`."""
+    from transformers import AutoConfig
+
+    from finetune.engine.model import build_engine
+
+    tcfg = teacher_config(cfg)
+    model_config = AutoConfig.from_pretrained(tcfg.model.path, local_files_only=True)
+    built = build_engine(tcfg, RECIPE, model_config, dict(engine.config), 0, optimizer=False)
+    built.engine.module.eval()  # the module's mode only (no dropout); no hybrid-engine kernels
+    for p in built.engine.module.parameters():
+        p.requires_grad_(False)
+    _TEACHER.clear()
+    _TEACHER.update(engine=built.engine, built=built, path=tcfg.model.path)
+    return built.engine
+
+
+def teacher() -> object | None:
+    """The teacher engine :func:`build_teacher` built in this process, or None."""
+    return _TEACHER.get("engine")
+
+
+def before_training(engine, data, cfg: RunConfig):
+    """Build the teacher (:func:`build_teacher`); the data as it is."""
+    t = build_teacher(engine, cfg)
+    n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in t.module.parameters())
+    logger.info(f"distill: teacher {cfg.train.distill.teacher} ({type(t.module).__name__}, {n:,} parameters, frozen, "
+                f"no optimizer state), loss {describe(cfg.train.distill)}")
+    return data
+
+
+def describe(d: DistillConfig) -> str:
+    """``forward_kl`` / ``jsd (beta 0.5)`` ... with temperature, alpha and the on-policy share, for the log."""
+    what = f"jsd (beta {d.beta:g})" if d.loss == "jsd" else d.loss
+    return (f"{what} at temperature {d.temperature:g}, alpha {d.alpha:g}, on-policy share {d.on_policy_fraction:g}")
+
+
+def teacher_hidden(model, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
+    """The teacher's final hidden states at the positions where ``keep`` (``[batch, seq]`` bool) is true,
+    ``[n, hidden]``, from one forward whose output head is replaced by the capture (it computes no logits). Call under
+    ``torch.no_grad``."""
+    head = find_head(model)
+    state = SimpleNamespace(rows=None)
+
+    def capture(hidden, *args, **kwargs):
+        state.rows = hidden[keep]
+        return state.rows
+
+    with patches.applied(patches.instance_forward(head, capture, "distill: the teacher's hidden states at the "
+                                                  "trained positions; its head runs in the student's loss")):
+        model(**inputs)
+    if state.rows is None:
+        raise RuntimeError(f"{type(unwrap(model)).__name__} (the teacher) never called its output head "
+                           f"{type(head).__name__}")
+    return state.rows
+
+
+def _gathered(params: list):
+    """ZeRO-3: the partitioned ``params`` gathered whole on every rank for the block (a no-op otherwise)."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=None,
+                                             enabled=any(hasattr(p, "ds_id") for p in params))
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillConfig, post=None) -> dict:
+    """Per-token terms of the loss for one chunk (fp32 ``[n]`` each, differentiable in ``u``).
+
+    Args:
+        u: ``[n, V_s]`` the student head's output (fp32, before the model's logit transform ``post``).
+        zt: ``[n, V_t]`` the teacher's logits (fp32, transformed), or a pair ``(ids [n, k] int64, log-probabilities
+            [n, k])``: a top-k slice of the teacher's distribution, on whose support both distributions are compared.
+        y: ``[n]`` int64 the row's own next tokens.
+        d: ``train.distill``.
+        post: the student's logit transform (:func:`finetune.recipes.lm_loss.logits_transform`), or None.
+
+    Returns:
+        ``loss`` (``alpha D + (1 - alpha) CE``), ``kd`` (``D``), ``ce``, ``entropy``, ``teacher_entropy``,
+        ``teacher_ce`` (NaN for a top-k teacher).
+    """
+    zs = post(u) if post is not None else u
+    ce = F.cross_entropy(zs, y, reduction="none")
+    if isinstance(zt, tuple):
+        ids, tl = zt
+        ls = torch.log_softmax(zs.gather(1, ids) / d.temperature, dim=-1)
+        lt = torch.log_softmax(tl.float(), dim=-1)
+        teacher_ce = torch.full_like(ce, float("nan"))
+    else:
+        v = min(zs.shape[-1], zt.shape[-1])
+        ls = torch.log_softmax(zs[:, :v] / d.temperature, dim=-1)
+        lt = torch.log_softmax(zt[:, :v] / d.temperature, dim=-1)
+        teacher_ce = F.cross_entropy(zt, y, reduction="none").detach()
+    kd = divergence(ls, lt, d.loss, d.beta)
+    with torch.no_grad():
+        entropy = -(ls.exp() * ls).sum(-1)
+        teacher_entropy = -(lt.exp() * lt).sum(-1)
+    return {"loss": d.alpha * kd + (1 - d.alpha) * ce, "kd": kd, "ce": ce, "entropy": entropy,
+            "teacher_entropy": teacher_entropy, "teacher_ce": teacher_ce}
+
+
+def divergence(ls: torch.Tensor, lt: torch.Tensor, loss: str, beta: float) -> torch.Tensor:
+    """``[n]`` divergence per row between the student's and the teacher's log-probabilities ``ls``, ``lt``
+    (``[n, V]``, each normalised over the same support): ``forward_kl`` KL(t || s), ``reverse_kl`` KL(s || t), ``jsd``
+    the generalized JSD with ``beta`` (mixture ``(1 - beta) p_s + beta p_t``; TRL's ``DistillationTrainer``)."""
+    if loss == "forward_kl":
+        return (lt.exp() * (lt - ls)).sum(-1)
+    if loss == "reverse_kl":
+        return (ls.exp() * (ls - lt)).sum(-1)
+    lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+
+
+_STATS = ("loss", "kd", "ce", "entropy", "teacher_entropy", "teacher_ce")
+
+
+class DistillHead(torch.autograd.Function):
+    """The summed loss (:func:`token_terms`) of ``hidden @ weight.T + bias`` against the teacher, chunk by chunk,
+    with the student's gradients computed in the forward pass (no ``[rows, vocabulary]`` logits outlive their chunk,
+    nothing is recomputed: the form of :class:`finetune.recipes.lm_loss.LinearCrossEntropy`, with autograd on each
+    chunk's fp32 logits for the divergence and the logit transform). ``teacher(start, end)`` gives the chunk's teacher
+    logits (or top-k pair); ``stats`` (a dict) receives the chunk sums of every term of :data:`_STATS` (0-dim,
+    detached).
+
+    ``apply(hidden [n, h], weight [V, h], bias [V] or None, targets [n] int64, teacher, d, post, chunk, stats,
+    train) -> 0-dim float32``; ``train``: gradients are wanted (``torch.is_grad_enabled()`` at the call).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, teacher, d, post, chunk, stats, train):
+        need_h, need_w, need_b = (ctx.needs_input_grad[:3] if train else (False, False, False))
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        sums = {k: torch.zeros((), dtype=torch.float64, device=hidden.device) for k in _STATS}
+        for start in range(0, hidden.shape[0], chunk):
+            h, y = hidden[start:start + chunk], targets[start:start + chunk]
+            zt = teacher(start, start + len(y))
+            u = F.linear(h, weight, bias).float().detach().requires_grad_(need_h or need_w or need_b)
+            with torch.enable_grad() if u.requires_grad else torch.no_grad():
+                terms = token_terms(u, zt, y, d, post)
+                if u.requires_grad:
+                    (g,) = torch.autograd.grad(terms["loss"].sum(), u)
+            for k in _STATS:
+                sums[k] += terms[k].detach().double().sum()
+            if u.requires_grad:
+                if need_h:
+                    grad_h[start:start + chunk] = g.to(weight.dtype) @ weight
+                if need_w:
+                    grad_w.addmm_(g.t(), h.float())
+                if need_b:
+                    grad_b += g.sum(0)
+            del u, zt, terms
+        stats.update({k: v.float() for k, v in sums.items()})
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return sums["loss"].float().clone()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                (grad_w * grad_out).to(ctx.dtypes[0]) if grad_w is not None else None,
+                (grad_b * grad_out).to(ctx.dtypes[1]) if grad_b is not None else None,
+                None, None, None, None, None, None, None)
+
+
+def _teacher_logits(t, rows: torch.Tensor):
+    """``(start, end) -> [end - start, V_t]`` fp32 logits (transformed) of the teacher's head on ``rows[start:end]``;
+    call inside :func:`_gathered` of its head's parameters."""
+    head = unwrap(t).get_output_embeddings()
+    post = logits_transform(t)
+
+    def logits(start: int, end: int) -> torch.Tensor:
+        with torch.no_grad():
+            z = F.linear(rows[start:end].to(head.weight.dtype), head.weight, head.bias).float()
+            return post[1](z) if post is not None else z
+
+    return head, logits
+
+
+def distill_loss(model, batch: dict, d: DistillConfig, t) -> tuple[torch.Tensor, dict]:
+    """One micro-batch through the teacher (no gradient) and the student: the summed loss over its trained tokens
+    (0-dim float32; the tensor the student's head returned, so a ZeRO-3 backward gathers the head again) and the
+    sums of :data:`_STATS`.
+
+    Raises:
+        RuntimeError: the student's output head is not a plain ``torch.nn.Linear`` (LoRA on ``lm_head``), or the
+            student returns its head's output changed in a way :func:`~finetune.recipes.lm_loss.logits_transform`
+            does not know.
+    """
+    from finetune.recipes.lm_loss import check_head_output
+
+    targets = next_token_targets(batch)
+    keep = targets != -100
+    inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
+    with torch.no_grad():
+        rows_t = teacher_hidden(t, inputs, keep)
+    head = find_head(model)
+    if type(head) is not torch.nn.Linear or "forward" in vars(head):
+        raise RuntimeError(f"distill: the student's output head is {type(head).__module__}.{type(head).__qualname__}"
+                           f", not a plain torch.nn.Linear (LoRA on lm_head?); leave lm_head out of "
+                           f"model.lora.target_modules")
+    t_head, t_logits = _teacher_logits(t, rows_t)
+    post = logits_transform(model)
+    vocab = max(head.out_features, t_head.out_features)
+    stats: dict = {}
+    state = SimpleNamespace(loss=None)
+
+    def forward(hidden, *args, **kwargs):
+        with _gathered([p for p in (t_head.weight, t_head.bias) if p is not None]):
+            state.loss = DistillHead.apply(hidden[keep], head.weight, head.bias, targets[keep], t_logits, d,
+                                           post[1] if post else None, max(1, chunk_tokens(vocab) // 2), stats,
+                                           torch.is_grad_enabled())
+        return state.loss
+
+    with patches.applied(patches.instance_forward(head, forward, "distill: the student's and the teacher's heads "
+                                                  "at the trained positions, in chunks")), head_output(head) as seen:
+        out = model(**inputs)
+    got = check_head_output(model, head, out.logits, seen, post)
+    return got, stats
+
+
+def forward(model, batch: dict, metrics: bool = False, settings: DistillConfig | None = None) -> LossOutput:
+    """The loss of one micro-batch: ``sum over trained tokens of alpha D + (1 - alpha) CE`` (module docstring), with
+    ``kd_loss``, ``ce_loss``, ``entropy`` and ``teacher_entropy`` as ``(sum, trained tokens)``. With ``metrics``
+    (evaluation) the loss is the student's cross-entropy and ``teacher_loss`` is added; without a teacher in this
+    process (``finetune evaluate`` of an export) the cross-entropy alone.
+
+    Raises:
+        RuntimeError: training without a teacher (:func:`before_training` was not called).
+    """
+    d = settings or DistillConfig()
+    t = teacher()
+    if t is None:
+        if not metrics:
+            raise RuntimeError("distill: no teacher in this process (before_training builds it)")
+        return ce_forward(model, {k: v for k, v in batch.items() if k not in _NOT_INPUTS}, metrics=True)
+    n = count_targets(batch)
+    loss, s = distill_loss(model, batch, d, t)
+    named = {"kd_loss": "kd", "ce_loss": "ce", "entropy": "entropy", "teacher_entropy": "teacher_entropy"}
+    out = {name: (s[k], n.to(s[k].device).float()) for name, k in named.items()}
+    if metrics:
+        out["teacher_loss"] = (s["teacher_ce"], n.to(s["teacher_ce"].device).float())
+        return LossOutput(s["ce"].to(loss.device), n, out)
+    return LossOutput(loss, n, out)
+
+
+# ---------------------------------------------------------------- on-policy rows
+
+
+def on_policy(row_seed: int, fraction: float) -> bool:
+    """Whether the row of seed ``row_seed`` gets a completion sampled from the student (its own draw: the same on a
+    resume and on any layout)."""
+    return fraction >= 1 or (fraction > 0 and random.Random(row_seed * 2654435761 + 97).random() < fraction)
+
+
+def _sampling(d: DistillConfig) -> GrpoConfig:
+    """``grpo``'s generation settings for the on-policy samples."""
+    return dataclasses.replace(GrpoConfig(), max_completion_length=d.max_completion_length, temperature=d.temperature,
+                               top_p=d.top_p, top_k=d.top_k, gather_for_generation=d.gather_for_generation)
+
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+
+
+def _prompt(batch: dict, i: int) -> tuple[list[int], list[int], list[int]]:
+    """Row ``i`` of an unpacked micro-batch as ``(prompt ids, ids, labels)`` without padding; the prompt is the row
+    before its first trained token."""
+    n = int(batch["attention_mask"][i].sum())
+    ids, labels = batch["input_ids"][i, :n].tolist(), batch["labels"][i, :n].tolist()
+    first = next((j for j, v in enumerate(labels) if v != -100), n)
+    return ids[:first], ids, labels
+
+
+def collate_rows(rows: list[tuple[list[int], list[int]]], pad: int, row_seeds: torch.Tensor) -> dict:
+    """Right-padded micro-batch of ``(ids, labels)`` rows: ``input_ids``, ``attention_mask``, ``labels`` (-100 on
+    padding), ``row_seeds``."""
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (x, y) in enumerate(rows):
+        ids[i, :len(x)], mask[i, :len(x)], labels[i, :len(y)] = torch.tensor(x), 1, torch.tensor(y)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "row_seeds": row_seeds}
+
+
+def sample_completions(engine, micro: list[dict], cfg: RunConfig, step: int) -> list[dict]:
+    """The step's micro-batches with each on-policy row's response replaced by one completion the student samples
+    from its prompt (trained: every completion token up to and including its EOS), the others as they are; every
+    rank calls it with the step's micro-batches (under ZeRO-3 the weights are gathered or generation runs in lockstep:
+    a rank with no chosen row generates for one row it then drops)."""
+    from finetune.recipes.grpo import rollout
+
+    d = cfg.train.distill
+    tok = _tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    chosen = [(b, i) for b, batch in enumerate(micro) for i, s in enumerate(batch["row_seeds"].tolist())
+              if on_policy(s, d.on_policy_fraction)]
+    if not dist_utils.any_rank(bool(chosen), engine.device):
+        return micro
+    g = _sampling(d)
+    asked = chosen or [(0, 0)]  # ZeRO-3 lockstep: every rank generates
+    prompts = [_prompt(micro[b], i)[0] for b, i in asked]
+    width = max(len(p) for p in prompts)
+    batch = {"input_ids": torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts]),
+             "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
+    seeds = torch.cat([b["row_seeds"] for b in micro])
+    with rollout._rollout(engine, g, tok).weights():
+        c = rollout.generate(engine, batch, g, tok, 1, True, rollout._seed(cfg.train.seed, step, seeds),
+                             rollout._synced(engine, g))
+    completions = {key: c["completion_ids"][j, :int(c["lengths"][j])].tolist() for j, key in enumerate(chosen)}
+    out = []
+    for b, batch_b in enumerate(micro):
+        rows = []
+        for i in range(batch_b["input_ids"].shape[0]):
+            prompt, ids, labels = _prompt(batch_b, i)
+            done = completions.get((b, i))
+            rows.append((ids, labels) if done is None else (prompt + done, [-100] * len(prompt) + done))
+        out.append(collate_rows(rows, tok.pad_token_id, batch_b["row_seeds"]))
+    return out
+
+
+def before_step(engine, micro: list[dict], cfg: RunConfig) -> list[dict]:
+    """With ``on_policy_fraction`` > 0: :func:`sample_completions`; the batches as they are otherwise."""
+    if cfg.train.distill.on_policy_fraction <= 0:
+        return micro
+    return sample_completions(engine, micro, cfg, int(engine.global_steps))
+
+
+# ---------------------------------------------------------------- data, checks and the recipe
+
+
+class SeededCollator:
+    """``sft``'s collator with each row's seed (``row_seeds``, int64 ``[micro_batch]``, when the rows have seeds):
+    on-policy rows are chosen by it."""
+
+    row_seeded = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, rows: list[dict]) -> dict:
+        seeds = [r.get("_seed") for r in rows]
+        batch = self.inner([{k: v for k, v in r.items() if k != "_seed"} for r in rows])
+        if None not in seeds:  # rows without seeds (the export check's own batches): none
+            batch["row_seeds"] = torch.tensor(seeds, dtype=torch.long)
+        return batch
+
+
+def make_collator(tokenizer, data_cfg: DataConfig) -> SeededCollator:
+    """:class:`SeededCollator` around ``sft``'s collator."""
+    return SeededCollator(sft.make_collator(tokenizer, data_cfg))
+
+
+def prepare_tokenizer(tokenizer):
+    """``sft``'s (a pad token)."""
+    return sft.prepare_tokenizer(tokenizer)
+
+
+def _vocab(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
+    """``train.distill``'s numbers and the teacher folder, before any model is built: one line each for a missing
+    teacher, a folder without ``config.json`` or weights, a teacher whose tokenizer has another vocabulary than the
+    student's (both named), a vocabulary larger than the teacher's head, numbers out of range, and on-policy rows
+    with packed data."""
+    d = cfg.train.distill
+    if not 0 <= d.alpha <= 1:
+        problems.append(f"train.distill.alpha: must be in [0, 1] (the divergence's weight; 1 - alpha weights the "
+                        f"cross-entropy), got {d.alpha}")
+    if not 0 < d.beta < 1:
+        problems.append(f"train.distill.beta: must be in (0, 1) (the jsd mixture; use loss=forward_kl or "
+                        f"loss=reverse_kl for the ends), got {d.beta}")
+    if not 0 < d.temperature < float("inf"):
+        problems.append(f"train.distill.temperature: must be a finite number > 0, got {d.temperature}")
+    if not 0 <= d.on_policy_fraction <= 1:
+        problems.append(f"train.distill.on_policy_fraction: must be in [0, 1], got {d.on_policy_fraction}")
+    elif d.on_policy_fraction > 0 and cfg.data.packing:
+        problems.append("train.distill.on_policy_fraction: on-policy rows need one example per row; set "
+                        "data.packing=false")
+    if d.max_completion_length < 1 or d.top_k < 0 or not 0 < d.top_p <= 1:
+        problems.append(f"train.distill: max_completion_length must be >= 1, top_k >= 0 and top_p in (0, 1], got "
+                        f"{d.max_completion_length}, {d.top_k}, {d.top_p}")
+    if not d.teacher:
+        problems.append("train.distill.teacher: not set; give the teacher's local model folder (config.json, "
+                        "weights and tokenizer)")
+        return
+    folder = Path(d.teacher)
+    if not (folder / "config.json").is_file():
+        problems.append(f"train.distill.teacher: '{folder}' is not a model folder (no config.json); give the "
+                        f"teacher's local model folder")
+        return
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        problems.append(f"train.distill.teacher: '{folder}' has no weights (*.safetensors, *.bin); the teacher "
+                        f"must be trained (e.g. an sft export)")
+    student_path = cfg.model.tokenizer_path or cfg.model.path
+    if not student_path or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return  # the teacher folder carries no tokenizer: it reads the student's
+    try:
+        mine, theirs = _vocab(student_path), _vocab(str(folder))
+    except Exception:  # noqa: BLE001  (the student's tokenizer problem is reported by the compatibility checks)
+        return
+    if mine.get_vocab() != theirs.get_vocab():
+        problems.append(f"train.distill.teacher: the teacher's tokenizer '{folder}' ({len(theirs):,} tokens) has "
+                        f"another vocabulary than the student's '{student_path}' ({len(mine):,} tokens); "
+                        f"distillation compares the two distributions token by token: use a teacher of the same "
+                        f"tokenizer")
+        return
+    try:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(str(folder), local_files_only=True).get_text_config().vocab_size
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"train.distill.teacher: '{folder}/config.json' cannot be read by transformers: "
+                        f"{' '.join(str(e).split())[:200]}")
+        return
+    if isinstance(vocab, int) and len(mine) > vocab:
+        problems.append(f"train.distill.teacher: '{folder}' has vocab_size {vocab:,}, fewer than the tokenizer's "
+                        f"{len(mine):,} tokens")
+
+
+def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
+    """``sft``'s checks of the data and the teacher's (:func:`check_teacher`)."""
+    sft.check_labels(cfg, train_files, validation_files, problems)
+    check_teacher(cfg, problems)
+
+
+def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
+    """``train.distill`` bound into :func:`forward`."""
+    return dataclasses.replace(recipe, forward=functools.partial(forward, settings=cfg.train.distill))
+
+
+def rollout_shape(cfg: RunConfig) -> tuple[int, int] | None:
+    """On-policy rows: one sequence of up to ``data.max_seq_len + max_completion_length`` tokens (the planner's)."""
+    d = cfg.train.distill
+    return (1, cfg.data.max_seq_len + d.max_completion_length) if d.on_policy_fraction > 0 else None
+
+
+RECIPE = Recipe(name="distill", model_class=MODEL_CLASS,
+                capabilities=Capabilities(packs_rows=True, generates_text=True, checks_columns=True, counts_rows=True,
+                                          eval_metrics=EVAL_METRICS),
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=sft.tokenize_function,
+                make_collator=make_collator, forward=forward, count_targets=count_targets, columns=sft.columns,
+                cache_key=sft.cache_key, check_data=check_data, prepare_model_config=sft.prepare_model_config,
+                generation_pairs=sft.generation_pairs, configure=configure, before_training=before_training,
+                before_step=before_step, rollout=rollout_shape)

@@ -1,0 +1,195 @@
+"""The ``distill`` recipe: its loss is the textbook divergence of the two models' full logits, a launched run (2 ranks x
+micro-batch 2 x accumulation 2) equals a plain one-device PyTorch loop over the same global batches with the teacher
+beside it (ZeRO 0 offline on packed rows; ZeRO 3 with every parameter of both models partitioned, on-policy rows,
+and a resume that samples the same completions), and bad teacher settings are one line each before any model.
+
+The teacher is written by the tests: the tiny Llama config with 3 layers, hidden 96 and 8 more vocabulary ids than
+the student's head, seeded random weights, and the student's tokenizer (``tests/configs/parity_distill.yaml``).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, launch_problems, ok, read_metrics
+from parity_reference import reference_run
+
+CONFIG = REPO / "tests" / "configs" / "parity_distill.yaml"
+
+
+def write_teacher(folder: Path, vocab: int = 8200, tokenizer: Path = REPO / "data" / "models" / "gsm8k-bpe-8k") -> Path:
+    """A teacher folder: the tiny Llama config grown to 3 layers and hidden 96, ``vocab`` head rows, seeded random
+    weights, ``tokenizer``'s files."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    config.update(dict(vocab_size=vocab, pad_token_id=0, bos_token_id=0, eos_token_id=0, num_hidden_layers=3,
+                       hidden_size=96, head_dim=24, intermediate_size=192))
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for f in tokenizer.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    return write_teacher(tmp_path_factory.mktemp("teacher"))
+
+
+def textbook_loss(teacher_model, d):
+    """``(model, batch) -> loss sum`` from both models' full logits: ``alpha D + (1 - alpha) CE`` per trained token
+    (``D`` over the first ``min(V_s, V_t)`` logits at ``d.temperature``), summed; written out from the definitions,
+    nothing of the recipe's."""
+    import torch
+    import torch.nn.functional as F
+
+    def loss(model, batch):
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+        zs = model(**inputs).logits[:, :-1].float()
+        with torch.no_grad():
+            zt = teacher_model(**inputs).logits[:, :-1].float()
+        y = batch["labels"][:, 1:]
+        keep = y != -100
+        zs, zt, y = zs[keep], zt[keep], y[keep]
+        v = min(zs.shape[-1], zt.shape[-1])
+        ps, pt = torch.softmax(zs[:, :v] / d.temperature, -1), torch.softmax(zt[:, :v] / d.temperature, -1)
+        if d.loss == "forward_kl":
+            div = (pt * (pt.log() - ps.log())).sum(-1)
+        elif d.loss == "reverse_kl":
+            div = (ps * (ps.log() - pt.log())).sum(-1)
+        else:
+            m = (1 - d.beta) * ps + d.beta * pt
+            div = d.beta * (pt * (pt.log() - m.log())).sum(-1) + (1 - d.beta) * (ps * (ps.log() - m.log())).sum(-1)
+        return (d.alpha * div + (1 - d.alpha) * F.cross_entropy(zs, y, reduction="none")).sum()
+
+    return loss
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_the_loss_and_its_gradients_are_the_textbook_ones_of_the_full_logits(teacher, divergence):
+    """In process, on a packed-like micro-batch with padding and prompts: the recipe's chunked loss (both heads at
+    the trained positions only, gradients in the forward pass, several chunks) equals :func:`textbook_loss` and its
+    gradients autograd's, for each divergence, at temperature 2 and alpha 0.7; the teacher's head has 8 more rows."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.config import DistillConfig
+    from finetune.recipes import distill
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    config.update(dict(vocab_size=8192, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    torch.manual_seed(0)
+    student = AutoModelForCausalLM.from_config(config)
+    t = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    ids = torch.randint(1, 8192, (3, 40))
+    labels = ids.clone()
+    labels[:, :9] = -100
+    labels[2, 30:] = -100
+    mask = torch.ones_like(ids)
+    mask[2, 30:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "row_seeds": torch.tensor([1, 2, 3])}
+    d = DistillConfig(loss=divergence, beta=0.3, temperature=2.0, alpha=0.7)
+    distill._TEACHER.update(engine=t)
+    try:
+        out = distill.forward(student, batch, settings=d)
+        out.loss_sum.backward()
+        got = {n: p.grad.clone() for n, p in student.named_parameters()}
+        student.zero_grad()
+        want = textbook_loss(t, d)(student, batch)
+        want.backward()
+        assert out.targets == (labels[:, 1:] != -100).sum()
+        assert out.loss_sum.item() == pytest.approx(want.item(), rel=1e-6)
+        for n, p in student.named_parameters():
+            assert torch.allclose(got[n], p.grad, rtol=0, atol=1e-5 * p.grad.abs().max()), n
+        kd, ce = (out.metrics[k][0] / out.metrics[k][1] for k in ("kd_loss", "ce_loss"))
+        assert out.loss_sum.item() / int(out.targets) == pytest.approx(0.7 * kd.item() + 0.3 * ce.item(), rel=1e-5)
+        ev = distill.forward(student, batch, metrics=True, settings=d)  # eval: the student's cross-entropy
+        assert ev.loss_sum.item() == pytest.approx(out.metrics["ce_loss"][0].item(), rel=1e-6)
+        assert math.isfinite(ev.metrics["teacher_loss"][0].item())
+    finally:
+        distill._TEACHER.clear()
+
+
+def _logged(run: Path, key: str) -> list[float]:
+    return [r[key] for r in read_metrics(run) if key in r]
+
+
+def _reference(overrides: list[str], teacher: Path, on_policy: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import load_run_config
+    from finetune.recipes import distill
+
+    cfg = load_run_config(CONFIG, overrides)
+    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    sample = (lambda model, micro, step: distill.sample_completions(model, micro, cfg, step)) if on_policy else None
+    return reference_run(cfg, 2, 3, loss_fn=textbook_loss(t, cfg.train.distill), before_step=sample)
+
+
+def _rel(got: list[float], want: list[float]) -> float:
+    assert len(got) == len(want), (got, want)
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def test_zero0_offline_packed_rows_match_the_plain_loop(tmp_path, teacher):
+    """ZeRO 0, reverse KL on packed rows: each step's loss (the mean over the global batch's trained tokens) and
+    gradient norm equal the one-device loop's (1e-5, 1e-4); the log names the teacher and the metrics are there."""
+    overrides = [f"train.distill.teacher={teacher}"]
+    proc = launch(CONFIG, [*overrides, f"output_dir={tmp_path / 'run'}"], nproc=2)
+    ok(proc)
+    assert "distill: teacher" in proc.stdout and "reverse_kl at temperature 2, alpha 0.7" in proc.stdout
+    ref = _reference(overrides, teacher, on_policy=False)
+    assert max(abs(a - b) / b for a, b in zip(ref.micro_batch_losses, ref.token_losses)) > 1e-4  # weighting matters
+    assert _rel(_logged(tmp_path / "run", "train/loss"), ref.losses) <= 1e-5
+    assert _rel(_logged(tmp_path / "run", "train/grad_norm"), ref.grad_norms) <= 1e-4
+    assert all(len(_logged(tmp_path / "run", f"train/{k}")) == 3 for k in ("kd_loss", "ce_loss", "teacher_entropy"))
+
+
+@pytest.mark.extended
+def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(tmp_path, teacher):
+    """ZeRO 3 with every parameter of student and teacher partitioned (threshold 0), JSD, half the rows on-policy
+    (unpacked rows; completions sampled through grpo's rollout, the student's weights gathered): losses and gradient
+    norms equal the one-device loop that samples the same rows with the same seeds; a resume from the step-2
+    checkpoint repeats step 3 (the same on-policy completions)."""
+    overrides = [f"train.distill.teacher={teacher}", "deepspeed=ds_configs/zero3.json", "train.distill.loss=jsd",
+                 "train.distill.beta=0.4", "train.distill.on_policy_fraction=0.5", "data.packing=false",
+                 "train.distill.max_completion_length=16", "train.save_every=2"]
+    out = tmp_path / "run"
+    ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
+    ref = _reference(overrides, teacher, on_policy=True)
+    assert _rel(_logged(out, "train/loss"), ref.losses) <= 1e-5
+    assert _rel(_logged(out, "train/grad_norm"), ref.grad_norms) <= 1e-5
+    assert ref.targets != _reference([f"train.distill.teacher={teacher}", "data.packing=false"], teacher,
+                                     on_policy=False).targets  # the on-policy rows changed what trains
+    again = tmp_path / "resumed"
+    ok(launch(CONFIG, [*overrides, f"output_dir={again}"], nproc=2, resume=str(out / "checkpoints" / "step2")))
+    resumed = {r["step"]: r["train/loss"] for r in read_metrics(again) if "train/loss" in r}
+    assert list(resumed) == [3] and resumed[3] == pytest.approx(_logged(out, "train/loss")[2], rel=1e-6)
+
+
+def test_bad_teacher_settings_are_one_line_each_before_any_model(tmp_path, teacher):
+    """In process, the launch's own validation: a missing teacher folder, a teacher with another tokenizer (both
+    named), alpha outside [0, 1], on-policy rows on packed data."""
+    other = write_teacher(tmp_path / "other", vocab=50257, tokenizer=REPO / "data" / "models" / "tiny-gpt2")
+
+    def problems(*extra: str) -> list[str]:
+        return launch_problems(CONFIG, [f"output_dir={tmp_path / 'out'}", f"train.distill.teacher={teacher}", *extra])
+
+    assert problems() == []
+    missing = problems(f"train.distill.teacher={tmp_path / 'nowhere'}")
+    assert missing == [f"train.distill.teacher: '{tmp_path / 'nowhere'}' is not a model folder (no config.json); give "
+                       f"the teacher's local model folder"]
+    (found,) = problems(f"train.distill.teacher={other}")
+    assert found.startswith(f"train.distill.teacher: the teacher's tokenizer '{other}' (50,257 tokens) has another "
+                            f"vocabulary than the student's 'data/models/gsm8k-bpe-8k' (8,192 tokens)")
+    assert problems("train.distill.alpha=1.5") == ["train.distill.alpha: must be in [0, 1] (the divergence's weight; "
+                                                   "1 - alpha weights the cross-entropy), got 1.5"]
+    assert problems("train.distill.on_policy_fraction=0.5") == [
+        "train.distill.on_policy_fraction: on-policy rows need one example per row; set data.packing=false"]
