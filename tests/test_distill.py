@@ -162,7 +162,9 @@ def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(t
                  "train.distill.beta=0.4", "train.distill.on_policy_fraction=0.5", "data.packing=false",
                  "train.distill.max_completion_length=16", "train.save_every=2"]
     out = tmp_path / "run"
-    ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
+    proc = ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
+    # the teacher: a second engine without optimizer, partitioned (ZeRO-3 builds it inside zero.Init)
+    assert "engine without optimizer (evaluation): ZeRO stage 3, no optimizer state" in proc.stdout
     ref = _reference(overrides, teacher, on_policy=True)
     assert _rel(_logged(out, "train/loss"), ref.losses) <= 1e-5
     assert _rel(_logged(out, "train/grad_norm"), ref.grad_norms) <= 1e-5
