@@ -54,17 +54,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from finetune import patches
 from finetune.config import DataConfig, DistillConfig, GrpoConfig, RunConfig
-from finetune.data.batch import LossOutput, model_inputs
+from finetune.data.batch import LossOutput, model_inputs, to_device
+from finetune.data.dataset import default_cache_dir, eval_loader, file_id, fingerprint, with_splits
 from finetune.errors import ConfigError
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
@@ -80,7 +84,9 @@ _TEACHER: dict = {}
 """This process's teacher: ``engine`` (the DeepSpeed engine without optimizer), ``built`` (kept alive: its
 ``HfDeepSpeedConfig`` under ZeRO-3), ``path``."""
 
-_NOT_INPUTS = ("row_seeds",)
+_NOT_INPUTS = ("row_seeds", "teacher_topk_ids", "teacher_topk_logps")
+TOPK_ROW = "teacher_topk_row"
+"""Column the training split gets with ``train.distill.cache_top_k``: each row's index into the cached arrays."""
 
 
 # ---------------------------------------------------------------- the teacher
@@ -120,12 +126,115 @@ def teacher() -> object | None:
 
 
 def before_training(engine, data, cfg: RunConfig):
-    """Build the teacher (:func:`build_teacher`); the data as it is."""
+    """Build the teacher (:func:`build_teacher`); with ``cache_top_k``, the training split with its cached top-k
+    (:func:`attach_top_k`), else the data as it is."""
     t = build_teacher(engine, cfg)
     n = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in t.module.parameters())
     logger.info(f"distill: teacher {cfg.train.distill.teacher} ({type(t.module).__name__}, {n:,} parameters, frozen, "
                 f"no optimizer state), loss {describe(cfg.train.distill)}")
-    return data
+    return attach_top_k(engine, t, data, cfg) if cfg.train.distill.cache_top_k else data
+
+
+def top_k_key(cfg: RunConfig, split, precision: str, student_vocab: int) -> str:
+    """Cache key of a split's teacher top-k (20 hex digits): the tokenized split's files and rows, the teacher
+    folder's files (path, size, mtime, content digest), ``k``, ``temperature``, the student's vocabulary size (the
+    compared ids), ``precision`` and the library versions."""
+    from finetune.recipes.dpo import content_digest, library_versions
+
+    folder = Path(cfg.train.distill.teacher)
+    files = sorted(str(p) for p in folder.glob("*") if p.is_file())
+    d = cfg.train.distill
+    return fingerprint({"tokenized": [file_id(f["filename"]) for f in split.cache_files], "rows": len(split),
+                        "teacher": [[*file_id(f), content_digest(f)] for f in files], "k": d.cache_top_k,
+                        "temperature": d.temperature, "student_vocab": student_vocab, "precision": precision,
+                        "libraries": library_versions(), "version": 1})
+
+
+def top_k(logits: torch.Tensor, k: int, temperature: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely ids of each row of ``logits`` (``[n, V]`` fp32, transformed) among the first ``vocab``
+    at ``temperature``: ``(ids [n, k] int32, log-probabilities [n, k] float32)``, most likely first."""
+    logps = torch.log_softmax(logits[:, :vocab] / temperature, dim=-1)
+    values, ids = logps.topk(min(k, vocab), dim=-1)
+    return ids.int(), values.float()
+
+
+@torch.no_grad()
+def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The teacher's top-k of every trained position of ``split``, all ranks calling it (each runs its shard of the
+    rows, topped up with filler rows so every rank runs the same number of forwards, as ZeRO-3 needs; the shards are
+    then exchanged). Returns ``(counts [rows] int64, ids [positions, k] int32, log-probabilities [positions, k]
+    float32)``, the positions of row ``i`` after those of rows ``< i``, in the row's order."""
+    from finetune.parallel.layout import layout
+
+    d, lay = cfg.train.distill, layout(cfg)
+    loader = eval_loader(split, collator, cfg.data, cfg.train.micro_batch_size, lay=lay)
+    mine = list(range(lay.dp_rank, len(split), lay.dp))
+    head = unwrap(t).get_output_embeddings()
+    post = logits_transform(t)
+    vocab = min(student_vocab, head.out_features)
+    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    done = 0
+    for batch in loader:
+        batch = to_device(batch, t.device)
+        keep = next_token_targets(batch) != -100
+        inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
+        rows = teacher_hidden(t, inputs, keep)
+        ids, logps = [], []
+        with _gathered([p for p in (head.weight, head.bias) if p is not None]):
+            for start in range(0, rows.shape[0], chunk_tokens(head.out_features)):
+                z = F.linear(rows[start:start + chunk_tokens(head.out_features)].to(head.weight.dtype), head.weight,
+                             head.bias).float()
+                i, v = top_k(post[1](z) if post is not None else z, d.cache_top_k, d.temperature, vocab)
+                ids.append(i.cpu())
+                logps.append(v.cpu())
+        ids_b = torch.cat(ids) if ids else torch.zeros((0, min(d.cache_top_k, vocab)), dtype=torch.int32)
+        logps_b = torch.cat(logps) if logps else torch.zeros(ids_b.shape)
+        start = 0
+        for j, n in enumerate(keep.sum(1).tolist()):
+            if done + j < len(mine):
+                got[mine[done + j]] = (ids_b[start:start + n].numpy(), logps_b[start:start + n].numpy())
+            start += n
+        done += keep.shape[0]
+    every = {}
+    for part in dist_utils.all_gather_object(got):
+        every.update(part)
+    counts = np.array([len(every[i][0]) for i in range(len(split))], dtype=np.int64)
+    width = min(d.cache_top_k, vocab)
+    return (counts, np.concatenate([every[i][0] for i in range(len(split))] or [np.zeros((0, width), np.int32)]),
+            np.concatenate([every[i][1] for i in range(len(split))] or [np.zeros((0, width), np.float32)]))
+
+
+def attach_top_k(engine, t, data, cfg: RunConfig):
+    """The training split with :data:`TOPK_ROW` and the collator holding the teacher's top-k of its rows
+    (:func:`teacher_top_k`), computed once per tokenized split, teacher and settings and cached in
+    ``<cache>/teacher/distill-train-<key>.npz`` (:func:`top_k_key`), else read from there; all ranks call it."""
+    from finetune.engine.ds_config import engine_precision
+
+    split = data.splits.train
+    student_vocab = unwrap(engine).get_output_embeddings().out_features
+    folder = default_cache_dir(cfg.data) / "teacher"
+    path = folder / f"distill-train-{top_k_key(cfg, split, engine_precision(engine), student_vocab)}.npz"
+    start = time.monotonic()
+    if not dist_utils.any_rank(not path.is_file(), engine.device):
+        with np.load(path) as f:
+            counts, ids, logps = f["counts"], f["ids"], f["logps"]
+        logger.info(f"distill: the teacher's top-{cfg.train.distill.cache_top_k} of {len(ids):,} trained tokens "
+                    f"reused ({path})")
+    else:
+        counts, ids, logps = teacher_top_k(t, split, data.collator, cfg, student_vocab)
+        if dist_utils.local_rank() == 0:  # every node's cache (a shared one is written atomically twice)
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                np.savez(f, counts=counts, ids=ids, logps=logps)
+            os.replace(tmp, path)
+        dist_utils.barrier()
+        logger.info(f"distill: the teacher's top-{cfg.train.distill.cache_top_k} of {len(ids):,} trained tokens "
+                    f"computed in {time.monotonic() - start:.1f} s (saved to {path})")
+    collator = data.collator
+    collator.top_k = (np.concatenate([[0], np.cumsum(counts)]), torch.from_numpy(ids), torch.from_numpy(logps))
+    splits = dataclasses.replace(data.splits, train=split.add_column(TOPK_ROW, list(range(len(split)))))
+    return with_splits(splits, collator, cfg)
 
 
 def describe(d: DistillConfig) -> str:
@@ -295,21 +404,29 @@ def distill_loss(model, batch: dict, d: DistillConfig, t) -> tuple[torch.Tensor,
     targets = next_token_targets(batch)
     keep = targets != -100
     inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
-    with torch.no_grad():
-        rows_t = teacher_hidden(t, inputs, keep)
     head = find_head(model)
     if type(head) is not torch.nn.Linear or "forward" in vars(head):
         raise RuntimeError(f"distill: the student's output head is {type(head).__module__}.{type(head).__qualname__}"
                            f", not a plain torch.nn.Linear (LoRA on lm_head?); leave lm_head out of "
                            f"model.lora.target_modules")
-    t_head, t_logits = _teacher_logits(t, rows_t)
+    if "teacher_topk_ids" in batch:  # the cached top-k: no teacher forward
+        cached = (batch["teacher_topk_ids"].long(), batch["teacher_topk_logps"])
+        t_params, vocab = [], head.out_features
+
+        def t_logits(start: int, end: int):
+            return cached[0][start:end], cached[1][start:end]
+    else:
+        with torch.no_grad():
+            rows_t = teacher_hidden(t, inputs, keep)
+        t_head, t_logits = _teacher_logits(t, rows_t)
+        t_params, vocab = [p for p in (t_head.weight, t_head.bias) if p is not None], max(head.out_features,
+                                                                                            t_head.out_features)
     post = logits_transform(model)
-    vocab = max(head.out_features, t_head.out_features)
     stats: dict = {}
     state = SimpleNamespace(loss=None)
 
     def forward(hidden, *args, **kwargs):
-        with _gathered([p for p in (t_head.weight, t_head.bias) if p is not None]):
+        with _gathered(t_params):
             state.loss = DistillHead.apply(hidden[keep], head.weight, head.bias, targets[keep], t_logits, d,
                                            post[1] if post else None, max(1, chunk_tokens(vocab) // 2), stats,
                                            torch.is_grad_enabled())
@@ -443,12 +560,19 @@ class SeededCollator:
 
     def __init__(self, inner):
         self.inner = inner
+        self.top_k = None  # (offsets [rows + 1], ids [positions, k], log-probabilities): attach_top_k sets it
 
     def __call__(self, rows: list[dict]) -> dict:
         seeds = [r.get("_seed") for r in rows]
-        batch = self.inner([{k: v for k, v in r.items() if k != "_seed"} for r in rows])
+        cached = [r.get(TOPK_ROW) for r in rows]
+        batch = self.inner([{k: v for k, v in r.items() if k not in ("_seed", TOPK_ROW)} for r in rows])
         if None not in seeds:  # rows without seeds (the export check's own batches): none
             batch["row_seeds"] = torch.tensor(seeds, dtype=torch.long)
+        if self.top_k is not None and None not in cached:  # the training split's rows, in the batch's order
+            offsets, ids, logps = self.top_k
+            parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in cached]
+            batch["teacher_topk_ids"] = torch.cat([ids[p] for p in parts])
+            batch["teacher_topk_logps"] = torch.cat([logps[p] for p in parts])
         return batch
 
 
@@ -487,6 +611,11 @@ def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
     elif d.on_policy_fraction > 0 and cfg.data.packing:
         problems.append("train.distill.on_policy_fraction: on-policy rows need one example per row; set "
                         "data.packing=false")
+    if d.cache_top_k < 0:
+        problems.append(f"train.distill.cache_top_k: must be >= 0 (0: off), got {d.cache_top_k}")
+    elif d.cache_top_k and d.on_policy_fraction > 0:
+        problems.append("train.distill.cache_top_k: the cache holds the teacher on the data's own responses; "
+                        "on-policy rows are new every step: set train.distill.cache_top_k=0 or on_policy_fraction=0")
     if d.max_completion_length < 1 or d.top_k < 0 or not 0 < d.top_p <= 1:
         problems.append(f"train.distill: max_completion_length must be >= 1, top_k >= 0 and top_p in (0, 1], got "
                         f"{d.max_completion_length}, {d.top_k}, {d.top_p}")
