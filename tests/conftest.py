@@ -33,7 +33,35 @@ def free_port() -> int:
     return pick(FREE_PORTS[0] + index * share, FREE_PORTS[0] + (index + 1) * share)
 
 
+def distill_teacher_stand_in() -> Path:
+    """The shipped distillation chain's teacher (``sft_gsm8k.yaml`` grown to 4 layers, hidden 128: what its export
+    holds) with seeded random weights and the GPT-2 tokenizer, written once per machine to the temp folder (atomically:
+    pytest-xdist workers may race) for the shipped-config checks on a clean clone."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "finetune-tests" / "distill-teacher-v1"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent.mkdir(parents=True, exist_ok=True) or folder.parent))
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    config.update(dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, head_dim=32))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    for f in (REPO / "data" / "models" / "tiny-gpt2").iterdir():
+        shutil.copy(f, tmp / f.name)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another worker's is there
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
 EXPORT_STAND_INS = {
+    "distill_gsm8k.yaml": [f"train.distill.teacher={distill_teacher_stand_in()}"],
     "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
                         "model.tokenizer_path=data/models/tiny-gpt2"],
     "grpo_guess_number.yaml": [
@@ -43,7 +71,8 @@ EXPORT_STAND_INS = {
     "grpo_digits.yaml": ["model.path=data/models/tiny-smolvlm", "model.init=scratch"],
 }
 """Overrides for the shipped configs that start from an SFT run's export (the two-command chains), which a clean
-clone does not have: the model each export is built from, from scratch."""
+clone does not have: the model each export is built from, from scratch (a distillation's teacher: a stand-in with
+weights)."""
 
 
 def shm_buffers() -> set[str]:

@@ -259,3 +259,22 @@ def test_the_cached_top_k_equals_the_teacher_at_the_whole_vocabulary(teacher):
             assert abs(small - exact) / exact > 1e-3
     finally:
         distill._TEACHER.clear()
+
+
+def test_plan_counts_the_teacher_beside_the_student(teacher):
+    """``finetune plan``: the teacher's weights (fp32, 4 bytes a parameter; partitioned under ZeRO 3) are in the
+    params column and the header names it; its forward adds to the activations; no gradients or optimizer states."""
+    from finetune.config import load_run_config
+    from finetune.preflight import plan
+
+    with_teacher = load_run_config(CONFIG, [f"train.distill.teacher={teacher}"])
+    text, options, _ = plan.make_plan(with_teacher, 2, 1, 80 * 2**30, None)
+    _, alone, _ = plan.make_plan(load_run_config(CONFIG, ["train.distill.teacher="]), 2, 1, 80 * 2**30, None)
+    assert f"frozen beside it (no gradients or optimizer states): {teacher} (1,036,704 parameters)" in text
+    for e, a in zip(options, alone):
+        stage3 = e.stage == 3
+        # ZeRO 3: half of the weights per rank plus the largest layer, gathered (the 8,200 x 96 embedding)
+        assert e.gpu["parameters"] - a.gpu["parameters"] == (1_036_704 * 4 / 2 + 8_200 * 96 * 4 if stage3
+                                                             else 1_036_704 * 4), e.name
+        assert e.gpu["activations"] > a.gpu["activations"]
+        assert (e.gpu["gradients"], e.gpu["Adam moments (fp32)"]) == (a.gpu["gradients"], a.gpu["Adam moments (fp32)"])

@@ -61,6 +61,9 @@ no GPU). For each option it adds up, per rank:
   ``generate`` call per rank holds the sequences of all the step's ``gradient_accumulation_steps`` micro batches
   (their KV cache and the prefill's working set, :func:`generation_bytes`), and under ZeRO 3 the whole model gathered
   next to the rank's partition; the activations column holds the larger of that and training.
+* **Frozen models** the recipe runs beside the trained one (``Recipe.frozen_models``, ``distill``'s teacher): their
+  weights in the params column (``w`` bytes a parameter; under ZeRO 3 ``/ W`` plus their largest layer), no
+  gradients or optimizer states, and their forward without gradients in the activations (:func:`frozen_bytes`).
 * **CPU RAM per node** also holds each rank's copy of the model while it is loaded (fp32, ``4N``; under ZeRO 3
   ``zero.Init`` builds it partitioned: one layer), as in DeepSpeed's estimators.
 
@@ -185,6 +188,19 @@ class ModelShape:
     model, or no processor to ask."""
     image_size: str = ""
     """The image size ``image_tokens`` was measured at (``WxH``)."""
+    frozen_params: int = 0
+    """Parameters of the models the recipe runs beside the trained one without training them (``Recipe.frozen_models``;
+    ``distill``'s teacher): their weights only (no gradients, no optimizer states), partitioned under ZeRO-3."""
+    frozen_largest: int = 0
+    """The largest layer of those models (what ZeRO-3 gathers at once)."""
+    frozen_hidden: int = 0
+    """Their hidden size (the widest), for their forward's working set."""
+    frozen_intermediate: int = 0
+    """Their MLP's intermediate size (the widest)."""
+    frozen_vocab: int = 0
+    """Their output heads' size (the largest), for their logits, one chunk at a time."""
+    frozen_names: str = ""
+    """Where they were read from, for the plan's header."""
     generation_micro_batches: int = 1
     """Micro batches whose rows one generation holds at once: ``train.gradient_accumulation_steps`` (``grpo`` joins
     the step's micro batches into one ``generate`` call per rank, ``grpo.join_prompts``)."""
@@ -275,7 +291,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     dropout = any(isinstance(v, float) and v > 0 for k, v in config.to_dict().items()
                   if "dropout" in k or k.endswith("_pdrop"))
     per_row = recipe.capabilities.one_target_per_row
-    return ModelShape(model_type=config.model_type, params=params, largest_layer=largest,
+    frozen = frozen_shape(recipe.frozen_models(cfg))
+    return ModelShape(**frozen, model_type=config.model_type, params=params, largest_layer=largest,
                       layers=config.num_hidden_layers, hidden=hidden, intermediate=intermediate,
                       heads=config.num_attention_heads,
                       head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
@@ -295,6 +312,49 @@ def model_shape(cfg: RunConfig) -> ModelShape:
                       expert_params=expert_params, experts=routed.experts if routed else 0,
                       top_k=routed.top_k if routed else 0, aux_loss_coef=routed.aux_loss_coef if routed else 0.0,
                       expert_parallel=cfg.parallel.expert_parallel_size if routed else 1)
+
+
+def frozen_shape(folders: list[str]) -> dict:
+    """:class:`ModelShape`'s ``frozen_*`` fields for the model folders ``folders`` (built on the meta device as causal
+    LMs); a folder without a readable ``config.json`` is left out (named in ``frozen_names``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = dict(frozen_params=0, frozen_largest=0, frozen_hidden=0, frozen_intermediate=0, frozen_vocab=0)
+    names = []
+    for folder in folders:
+        try:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001  (not there yet: a chain's first command writes it)
+            names.append(f"{folder} (not found: not counted)")
+            continue
+        text = config.get_text_config()
+        n = sum(p.numel() for p in model.parameters())
+        names.append(f"{folder} ({n:,} parameters)")
+        out["frozen_params"] += n
+        out["frozen_largest"] = max(out["frozen_largest"], max(sum(p.numel() for p in m.parameters(recurse=False))
+                                                               for m in model.modules()))
+        out["frozen_hidden"] = max(out["frozen_hidden"], text.hidden_size)
+        out["frozen_intermediate"] = max(out["frozen_intermediate"],
+                                         getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+        out["frozen_vocab"] = max(out["frozen_vocab"], text.vocab_size)
+    return {**out, "frozen_names": ", ".join(names)}
+
+
+def frozen_bytes(shape: ModelShape, stage: int, world: int, micro_batch: int, seq_len: int, w: int) -> dict:
+    """What the frozen models (:func:`frozen_shape`) add per rank (bytes): ``weights`` (``w`` bytes a parameter,
+    ``/ world`` plus the largest layer under ZeRO-3) and ``forward``: their forward without gradients, one layer at a
+    time (the residual stream, the normalised input and the attention output, ``3 sbh``, and the MLP's ``3 sbI``),
+    the hidden states kept at the trained positions (``sbh``) and one chunk of their fp32 logits."""
+    if not shape.frozen_params:
+        return {"weights": 0, "forward": 0}
+    sb = micro_batch * seq_len
+    weights = (shape.frozen_params * w / world + shape.frozen_largest * w if stage == 3
+               else shape.frozen_params * w)
+    forward = (4 * sb * shape.frozen_hidden + 3 * sb * shape.frozen_intermediate) * w \
+        + min(sb, chunk_tokens(shape.frozen_vocab)) * shape.frozen_vocab * 4
+    return {"weights": int(weights), "forward": int(forward)}
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, act_bytes: int,
@@ -424,6 +484,9 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
     if offload:
         e.nvme = {k.replace("(offloaded)", "(nvme offload)"): v for k, v in e.cpu.items()}
     e.gpu.update(activation_bytes(shape, micro_batch * shape.sequences_per_row, seq_len, w, checkpointing))
+    frozen = frozen_bytes(shape, stage, world, micro_batch * shape.sequences_per_row, seq_len, w)
+    e.gpu["parameters"] += frozen["weights"]  # a teacher: weights only, in the params column
+    e.gpu["activations"] += frozen["forward"]
     if shape.generation is not None:  # generation, before the forward passes: a KV cache, and ZeRO-3 gathers the model
         # ZeRO 3: the whole model gathered (GatheredParameters) next to the rank's partition (on the GPU unless
         # offloaded), instead of the gathered layers of training
@@ -440,7 +503,8 @@ def estimate(shape: ModelShape, ds: dict, stage: int, offload: bool, checkpointi
         buffers = (min(_bucket(ds, "reduce_bucket_size", 5e8), n)
                    + min(_bucket(ds, "stage3_prefetch_bucket_size", 5e7), n)) * w
     e.gpu["DeepSpeed buffers"] = buffers
-    e.cpu["model while loading (fp32)"] = (shape.largest_layer if stage == 3 else n) * 4 * gpus_per_node
+    e.cpu["model while loading (fp32)"] = ((shape.largest_layer + shape.frozen_largest) if stage == 3
+                                           else n + shape.frozen_params) * 4 * gpus_per_node
     return e
 
 
@@ -550,7 +614,9 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
              + (f"; vision tower and projector: {shape.vision_params:,} parameters, counted, their activations not"
                 if shape.vision_params else "")
              + (f"; one {shape.image_size} image: {shape.image_tokens} tokens of a row's data.max_seq_len"
-                if shape.image_tokens else "") + ")",
+                if shape.image_tokens else "")
+             + (f"; frozen beside it (no gradients or optimizer states): {shape.frozen_names}, its weights in params "
+                f"and its forward in activ." if shape.frozen_names else "") + ")",
              f"run: micro batch {cfg.train.micro_batch_size} x seq len {cfg.data.max_seq_len}, precision {precision}, "
              f"{nodes} node(s) x {gpus_per_node} GPU(s) = world size {nodes * gpus_per_node}; GPU memory "
              f"{_fmt(gpu_bytes)} ({int(GPU_HEADROOM * 100)}% kept free)"

@@ -123,6 +123,11 @@ def ignore_state(state) -> None:
     """Default ``load_rank_state``: nothing to restore."""
 
 
+def no_models(cfg: RunConfig) -> list[str]:
+    """Default ``frozen_models``: the recipe runs no model besides the trained one."""
+    return []
+
+
 def every_target(data_cfg: DataConfig) -> float:
     """Default ``target_fraction``: every position is a target."""
     return 1.0
@@ -312,6 +317,10 @@ class Recipe:
     """``(state | None) -> None``: give back what :attr:`rank_state` returned when the checkpoint resumed from was
     saved (None: the checkpoint has none for this rank); called on every rank before the first step of a resumed
     launch. The recipe checks it still fits (same step, same rows) before using it."""
+    frozen_models: Callable[[RunConfig], list[str]] = no_models
+    """``(cfg) -> [model folder]``: models the recipe runs beside the trained one in every step without training
+    them (``distill``: the teacher), for the planner, which counts their weights (partitioned under ZeRO-3) and a
+    forward without gradients. Default: none."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``).

@@ -674,6 +674,11 @@ def rollout_shape(cfg: RunConfig) -> tuple[int, int] | None:
     return (1, cfg.data.max_seq_len + d.max_completion_length) if d.on_policy_fraction > 0 else None
 
 
+def frozen_models(cfg: RunConfig) -> list[str]:
+    """The teacher's folder (for ``finetune plan``)."""
+    return [cfg.train.distill.teacher] if cfg.train.distill.teacher else []
+
+
 RECIPE = Recipe(name="distill", model_class=MODEL_CLASS,
                 capabilities=Capabilities(packs_rows=True, generates_text=True, checks_columns=True, counts_rows=True,
                                           eval_metrics=EVAL_METRICS),
@@ -681,4 +686,4 @@ RECIPE = Recipe(name="distill", model_class=MODEL_CLASS,
                 make_collator=make_collator, forward=forward, count_targets=count_targets, columns=sft.columns,
                 cache_key=sft.cache_key, check_data=check_data, prepare_model_config=sft.prepare_model_config,
                 generation_pairs=sft.generation_pairs, configure=configure, before_training=before_training,
-                before_step=before_step, rollout=rollout_shape)
+                before_step=before_step, rollout=rollout_shape, frozen_models=frozen_models)
