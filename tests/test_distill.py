@@ -277,4 +277,5 @@ def test_plan_counts_the_teacher_beside_the_student(teacher):
         assert e.gpu["parameters"] - a.gpu["parameters"] == (1_036_704 * 4 / 2 + 8_200 * 96 * 4 if stage3
                                                              else 1_036_704 * 4), e.name
         assert e.gpu["activations"] > a.gpu["activations"]
-        assert (e.gpu["gradients"], e.gpu["Adam moments (fp32)"]) == (a.gpu["gradients"], a.gpu["Adam moments (fp32)"])
+        adam = "Adam moments (fp32)"
+        assert e.gpu["gradients"] == a.gpu["gradients"] and e.gpu.get(adam) == a.gpu.get(adam)
