@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, launch, launch_problems, ok, read_metrics
+from conftest import REPO, check_here, launch, launch_problems, ok, read_metrics
 from parity_reference import reference_run
 
 CONFIG = REPO / "tests" / "configs" / "parity_distill.yaml"
@@ -195,10 +195,13 @@ def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cach
     assert list(resumed) == [3] and resumed[3] == pytest.approx(_logged(out, "train/loss")[2], rel=1e-6)
 
 
-def test_bad_teacher_settings_are_one_line_each_before_any_model(tmp_path, teacher):
+def test_bad_teacher_settings_are_one_line_each_before_any_model(tmp_path, teacher, capsys):
     """In process, the launch's own validation: a missing teacher folder, a teacher with another tokenizer (both
-    named), alpha outside [0, 1], on-policy rows on packed data."""
+    named), alpha outside [0, 1], on-policy rows on packed data; ``--check`` exits 2 with the line."""
     other = write_teacher(tmp_path / "other", vocab=50257, tokenizer=REPO / "data" / "models" / "tiny-gpt2")
+    code, printed = check_here(["--config", CONFIG, f"output_dir={tmp_path / 'out'}", "train.distill.alpha=-0.5",
+                                f"train.distill.teacher={teacher}"], capsys)
+    assert code == 2 and "train.distill.alpha: must be in [0, 1]" in printed, printed
 
     def problems(*extra: str) -> list[str]:
         return launch_problems(CONFIG, [f"output_dir={tmp_path / 'out'}", f"train.distill.teacher={teacher}", *extra])
