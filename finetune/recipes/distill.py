@@ -84,7 +84,7 @@ _TEACHER: dict = {}
 """This process's teacher: ``engine`` (the DeepSpeed engine without optimizer), ``built`` (kept alive: its
 ``HfDeepSpeedConfig`` under ZeRO-3), ``path``."""
 
-_NOT_INPUTS = ("row_seeds", "teacher_topk_ids", "teacher_topk_logps")
+_NOT_INPUTS = ("row_seeds", "teacher_topk_ids", "teacher_topk_logps", "on_policy")
 TOPK_ROW = "teacher_topk_row"
 """Column the training split gets with ``train.distill.cache_top_k``: each row's index into the cached arrays."""
 
@@ -458,6 +458,9 @@ def forward(model, batch: dict, metrics: bool = False, settings: DistillConfig |
     loss, s = distill_loss(model, batch, d, t)
     named = {"kd_loss": "kd", "ce_loss": "ce", "entropy": "entropy", "teacher_entropy": "teacher_entropy"}
     out = {name: (s[k], n.to(s[k].device).float()) for name, k in named.items()}
+    if "on_policy" in batch:  # with on-policy rows: their share of the rows
+        flags = batch["on_policy"].float()
+        out["on_policy_rows"] = (flags.sum(), torch.tensor(float(len(flags)), device=flags.device))
     if metrics:
         out["teacher_loss"] = (s["teacher_ce"], n.to(s["teacher_ce"].device).float())
         return LossOutput(s["ce"].to(loss.device), n, out)
@@ -495,16 +498,18 @@ def _prompt(batch: dict, i: int) -> tuple[list[int], list[int], list[int]]:
     return ids[:first], ids, labels
 
 
-def collate_rows(rows: list[tuple[list[int], list[int]]], pad: int, row_seeds: torch.Tensor) -> dict:
+def collate_rows(rows: list[tuple[list[int], list[int]]], pad: int, row_seeds: torch.Tensor,
+                 on_policy: list[bool]) -> dict:
     """Right-padded micro-batch of ``(ids, labels)`` rows: ``input_ids``, ``attention_mask``, ``labels`` (-100 on
-    padding), ``row_seeds``."""
+    padding), ``row_seeds``, ``on_policy`` (bool ``[rows]``: the row is a sampled completion)."""
     width = max(len(ids) for ids, _ in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
     for i, (x, y) in enumerate(rows):
         ids[i, :len(x)], mask[i, :len(x)], labels[i, :len(y)] = torch.tensor(x), 1, torch.tensor(y)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "row_seeds": row_seeds}
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "row_seeds": row_seeds,
+            "on_policy": torch.tensor(on_policy, dtype=torch.bool)}
 
 
 def sample_completions(engine, micro: list[dict], cfg: RunConfig, step: int) -> list[dict]:
@@ -519,7 +524,7 @@ def sample_completions(engine, micro: list[dict], cfg: RunConfig, step: int) -> 
     chosen = [(b, i) for b, batch in enumerate(micro) for i, s in enumerate(batch["row_seeds"].tolist())
               if on_policy(s, d.on_policy_fraction)]
     if not dist_utils.any_rank(bool(chosen), engine.device):
-        return micro
+        return [{**b, "on_policy": torch.zeros(len(b["row_seeds"]), dtype=torch.bool)} for b in micro]
     g = _sampling(d)
     asked = chosen or [(0, 0)]  # ZeRO-3 lockstep: every rank generates
     prompts = [_prompt(micro[b], i)[0] for b, i in asked]
@@ -533,12 +538,13 @@ def sample_completions(engine, micro: list[dict], cfg: RunConfig, step: int) -> 
     completions = {key: c["completion_ids"][j, :int(c["lengths"][j])].tolist() for j, key in enumerate(chosen)}
     out = []
     for b, batch_b in enumerate(micro):
-        rows = []
+        rows, sampled = [], []
         for i in range(batch_b["input_ids"].shape[0]):
             prompt, ids, labels = _prompt(batch_b, i)
             done = completions.get((b, i))
             rows.append((ids, labels) if done is None else (prompt + done, [-100] * len(prompt) + done))
-        out.append(collate_rows(rows, tok.pad_token_id, batch_b["row_seeds"]))
+            sampled.append(done is not None)
+        out.append(collate_rows(rows, tok.pad_token_id, batch_b["row_seeds"], sampled))
     return out
 
 
