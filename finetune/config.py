@@ -319,7 +319,7 @@ class DistillConfig:
     gather_for_generation: bool = True
     """ZeRO-3: gather the student's weights on every rank for the on-policy generation (as ``train.grpo.gather_for_generation``); false: generate layer by layer with ``synced_gpus``."""
     cache_top_k: int = 0
-    """Offline only: compute the teacher's ``k`` most likely next tokens and their log-probabilities (at ``temperature``) at every trained position of the training split once, before training, cached on disk (``<data.cache_dir>/teacher/``, keyed by the tokenized split, the teacher's files, ``k``, ``temperature``, the student's vocabulary size and the precision, as ``dpo``'s reference cache) and reused by later runs; training then runs no teacher forward, and the divergence compares both distributions renormalised over those ``k`` tokens (exact when ``k`` is the vocabulary size). Costs ``8 k`` bytes of memory per trained token of the split. Evaluation still runs the teacher. 0: off."""
+    """Offline only: compute the teacher's ``k`` most likely next tokens and their log-probabilities (at ``temperature``) at every trained position of the training split once, before training, cached on disk (``<data.cache_dir>/teacher/``, keyed by the tokenized split, the teacher's files, ``k``, ``temperature``, the student's vocabulary size and the precision, as ``dpo``'s reference cache) and reused by later runs; training then runs no teacher forward, and both models are compared on those ``k`` ids plus one bucket holding the rest of each one's probability (exact when ``k`` is the vocabulary size). Costs ``8 k`` bytes of memory per trained token of the split. Evaluation still runs the teacher. 0: off."""
 
 
 @dataclass

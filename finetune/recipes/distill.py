@@ -279,8 +279,8 @@ def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillCo
 
     Args:
         u: ``[n, V_s]`` the student head's output (fp32, before the model's logit transform ``post``).
-        zt: ``[n, V_t]`` the teacher's logits (fp32, transformed), or a pair ``(ids [n, k] int64, log-probabilities
-            [n, k])``: a top-k slice of the teacher's distribution, on whose support both distributions are compared.
+        zt: ``[n, V_t]`` the teacher's logits (fp32, transformed), or ``(ids [n, k] int64, log-probabilities [n, k],
+            common vocabulary size)``: the teacher's top-k (:func:`rebuild_teacher`).
         y: ``[n]`` int64 the row's own next tokens.
         d: ``train.distill``.
         post: the student's logit transform (:func:`finetune.recipes.lm_loss.logits_transform`), or None.
@@ -292,9 +292,8 @@ def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillCo
     zs = post(u) if post is not None else u
     ce = F.cross_entropy(zs, y, reduction="none")
     if isinstance(zt, tuple):
-        ids, tl = zt
-        ls = torch.log_softmax(zs.gather(1, ids) / d.temperature, dim=-1)
-        lt = torch.log_softmax(tl.float(), dim=-1)
+        ids, tl, v = zt
+        ls, lt = top_k_buckets(torch.log_softmax(zs[:, :v] / d.temperature, dim=-1), ids, tl.float())
         teacher_ce = torch.full_like(ce, float("nan"))
     else:
         v = min(zs.shape[-1], zt.shape[-1])
@@ -307,6 +306,23 @@ def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillCo
         teacher_entropy = -(lt.exp() * lt).sum(-1)
     return {"loss": d.alpha * kd + (1 - d.alpha) * ce, "kd": kd, "ce": ce, "entropy": entropy,
             "teacher_entropy": teacher_entropy, "teacher_ce": teacher_ce}
+
+
+def top_k_buckets(ls: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both distributions on the teacher's top-k ids plus one bucket for every other id: ``(student, teacher)``
+    log-probabilities ``[n, k + 1]`` from the student's ``ls`` (``[n, V]``, normalised over the whole vocabulary) and
+    the teacher's top-k (``ids`` ``[n, k]`` int64, ``logps`` ``[n, k]`` over its whole vocabulary); each bucket holds
+    the rest of its model's probability. A divergence of these is at most the whole one (merging outcomes never
+    increases an f-divergence) and equal to it when ``k`` is the vocabulary size (then there is no bucket); its gradient moves the student's
+    mass outside the teacher's top-k as a whole towards the teacher's, shared in the student's own proportions."""
+    mine = ls.gather(1, ids)
+    if ids.shape[1] >= ls.shape[1]:  # the whole vocabulary: no bucket (its mass is rounding)
+        return mine, logps
+
+    def rest(lp: torch.Tensor) -> torch.Tensor:
+        return torch.log((1 - lp.exp().sum(-1, keepdim=True)).clamp_min(1e-30))
+
+    return torch.cat([mine, rest(mine)], dim=-1), torch.cat([logps, rest(logps)], dim=-1)
 
 
 def divergence(ls: torch.Tensor, lt: torch.Tensor, loss: str, beta: float) -> torch.Tensor:
@@ -411,10 +427,11 @@ def distill_loss(model, batch: dict, d: DistillConfig, t) -> tuple[torch.Tensor,
                            f"model.lora.target_modules")
     if "teacher_topk_ids" in batch:  # the cached top-k: no teacher forward
         cached = (batch["teacher_topk_ids"].long(), batch["teacher_topk_logps"])
+        common = min(head.out_features, unwrap(t).get_output_embeddings().out_features)
         t_params, vocab = [], head.out_features
 
         def t_logits(start: int, end: int):
-            return cached[0][start:end], cached[1][start:end]
+            return cached[0][start:end], cached[1][start:end], common
     else:
         with torch.no_grad():
             rows_t = teacher_hidden(t, inputs, keep)
