@@ -43,7 +43,8 @@ stage, the weights gathered once per step under ZeRO-3), seeded by the step and 
 samples the same completions; the completion, its EOS included, is what trains.
 
 Metrics: ``train/kd_loss`` (mean ``D``), ``train/ce_loss``, ``train/entropy`` and ``train/teacher_entropy`` (mean
-per trained token, nats, at ``temperature``), ``train/on_policy_rows`` (share of rows sampled); evaluation reports the
+per trained token, nats, at ``temperature``), ``train/on_policy_rows`` (share of rows sampled) and
+``train/completions/mean_length`` (tokens per sampled completion, its EOS included); evaluation reports the
 student's cross-entropy as ``eval/loss`` (and perplexity: comparable with ``sft``'s), ``eval/teacher_loss`` (the
 teacher's on the same tokens), ``eval/kd_loss``, ``eval/entropy``, ``eval/teacher_entropy``. ``finetune evaluate``
 of an export (no teacher) reports the student's cross-entropy alone.
@@ -478,6 +479,8 @@ def forward(model, batch: dict, metrics: bool = False, settings: DistillConfig |
     if "on_policy" in batch:  # with on-policy rows: their share of the rows
         flags = batch["on_policy"].float()
         out["on_policy_rows"] = (flags.sum(), torch.tensor(float(len(flags)), device=flags.device))
+        trained = (batch["labels"][:, 1:] != -100).sum(1).float()  # a sampled row trains its completion and EOS
+        out["completions/mean_length"] = ((trained * flags).sum(), flags.sum())
     if metrics:
         out["teacher_loss"] = (s["teacher_ce"], n.to(s["teacher_ce"].device).float())
         return LossOutput(s["ce"].to(loss.device), n, out)
