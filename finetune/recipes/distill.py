@@ -291,22 +291,26 @@ def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillCo
         ``teacher_ce`` (NaN for a top-k teacher).
     """
     zs = post(u) if post is not None else u
-    ce = F.cross_entropy(zs, y, reduction="none")
+    v = zt[2] if isinstance(zt, tuple) else min(zs.shape[-1], zt.shape[-1])
+    whole = torch.log_softmax(zs[:, :v] / d.temperature, dim=-1)
+    if d.temperature == 1 and v == zs.shape[-1]:  # the cross-entropy's log-softmax is the divergence's
+        ce = -whole.gather(1, y[:, None]).squeeze(1)
+    else:
+        ce = F.cross_entropy(zs, y, reduction="none")
     if isinstance(zt, tuple):
-        ids, tl, v = zt
-        ls, lt = top_k_buckets(torch.log_softmax(zs[:, :v] / d.temperature, dim=-1), ids, tl.float())
+        ls, lt = top_k_buckets(whole, zt[0], zt[1].float())
         teacher_ce = torch.full_like(ce, float("nan"))
     else:
-        v = min(zs.shape[-1], zt.shape[-1])
-        ls = torch.log_softmax(zs[:, :v] / d.temperature, dim=-1)
+        ls = whole
         lt = torch.log_softmax(zt[:, :v] / d.temperature, dim=-1)
         teacher_ce = F.cross_entropy(zt, y, reduction="none").detach()
-    kd = divergence(ls, lt, d.loss, d.beta)
+    ps, pt = ls.exp(), lt.exp()
+    kd = divergence(ls, lt, d.loss, d.beta, ps, pt)
     with torch.no_grad():
-        entropy = -(ls.exp() * ls).sum(-1)
-        teacher_entropy = -(lt.exp() * lt).sum(-1)
-    return {"loss": d.alpha * kd + (1 - d.alpha) * ce, "kd": kd, "ce": ce, "entropy": entropy,
-            "teacher_entropy": teacher_entropy, "teacher_ce": teacher_ce}
+        entropy = -(ps * ls).sum(-1)
+        teacher_entropy = -(pt * lt).sum(-1)
+    return {"loss": d.alpha * kd + (1 - d.alpha) * ce if d.alpha < 1 else kd, "kd": kd, "ce": ce.detach(),
+            "entropy": entropy, "teacher_entropy": teacher_entropy, "teacher_ce": teacher_ce}
 
 
 def top_k_buckets(ls: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,19 +330,34 @@ def top_k_buckets(ls: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor) -> t
     return torch.cat([mine, rest(mine)], dim=-1), torch.cat([logps, rest(logps)], dim=-1)
 
 
-def divergence(ls: torch.Tensor, lt: torch.Tensor, loss: str, beta: float) -> torch.Tensor:
+def divergence(ls: torch.Tensor, lt: torch.Tensor, loss: str, beta: float, ps: torch.Tensor | None = None,
+               pt: torch.Tensor | None = None) -> torch.Tensor:
     """``[n]`` divergence per row between the student's and the teacher's log-probabilities ``ls``, ``lt``
     (``[n, V]``, each normalised over the same support): ``forward_kl`` KL(t || s), ``reverse_kl`` KL(s || t), ``jsd``
     the generalized JSD with ``beta`` (mixture ``(1 - beta) p_s + beta p_t``; TRL's ``DistillationTrainer``)."""
+    ps = ls.exp() if ps is None else ps
+    pt = lt.exp() if pt is None else pt
     if loss == "forward_kl":
-        return (lt.exp() * (lt - ls)).sum(-1)
+        return (pt * (lt - ls)).sum(-1)
     if loss == "reverse_kl":
-        return (ls.exp() * (ls - lt)).sum(-1)
+        return (ps * (ls - lt)).sum(-1)
     lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
-    return beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    return beta * (pt * (lt - lm)).sum(-1) + (1 - beta) * (ps * (ls - lm)).sum(-1)
 
 
 _STATS = ("loss", "kd", "ce", "entropy", "teacher_entropy", "teacher_ce")
+
+CHUNK_ELEMENTS = 2**20
+"""Elements of one ``[rows, vocabulary]`` fp32 tensor of :class:`DistillHead`'s chunk (4 MiB): a chunk holds about a
+dozen of them at once (both models' logits and log-probabilities, probabilities, the divergence's terms and their
+gradient), so the chunk is 16 times smaller than the cross-entropy's (:data:`finetune.recipes.lm_loss.
+LOGITS_CHUNK_ELEMENTS`), and at least 32 rows."""
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows per :class:`DistillHead` chunk for a vocabulary of ``vocab``: :data:`CHUNK_ELEMENTS` / ``vocab``, at
+    least 32."""
+    return max(32, CHUNK_ELEMENTS // max(int(vocab), 1))
 
 
 class DistillHead(torch.autograd.Function):
@@ -446,7 +465,7 @@ def distill_loss(model, batch: dict, d: DistillConfig, t) -> tuple[torch.Tensor,
     def forward(hidden, *args, **kwargs):
         with _gathered(t_params):
             state.loss = DistillHead.apply(hidden[keep], head.weight, head.bias, targets[keep], t_logits, d,
-                                           post[1] if post else None, max(1, chunk_tokens(vocab) // 2), stats,
+                                           post[1] if post else None, chunk_rows(vocab), stats,
                                            torch.is_grad_enabled())
         return state.loss
 
