@@ -318,8 +318,9 @@ def top_k_buckets(ls: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor) -> t
     log-probabilities ``[n, k + 1]`` from the student's ``ls`` (``[n, V]``, normalised over the whole vocabulary) and
     the teacher's top-k (``ids`` ``[n, k]`` int64, ``logps`` ``[n, k]`` over its whole vocabulary); each bucket holds
     the rest of its model's probability. A divergence of these is at most the whole one (merging outcomes never
-    increases an f-divergence) and equal to it when ``k`` is the vocabulary size (then there is no bucket); its gradient moves the student's
-    mass outside the teacher's top-k as a whole towards the teacher's, shared in the student's own proportions."""
+    increases an f-divergence) and equal to it when ``k`` is the vocabulary size (then there is no bucket); its
+    gradient moves the student's mass outside the teacher's top-k as a whole towards the teacher's, shared in the
+    student's own proportions."""
     mine = ls.gather(1, ids)
     if ids.shape[1] >= ls.shape[1]:  # the whole vocabulary: no bucket (its mass is rounding)
         return mine, logps
