@@ -313,6 +313,50 @@ def token_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillCo
             "entropy": entropy, "teacher_entropy": teacher_entropy, "teacher_ce": teacher_ce}
 
 
+@torch.no_grad()
+def closed_form_terms(u: torch.Tensor, zt: torch.Tensor, y: torch.Tensor, d: DistillConfig,
+                      grad: bool) -> tuple[dict, torch.Tensor | None]:
+    """:func:`token_terms` of a student without a logit transform against the teacher's logits, with the loss's
+    gradient with respect to ``u`` in closed form (no autograd graph: the chunk's forward and backward in one pass, as
+    TRL's chunked-divergence kernel and Liger's fused losses do). With ``s = u / T``, ``p_s = softmax(s)``:
+    ``forward_kl``: ``dD/ds = p_s - p_t``; ``reverse_kl``: ``p_s (log p_s - log p_t - D)``; ``jsd``:
+    ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))``; ``dD/du = dD/ds / T`` on the compared ids; the
+    cross-entropy's ``softmax(u) - onehot(y)``. Returns ``(terms, [n, V_s] fp32 gradient or None)``."""
+    t, beta = d.temperature, d.beta
+    v = min(u.shape[-1], zt.shape[-1])
+    ls = torch.log_softmax(u[:, :v] / t, dim=-1)
+    lt = torch.log_softmax(zt[:, :v] / t, dim=-1)
+    ps, pt = ls.exp(), lt.exp()
+    if d.loss == "forward_kl":
+        kd = (pt * (lt - ls)).sum(-1)
+        g_s = ps - pt if grad else None
+    elif d.loss == "reverse_kl":
+        r = ls - lt
+        kd = (ps * r).sum(-1)
+        g_s = ps * (r - kd[:, None]) if grad else None
+    else:
+        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+        a = ls - lm
+        kl_s = (ps * a).sum(-1)
+        kd = beta * (pt * (lt - lm)).sum(-1) + (1 - beta) * kl_s
+        g_s = (1 - beta) * ps * (a - kl_s[:, None]) if grad else None
+    whole = ls if t == 1 and v == u.shape[-1] else torch.log_softmax(u, dim=-1)
+    ce = -whole.gather(1, y[:, None]).squeeze(1)
+    teacher_ce = (-lt.gather(1, y[:, None]).squeeze(1) if t == 1 and v == zt.shape[-1]
+                  else F.cross_entropy(zt, y, reduction="none"))
+    terms = {"loss": d.alpha * kd + (1 - d.alpha) * ce, "kd": kd, "ce": ce, "entropy": -(ps * ls).sum(-1),
+             "teacher_entropy": -(pt * lt).sum(-1), "teacher_ce": teacher_ce}
+    if not grad:
+        return terms, None
+    g = torch.zeros_like(u)
+    g[:, :v] = g_s * (d.alpha / t)
+    if d.alpha < 1:
+        soft = whole.exp() if whole is not ls else ps
+        g[:, :soft.shape[-1]] += (1 - d.alpha) * soft
+        g[torch.arange(len(y), device=y.device), y] -= 1 - d.alpha
+    return terms, g
+
+
 def top_k_buckets(ls: torch.Tensor, ids: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Both distributions on the teacher's top-k ids plus one bucket for every other id: ``(student, teacher)``
     log-probabilities ``[n, k + 1]`` from the student's ``ls`` (``[n, V]``, normalised over the whole vocabulary) and
@@ -383,14 +427,19 @@ class DistillHead(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, y = hidden[start:start + chunk], targets[start:start + chunk]
             zt = teacher(start, start + len(y))
-            u = F.linear(h, weight, bias).float().detach().requires_grad_(need_h or need_w or need_b)
-            with torch.enable_grad() if u.requires_grad else torch.no_grad():
-                terms = token_terms(u, zt, y, d, post)
-                if u.requires_grad:
-                    (g,) = torch.autograd.grad(terms["loss"].sum(), u)
+            wants = need_h or need_w or need_b
+            u = F.linear(h, weight, bias).float().detach()
+            if post is None and not isinstance(zt, tuple):  # the common case: gradients in closed form
+                terms, g = closed_form_terms(u, zt, y, d, wants)
+            else:  # a logit transform or the cached top-k: autograd on the chunk
+                u.requires_grad_(wants)
+                with torch.enable_grad() if wants else torch.no_grad():
+                    terms = token_terms(u, zt, y, d, post)
+                    if wants:
+                        (g,) = torch.autograd.grad(terms["loss"].sum(), u)
             for k in _STATS:
                 sums[k] += terms[k].detach().double().sum()
-            if u.requires_grad:
+            if wants:
                 if need_h:
                     grad_h[start:start + chunk] = g.to(weight.dtype) @ weight
                 if need_w:
