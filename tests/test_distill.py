@@ -42,6 +42,18 @@ def teacher(tmp_path_factory) -> Path:
     return write_teacher(tmp_path_factory.mktemp("teacher"))
 
 
+def models(teacher: Path, seed: int):
+    """``(student, teacher)`` in process: the tiny Llama on the 8,192-token BPE from scratch (seeded) and the teacher
+    folder's model in eval mode."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    config.update(dict(vocab_size=8192, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config), AutoModelForCausalLM.from_pretrained(teacher).eval()
+
+
 def textbook_loss(teacher_model, d):
     """``(model, batch) -> loss sum`` from both models' full logits: ``alpha D + (1 - alpha) CE`` per trained token
     (``D`` over the first ``min(V_s, V_t)`` logits at ``d.temperature``), summed; written out from the definitions,
@@ -77,16 +89,11 @@ def test_the_loss_and_its_gradients_are_the_textbook_ones_of_the_full_logits(tea
     the trained positions only, gradients in the forward pass, several chunks) equals :func:`textbook_loss` and its
     gradients autograd's, for each divergence, at temperature 2 and alpha 0.7; the teacher's head has 8 more rows."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.config import DistillConfig
     from finetune.recipes import distill
 
-    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
-    config.update(dict(vocab_size=8192, pad_token_id=0, bos_token_id=0, eos_token_id=0))
-    torch.manual_seed(0)
-    student = AutoModelForCausalLM.from_config(config)
-    t = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    student, t = models(teacher, seed=0)
     ids = torch.randint(1, 8192, (3, 40))
     labels = ids.clone()
     labels[:, :9] = -100
@@ -244,17 +251,12 @@ def test_the_cached_top_k_equals_the_teacher_at_the_whole_vocabulary(teacher):
     teacher's forward when k is the vocabulary size (forward KL and JSD), and differ at a small k (the error stated in
     docs/distillation.md is measured on the shipped chain's trained models)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.config import DistillConfig
     from finetune.recipes import distill
     from finetune.recipes.gpt_clm import next_token_targets
 
-    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
-    config.update(dict(vocab_size=8192, pad_token_id=0, bos_token_id=0, eos_token_id=0))
-    torch.manual_seed(1)
-    student = AutoModelForCausalLM.from_config(config)
-    t = AutoModelForCausalLM.from_pretrained(teacher).eval()
+    student, t = models(teacher, seed=1)
     ids = torch.randint(1, 8192, (2, 24))
     labels = ids.clone()
     labels[:, :6] = -100

@@ -75,7 +75,8 @@ from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, sft
 from finetune.recipes.gpt_clm import count_targets, forward as ce_forward, next_token_targets
-from finetune.recipes.lm_loss import chunk_tokens, find_head, head_output, logits_transform, unwrap
+from finetune.recipes.lm_loss import add_head_gradients, chunk_tokens, find_head, head_output, logits_transform, \
+    unwrap
 
 MODEL_CLASS = AutoModelForCausalLM
 
@@ -440,12 +441,7 @@ class DistillHead(torch.autograd.Function):
             for k in _STATS:
                 sums[k] += terms[k].detach().double().sum()
             if wants:
-                if need_h:
-                    grad_h[start:start + chunk] = g.to(weight.dtype) @ weight
-                if need_w:
-                    grad_w.addmm_(g.t(), h.float())
-                if need_b:
-                    grad_b += g.sum(0)
+                add_head_gradients((grad_h, grad_w, grad_b), g, h, weight, start)
             del u, zt, terms
         stats.update({k: v.float() for k, v in sums.items()})
         ctx.save_for_backward(grad_h, grad_w, grad_b)

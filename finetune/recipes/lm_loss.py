@@ -283,6 +283,21 @@ def fused_head_loss(head: torch.nn.Module, hidden: torch.Tensor, count_correct: 
     return None
 
 
+def add_head_gradients(grads: tuple, logits_grad: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                       start: int) -> None:
+    """Add one chunk's share to a linear head's gradients ``grads`` = ``(input [n, hidden], weight [vocab, hidden]
+    fp32, bias [vocab] fp32)`` (None where not wanted), from the loss's gradient ``logits_grad`` (``[rows, vocab]``
+    fp32) with respect to the logits ``h @ weight.T + bias`` of the chunk's hidden states ``h`` (rows ``start`` on):
+    ``dL/dh = g W``, ``dL/dW += g^T h``, ``dL/db += sum g``."""
+    grad_h, grad_w, grad_b = grads
+    if grad_h is not None:
+        grad_h[start:start + len(h)] = logits_grad.to(weight.dtype) @ weight
+    if grad_w is not None:
+        grad_w.addmm_(logits_grad.t(), h.float())
+    if grad_b is not None:
+        grad_b += logits_grad.sum(0)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias`` against ``targets`` whose gradients are computed in the
     forward pass, chunk by chunk: nothing is recomputed in the backward pass and no ``[rows, vocab]`` logits outlive
@@ -316,12 +331,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss += (total.log() - picked).sum()
             grad /= total  # softmax
             grad[torch.arange(len(y), device=y.device), y] -= 1
-            if need_h:
-                grad_h[start:start + chunk] = grad.to(weight.dtype) @ weight
-            if need_w:
-                grad_w.addmm_(grad.t(), h.float())
-            if need_b:
-                grad_b += grad.sum(0)
+            add_head_gradients((grad_h, grad_w, grad_b), grad, h, weight, start)
             del grad
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
