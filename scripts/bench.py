@@ -88,6 +88,28 @@ each batch's images); ``rows/s`` is samples/s::
 
     python scripts/bench.py --preset vlm_sft --steps 30 --rounds 2
 
+``distill``: on-policy knowledge distillation, the shipped ``distill_gsm8k.yaml`` recipe with every row's response
+replaced by a completion the student samples (``train.distill.on_policy_fraction`` 1: TRL's ``DistillationTrainer``
+is always on-policy), against TRL 1.16's ``DistillationTrainer`` (``scripts/bench_trl.py``: ``trl`` with
+``DistillationConfig``'s defaults, gradient checkpointing on; ``trl_best`` without it and with dropout off; that
+module's docstring names the options that do not apply). The student is the ``dpo_realistic`` shape from scratch (the
+same seeded weights on both sides), the teacher twice its layers and width (:data:`TEACHER_SHAPE`: 12 layers, hidden
+512, intermediate 1,536, 8 query / 4 key-value heads; 42M parameters against the student's 6.8M, so the teacher's
+forward costs about 6 times the student's per token) on the same 8,192-token BPE, written by the benchmark with
+seeded random weights and the tokenizer's files into its output folder (:func:`write_teacher`; ``--teacher
+<folder>``: a trained one of the same vocabulary instead; ``--init-from``: the student's weights). The same prompts
+(the first ``--steps`` x global batch GSM8K questions, tokenized alike: the text with the tokenizer's special
+tokens), 4 prompts per rank, no accumulation, ZeRO-2, one completion of up to 64 tokens per prompt sampled at
+temperature 1 (top-p 1, top-k 0), the generalized JSD with ``beta`` 0.5 at temperature 1 and nothing else in the loss
+(``alpha`` 1: TRL has no cross-entropy term), AdamW at the same learning rate and schedule. Its ``real tok/s`` are
+trained tokens: completion tokens with their EOS (finetune: ``train/completions/mean_length`` x prompts per step;
+TRL: the ``completion_mask`` of each micro-batch ``compute_loss`` trains); ``rows/s`` are prompts/s; ``pos/s`` the
+trained sequences' positions (prompt + completion, pad included). A step's time includes its generation on both
+sides. The summary lines give each side's trained tokens/s, prompts/s, peak MB per rank and final loss, the ratios
+finetune / this, and where a step's time goes (finetune: the logged ``time/<phase>_s``; TRL: its timed methods)::
+
+    python scripts/bench.py --preset distill --steps 10 --skip 2 --rounds 2 --lock /tmp/heavy.lock
+
 The preference presets train one epoch: the training rows are those the steps train (``--steps`` x global batch;
 ``epoch`` in :data:`PRESETS`), so each side's reference pass covers the rows it trains, as in a real one-epoch run.
 
@@ -164,6 +186,7 @@ Usage (from the repository root; CPU ranks unless ``--gpu``)::
     python scripts/bench.py --preset grpo --steps 8 --rounds 2 --lock /tmp/heavy.lock   # finetune vs GRPOTrainer
     python scripts/bench.py --preset grpo --steps 3 --skip 1 --rounds 1 --tiny --no-warm-up   # its smoke run
     python scripts/bench.py --preset grpo_tools --init-from runs/bench_guess_sft/export   # multi-turn, tools
+    python scripts/bench.py --preset distill --steps 10 --skip 2 --rounds 2 --lock /tmp/heavy.lock  # vs TRL
     python scripts/bench.py --gpu --nproc 1 --preset gpt2_medium_clm     # one GPU, bf16 (also bert_large_mlm)
     python scripts/bench.py --preset gpt_clm --optimizer adamw,muon   # finetune[adamw] vs finetune[muon]
     python scripts/bench.py --preset long_context             # longest sequence per contender in 1280 MB per rank
@@ -202,6 +225,16 @@ the tokenizer of ``data/models/gsm8k-bpe-8k`` (its ``<|endoftext|>``, id 0, is B
 REALISTIC_TINY = ("{num_hidden_layers: 1, hidden_size: 64, intermediate_size: 128, num_attention_heads: 4, "
                   "num_key_value_heads: 2, head_dim: 16, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
                   "eos_token_id: 0}")
+
+TEACHER_SHAPE = ("{num_hidden_layers: 12, hidden_size: 512, intermediate_size: 1536, num_attention_heads: 8, "
+                 "num_key_value_heads: 4, head_dim: 64, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
+                 "eos_token_id: 0}")
+"""The ``distill`` preset's teacher: :data:`REALISTIC_SHAPE` with twice its layers, hidden size, intermediate size
+and heads (42M parameters, 4.2M of them the tied embedding), on the same vocabulary."""
+TEACHER_TINY = ("{num_hidden_layers: 2, hidden_size: 128, intermediate_size: 256, num_attention_heads: 4, "
+                "num_key_value_heads: 2, head_dim: 32, vocab_size: 8192, pad_token_id: 0, bos_token_id: 0, "
+                "eos_token_id: 0}")
+"""The teacher of ``--tiny`` runs of the ``distill`` preset (twice :data:`REALISTIC_TINY`)."""
 
 LLAMA_1B = ("{hidden_size: 2048, intermediate_size: 8192, num_hidden_layers: 16, num_attention_heads: 32, "
             "num_key_value_heads: 8, head_dim: 64, vocab_size: 128256, tie_word_embeddings: true, "
@@ -341,6 +374,26 @@ PRESETS: dict[str, dict] = {
                    "contenders": ["finetune", "trl", "trl_best"],
                    "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=24",
                             "train.grpo.max_tool_calling_iterations=1"]},
+    # On-policy distillation: the shipped distill recipe with every row's response sampled by the student (TRL's
+    # DistillationTrainer is always on-policy), the realistic shape from scratch as the student, a teacher of twice
+    # its layers and width (TEACHER_SHAPE; written by main with seeded random weights, or --teacher), 4 prompts per
+    # rank, one completion of at most 64 tokens each (temperature 1, no top-p / top-k), the generalized JSD with
+    # beta 0.5 at temperature 1, alpha 1 (no cross-entropy: TRL has none), against TRL's DistillationTrainer,
+    # defaults and best. ``epoch``: both sides train the same first prompts.
+    "distill": {"config": "finetune/recipes/configs/distill_gsm8k.yaml", "epoch": True, "distill": True,
+                "overrides": ["model.path=data/models/tiny-llama", "model.init=scratch",
+                              f"model.config_overrides={REALISTIC_SHAPE}",
+                              "model.tokenizer_path=data/models/gsm8k-bpe-8k", "data.packing=false",
+                              "data.max_seq_len=256", "train.micro_batch_size=4",
+                              "train.gradient_accumulation_steps=1", "deepspeed=ds_configs/zero2.json",
+                              "train.warmup_steps=0", "train.lr=1e-4", "train.lr_scheduler=constant",
+                              "train.distill.loss=jsd", "train.distill.beta=0.5", "train.distill.temperature=1.0",
+                              "train.distill.alpha=1.0", "train.distill.on_policy_fraction=1",
+                              "train.distill.max_completion_length=64", "train.distill.top_p=1.0",
+                              "train.distill.top_k=0"],
+                "contenders": ["finetune", "trl", "trl_best"],
+                "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.micro_batch_size=2",
+                         "train.distill.max_completion_length=16"]},
     # GPU presets (--gpu; bf16): the issue's BERT-large-size MLM and GPT-2-medium-size CLM, random init from the
     # shipped architecture configs. Too slow for CPU ranks: --preset all runs them only with --gpu.
     "bert_large_mlm": {"config": "finetune/recipes/configs/bert_mlm_wikitext2.yaml", "gpu": True,
@@ -553,6 +606,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     gpu = max((r.get("peak_gpu_allocated_mib") or 0 for r in records), default=0) * 2**20
     # One row per log window (train.log_every steps; the last window may be shorter): spread evenly over its steps.
     ends, cpu, tokens, positions, losses, mfu, rewards, tool_calls = [], [], [], [], [], [], [], []
+    completion_lengths: list[float] = []  # distill: mean trained tokens per sampled completion (EOS included)
+    phases: dict[str, list[float]] = {}  # time/<phase>_s of each logged step (finetune.training.meter)
     prev = {"step": 0, "train/tokens_seen": 0}
     for r in rows:
         n = r["step"] - prev["step"]
@@ -568,10 +623,14 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
                 rewards.append(r["train/reward"])
             if "train/tools/call_frequency" in r:  # grpo with tools: tool calls per rollout
                 tool_calls.append(r["train/tools/call_frequency"])
+            if "train/completions/mean_length" in r:  # distill's on-policy rows
+                completion_lengths.append(r["train/completions/mean_length"])
+        for key in (k for k in r if k.startswith("time/") and k.endswith("_s")):
+            phases.setdefault(key[5:-2], []).append(r[key])
         prev = r
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies, "rewards": rewards,
-            "tool_calls": tool_calls,
+            "tool_calls": tool_calls, "completion_lengths": completion_lengths, "phases": phases,
             "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
                                                                     if "train/shared_tokens" in r]) else None}
@@ -627,8 +686,10 @@ def trl(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
     cmd = deepspeed_cmd(args, "scripts/bench_trl.py", "--spec", str(out / "spec.json"))
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
-    heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
-    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_pairs": heldout.get("pairs")}
+    rank0 = json.loads((out / "rank0.json").read_text())
+    heldout = rank0.get("heldout") or {}
+    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_pairs": heldout.get("pairs"),
+            "phases": rank0.get("phases") or {}}
 
 
 def reference_agreement(cache: Path, trl_out: Path) -> str:
@@ -738,6 +799,43 @@ def grpo_summary(name: str, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def phase_medians(runs: list[dict], skip: int, steps: int) -> dict[str, float]:
+    """Median seconds per call of each timed phase over the timed steps of every launch (``phases``: finetune's
+    ``time/<phase>_s`` per logged step, TRL's timed methods per call; the calls of the first ``skip`` steps are left
+    out, ``len(calls) / steps`` calls per step)."""
+    pooled: dict[str, list[float]] = {}
+    for r in runs:
+        for key, values in (r.get("phases") or {}).items():
+            per_step = max(len(values) // steps, 1)
+            pooled.setdefault(key, []).extend(values[skip * per_step:])
+    return {k: statistics.median(v) for k, v in pooled.items() if v}
+
+
+def distill_summary(name: str, results: list[dict], phases: dict[str, dict[str, float]]) -> str:
+    """The ``distill`` preset's lines: per contender trained (completion) tokens/s, prompts/s, peak MB per rank and
+    final loss, with ``finetune``'s ratios over each other contender (throughput: higher is better for us; memory:
+    ours/this, lower is better for us), then where a step's time goes (median seconds per call, timed steps)."""
+    ours = results[0]
+    lines = [f"{name}: trained (completion, EOS included) tokens/s, prompts/s, median step s, peak RSS MB per rank, "
+             f"final loss (the divergence per trained token, last steps)"]
+    for r in results:
+        line = (f"  {r['contender']:<10} {r['real_tokens_per_s']:8.1f} tok/s {r['rows_per_s']:6.2f} prompts/s "
+                f"{r['step_time_median_s']:6.2f} s/step {r['peak_rss_per_rank_mb'] or float('nan'):7.0f} MB/rank "
+                f"loss {r['final_loss']:.5f}")
+        if r is not ours:
+            line += (f"  finetune/{r['contender']}: tokens/s {ours['real_tokens_per_s'] / r['real_tokens_per_s']:.2f}x"
+                     f" (by rounds {r['ratio_ours_over_this_median_of_rounds']:.2f}x), peak MB per rank "
+                     f"{(ours['peak_rss_per_rank_mb'] or 0) / (r['peak_rss_per_rank_mb'] or 1):.2f}x")
+        lines.append(line)
+    lines.append(f"{name}: seconds per call (median over the timed steps; finetune: time/<phase>_s of rank 0, "
+                 f"before_step = the on-policy generation; TRL: generate = transformers' generate, "
+                 f"generate_and_score = with the prompts' tokenization and padding, train_forward = compute_loss "
+                 f"(student and teacher forwards, divergence), training_step = all of it + backward + optimizer)")
+    for c, p in phases.items():
+        lines.append(f"  {c:<10} " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()))
+    return "\n".join(lines)
+
+
 def paired(ours: dict, this: dict) -> float:
     """Round-by-round comparison of two contenders launched back to back in each round (robust to a slow round,
     which hits both of a pair alike): the median over rounds of ours/this real tokens/s."""
@@ -801,7 +899,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "weight_decay": t.weight_decay, "warmup_steps": t.warmup_steps, "lr_scheduler": t.lr_scheduler,
             "max_grad_norm": t.max_grad_norm, "seed": t.seed, "precision": precision, "hf_deepspeed": ds,
             "gradient_checkpointing": m.gradient_checkpointing,
-            "grpo": dataclasses.asdict(t.grpo), "reward_columns": list(d.reward_columns), "init": m.init,
+            "grpo": dataclasses.asdict(t.grpo), "distill": dataclasses.asdict(t.distill),
+            "reward_columns": list(d.reward_columns), "init": m.init,
             "messages_column": d.messages_column, "image_column": d.image_column,
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
@@ -813,6 +912,31 @@ def init_from(folder: str) -> list[str]:
         return []
     return [f"model.path={Path(folder).resolve()}", "model.init=pretrained", "model.config_overrides={}",
             "model.tokenizer_path="]
+
+
+def write_teacher(shape: str, folder: Path, seed: int = 0) -> Path:
+    """The ``distill`` preset's teacher: ``data/models/tiny-llama``'s config with the ``shape`` overrides (YAML
+    flow mapping, :data:`TEACHER_SHAPE`), random weights from ``seed`` (``from_config``), saved with
+    ``save_pretrained`` into ``folder`` with the files of the tokenizer of ``data/models/gsm8k-bpe-8k`` (the
+    student's); a folder that already holds weights is kept."""
+    import shutil
+
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama", local_files_only=True)
+    for k, v in yaml.safe_load(shape).items():
+        setattr(config, k, v)
+    config.use_cache = True
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    for f in (REPO / "data" / "models" / "gsm8k-bpe-8k").iterdir():
+        if f.is_file():
+            shutil.copy(f, folder / f.name)
+    return folder
 
 
 def table(preset: str, results: list[dict]) -> str:
@@ -1053,6 +1177,8 @@ def main(argv: list[str] | None = None) -> int:
                    "the contenders are then finetune[<optimizer>] each, side by side in the same rounds")
     p.add_argument("--no-warm-up", action="store_true", help="skip the untimed warm-up launch (smoke runs: the "
                    "first contender's launch then pays DeepSpeed's one-time op builds, if any)")
+    p.add_argument("--teacher", default="", help="distill preset: the teacher's model folder (weights and a "
+                   "tokenizer of the student's vocabulary) instead of the random one of TEACHER_SHAPE it writes")
     p.add_argument("--init-from", default="", help="a model folder (e.g. an SFT export of the preset's shape) every "
                    "contender starts from instead of random weights from train.seed (its config and tokenizer)")
     p.add_argument("--lock", default="", help="hold this flock(1) file during each launch (not between them), so "
@@ -1101,6 +1227,10 @@ def main(argv: list[str] | None = None) -> int:
                 derived = [f"data.{key}=[{prompt_only_pairs(files[0], root / f'{name}-{key}.parquet')}]"
                            for key, files in (("train_files", data.train_files),
                                               ("validation_files", data.validation_files))]
+            if preset.get("distill"):  # the teacher: --teacher, or one of random weights written here once
+                teacher = Path(args.teacher) if args.teacher else write_teacher(
+                    TEACHER_TINY if args.tiny else TEACHER_SHAPE, root / f"{name}-teacher{'-tiny' * args.tiny}")
+                derived.append(f"train.distill.teacher={teacher.resolve()}")
             overrides = [*preset["overrides"], *derived, *tiny, f"train.max_steps={args.steps}",
                          f"train.log_every={args.log_every}", "train.eval_every=0", "train.eval_on_start=false",
                          "train.eval_max_batches=1", "train.save_every=0", "export=false", "train.sample_prompt=",
@@ -1121,6 +1251,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{cfg.deepspeed}, {precision}, seed {t.seed}, {args.steps} steps x {args.rounds} rounds "
                   f"(first {args.skip} per launch not timed)", flush=True)
             print(f"{name}: {lm_head_share(cfg)}", flush=True)
+            if preset.get("distill"):
+                teacher_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+                    cfg.model, path=cfg.train.distill.teacher, config_overrides={}))
+                print(f"{name}: teacher {cfg.train.distill.teacher}: {lm_head_share(teacher_cfg)}", flush=True)
             if not args.no_warm_up:
                 warm_up(preset, overrides, args, root / f"{name}-warmup", env)
             chosen = args.contenders.split(",") if args.contenders else preset["contenders"]
@@ -1154,6 +1288,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)
             rows = t.micro_batch_size * t.gradient_accumulation_steps * args.nproc  # global batch (dpo: pairs)
             per_row = t.grpo.num_generations if preset.get("grpo") else 0  # grpo: rows are prompts
+            if preset.get("distill"):  # finetune's trained tokens: the completions' mean length x prompts per step
+                for c, launches in runs.items():
+                    for r in launches:
+                        if c.startswith("finetune"):
+                            r["tokens"] = [n * rows for n in r["completion_lengths"]]
             results = [summarize(c, r, args.skip, max(5, args.log_every), rows, per_row) for c, r in runs.items()]
             base = results[0]["real_tokens_per_s"] if results[0]["contender"].startswith("finetune") else None
             for r in results:
@@ -1175,6 +1314,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(reference_agreement(Path(env["FINETUNE_CACHE"]), root / f"{name}-trl-0"))
             if preset.get("grpo") and base:
                 print(grpo_summary(name, results))
+            if preset.get("distill") and base:
+                print(distill_summary(name, results, {c: phase_medians(r, args.skip, args.steps)
+                                                      for c, r in runs.items()}))
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status

@@ -1,5 +1,6 @@
-"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic``, ``reward``, ``grpo`` and ``vlm_sft`` presets
-(run by it under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer``, ``GRPOTrainer`` or ``SFTTrainer`` + DeepSpeed.
+"""The TRL contenders of ``scripts/bench.py``'s ``dpo``, ``dpo_realistic``, ``reward``, ``grpo``, ``vlm_sft`` and
+``distill`` presets (run by it under ``deepspeed``): TRL's ``DPOTrainer``, ``RewardTrainer``, ``GRPOTrainer``,
+``SFTTrainer`` or ``DistillationTrainer`` + DeepSpeed.
 
 Written as a TRL user writes it: ``datasets`` reads the parquet pairs (``prompt``/``chosen``/``rejected`` text
 columns, TRL's standard form), ``DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=tokenizer)``
@@ -71,6 +72,31 @@ tool calls). Both variants as above; TRL re-encodes each rollout's whole prompt 
 turn (no option of TRL 1.16 keeps the KV cache across its tool turns). The logged ``tools/call_frequency`` of each
 step goes into ``tool_calls``.
 
+On-policy distillation (spec recipe ``distill``, the ``distill`` preset): ``DistillationTrainer(model,
+teacher_model=..., args=DistillationConfig(...), train_dataset=..., processing_class=tokenizer)`` on the data's
+prompt column as ``prompt`` (TRL tokenizes it as the toolkit's ``sft`` tokenization does: the text with the
+tokenizer's special tokens), the teacher loaded from the toolkit's ``train.distill.teacher`` folder
+(``from_pretrained``, fp32; TRL wraps it in a DeepSpeed inference engine), the student as for the other recipes.
+TRL's trainer is always on-policy (every prompt gets one completion sampled by the student: the toolkit's
+``on_policy_fraction`` 1) with no cross-entropy term (``alpha`` 1); anything else is refused. From the toolkit's
+``train.distill``: ``beta`` (``loss`` ``jsd``: its ``beta``, the same mixture ``(1 - beta) p_s + beta p_t``;
+``forward_kl``: 0; ``reverse_kl``: 1), ``temperature`` (sampling and loss, as the toolkit's), ``top_p``, ``top_k``
+and ``max_completion_length``; generation is transformers' ``generate`` (``use_vllm=False``). Variants:
+
+* ``defaults`` (``trl``): ``DistillationConfig``'s defaults otherwise: gradient checkpointing on, dropout as the model
+  has it (none in the benchmark's Llama).
+* ``best`` (``trl_best``): gradient checkpointing as the toolkit's run (off by default: no recomputation of the
+  student's layers in backward), ``disable_dropout=True`` (as the toolkit; free here). Left at their defaults, each
+  for its reason: ``cache_implementation`` (``static`` pays off only when compiled, and TRL's ``GenerationConfig``
+  sets ``disable_compile=True``; the default dynamic cache grows in place); ``pad_to_multiple_of`` (``auto``: none off
+  Neuron); ``shuffle_dataset`` (the order of one epoch of the same prompts costs nothing); ``ds3_gather_for_generation``
+  (ZeRO-3 only); ``use_vllm`` / ``vllm_*`` (GPUs; both sides use HF-style decoding on CPU ranks); no option of
+  ``DistillationConfig`` groups prompts by length or keeps the teacher's logits of fewer positions (its chunked
+  divergence projects the completion positions only already, every one of them off Triton devices).
+
+Trained tokens (``counts``): the completion tokens of each micro-batch ``compute_loss`` trains (``completion_mask``,
+EOS included), with the positions of its prompt and completion (pad included); the same phases as GRPO's are timed.
+
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step (Unix seconds), the
 non-pad tokens and positions of each collated micro-batch (DPO: chosen and rejected sequences, stacked as ours;
 reward: the same; GRPO: the prompt and completion masks of each micro-batch ``compute_loss`` trains, i.e. prompt +
@@ -117,6 +143,7 @@ def main() -> None:
     reward = spec["recipe"] == "reward"
     grpo = spec["recipe"] == "grpo"
     vlm = spec["recipe"] == "vlm_sft"
+    distill = spec["recipe"] == "distill"
     best = spec.get("variant", "defaults") == "best"
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
     if tokenizer.pad_token is None:
@@ -151,7 +178,8 @@ def main() -> None:
         ds = ds.select_columns(list(names))
         return ds.rename_columns({k: v for k, v in names.items() if k != v})
 
-    raw = (prompts if grpo else conversations if vlm else pairs)(spec["train_files"], spec.get("max_train_rows") or 0)
+    raw = (prompts if grpo or distill else conversations if vlm else pairs)(spec["train_files"],
+                                                                           spec.get("max_train_rows") or 0)
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
@@ -204,9 +232,9 @@ def main() -> None:
         logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[],
         disable_tqdm=True, dataloader_num_workers=0, bf16=half == "bf16", fp16=half == "fp16",
         deepspeed=spec["hf_deepspeed"], use_cpu=not torch.cuda.is_available(), max_length=spec["max_seq_len"])
-    if grpo:  # GRPOConfig has no max_length (prompts are not cut; completions: max_completion_length)
+    if grpo or distill:  # no max_length (prompts are not cut; completions: max_completion_length)
         del common["max_length"]
-    if best and grpo:  # checkpointing as the toolkit's run; dropout off (as the toolkit; the module docstring)
+    if best and (grpo or distill):  # checkpointing as the toolkit's run; dropout off (as the toolkit; module docstring)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")), disable_dropout=True)
     elif best and vlm:  # checkpointing as the toolkit's run (the rows have one length: no length grouping to gain)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")))
@@ -264,36 +292,23 @@ def main() -> None:
                            **({"max_tool_calling_iterations": g["max_tool_calling_iterations"]} if agentic else {}))
         trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(e) for e in g["rewards"]], args=gargs,
                               train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()], **agentic)
-        compute_loss = trainer.compute_loss
+    elif distill:
+        from trl import DistillationConfig, DistillationTrainer
 
-        def counting_loss(model_, inputs, *a, **kw):
-            """Count the trained micro-batch: prompt + completion tokens (non-pad) and positions."""
-            pm, cm = inputs["prompt_mask"], inputs["completion_mask"]
-            counts.append((int(pm.sum() + cm.sum()), int(pm.numel() + cm.numel())))
-            return compute_loss(model_, inputs, *a, **kw)
-
-        trainer.compute_loss = counting_loss
-
-        def timed(name: str, key: str) -> None:
-            """Wall seconds of each call of the trainer's method ``name`` into ``phases[key]`` (where a step's time
-            goes: ``generate``, HF generate alone; ``generate_and_score``, with tokenizing, scoring, gathering the
-            rewards and the advantages; ``train_forward``, ``compute_loss``; ``training_step``, all of these, the
-            backward pass and, under DeepSpeed, the optimizer step)."""
-            method = getattr(trainer, name)
-
-            def run(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return method(*a, **kw)
-                finally:
-                    phases.setdefault(key, []).append(time.perf_counter() - t0)
-
-            setattr(trainer, name, run)
-
-        timed("_generate_single_turn", "generate")
-        timed("_generate_and_score_completions", "generate_and_score")
-        timed("compute_loss", "train_forward")
-        timed("training_step", "training_step")  # the above + backward + (DeepSpeed) the optimizer step
+        d = spec["distill"]
+        if d["on_policy_fraction"] != 1 or d["alpha"] != 1:
+            raise SystemExit(f"bench_trl.py: TRL's DistillationTrainer trains every row on-policy on the divergence "
+                             f"alone; the toolkit's run has on_policy_fraction {d['on_policy_fraction']} and alpha "
+                             f"{d['alpha']} (the distill preset sets 1 and 1)")
+        tokenizer.padding_side = "left"  # TRL's requirement (it pads the prompts itself)
+        dargs = DistillationConfig(**common, max_completion_length=d["max_completion_length"],
+                                   temperature=d["temperature"], top_p=d["top_p"], top_k=d["top_k"],
+                                   beta={"forward_kl": 0.0, "reverse_kl": 1.0}.get(d["loss"], d["beta"]),
+                                   use_vllm=False)
+        teacher = transformers.AutoModelForCausalLM.from_pretrained(d["teacher"], dtype=torch.float32,
+                                                                    local_files_only=True)
+        trainer = DistillationTrainer(model=model, teacher_model=teacher, args=dargs, train_dataset=raw,
+                                      processing_class=tokenizer, callbacks=[Meter()])
     elif vlm:
         from trl import SFTConfig, SFTTrainer
 
@@ -320,8 +335,40 @@ def main() -> None:
         reference = None if best else copy.deepcopy(model)
         trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw,
                              processing_class=tokenizer, callbacks=[Meter()])
-    if best and not grpo and not vlm:  # what LengthGroupedSampler measures (training and, for reward, evaluation): TRL's
-        # tokenized rows have no input_ids column
+    if grpo or distill:
+        compute_loss = trainer.compute_loss
+
+        def counting_loss(model_, inputs, *a, **kw):
+            """Count the trained micro-batch: GRPO prompt + completion tokens (non-pad), distillation its completion
+            tokens (the trained ones, EOS included); and its positions (prompt + completion, pad included)."""
+            pm, cm = inputs["prompt_mask"], inputs["completion_mask"]
+            counts.append((int(cm.sum() if distill else pm.sum() + cm.sum()), int(pm.numel() + cm.numel())))
+            return compute_loss(model_, inputs, *a, **kw)
+
+        trainer.compute_loss = counting_loss
+
+        def timed(name: str, key: str) -> None:
+            """Wall seconds of each call of the trainer's method ``name`` into ``phases[key]`` (where a step's time
+            goes: ``generate``, HF generate alone; ``generate_and_score``, with tokenizing, scoring, gathering the
+            rewards and the advantages; ``train_forward``, ``compute_loss``; ``training_step``, all of these, the
+            backward pass and, under DeepSpeed, the optimizer step)."""
+            method = getattr(trainer, name)
+
+            def run(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return method(*a, **kw)
+                finally:
+                    phases.setdefault(key, []).append(time.perf_counter() - t0)
+
+            setattr(trainer, name, run)
+
+        timed("_generate_single_turn", "generate")
+        timed("_generate_and_score_completions", "generate_and_score")
+        timed("compute_loss", "train_forward")
+        timed("training_step", "training_step")  # the above + backward + (DeepSpeed) the optimizer step
+    if best and not grpo and not vlm and not distill:  # what LengthGroupedSampler measures (training and, for
+        # reward, evaluation): TRL's tokenized rows have no input_ids column
         def with_length(ds):
             if reward:
                 lengths = [len(c) + len(r) for c, r in zip(ds["chosen_ids"], ds["rejected_ids"])]
@@ -342,13 +389,13 @@ def main() -> None:
         return batch
 
     reference_first = []
-    if not reward and not best and not grpo and not vlm:
+    if not reward and not best and not grpo and not vlm and not distill:
         # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
         # for scripts/bench.py to compare with finetune's cached ones
         first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])
         chosen, rejected = trainer.compute_ref_log_probs(trainer.ref_model, first)
         reference_first = [[float(c), float(r)] for c, r in zip(chosen.tolist(), rejected.tolist())]
-    if not grpo:  # GRPO's collator returns the prompt rows; its trained batches are counted in compute_loss
+    if not grpo and not distill:  # their collators return the prompt rows; the trained batches: compute_loss
         trainer.data_collator = counting_collate
     trainer.train()
     heldout = None
