@@ -1,7 +1,8 @@
 """The ``distill`` recipe: its loss is the textbook divergence of the two models' full logits, a launched run (2 ranks x
 micro-batch 2 x accumulation 2) equals a plain one-device PyTorch loop over the same global batches with the teacher
-beside it (ZeRO 0 offline on packed rows; ZeRO 3 with every parameter of both models partitioned, on-policy rows,
-and a resume that samples the same completions), and bad teacher settings are one line each before any model.
+beside it (ZeRO 0 offline on packed rows; each divergence at ZeRO 0 and ZeRO 3, every parameter of both models
+partitioned, with offline and on-policy rows in the same steps; a resume that samples the same completions), and bad
+teacher settings are one line each before any model.
 
 The teacher is written by the tests: the tiny Llama config with 3 layers, hidden 96 and 8 more vocabulary ids than
 the student's head, seeded random weights, and the student's tokenizer (``tests/configs/parity_distill.yaml``).
@@ -148,32 +149,37 @@ def _rel(got: list[float], want: list[float]) -> float:
 
 @pytest.mark.parametrize("case", [
     "zero0-reverse_kl-packed",
-    pytest.param("zero0-forward_kl-on_policy", marks=pytest.mark.extended),
+    *(pytest.param(f"{stage}-{divergence}-mixed", marks=pytest.mark.extended)
+      for stage, divergence in (("zero0", "forward_kl"), ("zero0", "reverse_kl"), ("zero0", "jsd"),
+                                ("zero3", "forward_kl"), ("zero3", "reverse_kl"))),
 ])
 def test_a_launch_matches_the_plain_loop(tmp_path, teacher, case):
     """2 ranks x micro-batch 2 x accumulation 2: each step's loss (the mean over the global batch's trained tokens)
     and gradient norm equal the one-device loop's (1e-5, 1e-4), the teacher beside the student; ZeRO 0 with reverse
-    KL on packed rows (the default suite), ZeRO 0 with forward KL and every row on-policy (TRL's
-    ``DistillationTrainer``); ZeRO 3 is the on-policy test below (offline and on-policy rows in the same steps). The
-    log names the teacher and the metrics are there."""
+    KL on packed rows (the default suite); each divergence at ZeRO 0 and ZeRO 3 with half the rows on-policy
+    (``mixed``: the same steps train offline rows and completions the student samples, which the loop samples with
+    the same seeds; ZeRO 3 with every parameter of both models partitioned, threshold 0; JSD at ZeRO 3 is the resume
+    test below). The log names the teacher and the metrics are there."""
     stage, divergence, rows = case.split("-")
     overrides = [f"train.distill.teacher={teacher}", f"train.distill.loss={divergence}",
                  f"deepspeed=ds_configs/{stage}.json"]
-    if rows == "on_policy":
-        overrides += ["train.distill.on_policy_fraction=1", "data.packing=false",
+    if rows == "mixed":
+        overrides += ["train.distill.on_policy_fraction=0.5", "data.packing=false",
                       "train.distill.max_completion_length=12"]
     proc = launch(CONFIG, [*overrides, f"output_dir={tmp_path / 'run'}"], nproc=2)
     ok(proc)
-    assert "distill: teacher" in proc.stdout and f"{divergence} at temperature 2, alpha 0.7" in proc.stdout
-    ref = _reference(overrides, teacher, on_policy=rows == "on_policy")
-    if rows == "packed":  # token weighting matters (every on-policy row trains 12 tokens: no random-weight student
-        # samples the EOS, one id of 8,192, within them; the ZeRO-3 on-policy test mixes them with the data's rows)
-        assert max(abs(a - b) / b for a, b in zip(ref.micro_batch_losses, ref.token_losses)) > 1e-4
+    named = "jsd (beta 0.5)" if divergence == "jsd" else divergence
+    assert "distill: teacher" in proc.stdout and f"{named} at temperature 2, alpha 0.7" in proc.stdout
+    ref = _reference(overrides, teacher, on_policy=rows == "mixed")
+    # token weighting matters: the micro-batches train different numbers of tokens (on-policy rows train 12: no
+    # random-weight student samples the EOS, one id of 8,192, within them; the data's rows train their answers)
+    assert max(abs(a - b) / b for a, b in zip(ref.micro_batch_losses, ref.token_losses)) > 1e-4
     assert _rel(_logged(tmp_path / "run", "train/loss"), ref.losses) <= 1e-5
     assert _rel(_logged(tmp_path / "run", "train/grad_norm"), ref.grad_norms) <= 1e-4
     assert all(len(_logged(tmp_path / "run", f"train/{k}")) == 3 for k in ("kd_loss", "ce_loss", "teacher_entropy"))
-    if rows == "on_policy":
-        assert _logged(tmp_path / "run", "train/on_policy_rows") == [1.0, 1.0, 1.0]
+    if rows == "mixed":  # each step's share of its 8 rows, drawn by the rows' seeds: both kinds train
+        shares = _logged(tmp_path / "run", "train/on_policy_rows")
+        assert len(shares) == 3 and 0 < sum(shares) < 3, shares
 
 
 @pytest.mark.extended
