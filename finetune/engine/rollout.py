@@ -616,3 +616,46 @@ def make_rollout(engine, tokenizer, backend: str = "hf_generate", gather: bool =
     if backend == "hybrid_engine":
         return HybridEngineGenerate(engine, tokenizer)
     return HFGenerateRollout(engine, tokenizer, gather=gather, fast=fast)
+
+
+def lockstep(engine, gather: bool) -> bool:
+    """Whether generation on ``engine`` runs layer by layer in lockstep with the other ranks (``generate``'s
+    ``synced_gpus``): ZeRO-3 over more than one rank without ``gather`` (``gather_for_generation``)."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return stage is not None and stage() == 3 and not gather and dist_utils.world_size() > 1
+
+
+def sampling_seed(train_seed: int, step: int, row_seeds: torch.Tensor) -> int:
+    """A sampling seed from ``train.seed``, the optimizer step and the step's rows' seeds (``row_seeds`` ``[R]``
+    int64): the same on a resume and whatever the rank."""
+    return (train_seed * 1_000_003 + step * 7919 + int(row_seeds.sum()) * 31 + int(row_seeds[0])) % (2 ** 63 - 1)
+
+
+def complete(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig, tokenizer,
+             seed: int, inputs: dict | None = None, backend: str = "hf_generate", gather: bool = True,
+             fast: bool = True) -> dict:
+    """``sampling.n_samples_per_prompt`` completions of each prompt through :func:`make_rollout` (no gradient; the
+    caller holds the rollout's :meth:`~HFGenerateRollout.weights`), as the recipes that sample (``grpo``, ``distill``)
+    train on them.
+
+    Args:
+        engine: the engine (or a plain causal LM).
+        input_ids, attention_mask: ``[B, T_p]`` int64 prompts, left-padded.
+        sampling: ``max_new_tokens``, ``temperature`` (0: greedy), ``top_p``, ``top_k``, ``n_samples_per_prompt``.
+        tokenizer: ``pad_token_id`` and ``eos_token_id``.
+        seed: the sampling seed (:func:`sampling_seed`).
+        inputs: the prompts' other model inputs (image tensors as the model's processor joins them), or None.
+        backend, gather, fast: :func:`make_rollout`'s; ``gather`` False under ZeRO-3: generation in lockstep
+            (:func:`lockstep`).
+
+    Returns:
+        ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
+        including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
+    """
+    rollout = make_rollout(engine, tokenizer, backend, gather=gather, fast=fast)
+    out = rollout.generate(RolloutRequest(input_ids, attention_mask), sampling, seed, inputs)
+    p = int(out.response_start_idx[0]) if len(out.response_start_idx) else input_ids.shape[1]
+    completion, cmask = out.input_ids[:, p:], out.attention_mask[:, p:].float()
+    terminated = (completion == tokenizer.eos_token_id).any(1)
+    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
+            "lengths": cmask.sum(1).long()}

@@ -38,9 +38,10 @@ apply to its chunk's logits.
 On-policy (``train.distill.on_policy_fraction`` > 0, GKD's ``lmbda``; :func:`before_step`): each training row is
 chosen with that probability by its own seed (``finetune.data.dataset.row_seed``: the same rows on a resume, whatever
 the ranks); a chosen row's prompt (its tokens before the first trained one) gets one completion sampled from the
-student at ``temperature`` through ``grpo``'s rollout (:func:`finetune.recipes.grpo.rollout.generate`: every ZeRO
-stage, the weights gathered once per step under ZeRO-3), seeded by the step and the rows' seeds, so a resumed run
-samples the same completions; the completion, its EOS included, is what trains.
+student at ``temperature`` through the rollout engine ``grpo`` samples with
+(:func:`finetune.engine.rollout.complete`: every ZeRO stage, the weights gathered once per step under ZeRO-3),
+seeded by the step and the rows' seeds, so a resumed run samples the same completions; the completion, its EOS
+included, is what trains.
 
 Metrics: ``train/kd_loss`` (mean ``D``), ``train/ce_loss``, ``train/entropy`` and ``train/teacher_entropy`` (mean
 per trained token, nats, at ``temperature``), ``train/on_policy_rows`` (share of rows sampled) and
@@ -67,10 +68,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from finetune import patches
-from finetune.config import DataConfig, DistillConfig, GrpoConfig, RunConfig
+from finetune.config import DataConfig, DistillConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.data.dataset import default_cache_dir, eval_loader, file_id, fingerprint, with_splits
-from finetune.errors import ConfigError
+from finetune.engine import rollout
+from finetune.engine.rollout import SamplingConfig
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, sft
@@ -561,10 +563,11 @@ def on_policy(row_seed: int, fraction: float) -> bool:
     return fraction >= 1 or (fraction > 0 and random.Random(row_seed * 2654435761 + 97).random() < fraction)
 
 
-def _sampling(d: DistillConfig) -> GrpoConfig:
-    """``grpo``'s generation settings for the on-policy samples."""
-    return dataclasses.replace(GrpoConfig(), max_completion_length=d.max_completion_length, temperature=d.temperature,
-                               top_p=d.top_p, top_k=d.top_k, gather_for_generation=d.gather_for_generation)
+def sampling(d: DistillConfig) -> SamplingConfig:
+    """The on-policy samples' settings: one completion per prompt of at most ``max_completion_length`` tokens at
+    ``temperature`` (the loss's), ``top_p``, ``top_k``."""
+    return SamplingConfig(max_new_tokens=d.max_completion_length, temperature=d.temperature, top_p=d.top_p,
+                          top_k=d.top_k, n_samples_per_prompt=1)
 
 
 @functools.cache
@@ -602,24 +605,20 @@ def sample_completions(engine, micro: list[dict], cfg: RunConfig, step: int) -> 
     from its prompt (trained: every completion token up to and including its EOS), the others as they are; every
     rank calls it with the step's micro-batches (under ZeRO-3 the weights are gathered or generation runs in lockstep:
     a rank with no chosen row generates for one row it then drops)."""
-    from finetune.recipes.grpo import rollout
-
     d = cfg.train.distill
     tok = _tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     chosen = [(b, i) for b, batch in enumerate(micro) for i, s in enumerate(batch["row_seeds"].tolist())
               if on_policy(s, d.on_policy_fraction)]
     if not dist_utils.any_rank(bool(chosen), engine.device):
         return [{**b, "on_policy": torch.zeros(len(b["row_seeds"]), dtype=torch.bool)} for b in micro]
-    g = _sampling(d)
     asked = chosen or [(0, 0)]  # ZeRO-3 lockstep: every rank generates
     prompts = [_prompt(micro[b], i)[0] for b, i in asked]
     width = max(len(p) for p in prompts)
-    batch = {"input_ids": torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts]),
-             "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])}
-    seeds = torch.cat([b["row_seeds"] for b in micro])
-    with rollout._rollout(engine, g, tok).weights():
-        c = rollout.generate(engine, batch, g, tok, 1, True, rollout._seed(cfg.train.seed, step, seeds),
-                             rollout._synced(engine, g))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    seed = rollout.sampling_seed(cfg.train.seed, step, torch.cat([b["row_seeds"] for b in micro]))
+    with rollout.make_rollout(engine, tok, gather=d.gather_for_generation).weights():
+        c = rollout.complete(engine, ids, mask, sampling(d), tok, seed, gather=d.gather_for_generation)
     completions = {key: c["completion_ids"][j, :int(c["lengths"][j])].tolist() for j, key in enumerate(chosen)}
     out = []
     for b, batch_b in enumerate(micro):

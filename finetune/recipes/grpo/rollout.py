@@ -12,8 +12,7 @@ import torch
 
 from finetune.config import GrpoConfig, RunConfig
 from finetune.data import images
-from finetune.engine.rollout import HFGenerateRollout, RolloutRequest, SamplingConfig, make_rollout
-from finetune.parallel import distributed as dist_utils
+from finetune.engine.rollout import HFGenerateRollout, SamplingConfig, complete, lockstep, make_rollout, sampling_seed
 from finetune.recipes.grpo.agent import agent_of, multi_turn, observed_prompts, start_environments
 from finetune.recipes.grpo.prompts import PromptRows
 from finetune.recipes.sft import template_text
@@ -49,7 +48,7 @@ def generate_completions(engine, micro: list[dict], cfg: RunConfig, step: int, t
     joined = join_prompts(micro, tok.pad_token_id)  # one generate call for all the step's prompts on this rank
     cols = {n: [v for b in micro for v in b["reward_columns"][n] for _ in range(g.num_generations)]
             for n in cfg.data.reward_columns}
-    seed = _seed(cfg.train.seed, step, joined["row_seeds"])
+    seed = sampling_seed(cfg.train.seed, step, joined["row_seeds"])
     transcripts = None
     prompts = [p for b in micro for p in b["prompts"] for _ in range(g.num_generations)]
     agent = agent_of(cfg)
@@ -140,19 +139,13 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
         synced: generate layer by layer in lockstep (ZeRO-3 without ``gather_for_generation``).
 
     Returns:
-        ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
-        including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
+        :func:`finetune.engine.rollout.complete`'s ``completion_ids``, ``completion_mask``, ``terminated``, ``lengths``.
     """
-    rollout = make_rollout(engine, tokenizer, g.generation_backend, gather=not synced, fast=g.fast_generation)
     sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
                               top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
     inputs = images.join(batch["images"]) if batch.get("images") else None
-    out = rollout.generate(RolloutRequest(batch["input_ids"], batch["attention_mask"]), sampling, seed, inputs)
-    p = int(out.response_start_idx[0]) if len(out.response_start_idx) else batch["input_ids"].shape[1]
-    completion, cmask = out.input_ids[:, p:], out.attention_mask[:, p:].float()
-    terminated = (completion == tokenizer.eos_token_id).any(1)
-    return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
-            "lengths": cmask.sum(1).long()}
+    return complete(engine, batch["input_ids"], batch["attention_mask"], sampling, tokenizer, seed, inputs,
+                    g.generation_backend, gather=not synced, fast=g.fast_generation)
 
 
 def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
@@ -192,18 +185,12 @@ def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
     return out
 
 
-def _seed(train_seed: int, step: int, row_seeds: torch.Tensor) -> int:
-    """A sampling seed from the rows' seeds and the step (the same on resume, whatever the rank)."""
-    return (train_seed * 1_000_003 + step * 7919 + int(row_seeds.sum()) * 31 + int(row_seeds[0])) % (2 ** 63 - 1)
-
-
 def _rollout(engine, g: GrpoConfig, tokenizer) -> HFGenerateRollout:
     return make_rollout(engine, tokenizer, g.generation_backend, gather=g.gather_for_generation, fast=g.fast_generation)
 
 
 def _synced(engine, g: GrpoConfig) -> bool:
-    stage = getattr(engine, "zero_optimization_stage", None)
-    return stage is not None and stage() == 3 and not g.gather_for_generation and dist_utils.world_size() > 1
+    return lockstep(engine, g.gather_for_generation)
 
 
 def rollout_shape(cfg: RunConfig) -> tuple[int, int]:
