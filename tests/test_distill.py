@@ -218,6 +218,9 @@ def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cach
     out = tmp_path / "run"
     proc = ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
     assert "distill: the teacher's top-64 of 1,421 trained tokens computed" in proc.stdout
+    (cache,) = (tmp_path / "cache" / "teacher").iterdir()  # one whole folder, no temporary one left
+    assert cache.name.startswith("distill-train-") and sorted(p.name for p in cache.iterdir()) == [
+        "counts.npy", "ids.npy", "logps.npy"]
     ref = _reference([o for o in overrides if "cache_top_k" not in o], teacher, on_policy=False)
     assert _rel(_logged(out, "train/loss"), ref.losses) <= 2e-2
     again = tmp_path / "resumed"

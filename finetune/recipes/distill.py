@@ -58,6 +58,7 @@ import functools
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,7 +152,7 @@ def top_k_key(cfg: RunConfig, split, precision: str, student_vocab: int) -> str:
     return fingerprint({"tokenized": [file_id(f["filename"]) for f in split.cache_files], "rows": len(split),
                         "teacher": [[*file_id(f), content_digest(f)] for f in files], "k": d.cache_top_k,
                         "temperature": d.temperature, "student_vocab": student_vocab, "precision": precision,
-                        "libraries": library_versions(), "version": 1})
+                        "libraries": library_versions(), "version": 2})
 
 
 def top_k(logits: torch.Tensor, k: int, temperature: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,35 +209,59 @@ def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int) -> tup
             np.concatenate([every[i][1] for i in range(len(split))] or [np.zeros((0, width), np.float32)]))
 
 
+TOPK_ARRAYS = ("counts", "ids", "logps")
+"""The files of a cached top-k folder, ``<name>.npy`` each: rows' trained-position counts (int64 ``[rows]``), ids
+(int32 ``[positions, k]``) and log-probabilities (float32 ``[positions, k]``)."""
+
+
+def save_top_k(folder: Path, arrays: tuple[np.ndarray, ...]) -> None:
+    """Write :data:`TOPK_ARRAYS` into ``folder`` at once: into a temporary sibling folder that is then renamed (a
+    reader sees a whole cache or none); a ``folder`` another process completed first is kept."""
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, a in zip(TOPK_ARRAYS, arrays):
+        np.save(tmp / f"{name}.npy", a)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # written meanwhile by another node sharing the cache
+        if not (folder / "logps.npy").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_top_k(folder: Path) -> tuple[np.ndarray, ...]:
+    """:data:`TOPK_ARRAYS` of ``folder``, memory-mapped read-only (the ranks of a node share the page cache; nothing
+    is read before a batch needs its rows)."""
+    return tuple(np.load(folder / f"{name}.npy", mmap_mode="r") for name in TOPK_ARRAYS)
+
+
 def attach_top_k(engine, t, data, cfg: RunConfig):
     """The training split with :data:`TOPK_ROW` and the collator holding the teacher's top-k of its rows
-    (:func:`teacher_top_k`), computed once per tokenized split, teacher and settings and cached in
-    ``<cache>/teacher/distill-train-<key>.npz`` (:func:`top_k_key`), else read from there; all ranks call it."""
+    (:func:`teacher_top_k`), computed once per tokenized split, teacher and settings and cached in the folder
+    ``<cache>/teacher/distill-train-<key>/`` (:func:`top_k_key`, :func:`save_top_k`), else read from there; either
+    way memory-mapped (:func:`load_top_k`). All ranks call it."""
     from finetune.engine.ds_config import engine_precision
 
     split = data.splits.train
     student_vocab = unwrap(engine).get_output_embeddings().out_features
-    folder = default_cache_dir(cfg.data) / "teacher"
-    path = folder / f"distill-train-{top_k_key(cfg, split, engine_precision(engine), student_vocab)}.npz"
+    path = default_cache_dir(cfg.data) / "teacher" / \
+        f"distill-train-{top_k_key(cfg, split, engine_precision(engine), student_vocab)}"
+    k = cfg.train.distill.cache_top_k
     start = time.monotonic()
-    if not dist_utils.any_rank(not path.is_file(), engine.device):
-        with np.load(path) as f:
-            counts, ids, logps = f["counts"], f["ids"], f["logps"]
-        logger.info(f"distill: the teacher's top-{cfg.train.distill.cache_top_k} of {len(ids):,} trained tokens "
-                    f"reused ({path})")
+    if not dist_utils.any_rank(not (path / "logps.npy").is_file(), engine.device):
+        counts, ids, logps = load_top_k(path)
+        logger.info(f"distill: the teacher's top-{k} of {len(ids):,} trained tokens reused ({path})")
     else:
-        counts, ids, logps = teacher_top_k(t, split, data.collator, cfg, student_vocab)
-        if dist_utils.local_rank() == 0:  # every node's cache (a shared one is written atomically twice)
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                np.savez(f, counts=counts, ids=ids, logps=logps)
-            os.replace(tmp, path)
+        arrays = teacher_top_k(t, split, data.collator, cfg, student_vocab)
+        if dist_utils.local_rank() == 0:  # every node's cache (a shared one: the first rename wins)
+            save_top_k(path, arrays)
         dist_utils.barrier()
-        logger.info(f"distill: the teacher's top-{cfg.train.distill.cache_top_k} of {len(ids):,} trained tokens "
-                    f"computed in {time.monotonic() - start:.1f} s (saved to {path})")
+        del arrays
+        counts, ids, logps = load_top_k(path)
+        logger.info(f"distill: the teacher's top-{k} of {len(ids):,} trained tokens computed in "
+                    f"{time.monotonic() - start:.1f} s (saved to {path})")
     collator = data.collator
-    collator.top_k = (np.concatenate([[0], np.cumsum(counts)]), torch.from_numpy(ids), torch.from_numpy(logps))
+    collator.top_k = (np.concatenate([[0], np.cumsum(counts)]), ids, logps)
     splits = dataclasses.replace(data.splits, train=split.add_column(TOPK_ROW, list(range(len(split)))))
     return with_splits(splits, collator, cfg)
 
@@ -650,7 +675,7 @@ class SeededCollator:
 
     def __init__(self, inner):
         self.inner = inner
-        self.top_k = None  # (offsets [rows + 1], ids [positions, k], log-probabilities): attach_top_k sets it
+        self.top_k = None  # (offsets [rows + 1], ids [positions, k], log-probabilities; memory-mapped): attach_top_k
 
     def __call__(self, rows: list[dict]) -> dict:
         seeds = [r.get("_seed") for r in rows]
@@ -661,8 +686,8 @@ class SeededCollator:
         if self.top_k is not None and None not in cached:  # the training split's rows, in the batch's order
             offsets, ids, logps = self.top_k
             parts = [slice(int(offsets[i]), int(offsets[i + 1])) for i in cached]
-            batch["teacher_topk_ids"] = torch.cat([ids[p] for p in parts])
-            batch["teacher_topk_logps"] = torch.cat([logps[p] for p in parts])
+            batch["teacher_topk_ids"] = torch.from_numpy(np.concatenate([ids[p] for p in parts]))
+            batch["teacher_topk_logps"] = torch.from_numpy(np.concatenate([logps[p] for p in parts]))
         return batch
 
 
