@@ -237,8 +237,10 @@ def test_wheels_install_offline_and_train(tmp_path):
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
 
     run_env = {**cpu_env(), **{k: v for k, v in clean.items() if k != "PIP_CONFIG_FILE"}}
+    # TORCH_EXTENSIONS_DIR: DeepSpeed's CPU ops built for this venv's torch go to a folder of their own; in the shared
+    # ~/.cache/torch_extensions they would replace the suite venv's build, which every later launch then rebuilds
     run_env.update({"PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-                    "FINETUNE_CACHE": str(tmp_path / "cache")})
+                    "FINETUNE_CACHE": str(tmp_path / "cache"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_ext")})
     run_env.pop("PYTHONPATH", None)
     where = subprocess.run([str(venv / "bin/python"), "-c", "import finetune, torch; print(finetune.__file__)"],
                            cwd=out, env=run_env, capture_output=True, text=True, timeout=300)
