@@ -90,9 +90,13 @@ def test_mpirun(reference, tmp_path):
     except RuntimeError as e:
         pytest.skip(f"OpenMPI/mpi4py cannot be installed here: {e}")
     run_dir = tmp_path / "run"
+    # TORCH_EXTENSIONS_DIR: mpirun called by its absolute path acts as --prefix /usr and puts /usr/bin first on the
+    # ranks' PATH, so torch builds DeepSpeed's CPU ops with the system's ninja, whose command hashes differ from the
+    # venv's ninja's: in the shared ~/.cache/torch_extensions every later launch would rebuild them (35-50 s each)
+    env = {**cpu_env(), "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_ext")}
     # as root OpenMPI wants --allow-run-as-root; no core binding, like the other launchers
     ok(_run([mpirun, "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "--stdin", "none", "-np", "2",
-             sys.executable, *_train_args(run_dir)]))
+             "-x", "TORCH_EXTENSIONS_DIR", sys.executable, *_train_args(run_dir)], env=env))
     w = assert_wiring(run_dir, "mpi")
     assert w[0]["master"].startswith("127.0.0.1:")  # one node: rank 0 broadcast loopback and a free port
     assert _meta(run_dir)["launcher"] == "mpi" and _meta(run_dir)["world_size"] == 2
