@@ -214,6 +214,11 @@ TOPK_ARRAYS = ("counts", "ids", "logps")
 (int32 ``[positions, k]``) and log-probabilities (float32 ``[positions, k]``)."""
 
 
+def top_k_saved(folder: Path) -> bool:
+    """Whether ``folder`` holds a whole cached top-k (:func:`save_top_k` renames it into place complete)."""
+    return all((folder / f"{name}.npy").is_file() for name in TOPK_ARRAYS)
+
+
 def save_top_k(folder: Path, arrays: tuple[np.ndarray, ...]) -> None:
     """Write :data:`TOPK_ARRAYS` into ``folder`` at once: into a temporary sibling folder that is then renamed (a
     reader sees a whole cache or none); a ``folder`` another process completed first is kept."""
@@ -224,7 +229,7 @@ def save_top_k(folder: Path, arrays: tuple[np.ndarray, ...]) -> None:
     try:
         os.replace(tmp, folder)
     except OSError:  # written meanwhile by another node sharing the cache
-        if not (folder / "logps.npy").is_file():
+        if not top_k_saved(folder):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -248,7 +253,7 @@ def attach_top_k(engine, t, data, cfg: RunConfig):
         f"distill-train-{top_k_key(cfg, split, engine_precision(engine), student_vocab)}"
     k = cfg.train.distill.cache_top_k
     start = time.monotonic()
-    if not dist_utils.any_rank(not (path / "logps.npy").is_file(), engine.device):
+    if not dist_utils.any_rank(not top_k_saved(path), engine.device):
         counts, ids, logps = load_top_k(path)
         logger.info(f"distill: the teacher's top-{k} of {len(ids):,} trained tokens reused ({path})")
     else:
