@@ -208,6 +208,43 @@ def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(t
     assert list(resumed) == [3] and resumed[3] == pytest.approx(_logged(out, "train/loss")[2], rel=1e-6)
 
 
+def _assert_top_k_of_every_row(cache: Path, overrides: list[str], teacher: Path) -> None:
+    """The cached arrays the ranks wrote (each its shard, exchanged micro batch by micro batch) are, row by row of the
+    tokenized training split, the plain teacher's top-k of that row alone at its trained positions: the same
+    log-probabilities (1e-4; near-ties may swap ids, so the ids agree at 99% of the entries)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import load_run_config
+    from finetune.data.batch import model_inputs
+    from finetune.data.dataset import load_splits
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import distill, get_recipe
+    from finetune.recipes.gpt_clm import next_token_targets
+
+    cfg = load_run_config(CONFIG, overrides)
+    recipe = get_recipe(cfg.recipe)
+    tokenizer = load_tokenizer(cfg, recipe)
+    split = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed).train
+    collator = recipe.make_collator(tokenizer, cfg.data)
+    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    counts, ids, logps = distill.load_top_k(cache)
+    assert len(counts) == len(split) and counts.sum() == len(ids) == len(logps)
+    want_ids, want_logps = [], []
+    with torch.no_grad():
+        for i in range(len(split)):
+            batch = collator([split[i]])
+            keep = next_token_targets(batch) != -100
+            a, b = distill.top_k(t(**model_inputs(batch)).logits[keep].float(), cfg.train.distill.cache_top_k,
+                                 cfg.train.distill.temperature, 8192)
+            assert len(a) == counts[i], i
+            want_ids.append(a.numpy())
+            want_logps.append(b.numpy())
+    assert np.allclose(logps, np.concatenate(want_logps), rtol=0, atol=1e-4)
+    assert (ids == np.concatenate(want_ids)).mean() > 0.99
+
+
 @pytest.mark.extended
 def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cache(tmp_path, teacher):
     """ZeRO 3 (both models partitioned), forward KL from the teacher's cached top-64: the ranks compute the cache once
@@ -221,6 +258,7 @@ def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cach
     (cache,) = (tmp_path / "cache" / "teacher").iterdir()  # one whole folder, no temporary one left
     assert cache.name.startswith("distill-train-") and sorted(p.name for p in cache.iterdir()) == [
         "counts.npy", "ids.npy", "logps.npy"]
+    _assert_top_k_of_every_row(cache, overrides, teacher)
     ref = _reference([o for o in overrides if "cache_top_k" not in o], teacher, on_policy=False)
     assert _rel(_logged(out, "train/loss"), ref.losses) <= 2e-2
     again = tmp_path / "resumed"

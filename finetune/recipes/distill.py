@@ -163,50 +163,82 @@ def top_k(logits: torch.Tensor, k: int, temperature: float, vocab: int) -> tuple
     return ids.int(), values.float()
 
 
+def _my_rows(loader, n_mine: int):
+    """``(batch, row)`` pairs of a rank's :func:`finetune.data.dataset.eval_loader`: each batch with the split's row
+    index of each of its rows, or None for a filler row (every rank runs the same number of batches)."""
+    done = 0
+    for batch in loader:
+        size = batch["input_ids"].shape[0]
+        yield batch, [done + j if done + j < n_mine else None for j in range(size)]
+        done += size
+
+
 @torch.no_grad()
-def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The teacher's top-k of every trained position of ``split``, all ranks calling it (each runs its shard of the
-    rows, topped up with filler rows so every rank runs the same number of forwards, as ZeRO-3 needs; the shards are
-    then exchanged). Returns ``(counts [rows] int64, ids [positions, k] int32, log-probabilities [positions, k]
-    float32)``, the positions of row ``i`` after those of rows ``< i``, in the row's order."""
+def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int, folder: Path) -> None:
+    """Write the teacher's top-k of every trained position of ``split`` into ``folder`` (:data:`TOPK_ARRAYS`), all
+    ranks calling it: each runs its shard of the rows (topped up with filler rows, so every rank runs the same number
+    of forwards, as ZeRO-3 needs), and after each micro batch the ranks exchange that micro batch's arrays, which each
+    node's first rank writes into place (memory-mapped ``.npy`` files of the known final size: no rank ever holds more
+    than a micro batch of every rank's arrays). Row ``i``'s positions follow those of rows ``< i``, in the row's
+    order. The folder appears whole or not at all (:func:`publish_top_k`)."""
     from finetune.parallel.layout import layout
 
     d, lay = cfg.train.distill, layout(cfg)
     loader = eval_loader(split, collator, cfg.data, cfg.train.micro_batch_size, lay=lay)
-    mine = list(range(lay.dp_rank, len(split), lay.dp))
+    mine = range(lay.dp_rank, len(split), lay.dp)
+    # the trained positions per row first (collation only, no model): the files' sizes and each row's offset
+    counts = np.zeros(len(split), dtype=np.int64)
+    seen = [(mine[j], n) for batch, rows in _my_rows(loader, len(mine))
+            for j, n in zip(rows, (next_token_targets(batch) != -100).sum(1).tolist()) if j is not None]
+    for part in dist_utils.all_gather_object(seen):
+        for row, n in part:
+            counts[row] = n
+    offsets = np.concatenate([[0], np.cumsum(counts)])
     head = unwrap(t).get_output_embeddings()
     post = logits_transform(t)
     vocab = min(student_vocab, head.out_features)
-    got: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    done = 0
-    for batch in loader:
+    width = min(d.cache_top_k, vocab)
+    writer = dist_utils.local_rank() == 0  # every node's cache (a shared one: the first rename wins)
+    if writer:
+        tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        np.save(tmp / "counts.npy", counts)
+        out_ids = np.lib.format.open_memmap(tmp / "ids.npy", mode="w+", dtype=np.int32,
+                                            shape=(int(offsets[-1]), width))
+        out_logps = np.lib.format.open_memmap(tmp / "logps.npy", mode="w+", dtype=np.float32,
+                                              shape=(int(offsets[-1]), width))
+    for batch, rows in _my_rows(loader, len(mine)):
         batch = to_device(batch, t.device)
         keep = next_token_targets(batch) != -100
         inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
-        rows = teacher_hidden(t, inputs, keep)
+        hidden = teacher_hidden(t, inputs, keep)
         ids, logps = [], []
         with _gathered([p for p in (head.weight, head.bias) if p is not None]):
-            for start in range(0, rows.shape[0], chunk_tokens(head.out_features)):
-                z = F.linear(rows[start:start + chunk_tokens(head.out_features)].to(head.weight.dtype), head.weight,
-                             head.bias).float()
+            for start in range(0, hidden.shape[0], chunk_tokens(head.out_features)):
+                z = F.linear(hidden[start:start + chunk_tokens(head.out_features)].to(head.weight.dtype),
+                             head.weight, head.bias).float()
                 i, v = top_k(post[1](z) if post is not None else z, d.cache_top_k, d.temperature, vocab)
                 ids.append(i.cpu())
                 logps.append(v.cpu())
-        ids_b = torch.cat(ids) if ids else torch.zeros((0, min(d.cache_top_k, vocab)), dtype=torch.int32)
-        logps_b = torch.cat(logps) if logps else torch.zeros(ids_b.shape)
-        start = 0
-        for j, n in enumerate(keep.sum(1).tolist()):
-            if done + j < len(mine):
-                got[mine[done + j]] = (ids_b[start:start + n].numpy(), logps_b[start:start + n].numpy())
+        ids_b = torch.cat(ids).numpy() if ids else np.zeros((0, width), dtype=np.int32)
+        logps_b = torch.cat(logps).numpy() if logps else np.zeros((0, width), dtype=np.float32)
+        got, start = [], 0
+        for j, n in zip(rows, keep.sum(1).tolist()):
+            if j is not None:
+                got.append((mine[j], ids_b[start:start + n], logps_b[start:start + n]))
             start += n
-        done += keep.shape[0]
-    every = {}
-    for part in dist_utils.all_gather_object(got):
-        every.update(part)
-    counts = np.array([len(every[i][0]) for i in range(len(split))], dtype=np.int64)
-    width = min(d.cache_top_k, vocab)
-    return (counts, np.concatenate([every[i][0] for i in range(len(split))] or [np.zeros((0, width), np.int32)]),
-            np.concatenate([every[i][1] for i in range(len(split))] or [np.zeros((0, width), np.float32)]))
+        for part in dist_utils.all_gather_object(got):
+            for row, i, v in part if writer else ():
+                if len(i) != counts[row]:
+                    raise RuntimeError(f"distill: row {row} has {len(i)} trained positions in the teacher's pass, "
+                                       f"{counts[row]} in the count")
+                out_ids[offsets[row]:offsets[row + 1]] = i
+                out_logps[offsets[row]:offsets[row + 1]] = v
+    if writer:
+        out_ids.flush()
+        out_logps.flush()
+        del out_ids, out_logps
+        publish_top_k(tmp, folder)
 
 
 TOPK_ARRAYS = ("counts", "ids", "logps")
@@ -215,17 +247,13 @@ TOPK_ARRAYS = ("counts", "ids", "logps")
 
 
 def top_k_saved(folder: Path) -> bool:
-    """Whether ``folder`` holds a whole cached top-k (:func:`save_top_k` renames it into place complete)."""
+    """Whether ``folder`` holds a whole cached top-k (:func:`publish_top_k` renames it into place complete)."""
     return all((folder / f"{name}.npy").is_file() for name in TOPK_ARRAYS)
 
 
-def save_top_k(folder: Path, arrays: tuple[np.ndarray, ...]) -> None:
-    """Write :data:`TOPK_ARRAYS` into ``folder`` at once: into a temporary sibling folder that is then renamed (a
-    reader sees a whole cache or none); a ``folder`` another process completed first is kept."""
-    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, a in zip(TOPK_ARRAYS, arrays):
-        np.save(tmp / f"{name}.npy", a)
+def publish_top_k(tmp: Path, folder: Path) -> None:
+    """Rename the written folder ``tmp`` (a sibling of ``folder``) to ``folder`` at once, so a reader sees a whole
+    cache or none; a ``folder`` another process completed first is kept and ``tmp`` removed."""
     try:
         os.replace(tmp, folder)
     except OSError:  # written meanwhile by another node sharing the cache
@@ -243,7 +271,7 @@ def load_top_k(folder: Path) -> tuple[np.ndarray, ...]:
 def attach_top_k(engine, t, data, cfg: RunConfig):
     """The training split with :data:`TOPK_ROW` and the collator holding the teacher's top-k of its rows
     (:func:`teacher_top_k`), computed once per tokenized split, teacher and settings and cached in the folder
-    ``<cache>/teacher/distill-train-<key>/`` (:func:`top_k_key`, :func:`save_top_k`), else read from there; either
+    ``<cache>/teacher/distill-train-<key>/`` (:func:`top_k_key`), else read from there; either
     way memory-mapped (:func:`load_top_k`). All ranks call it."""
     from finetune.engine.ds_config import engine_precision
 
@@ -257,11 +285,8 @@ def attach_top_k(engine, t, data, cfg: RunConfig):
         counts, ids, logps = load_top_k(path)
         logger.info(f"distill: the teacher's top-{k} of {len(ids):,} trained tokens reused ({path})")
     else:
-        arrays = teacher_top_k(t, split, data.collator, cfg, student_vocab)
-        if dist_utils.local_rank() == 0:  # every node's cache (a shared one: the first rename wins)
-            save_top_k(path, arrays)
+        teacher_top_k(t, split, data.collator, cfg, student_vocab, path)
         dist_utils.barrier()
-        del arrays
         counts, ids, logps = load_top_k(path)
         logger.info(f"distill: the teacher's top-{k} of {len(ids):,} trained tokens computed in "
                     f"{time.monotonic() - start:.1f} s (saved to {path})")
