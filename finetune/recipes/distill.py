@@ -163,13 +163,14 @@ def top_k(logits: torch.Tensor, k: int, temperature: float, vocab: int) -> tuple
     return ids.int(), values.float()
 
 
-def _my_rows(loader, n_mine: int):
-    """``(batch, row)`` pairs of a rank's :func:`finetune.data.dataset.eval_loader`: each batch with the split's row
-    index of each of its rows, or None for a filler row (every rank runs the same number of batches)."""
+def _my_rows(loader, mine: range):
+    """``(batch, rows)`` pairs of a rank's :func:`finetune.data.dataset.eval_loader` over its rows ``mine`` of the
+    split: each batch with the split's row index of each of its rows, or None for a filler row (every rank runs the
+    same number of batches)."""
     done = 0
     for batch in loader:
         size = batch["input_ids"].shape[0]
-        yield batch, [done + j if done + j < n_mine else None for j in range(size)]
+        yield batch, [mine[done + j] if done + j < len(mine) else None for j in range(size)]
         done += size
 
 
@@ -188,8 +189,8 @@ def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int, folder
     mine = range(lay.dp_rank, len(split), lay.dp)
     # the trained positions per row first (collation only, no model): the files' sizes and each row's offset
     counts = np.zeros(len(split), dtype=np.int64)
-    seen = [(mine[j], n) for batch, rows in _my_rows(loader, len(mine))
-            for j, n in zip(rows, (next_token_targets(batch) != -100).sum(1).tolist()) if j is not None]
+    seen = [(row, n) for batch, rows in _my_rows(loader, mine)
+            for row, n in zip(rows, (next_token_targets(batch) != -100).sum(1).tolist()) if row is not None]
     for part in dist_utils.all_gather_object(seen):
         for row, n in part:
             counts[row] = n
@@ -207,7 +208,7 @@ def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int, folder
                                             shape=(int(offsets[-1]), width))
         out_logps = np.lib.format.open_memmap(tmp / "logps.npy", mode="w+", dtype=np.float32,
                                               shape=(int(offsets[-1]), width))
-    for batch, rows in _my_rows(loader, len(mine)):
+    for batch, rows in _my_rows(loader, mine):
         batch = to_device(batch, t.device)
         keep = next_token_targets(batch) != -100
         inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
@@ -223,9 +224,9 @@ def teacher_top_k(t, split, collator, cfg: RunConfig, student_vocab: int, folder
         ids_b = torch.cat(ids).numpy() if ids else np.zeros((0, width), dtype=np.int32)
         logps_b = torch.cat(logps).numpy() if logps else np.zeros((0, width), dtype=np.float32)
         got, start = [], 0
-        for j, n in zip(rows, keep.sum(1).tolist()):
-            if j is not None:
-                got.append((mine[j], ids_b[start:start + n], logps_b[start:start + n]))
+        for row, n in zip(rows, keep.sum(1).tolist()):
+            if row is not None:
+                got.append((row, ids_b[start:start + n], logps_b[start:start + n]))
             start += n
         for part in dist_utils.all_gather_object(got):
             for row, i, v in part if writer else ():
