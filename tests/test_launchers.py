@@ -365,8 +365,12 @@ def test_forward_signals_ranks_not_launchers():
     try:
         import psutil
 
-        kids = wait_for(lambda: len(psutil.Process(tree.pid).children()) == 2 and psutil.Process(tree.pid).children(),
-                        10, what="two children")
+        def both_exec_sleep():
+            # a forked child keeps bash's environment until it has exec'd ``sleep``: wait for both to have
+            kids = psutil.Process(tree.pid).children()
+            return len(kids) == 2 and all(k.name() == "sleep" for k in kids) and kids
+
+        kids = wait_for(both_exec_sleep, 10, what="two children running sleep")
         rank = next(p for p in kids if "RANK" in p.environ())
         other = next(p for p in kids if p is not rank)
         assert forward(signal.SIGTERM, tree.pid) == [rank.pid]
