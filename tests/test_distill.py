@@ -125,6 +125,28 @@ def test_the_loss_and_its_gradients_are_the_textbook_ones_of_the_full_logits(tea
         distill._TEACHER.clear()
 
 
+def test_the_teacher_keeps_packed_examples_apart(teacher):
+    """In process, a packed row of three examples (``position_ids`` restarting, no ``attention_mask``: what
+    ``data.packing`` gives) through the teacher folder's model as it ships (``use_cache: true`` in its config, as in
+    real checkpoints' ``config.json``): the teacher's hidden states at the trained positions equal each example's alone
+    (transformers builds the block-diagonal mask from ``position_ids`` only when the forward makes no KV cache)."""
+    import torch
+
+    from finetune.recipes import distill
+
+    _, t = models(teacher, seed=0)
+    assert t.config.use_cache
+    lengths = (7, 11, 9)
+    ids = torch.randint(1, 8192, (1, sum(lengths)))
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    with torch.no_grad():
+        got = distill.teacher_hidden(t, {"input_ids": ids, "position_ids": pos}, keep)
+        alone = torch.cat([distill.teacher_hidden(t, {"input_ids": part}, torch.ones_like(part, dtype=torch.bool))
+                           for part in ids.split(lengths, dim=1)])
+    assert torch.allclose(got, alone, rtol=0, atol=1e-5), (got - alone).abs().max()
+
+
 def _logged(run: Path, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run) if key in r]
 
@@ -137,7 +159,7 @@ def _reference(overrides: list[str], teacher: Path, on_policy: bool):
     from finetune.recipes import distill
 
     cfg = load_run_config(CONFIG, overrides)
-    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32, use_cache=False).eval()
     sample = (lambda model, micro, step: distill.sample_completions(model, micro, cfg, step)) if on_policy else None
     return reference_run(cfg, 2, 3, loss_fn=textbook_loss(t, cfg.train.distill), before_step=sample)
 
@@ -228,7 +250,7 @@ def _assert_top_k_of_every_row(cache: Path, overrides: list[str], teacher: Path)
     tokenizer = load_tokenizer(cfg, recipe)
     split = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed).train
     collator = recipe.make_collator(tokenizer, cfg.data)
-    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+    t = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32, use_cache=False).eval()
     counts, ids, logps = distill.load_top_k(cache)
     assert len(counts) == len(split) and counts.sum() == len(ids) == len(logps)
     want_ids, want_logps = [], []

@@ -306,7 +306,12 @@ def describe(d: DistillConfig) -> str:
 def teacher_hidden(model, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
     """The teacher's final hidden states at the positions where ``keep`` (``[batch, seq]`` bool) is true,
     ``[n, hidden]``, from one forward whose output head is replaced by the capture (it computes no logits). Call under
-    ``torch.no_grad``."""
+    ``torch.no_grad``.
+
+    The forward makes no KV cache (``use_cache=False``, whatever the teacher's ``config.json`` says, as real
+    checkpoints ship ``use_cache: true``): transformers builds the packed rows' block-diagonal mask from
+    ``position_ids`` only for a forward without a cache (``masking_utils``), and Llama/Qwen-family models make one on
+    every forward their config allows, so packed examples would attend to each other in the teacher."""
     head = find_head(model)
     state = SimpleNamespace(rows=None)
 
@@ -316,7 +321,7 @@ def teacher_hidden(model, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
 
     with patches.applied(patches.instance_forward(head, capture, "distill: the teacher's hidden states at the "
                                                   "trained positions; its head runs in the student's loss")):
-        model(**inputs)
+        model(**inputs, use_cache=False)
     if state.rows is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} (the teacher) never called its output head "
                            f"{type(head).__name__}")
