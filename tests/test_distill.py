@@ -43,6 +43,33 @@ def teacher(tmp_path_factory) -> Path:
     return write_teacher(tmp_path_factory.mktemp("teacher"))
 
 
+def write_student(folder: Path) -> Path:
+    """A student folder whose samples end at the EOS at different lengths, as a trained model's do (a random-weight
+    model picks id 0 of 8,192 about once in 8,000 tokens, so every completion would run to the limit): the tiny Llama
+    on the 8,192-token BPE, seeded random weights, with the tied embedding's first dimension 0.05 for every token and
+    6.0 for the EOS (id 0), which lifts the EOS logit at every position (sampled at the parity config's temperature
+    2: mean completion 10 of 16 tokens, 42% at the limit)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "models" / "tiny-llama")
+    config.update(dict(vocab_size=8192, pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.05
+        model.model.embed_tokens.weight[0, 0] = 6.0
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory) -> list[str]:
+    """The overrides that train :func:`write_student`'s folder."""
+    folder = write_student(tmp_path_factory.mktemp("student"))
+    return [f"model.path={folder}", "model.init=pretrained", "model.config_overrides={}"]
+
+
 def models(teacher: Path, seed: int):
     """``(student, teacher)`` in process: the tiny Llama on the 8,192-token BPE from scratch (seeded) and the teacher
     folder's model in eval mode."""
@@ -175,26 +202,26 @@ def _rel(got: list[float], want: list[float]) -> float:
       for stage, divergence in (("zero0", "forward_kl"), ("zero0", "reverse_kl"), ("zero0", "jsd"),
                                 ("zero3", "forward_kl"), ("zero3", "reverse_kl"))),
 ])
-def test_a_launch_matches_the_plain_loop(tmp_path, teacher, case):
+def test_a_launch_matches_the_plain_loop(tmp_path, teacher, student, case):
     """2 ranks x micro-batch 2 x accumulation 2: each step's loss (the mean over the global batch's trained tokens)
     and gradient norm equal the one-device loop's (1e-5, 1e-4), the teacher beside the student; ZeRO 0 with reverse
     KL on packed rows (the default suite); each divergence at ZeRO 0 and ZeRO 3 with half the rows on-policy
     (``mixed``: the same steps train offline rows and completions the student samples, which the loop samples with
-    the same seeds; ZeRO 3 with every parameter of both models partitioned, threshold 0; JSD at ZeRO 3 is the resume
+    the same seeds, and which end at the EOS at different lengths: :func:`write_student`; ZeRO 3 with every parameter of both models partitioned, threshold 0; JSD at ZeRO 3 is the resume
     test below). The log names the teacher and the metrics are there."""
     stage, divergence, rows = case.split("-")
     overrides = [f"train.distill.teacher={teacher}", f"train.distill.loss={divergence}",
                  f"deepspeed=ds_configs/{stage}.json"]
     if rows == "mixed":
-        overrides += ["train.distill.on_policy_fraction=0.5", "data.packing=false",
+        overrides += [*student, "train.distill.on_policy_fraction=0.5", "data.packing=false",
                       "train.distill.max_completion_length=12"]
     proc = launch(CONFIG, [*overrides, f"output_dir={tmp_path / 'run'}"], nproc=2)
     ok(proc)
     named = "jsd (beta 0.5)" if divergence == "jsd" else divergence
     assert "distill: teacher" in proc.stdout and f"{named} at temperature 2, alpha 0.7" in proc.stdout
     ref = _reference(overrides, teacher, on_policy=rows == "mixed")
-    # token weighting matters: the micro-batches train different numbers of tokens (on-policy rows train 12: no
-    # random-weight student samples the EOS, one id of 8,192, within them; the data's rows train their answers)
+    # token weighting matters: the micro-batches train different numbers of tokens (on-policy rows their completions
+    # up to the EOS, the data's rows their answers)
     assert max(abs(a - b) / b for a, b in zip(ref.micro_batch_losses, ref.token_losses)) > 1e-4
     assert _rel(_logged(tmp_path / "run", "train/loss"), ref.losses) <= 1e-5
     assert _rel(_logged(tmp_path / "run", "train/grad_norm"), ref.grad_norms) <= 1e-4
@@ -202,17 +229,26 @@ def test_a_launch_matches_the_plain_loop(tmp_path, teacher, case):
     if rows == "mixed":  # each step's share of its 8 rows, drawn by the rows' seeds: both kinds train
         shares = _logged(tmp_path / "run", "train/on_policy_rows")
         assert len(shares) == 3 and 0 < sum(shares) < 3, shares
+        _assert_some_end_early(tmp_path / "run", 12)
+
+
+def _assert_some_end_early(run: Path, limit: int) -> None:
+    """The logged mean completion lengths (trained tokens, the EOS included) show completions that ended at the EOS
+    before ``limit`` tokens: what a trained student does, not a random one."""
+    lengths = _logged(run, "train/completions/mean_length")
+    assert lengths and all(1 <= x <= limit for x in lengths) and min(lengths) < limit - 1, lengths
 
 
 @pytest.mark.extended
-def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(tmp_path, teacher):
+def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(tmp_path, teacher, student):
     """ZeRO 3 with every parameter of student and teacher partitioned (threshold 0), JSD, half the rows on-policy
-    (unpacked rows; completions sampled through grpo's rollout, the student's weights gathered): losses and gradient
-    norms equal the one-device loop that samples the same rows with the same seeds; a resume from the step-2
-    checkpoint repeats step 3 (the same on-policy completions)."""
-    overrides = [f"train.distill.teacher={teacher}", "deepspeed=ds_configs/zero3.json", "train.distill.loss=jsd",
-                 "train.distill.beta=0.4", "train.distill.on_policy_fraction=0.5", "data.packing=false",
-                 "train.distill.max_completion_length=16", "train.save_every=2"]
+    (unpacked rows; completions sampled through grpo's rollout, the student's weights gathered, ending at the EOS at
+    different lengths: :func:`write_student`): losses and gradient norms equal the one-device loop that samples the
+    same rows with the same seeds; a resume from the step-2 checkpoint repeats step 3 (the same on-policy
+    completions)."""
+    overrides = [*student, f"train.distill.teacher={teacher}", "deepspeed=ds_configs/zero3.json",
+                 "train.distill.loss=jsd", "train.distill.beta=0.4", "train.distill.on_policy_fraction=0.5",
+                 "data.packing=false", "train.distill.max_completion_length=16", "train.save_every=2"]
     out = tmp_path / "run"
     proc = ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
     # the teacher: a second engine without optimizer, partitioned (ZeRO-3 builds it inside zero.Init)
@@ -222,6 +258,7 @@ def test_zero3_on_policy_rows_match_the_plain_loop_and_resume_samples_the_same(t
     assert _rel(_logged(out, "train/grad_norm"), ref.grad_norms) <= 1e-5
     shares = _logged(out, "train/on_policy_rows")  # each step's share of its 8 rows, drawn by the rows' seeds
     assert len(shares) == 3 and all(0 <= x <= 1 for x in shares) and 0 < sum(shares) < 3, shares
+    _assert_some_end_early(out, 16)
     assert ref.targets != _reference([f"train.distill.teacher={teacher}", "data.packing=false"], teacher,
                                      on_policy=False).targets  # the on-policy rows changed what trains
     again = tmp_path / "resumed"
@@ -276,7 +313,7 @@ def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cach
                  "train.distill.cache_top_k=64", f"data.cache_dir={tmp_path / 'cache'}", "train.save_every=2"]
     out = tmp_path / "run"
     proc = ok(launch(CONFIG, [*overrides, f"output_dir={out}"], nproc=2))
-    assert "distill: the teacher's top-64 of 1,421 trained tokens computed" in proc.stdout
+    assert "distill: the teacher's top-64 of 6,231 trained tokens computed" in proc.stdout
     (cache,) = (tmp_path / "cache" / "teacher").iterdir()  # one whole folder, no temporary one left
     assert cache.name.startswith("distill-train-") and sorted(p.name for p in cache.iterdir()) == [
         "counts.npy", "ids.npy", "logps.npy"]
@@ -285,7 +322,7 @@ def test_zero3_cached_top_k_trains_near_the_teacher_and_a_resume_reuses_the_cach
     assert _rel(_logged(out, "train/loss"), ref.losses) <= 2e-2
     again = tmp_path / "resumed"
     proc = ok(launch(CONFIG, [*overrides, f"output_dir={again}"], nproc=2, resume=str(out / "checkpoints" / "step2")))
-    assert "distill: the teacher's top-64 of 1,421 trained tokens reused" in proc.stdout
+    assert "distill: the teacher's top-64 of 6,231 trained tokens reused" in proc.stdout
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(again) if "train/loss" in r}
     assert list(resumed) == [3] and resumed[3] == pytest.approx(_logged(out, "train/loss")[2], rel=1e-6)
 
