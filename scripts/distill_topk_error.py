@@ -43,8 +43,11 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg, recipe)
     splits = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed)
     collator = recipe.make_collator(tokenizer, cfg.data)
-    student = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(cfg.train.distill.teacher, dtype=torch.float32).eval()
+    # no KV cache in either forward: transformers keeps packed examples apart only without one (an export's
+    # config.json says use_cache: true)
+    student = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, use_cache=False)
+    teacher = AutoModelForCausalLM.from_pretrained(cfg.train.distill.teacher, dtype=torch.float32,
+                                                   use_cache=False).eval()
     distill._TEACHER.update(engine=teacher)
     d = cfg.train.distill
     vocab = min(student.get_output_embeddings().out_features, teacher.get_output_embeddings().out_features)
