@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from finetune.engine.rollout import (HFGenerateRollout, InverseCdfSampler, ReservedLayer, RolloutRequest,
-                                     SamplingConfig, overridden_settings, sampling_processors)
+                                     SamplingConfig, complete, overridden_settings, sampling_processors,
+                                     stop_token_ids)
 
 
 class _Tok:
@@ -145,6 +146,36 @@ def test_rollouts_ignore_the_processors_of_the_models_generation_config():
         again = HFGenerateRollout(model, _Tok(), fast=fast).generate(req, sampled, seed=5).input_ids
         assert torch.equal(again, clean[fast]), fast
     assert model.generation_config is gc and gc.repetition_penalty == 3.0
+
+
+def test_completions_end_at_every_end_token_of_the_models_generation_config():
+    """Real chat models list several end tokens in ``generation_config.json`` (Gemma's ``eos_token_id: [1, 106]``:
+    ``<eos>`` and ``<end_of_turn>``; Llama 3's three): a completion ends at the first of them and the tokenizer's EOS
+    (TRL 1.16's ``eos_token_ids``), fast and not: the greedy tokens up to and including it, pad after, the mask and
+    ``terminated`` to match, the reward text without it; with the tokenizer's EOS alone that completion ran on."""
+    from finetune.recipes.grpo.rollout import _texts
+
+    model, req = _model(), _prompts()
+    want = _greedy_by_hand(model, req, 10)
+    # a token row 0 generates greedily (not first, not before): the model's second end token, like <end_of_turn>
+    j = next(j for j in range(1, 10) if int(want[0, j]) not in want[0, :j].tolist() + [0, 1])
+    end = int(want[0, j])
+    assert stop_token_ids(model, _Tok()) == [1]
+    model.generation_config.eos_token_id = [1, end]
+    assert stop_token_ids(model, _Tok()) == [1, end]
+    greedy = SamplingConfig(max_new_tokens=10, temperature=0.0, n_samples_per_prompt=1)
+    for fast in (True, False):
+        out = HFGenerateRollout(model, _Tok(), fast=fast).generate(req, greedy)
+        got, mask = out.input_ids[:, 9:], out.attention_mask[:, 9:]
+        assert got[0, :j + 1].tolist() == want[0, :j + 1].tolist() and set(got[0, j + 1:].tolist()) == {0}, fast
+        assert mask[0].tolist() == [1] * (j + 1) + [0] * (9 - j), fast
+        c = complete(model, req.prompt_ids, req.prompt_attention_mask, greedy, _Tok(), 0, fast=fast)
+        assert bool(c["terminated"][0]) and int(c["lengths"][0]) == j + 1, fast
+    texts, ids = _texts(type("T", (), {"batch_decode": lambda self, x, **k: [str(r) for r in x]})(), c)
+    assert ids[0][-1] == end and texts[0] == str(want[0, :j].tolist())
+    model.generation_config.eos_token_id = 1  # the tokenizer's EOS alone: the same row runs past that token
+    c = complete(model, req.prompt_ids, req.prompt_attention_mask, greedy, _Tok(), 0)
+    assert int(c["lengths"][0]) > j + 1
 
 
 def test_zero3_generation_gathers_once_and_fetches_nothing_per_token(tmp_path):

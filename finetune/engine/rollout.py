@@ -52,6 +52,11 @@ nothing else. A model's ``generation_config.json`` may add logits processors of 
 replaces the model's generation config for the call with transformers' global defaults (TRL passes a whole
 ``GenerationConfig`` for the same reason), and :func:`overridden_settings` names what the model's file set, logged
 once per process.
+
+A completion ends at the first of its model's end tokens (:func:`stop_token_ids`): the tokenizer's EOS and every
+id of the ``generation_config.json``'s ``eos_token_id``, which real chat models set to a list (Gemma's
+``<end_of_turn>`` beside ``<eos>``, Llama 3's ``<|eot_id|>`` and ``<|eom_id|>`` beside ``<|end_of_text|>``), as TRL
+1.16's ``GRPOTrainer`` stops and masks; the tokenizer's EOS alone would let a Gemma completion run on past its turn.
 """
 
 from __future__ import annotations
@@ -163,6 +168,18 @@ def zero3_hooks_off(engine):
         offload._register_deepspeed_module(module)
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids a completion ends at: the tokenizer's ``eos_token_id`` first, then each id of the model's
+    ``generation_config.eos_token_id`` (an int or a list) not already there (TRL 1.16 ``GRPOTrainer``'s
+    ``eos_token_ids``). ``model``: the causal LM (or a wrapper with ``generation_config``), or None."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for i in ([own] if isinstance(own, int) else list(own or [])):
+        if int(i) not in ids:
+            ids.append(int(i))
+    return ids
+
+
 def policy_generation_config(model) -> GenerationConfig:
     """A generation config with transformers' global defaults only (no logits processor of the model's own), with
     the model's special token ids; put on the model for a rollout's ``generate`` call
@@ -253,7 +270,8 @@ class HFGenerateRollout(RolloutEngine):
 
     Args:
         engine: the DeepSpeed engine (or a plain / peft-wrapped causal LM: one process, nothing to gather).
-        tokenizer: the run's tokenizer (``pad_token_id``, ``eos_token_id``).
+        tokenizer: the run's tokenizer (``pad_token_id``, ``eos_token_id``; with the model's generation config:
+            :meth:`stop_ids`).
         gather: under ZeRO-3, gather the whole model for :meth:`weights` (else ``synced_gpus`` generation).
         fast: one prefill per prompt and :class:`InverseCdfSampler` (module docstring); False: ``generate`` with
             ``num_return_sequences`` and its own sampling. ``synced_gpus`` generation always runs the latter.
@@ -264,6 +282,10 @@ class HFGenerateRollout(RolloutEngine):
     def __init__(self, engine, tokenizer, gather: bool = True, fast: bool = True):
         self.engine, self.tokenizer, self.gather, self.fast = engine, tokenizer, gather, fast
         self.model = getattr(engine, "module", engine)
+
+    def stop_ids(self) -> list[int]:
+        """The ids a completion ends at (:func:`stop_token_ids` of the model and the tokenizer)."""
+        return stop_token_ids(self._base(), self.tokenizer)
 
     def _zero3(self) -> bool:
         stage = getattr(self.engine, "zero_optimization_stage", None)
@@ -308,8 +330,9 @@ class HFGenerateRollout(RolloutEngine):
 
         Returns:
             A :class:`~deepspeed.runtime.rollout.RolloutBatch` on the CPU: ``input_ids`` ``[B n, T_p + T_r]`` (a
-            prompt's ``n`` completions consecutive; the response padded with the pad token after its EOS),
-            ``attention_mask`` (1 on the real prompt tokens and on the response up to and including its first EOS),
+            prompt's ``n`` completions consecutive; the response padded with the pad token after its end token:
+            :meth:`stop_ids`), ``attention_mask`` (1 on the real prompt tokens and on the response up to and including
+            its first end token),
             ``response_start_idx`` ``[B n]`` = ``T_p``.
 
         Decodes with a KV cache whatever the model's ``use_cache`` says (an SFT export of packed rows says false),
@@ -367,9 +390,9 @@ class HFGenerateRollout(RolloutEngine):
             else:
                 knobs |= {"num_return_sequences": n, **inputs}
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
-                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                      pad_token_id=tok.pad_token_id, eos_token_id=self.stop_ids(),
                                       synced_gpus=synced, use_cache=True, **knobs)
-        batch = response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], tok.eos_token_id, n)
+        batch = response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], self.stop_ids(), n)
         if session:
             _TURNS[key] = _turn_cache(cache, batch) if keep and cache is not None else None
         return batch
@@ -522,13 +545,15 @@ def _generation_config(model, config: GenerationConfig):
         model.generation_config = own
 
 
-def response_batch(out: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int, eos: int, n: int) -> RolloutBatch:
+def response_batch(out: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int, eos: int | list[int],
+                   n: int) -> RolloutBatch:
     """A :class:`~deepspeed.runtime.rollout.RolloutBatch` on the CPU from generated ``[B n, T_p + T_r]`` ids (pad after
-    each response's first EOS): the attention mask is the prompts' ``[B, T_p]`` mask repeated ``n`` times, then 1 on
-    each response up to and including its first EOS (all of it without one)."""
+    each response's first end token, one of ``eos``: :func:`stop_token_ids`): the attention mask is the prompts'
+    ``[B, T_p]`` mask repeated ``n`` times, then 1 on each response up to and including its first end token (all of
+    it without one)."""
     out = out.cpu()
     response = out[:, prompt_len:]
-    is_eos = response == eos
+    is_eos = torch.isin(response, torch.tensor([eos] if isinstance(eos, int) else list(eos), dtype=response.dtype))
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(out),), response.shape[1]))
     response_mask = (torch.arange(response.shape[1])[None] <= first[:, None]).long()
     return RolloutBatch(input_ids=out, attention_mask=torch.cat([prompt_mask.cpu().repeat_interleave(n, 0),
@@ -606,7 +631,7 @@ class HybridEngineGenerate(HFGenerateRollout):
             batch = rollout.generate(RolloutRequest(request.prompt_ids.to(device),
                                                     request.prompt_attention_mask.to(device)), sampling)
         return response_batch(batch.input_ids, request.prompt_attention_mask, request.prompt_ids.shape[1],
-                              self.tokenizer.eos_token_id, n)
+                              self.stop_ids(), n)
 
 
 def make_rollout(engine, tokenizer, backend: str = "hf_generate", gather: bool = True,
@@ -649,13 +674,15 @@ def complete(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, samp
             (:func:`lockstep`).
 
     Returns:
-        ``completion_ids`` ``[B n, C]`` int64 (pad after the EOS), ``completion_mask`` ``[B n, C]`` float32 (1 up to and
-        including the first EOS), ``terminated`` ``[B n]`` bool (an EOS was generated), ``lengths`` ``[B n]`` int64.
+        ``completion_ids`` ``[B n, C]`` int64 (pad after the end token), ``completion_mask`` ``[B n, C]`` float32 (1 up
+        to and including the first end token: :func:`stop_token_ids`), ``terminated`` ``[B n]`` bool (an end token
+        was generated), ``lengths`` ``[B n]`` int64.
     """
     rollout = make_rollout(engine, tokenizer, backend, gather=gather, fast=fast)
     out = rollout.generate(RolloutRequest(input_ids, attention_mask), sampling, seed, inputs)
     p = int(out.response_start_idx[0]) if len(out.response_start_idx) else input_ids.shape[1]
     completion, cmask = out.input_ids[:, p:], out.attention_mask[:, p:].float()
-    terminated = (completion == tokenizer.eos_token_id).any(1)
+    stops = rollout.stop_ids()
+    terminated = (torch.isin(completion, torch.tensor(stops, dtype=completion.dtype)) & cmask.bool()).any(1)
     return {"completion_ids": completion, "completion_mask": cmask, "terminated": terminated,
             "lengths": cmask.sum(1).long()}

@@ -257,11 +257,12 @@ def _failed(stats: ToolStats, why: str) -> str:
     return json.dumps({"error": why})
 
 
-def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None) -> list[int]:
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None,
+                    stops: list[int] | None = None) -> list[int]:
     """The token ids the chat template puts after an assistant turn that called tools: the ``tool`` messages
     (``{"role": "tool", "name", "content"}``), then the next assistant turn's generation prompt (TRL 1.16's
     ``_get_tool_suffix_ids``): the rendering of a dummy conversation with them, less its rendering without them,
-    cut after the assistant turn's EOS.
+    cut after the assistant turn's last end token (one of ``stops``; None: the tokenizer's EOS).
 
     Raises:
         ValueError: the template does not render the shorter conversation as a prefix of the longer one.
@@ -274,8 +275,9 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | N
                                            **kwargs)
     full = tokenizer.apply_chat_template(dummy + tool_messages, tokenize=True, add_generation_prompt=True,
                                          return_dict=False, **kwargs)
-    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if eos:  # templates that write "<EOS>\n" after a turn: the sampled turn ends at its EOS
+    ends = stops or [tokenizer.eos_token_id]
+    eos = [i for i, t in enumerate(prefix) if t in ends]
+    if eos:  # templates that write "<EOS>\n" after a turn: the sampled turn ends at its end token
         prefix = prefix[:eos[-1] + 1]
     if full[:len(prefix)] != prefix:
         raise ValueError("the chat template does not render a conversation's first turns as a prefix of the whole "
@@ -297,12 +299,15 @@ class Trajectory:
 
 def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_fn, tokenizer,
                tools: list[dict[str, Callable]], max_completion_length: int, max_iterations: int,
-               timeout_s: float, stats: list[ToolStats], chat_template: str | None = None) -> list[Trajectory]:
+               timeout_s: float, stats: list[ToolStats], chat_template: str | None = None,
+               stops: list[int] | None = None) -> list[Trajectory]:
     """Run the tool calls of each completion and let the model continue, turn by turn, every rollout of the batch
     together (the rollouts that call no tool drop out), up to ``max_iterations`` tool turns per rollout (TRL 1.16's
     ``_tool_call_loop``, token in, token out).
 
-    A turn calls tools when it ends with the tokenizer's EOS and :func:`parse_tool_calls` finds calls in it. Its
+    A turn calls tools when it ends with an end token (``stops``: the tokenizer's EOS and the model's
+    ``generation_config`` ones, :func:`finetune.engine.rollout.stop_token_ids`; None: the tokenizer's EOS) and
+    :func:`parse_tool_calls` finds calls in it. Its
     calls run (:func:`call_tool`); their results' tokens (:func:`tool_suffix_ids`) are appended to the sampled
     tokens, and ``generate_fn`` continues every such rollout in one batch. A rollout whose results would take it past
     ``max_completion_length`` tokens stops before them (as TRL); a continuation is cut to what is left.
@@ -319,15 +324,17 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
         timeout_s: seconds a tool call may take (``train.grpo.tool_timeout_s``).
         stats: per rollout, the counts of its calls (:class:`ToolStats`), added to.
         chat_template: the template to render the results with (``data.chat_template``), else the tokenizer's.
+        stops: the ids a turn ends at; None: the tokenizer's EOS.
 
     Returns:
         One :class:`Trajectory` per rollout, in order.
     """
-    eos = tokenizer.eos_token_id
+    ends = stops or [tokenizer.eos_token_id]
 
     def turn(ids: list[int]) -> dict:
-        text = tokenizer.decode(ids[:-1] if ids and ids[-1] == eos else ids, skip_special_tokens=False)
-        calls = parse_tool_calls(text, tokenizer) if ids and ids[-1] == eos else []
+        ended = bool(ids) and ids[-1] in ends
+        text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        calls = parse_tool_calls(text, tokenizer) if ended else []
         return {"role": "assistant", "content": text, "tool_calls": calls}
 
     out = [Trajectory(list(c), [1] * len(c), [turn(list(c))]) for c in completions]
@@ -337,7 +344,7 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
         for i in active:
             results = [{"role": "tool", "name": call.get("name") or "unknown",
                         "content": call_tool(tools[i], call, timeout_s, stats[i])} for call in out[i].turns[-1]["tool_calls"]]
-            suffix = tool_suffix_ids(tokenizer, results, chat_template)
+            suffix = tool_suffix_ids(tokenizer, results, chat_template, stops)
             if len(out[i].ids) + len(suffix) >= max_completion_length:
                 continue  # no room for the results and a reply: the rollout ends with its calls
             out[i].ids += suffix

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from finetune.engine.rollout import stop_token_ids
 from finetune.lifecycle.export import plain_model_construction
 from finetune.recipes.rewards import answer_of  # noqa: F401  (the answer extraction is the reward's too)
 
@@ -118,8 +119,8 @@ class EvalGeneration:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(self.seed + index)
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=g.max_new_tokens,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, synced_gpus=synced,
-                                 **sampling, **stops)
+                                 pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model, tok),
+                                 synced_gpus=synced, **sampling, **stops)
         text = tok.decode(out[0, len(ids):], skip_special_tokens=True)
         for s in g.stop:  # transformers keeps the stop string; the answer ends before it
             text = text.split(s, 1)[0]

@@ -154,7 +154,8 @@ def observed_prompts(prompts: list, observations: list[str | None], encode, max_
 
 
 def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agent: Agent, environments: list,
-               chat_template: str | None) -> tuple[dict, list[list[dict]], tool_utils.ToolStats]:
+               chat_template: str | None, stops: list[int] | None = None) \
+        -> tuple[dict, list[list[dict]], tool_utils.ToolStats]:
     """The tool turns of every rollout of the step on this rank.
 
     Args:
@@ -168,16 +169,18 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
         agent: the run's tools and environment.
         environments: one instance (or None) per rollout (:func:`start_environments`'s first).
         chat_template: ``data.chat_template`` as text, or None (the tokenizer's).
+        stops: the ids a turn ends at (:func:`finetune.engine.rollout.stop_token_ids`); None: the tokenizer's EOS.
 
     Returns:
         ``(whole, transcripts, stats)``: ``whole`` with every rollout's tokens (``completion_ids`` padded,
-        ``completion_mask`` 1 on every real token, ``lengths``, ``terminated``: the last turn ended with EOS) and
+        ``completion_mask`` 1 on every real token, ``lengths``, ``terminated``: the last turn ended with one of
+        ``stops``) and
         ``tool_mask`` ``[N, C']`` float32 (1 on the model's tokens, 0 on the tools'); ``turns`` ``[N]`` int64 (the
         model's turns); ``tool_calls``, ``tool_failures`` ``[N]`` float32; ``tool_calls_by_name`` ``[N, T + 1]``
         float32 (the calls of each of :attr:`Agent.names`, then those naming no offered tool or none at all); the
         transcripts (one list of turns per rollout); the counts.
     """
-    pad, eos = tok.pad_token_id, tok.eos_token_id
+    pad, stops = tok.pad_token_id, stops or [tok.eos_token_id]
     n = len(whole["completion_ids"])
     firsts = [row[:int(k)].tolist() for row, k in zip(whole["completion_ids"], whole["lengths"])]
     starts = [row[m.bool()].tolist() for row, m in zip(prompts["input_ids"], prompts["attention_mask"])]
@@ -197,7 +200,7 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
 
     per_stats = [tool_utils.ToolStats() for _ in range(n)]
     done = tool_utils.tool_turns(starts, firsts, continue_, tok, per_rollout, g.max_completion_length,
-                                 g.max_tool_calling_iterations, g.tool_timeout_s, per_stats, chat_template)
+                                 g.max_tool_calling_iterations, g.tool_timeout_s, per_stats, chat_template, stops)
     width = max([len(t.ids) for t in done] + [1])
     ids = torch.full((n, width), pad, dtype=torch.long)
     real = torch.zeros((n, width), dtype=torch.float32)
@@ -207,7 +210,7 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
         real[i, :len(t.ids)] = 1
         model[i, :len(t.ids)] = torch.tensor(t.mask, dtype=torch.float32)
     out = {"completion_ids": ids, "completion_mask": real,
-           "terminated": torch.tensor([bool(t.ids) and t.ids[-1] == eos for t in done]),
+           "terminated": torch.tensor([bool(t.ids) and t.ids[-1] in stops for t in done]),
            "lengths": real.sum(1).long(), "tool_mask": model,
            "turns": torch.tensor([sum(m["role"] == "assistant" for m in t.turns) for t in done], dtype=torch.long),
            "tool_calls": torch.tensor([float(s.calls) for s in per_stats]),

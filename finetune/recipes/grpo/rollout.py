@@ -100,7 +100,7 @@ def _tool_turns(engine, whole: dict, prompts: dict, cols: dict, cfg: RunConfig, 
                         seed + 104_729 * next(turn), _synced(engine, g))
 
     whole, transcripts, _ = multi_turn(whole, prompts, continue_, tok, g, agent, environments,
-                                       template_text(cfg.data))
+                                       template_text(cfg.data), _rollout(engine, g, tok).stop_ids())
     if agent.factory is not None:
         cols = {**cols, "environments": environments}
     return whole, transcripts, cols
@@ -149,10 +149,10 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
 
 
 def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
-    """The completions as text (decoded without their EOS) and as token ids up to and including their EOS (what
+    """The completions as text (decoded without their end token) and as token ids up to and including it (what
     TRL 1.16 passes its reward functions as ``completion_ids``: the completion mask's tokens)."""
     ids = [row[: int(n)].tolist() for row, n in zip(completion["completion_ids"], completion["lengths"])]
-    text_ids = [x[:-1] if x and x[-1] == tokenizer.eos_token_id else x for x in ids]
+    text_ids = [x[:-1] if x and bool(ended) else x for x, ended in zip(ids, completion["terminated"])]
     return tokenizer.batch_decode(text_ids, skip_special_tokens=True), ids
 
 
