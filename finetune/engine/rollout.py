@@ -354,7 +354,7 @@ class HFGenerateRollout(RolloutEngine):
                      "top_k": max(sampling.top_k, 0)}
         else:
             knobs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        tok = self.tokenizer
+        tok, stops = self.tokenizer, self.stop_ids()
         inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
         base = self._base()
         announce_overrides(base)
@@ -390,9 +390,9 @@ class HFGenerateRollout(RolloutEngine):
             else:
                 knobs |= {"num_return_sequences": n, **inputs}
             out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=sampling.max_new_tokens,
-                                      pad_token_id=tok.pad_token_id, eos_token_id=self.stop_ids(),
+                                      pad_token_id=tok.pad_token_id, eos_token_id=stops,
                                       synced_gpus=synced, use_cache=True, **knobs)
-        batch = response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], self.stop_ids(), n)
+        batch = response_batch(out, request.prompt_attention_mask, request.prompt_ids.shape[1], stops, n)
         if session:
             _TURNS[key] = _turn_cache(cache, batch) if keep and cache is not None else None
         return batch
