@@ -198,3 +198,45 @@ def test_non_finite_loss_with_finite_gradients_is_skipped(tmp_path):
     assert len(lines) == 1 and "training diverged: 2 consecutive optimizer steps" in lines[0], proc.stdout[-3000:]
     bad = {r["step"]: r["train/bad_steps"] for r in read_metrics(run) if "train/bad_steps" in r}
     assert bad == {1: 1}, bad  # step 2's row is not written: the run stops there
+
+
+def test_resume_that_changes_the_schedule_keeps_loraplus_rates_and_decays(tmp_path, monkeypatch):
+    """Issue 68 item 5: LoRA+ (ratio 16) with ``modules_to_save`` (the final layer norm: 1-D, lr x ratio, no decay)
+    on a real 1-rank ZeRO-2 engine; a resume that changes ``train.lr``, ``train.warmup_steps`` and
+    ``train.weight_decay`` (:func:`finetune.lifecycle.resume.apply`, the groups as the checkpoint restores them) gives
+    every group the rate and decay the new config builds: the A matrices at lr, the B matrices and the norm at
+    lr x 16, decay on both matrix groups, none on the norm."""
+    from finetune import patches
+    from finetune.config import config_to_dict, load_run_config
+    from finetune.engine.model import build_engine, load_model_config
+    from finetune.lifecycle import resume
+    from finetune.parallel import distributed as dist_utils
+    from finetune.preflight.validate import validate_run
+    from finetune.recipes import recipe_for
+
+    lora = ["model.lora.r=4", "model.lora.loraplus_lr_ratio=16", "model.lora.modules_to_save=[ln_f]",
+            f"output_dir={tmp_path / 'run'}"]
+    parity = CONFIGS / "parity_gpt.yaml"
+    old = load_run_config(parity, [*lora, "train.lr=1e-4", "train.weight_decay=0.01"])
+    new = load_run_config(parity, [*lora, "train.lr=2e-4", "train.warmup_steps=0", "train.weight_decay=0.1"])
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(CONFIG.parent.parent.parent)
+    ds = validate_run(old, None, 1, True).ds
+    dist_utils.init(5.0)
+    try:
+        recipe = recipe_for(old)
+        engine = build_engine(old, recipe, load_model_config(old, recipe), ds, total_steps=20).engine
+        groups = engine.optimizer.param_groups
+        assert [g["initial_lr"] for g in groups] == pytest.approx([1e-4, 1.6e-3, 1.6e-3])
+        assert [g["weight_decay"] for g in groups] == [0.01, 0.01, 0.0]
+        resume.apply(engine, config_to_dict(old), new, total_steps=20)
+        groups = engine.optimizer.param_groups
+        assert [g["initial_lr"] for g in groups] == pytest.approx([2e-4, 3.2e-3, 3.2e-3])
+        assert [g["lr"] for g in groups] == pytest.approx([2e-4, 3.2e-3, 3.2e-3])  # no warmup: the peak at step 0
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0]
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        patches.restore_all()

@@ -46,25 +46,40 @@ def peft_config(lora: LoraConfig, model_class):
                            task_type=_TASK_TYPES.get(model_class.__name__))
 
 
+class _Groups(list):
+    """Stands in for the optimizer class of ``peft.optimizers.create_loraplus_optimizer``: keeps the parameter groups
+    peft builds (``[{"params", "lr", "weight_decay"}, ...]``) instead of allocating an optimizer."""
+
+    def __init__(self, groups, **_defaults):
+        super().__init__(groups)
+
+
 def loraplus_groups(model: torch.nn.Module, groups: list[dict], lr: float, ratio: float) -> list[dict]:
-    """LoRA+ (Hayou et al. 2024): ``groups`` (AdamW's, :func:`finetune.engine.model.param_groups`) split as peft's
-    ``create_loraplus_optimizer`` splits the parameters: LoRA on an embedding at 1e-6, the ``lora_B`` matrices and
-    every 1-D trained parameter (biases, DoRA's magnitudes) at ``lr`` x ``ratio``, the rest (the ``A`` matrices,
-    ``modules_to_save``) at ``lr``. Each group keeps its weight decay and gets its own ``lr``, which the LR schedule
-    scales (``LambdaLR`` per group)."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    """LoRA+ (Hayou et al. 2024, "LoRA+: Efficient Low Rank Adaptation of Large Models"): ``groups`` (AdamW's,
+    :func:`finetune.engine.model.param_groups`) split by the learning rate peft 0.21's ``create_loraplus_optimizer``
+    gives each parameter (its grouping is called, not copied): the adapters of a peft ``lora.Embedding`` layer at
+    1e-6 (peft's ``loraplus_lr_embedding``), the ``lora_B`` matrices and every 1-D trained parameter (biases, DoRA's
+    magnitudes, a ``modules_to_save`` norm) at ``lr`` x ``ratio``, the rest (the ``A`` matrices, ``modules_to_save``
+    matrices) at ``lr``.
+
+    Each part keeps its group's weight decay (our rule of :func:`~finetune.engine.model.param_groups`, as transformers'
+    ``Trainer`` decides it: peft's would decay the ``A`` matrices by ``loraplus_weight_decay``, 0 by default) and
+    gets its own ``lr``, which the LR schedule scales (``LambdaLR`` per group). The order is fixed (the groups' order,
+    then each rate in the order of its first parameter), so a checkpoint's optimizer groups meet the same groups on
+    resume (:func:`finetune.lifecycle.resume.apply` rebuilds the rates and decays from the config by it).
+
+    Returns:
+        The groups, each with ``params``, ``weight_decay`` and ``lr`` (absolute, in the config's units).
+    """
+    from peft.optimizers import create_loraplus_optimizer
+
+    rates = {id(p): g["lr"] for g in create_loraplus_optimizer(model, _Groups, lr=lr, loraplus_lr_ratio=ratio)
+             for p in g["params"]}
     out = []
     for group in groups:
         parts: dict[float, list] = {}
         for p in group["params"]:
-            name = names.get(id(p), "")
-            if "lora_embedding_" in name:  # the adapters of a peft lora.Embedding layer
-                rate = 1e-6
-            elif "lora_B" in name or p.ndim == 1:
-                rate = lr * ratio
-            else:
-                rate = lr
-            parts.setdefault(rate, []).append(p)
+            parts.setdefault(rates[id(p)], []).append(p)
         out += [{**group, "params": ps, "lr": rate} for rate, ps in parts.items()]
     return out
 

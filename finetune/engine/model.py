@@ -115,6 +115,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_groups(model: torch.nn.Module, cfg: RunConfig) -> list[dict]:
+    """The parameter groups handed to ``deepspeed.initialize``, in their order: :func:`param_groups` (decayed, then
+    not decayed), each split by LoRA+'s rates when ``model.lora.loraplus_lr_ratio`` is set
+    (:func:`finetune.engine.lora.loraplus_groups`: a group then carries its own ``lr``; without LoRA+ the groups take
+    the optimizer's ``train.lr``).
+
+    A resume rebuilds the same list from this launch's config to give the restored groups their rates and decays
+    (:func:`finetune.lifecycle.resume.apply`): DeepSpeed keeps the groups' order and count (ZeRO 0-3; LoRA runs
+    neither with Muon nor with expert parallelism, which split groups)."""
+    groups = param_groups(model, cfg.train.weight_decay)
+    if cfg.model.lora is not None and cfg.model.lora.loraplus_lr_ratio:
+        groups = lora.loraplus_groups(model, groups, cfg.train.lr, cfg.model.lora.loraplus_lr_ratio)
+    return groups
+
+
 @dataclass
 class Built:
     """The DeepSpeed engine and what was built alongside it."""
@@ -233,9 +248,7 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(muon.tag(model))
         keep.append(muon.keep_tags())
     with patches.applied(*keep):
-        groups = param_groups(model, cfg.train.weight_decay)
-        if cfg.model.lora is not None and cfg.model.lora.loraplus_lr_ratio:
-            groups = lora.loraplus_groups(model, groups, cfg.train.lr, cfg.model.lora.loraplus_lr_ratio)
+        groups = optimizer_groups(model, cfg)
         if "expert_parallel" in ds:  # DeepSpeed splits each named group into its dense and expert parameters
             groups = expert.name_groups(groups)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,

@@ -48,6 +48,7 @@ from transformers import get_scheduler
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.lifecycle.checkpoint import TrainState
 from finetune.config import RunConfig, config_to_dict
+from finetune.engine.model import optimizer_groups
 from finetune.errors import ConfigError
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
@@ -188,27 +189,47 @@ def review(old: dict, old_world: int, cfg: RunConfig, world: int, allow: bool) -
 
 
 def _decays(index: int, group: dict) -> bool:
-    """True for an optimizer group of weight-decayed parameters: group 0 of :func:`finetune.engine.model.param_groups`,
-    or under Muon (``use_muon`` in every group) both halves DeepSpeed splits it into (named ``group0-...``)."""
+    """True for an optimizer group of weight-decayed parameters when :func:`_built` cannot say (Muon, expert
+    parallelism): group 0 of :func:`finetune.engine.model.param_groups`, or under Muon (``use_muon`` in every group)
+    both halves DeepSpeed splits it into (named ``group0-...``)."""
     if "use_muon" in group:
         return str(group.get("name", "")).startswith("group0-")
     return index == 0
+
+
+def _built(engine, cfg: RunConfig) -> list[dict] | None:
+    """``(lr, weight_decay)`` of each of the engine's optimizer groups as this launch's config builds them
+    (:func:`finetune.engine.model.optimizer_groups` on the engine's model: LoRA+'s rates, which peft's
+    ``create_loraplus_optimizer`` defines, and the decay rule); None when DeepSpeed split the groups into others
+    (Muon's halves, expert parallelism: not the same count), which :func:`_decays` and ``train.lr`` then cover."""
+    groups = engine.optimizer.param_groups
+    if any("use_muon" in g for g in groups):
+        return None
+    built = optimizer_groups(engine.module, cfg)
+    if len(built) != len(groups):
+        return None
+    return [{"lr": b.get("lr", cfg.train.lr), "weight_decay": b["weight_decay"]} for b in built]
 
 
 def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
     """Make the restored optimizer and LR schedule follow this launch's config (after ``load_checkpoint``).
 
     DeepSpeed restores the optimizer's parameter groups and the scheduler's state from the checkpoint,
-    which would silently keep the old learning rate, schedule and AdamW settings. Optimizer settings are
-    written into the groups (group 0 is the weight-decay group, see :func:`finetune.engine.model.param_groups`; under
-    Muon its two halves, :func:`_decays`; Muon's groups get ``train.muon_lr`` and ``train.muon_momentum``);
-    when a schedule key changed, a new ``transformers.get_scheduler`` schedule is built for the new values
-    and moved to the restored position (``last_epoch``), so the next step uses the new schedule's value.
+    which would silently keep the old learning rate, schedule and AdamW settings. Each group's weight decay and peak
+    learning rate (``initial_lr``) are rebuilt from this launch's config as a fresh launch builds them
+    (:func:`finetune.engine.model.optimizer_groups`: decay on every decayed group, none on biases and norms; under
+    LoRA+ the ``B`` matrices and 1-D adapters at ``train.lr`` x ``model.lora.loraplus_lr_ratio``, the ``A`` matrices
+    at ``train.lr``, embedding adapters at peft's 1e-6); under Muon (whose groups DeepSpeed splits) the decay goes to
+    both halves of group 0 (:func:`_decays`) and Muon's groups get ``train.muon_lr`` and ``train.muon_momentum``.
+    When a schedule key changed, a new ``transformers.get_scheduler`` schedule is built for the new values and moved
+    to the restored position (``last_epoch``), so the next step uses the new schedule's value.
     Nothing is touched when nothing changed (resume stays bit-exact).
     """
     diff = changes(old, cfg)
     groups = engine.optimizer.param_groups
-    if any(k in diff for k in _OPTIMIZER_KEYS):
+    schedule, optimizer = any(k in diff for k in SCHEDULE_KEYS), any(k in diff for k in _OPTIMIZER_KEYS)
+    built = _built(engine, cfg) if schedule or optimizer else None
+    if optimizer:
         for i, g in enumerate(groups):
             if "betas" in g:
                 g["betas"] = (cfg.train.adam_beta1, cfg.train.adam_beta2)
@@ -216,14 +237,17 @@ def apply(engine, old: dict, cfg: RunConfig, total_steps: int) -> None:
                 g["eps"] = cfg.train.adam_eps
             if g.get("use_muon"):
                 g["momentum"] = cfg.train.muon_momentum
-            if _decays(i, g):
+            if built is not None:
+                g["weight_decay"] = built[i]["weight_decay"]
+            elif _decays(i, g):
                 g["weight_decay"] = cfg.train.weight_decay
-    if not any(k in diff for k in SCHEDULE_KEYS) or engine.lr_scheduler is None:
+    if not schedule or engine.lr_scheduler is None:
         return
     old_sched = engine.lr_scheduler
     position = old_sched.last_epoch
-    for g in groups:
-        g["initial_lr"] = cfg.train.muon_lr if g.get("use_muon") else cfg.train.lr
+    for i, g in enumerate(groups):
+        g["initial_lr"] = (built[i]["lr"] if built is not None else
+                           cfg.train.muon_lr if g.get("use_muon") else cfg.train.lr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": intended here
         sched = get_scheduler(cfg.train.lr_scheduler, old_sched.optimizer, num_warmup_steps=cfg.train.warmup_steps,
