@@ -393,7 +393,7 @@ class TrainConfig:
     """Decoupled weight decay of AdamW, and of Muon with ``optimizer: muon`` (Moonlight's fix for Muon at scale);
     never on biases and normalization weights."""
     neftune_noise_alpha: float = 0.0
-    """NEFTune (Jain et al. 2023; transformers' ``neftune_noise_alpha``, TRL's): uniform noise of magnitude ``alpha / sqrt(positions x hidden)`` on the input embeddings in training forwards only, never in evaluation, generation or the export; ``sft`` and ``gpt_clm``; the paper uses 5-15; 0: off."""
+    """NEFTune (Jain et al. 2023; transformers' ``neftune_noise_alpha``, TRL's): uniform noise of magnitude ``alpha / sqrt(L x hidden)``, ``L`` each example's length (packed examples apart, pads without noise), on the input embeddings in training forwards only, never in evaluation, generation or the export; ``sft`` and ``gpt_clm``; the paper uses 5-15; 0: off."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.999

@@ -55,6 +55,55 @@ def test_noise_in_training_forwards_only_of_transformers_magnitude():
     assert not torch.equal(wrapped.get_input_embeddings()(ids), plain_embed)
 
 
+def _noise(model, **inputs) -> torch.Tensor:
+    """The noise NEFTune added to the input embeddings in one training forward of ``model(**inputs)``."""
+    seen = []
+    embed = model.get_input_embeddings()
+    handle = embed.register_forward_hook(lambda m, a, out: seen.append(out.detach()))  # runs after NEFTune's
+    model(**inputs)
+    handle.remove()
+    embed.eval()  # the embeddings without noise
+    plain = embed(inputs["input_ids"]).detach()
+    embed.train()
+    return seen[0] - plain
+
+
+def test_noise_scales_with_each_examples_length():
+    """Issue 68 item 7: the magnitude is ``alpha / sqrt(L x d)`` with ``L`` each example's length (the paper's and
+    its code's), not the row's: examples of 4, 12 and 8 tokens packed into one row (``position_ids`` restarting, as
+    ``sft`` packing and flash attention's flattened micro-batch give them) each get their own magnitude; padded rows
+    (``attention_mask``) get their real length's, and no noise on the pads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.engine import neftune
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "data/models/tiny-llama"),
+                                             dtype=torch.float32)
+    d, alpha = model.config.hidden_size, 5.0
+    neftune.activate(model, alpha)
+    model.train()
+
+    lengths = (4, 12, 8)
+    ids = torch.randint(0, 1000, (1, sum(lengths)))
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    noise = _noise(model, input_ids=ids, position_ids=pos)
+    start = 0
+    for n in lengths:
+        bound = alpha / math.sqrt(n * d)
+        got = noise[0, start:start + n].abs().max()
+        assert 0.9 * bound < got <= bound + 1e-7, (n, got, bound)
+        start += n
+
+    ids = torch.randint(0, 1000, (2, 9))
+    mask = torch.tensor([[1] * 5 + [0] * 4, [1] * 9])
+    noise = _noise(model, input_ids=ids, attention_mask=mask)
+    for row, n in enumerate((5, 9)):
+        bound = alpha / math.sqrt(n * d)
+        assert 0.9 * bound < noise[row, :n].abs().max() <= bound + 1e-7, (row, noise[row, :n].abs().max(), bound)
+    assert not noise[0, 5:].any(), "noise on the pads"
+
+
 def test_bad_alpha_and_other_recipes_are_one_line(tmp_path, capsys):
     for config, value, want in ((SFT, "-1", "train.neftune_noise_alpha: must be a finite number >= 0"),
                                 (CONFIGS / "tiny_grpo.yaml", "5", "NEFTune is for the causal-LM recipes gpt_clm and sft")):
