@@ -434,6 +434,11 @@ class TrainConfig:
     """Seed for init, shuffling, masking, dropout and the validation split."""
     dist_timeout_minutes: float = 10.0
     """Collective-operation timeout: a dead rank makes the others fail after this long, not hang."""
+    op_build_dir: str = ""
+    """Folder DeepSpeed builds its just-in-time ops in (``TORCH_EXTENSIONS_DIR`` of the ranks; ``{job}`` becomes
+    ``SLURM_JOB_ID``, ``local`` outside Slurm), e.g. ``/tmp/torch_extensions_{job}``: a job killed during a build then
+    leaves its lock where no other job waits for it, at the cost of one build per job; empty: ``TORCH_EXTENSIONS_DIR``
+    or torch's default ``~/.cache/torch_extensions/<python>_<accelerator>``, shared by every launch of the user."""
     max_bad_steps: int = 3
     """Consecutive optimizer steps with a non-finite loss or gradient norm (each skipped: no update) after which the run stops with an error."""
     dpo: DpoConfig = field(default_factory=DpoConfig)

@@ -9,7 +9,10 @@ Rows (status ``ok``, ``warn`` or ``FAIL``; any ``FAIL`` is a blocker and the exi
 * ``config``: every problem the launch's own validation finds (:func:`finetune.preflight.validate.validate_run`: missing
   files, missing or non-text columns, model/tokenizer/data compatibility, DeepSpeed JSON, output folder).
 * ``ops``: DeepSpeed op compatibility for what the DeepSpeed config uses, as DeepSpeed's op builders report
-  it (``is_compatible()``): ``cpu_adam`` for optimizer offload, ``async_io`` (libaio) for NVMe offload.
+  it (``is_compatible()``): ``cpu_adam`` for optimizer offload, ``async_io`` (libaio) for NVMe offload; and the
+  folder DeepSpeed builds its ops in (``train.op_build_dir``, ``TORCH_EXTENSIONS_DIR`` or torch's default): a build
+  lock that no process on this host holds (:func:`finetune.parallel.op_builds.stale_locks`) makes every launch wait
+  without end, a blocker when older than a build takes, a warning when it may be another host's build now.
 * ``accelerator``: the visible accelerators (DeepSpeed's ``get_accelerator()``) and the precision the run
   would train in there (:func:`finetune.engine.ds_config.describe_precision`).
 * ``disk``: free space in the output folder vs one checkpoint plus the export (parameters from the model
@@ -46,6 +49,7 @@ from deepspeed.accelerator import get_accelerator
 from finetune.data import mixture
 from finetune.config import RunConfig, deep_merge, load_run_config
 from finetune.data.dataset import default_cache_dir, expand_files
+from finetune.parallel import op_builds
 from finetune.parallel.distributed import slurm_head_node
 from finetune.engine.ds_config import describe_precision, load_ds_json, zero_stage
 from finetune.errors import ConfigError
@@ -152,6 +156,15 @@ def _ops_rows(cfg: RunConfig, ds: dict) -> list[tuple[str, str, str]]:
                      f"{op} for {why}: {'compatible' if compatible else 'NOT compatible here'} "
                      f"(DeepSpeed {builder_name}.is_compatible())"))
     return rows
+
+
+def _op_build_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    root = op_builds.build_dir(cfg.train.op_build_dir)
+    rows = []
+    for lock, age in op_builds.stale_locks(root):
+        old = age is None or age >= op_builds.LIKELY_STALE_S
+        rows.append(("ops", "FAIL" if old else "warn", op_builds.stale_message(lock, age)))
+    return rows or [("ops", "ok", f"op build folder {root}: no build lock left behind")]
 
 
 def _accelerator_rows(cfg: RunConfig) -> tuple[list[tuple[str, str, str]], bool]:
@@ -373,7 +386,8 @@ def diagnose(cfg: RunConfig, world: int = 1, nodes: int = 1) -> list[tuple[str, 
                                                  else [])
     acc_rows, on_cpu = _accelerator_rows(cfg)
     config_rows, ds = _config_rows(cfg, world, on_cpu)
-    rows += config_rows + _ops_rows(cfg, ds) + acc_rows + _disk_rows(cfg) + _moe_rows(cfg, ds) + _folder_rows(cfg)
+    rows += config_rows + _ops_rows(cfg, ds) + _op_build_rows(cfg) + acc_rows + _disk_rows(cfg) + _moe_rows(cfg, ds)
+    rows += _folder_rows(cfg)
     rows += _launcher_rows()
     rows += _multinode_rows(cfg, nodes) + _offline_rows(cfg)
     return rows

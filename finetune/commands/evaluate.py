@@ -174,7 +174,7 @@ def run_evaluation(cfg, ds: dict) -> dict:
     """Process group, data, engine (the export's weights, no optimizer) and one evaluation on
     every rank; returns the metrics (``eval/loss``, ``eval/perplexity``, the recipe's; with ``train.eval_generate``
     also ``eval/rougeL``, ``eval/generation_exact_match`` and the records under ``generations``)."""
-    dist_utils.init(cfg.train.dist_timeout_minutes)
+    dist_utils.init(cfg.train.dist_timeout_minutes, cfg.train.op_build_dir)
     try:
         if dist_utils.on_cpu():
             logger.info(dist_utils.set_cpu_threads())

@@ -139,7 +139,7 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
     """One launch after its checks passed, from the process group to the report. Returns the exit status."""
     clock = StartupClock()
     clock.mark("imports and checks")
-    dist_utils.init(cfg.train.dist_timeout_minutes)
+    dist_utils.init(cfg.train.dist_timeout_minutes, cfg.train.op_build_dir)
     clock.mark("process group")
     opened = open_run(cfg)  # rank 0 creates/locks the folder; refused launches raise here, having written nothing
     run_dir, rank = opened.run_dir, dist_utils.rank()

@@ -44,6 +44,7 @@ from torch.distributed import distributed_c10d
 
 from finetune import patches
 from finetune.errors import ConfigError
+from finetune.parallel import op_builds
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _PORT_BASE, _PORT_SPAN = 20000, 10000  # derived ports stay below Linux's ephemeral range (32768-60999)
@@ -257,14 +258,23 @@ _TIMEOUT_WHY = ("DeepSpeed creates its groups with dist.new_group() without a ti
                 "(30 min for gloo, 10 for NCCL) instead of init_process_group's; no upstream issue filed")
 
 
-def init(timeout_minutes: float) -> None:
+def init(timeout_minutes: float, op_build_dir: str = "") -> None:
     """Start the process group through DeepSpeed (NCCL on GPUs, gloo on the CPU accelerator).
+
+    DeepSpeed may build an op first (the CPU accelerator's shared-memory all-reduce): the build folder is
+    ``op_build_dir`` when given, and a build lock that a killed build left there is reported in one line while the
+    launch waits for it (:mod:`finetune.parallel.op_builds`).
 
     Args:
         timeout_minutes: collective timeout (``train.dist_timeout_minutes``), for the default group and
             for every group created later: a rank that hangs makes the others raise after this long. (A
             rank that exits is noticed at once: its sockets close, and the launcher ends the others.)
+        op_build_dir: ``train.op_build_dir`` (empty: ``TORCH_EXTENSIONS_DIR`` or torch's default).
+
+    Raises:
+        ConfigError: ``op_build_dir`` cannot be created or written.
     """
+    op_builds.watch(op_builds.use_build_dir(op_build_dir))
     timeout = timedelta(minutes=timeout_minutes)
     # DeepSpeed creates its own groups (ZeRO's data-parallel group, ...) with dist.new_group(), which takes
     # torch's built-in default timeout (30 min for gloo, 10 min for NCCL), not the one init_process_group got.
