@@ -205,6 +205,26 @@ def test_check_refuses_bad_tools_and_environments_in_one_line_each(tmp_path, cap
     assert check_files(CONFIG, tmp_path, [prompts], [*base, env]) == 0, capsys.readouterr().err  # the example passes
 
 
+def test_a_tool_named_like_an_environment_method_is_refused(tmp_path, capsys):
+    """Issue 68 item 13: a tool named like a method of the environment (both offered as tools) is refused by
+    ``--check`` in one line (was: two schemas named ``guess``, the environment's run, the count doubled)."""
+    from conftest import check_files
+
+    prompts = tmp_path / "prompts.parquet"
+    _prompts(prompts)
+    tools = tmp_path / "tools.py"
+    tools.write_text("def guess(number: int) -> str:\n    '''Guess.\n\n    Args:\n        number: n.\n    '''\n"
+                     "    return str(number)\n")
+    assert check_files(CONFIG, tmp_path, [prompts], [
+        "data.prompt_column=prompt", f"data.chat_template={TEMPLATE}", "data.max_seq_len=384",
+        "train.grpo.rewards=[tests/grpo_rewards.py:has_digit]", "train.grpo.reward_weights=[]",
+        f"train.grpo.tools=[{tools}:guess]",
+        f"train.grpo.environment={REPO}/data/environments/guess_number.py:GuessNumber"]) == 2
+    err = capsys.readouterr().err
+    assert (f"train.grpo.environment: GuessNumber.guess has the name of the tool {tools}:guess (train.grpo.tools); "
+            f"rename one") in err, err
+
+
 def test_inspect_completions_marks_the_recorded_mask_and_refuses_what_it_cannot_show(tmp_path, capsys):
     """``finetune inspect --completions``, in process: a run folder's recorded rollout (``completion_ids``,
     ``trained``) decoded with the run's tokenizer, the runs of trained tokens in ``[[...]]``, the others bare; one

@@ -235,3 +235,225 @@ def test_a_template_that_fails_on_tool_messages_is_refused_in_one_line(tool_file
     problem = T.template_problem(tokenizer, tools, template)
     assert problem.startswith("the chat template cannot render tools, tool calls or tool results (") and \
         "no tool role" in problem and "\n" not in problem, problem
+
+
+# Issue 68, items 2, 12, 13 and 15 (the tool parts).
+
+MULTIPLY = '''
+import sys
+import time
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a * b
+
+
+def crunch(n: int) -> str:
+    """Sum 0..n-1 in C code that holds the GIL (a thread cannot stop it).
+
+    Args:
+        n: How many.
+    """
+    return str(sum(range(n)))
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def chatty(n: int) -> str:
+    """Print to stdout, then return n words.
+
+    Args:
+        n: How many words.
+    """
+    print("this line must not reach the caller")
+    return "word " * n
+'''
+
+SMOLLM2_LIST = ('<tool_call>[{"name": "multiply", "arguments": {"a": 2, "b": 3}}, '
+                '{"name": "multiply", "arguments": {"a": 4, "b": 5}}]</tool_call>')
+"""SmolLM2-1.7B-Instruct's tool calls: a JSON list of calls in one ``<tool_call>`` block (its model card's function
+calling system prompt, HuggingFaceTB/SmolLM2-1.7B-Instruct; the 135M model's GGUF template renders no tools)."""
+
+HERMES_PARAMETERS = '<tool_call>\n{"name": "multiply", "parameters": {"a": 2, "b": 3}}\n</tool_call>'
+"""A Hermes block with Llama-3.x's key for the arguments (``"parameters"``)."""
+
+
+@pytest.fixture
+def multiply_file(tmp_path):
+    path = tmp_path / "calc_tools.py"
+    path.write_text(MULTIPLY)
+    return path
+
+
+def _stock(name: str):
+    """tiny-gpt2's tokenizer with a stock chat template and its turn tokens as special tokens, and the end token a
+    turn stops at. The templates are the stock ones TRL 1.16 ships (``trl/chat_templates/llama3_1.jinja``:
+    meta-llama/Llama-3.1-8B-Instruct's; ``qwen2_5.jinja``: Qwen/Qwen2.5-7B-Instruct's)."""
+    import trl.chat_template_utils as stock
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
+    if name == "llama3.1":
+        tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>",
+                                                              "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                                                              "<|python_tag|>"]})
+        tok.chat_template, end = stock.llama3_1_chat_template, "<|eot_id|>"
+    elif name == "qwen2.5":
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.chat_template, end = stock.qwen2_5_chat_template, "<|im_end|>"
+    else:
+        tok.chat_template, end = (REPO / "data/chat_templates/chatml_tools.jinja").read_text(), tok.eos_token
+    return tok, [tok.convert_tokens_to_ids(end)]
+
+
+@pytest.mark.parametrize("form", ["llama3.1", "qwen2.5", "smollm2-list", "hermes-parameters"])
+def test_stock_tool_call_forms_are_parsed_and_run_end_to_end(form, multiply_file):
+    """Item 2: the call each stock template renders (Llama-3.1's bare ``{"name", "parameters"}`` JSON, Qwen2.5's
+    ``<tool_call>``), SmolLM2's list of calls and a ``"parameters"`` key inside ``<tool_call>`` are run: the template
+    check passes, the tool runs (in its worker process) and its result follows the call as the template renders it,
+    then the model's next turn."""
+    tok, stops = _stock(form if form in ("llama3.1", "qwen2.5") else "chatml")
+    tools = T.load_tools([f"{multiply_file}:multiply"])
+    schemas = [t.schema for t in tools]
+    assert T.template_problem(tok, schemas, stops=stops) is None
+    messages = [{"role": "user", "content": "What is 2 times 3?"}]
+    prompt = tok.apply_chat_template(messages, tools=schemas, tokenize=True, add_generation_prompt=True,
+                                     return_dict=False)
+    if form in ("llama3.1", "qwen2.5"):
+        call = {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 2, "b": 3}}}]}
+        whole = tok.apply_chat_template(messages + [call], tools=schemas, tokenize=True, return_dict=False)
+        turn = whole[len(prompt):]
+        turn = turn[:max(i for i, t in enumerate(turn) if t in stops) + 1]  # sampling stops at the end token
+    else:
+        turn = tok(SMOLLM2_LIST if form == "smollm2-list" else HERMES_PARAMETERS,
+                   add_special_tokens=False)["input_ids"] + stops
+    reply = tok("It is 6.", add_special_tokens=False)["input_ids"] + stops
+    stats = [T.ToolStats()]
+    out = T.tool_turns([prompt], [turn], lambda inputs, budget: [reply for _ in inputs], tok,
+                       [{t.name: t.function for t in tools}], 400, 2, 30.0, stats, None, stops)[0]
+    results = ["6", "20"] if form == "smollm2-list" else ["6"]
+    assert [m["content"] for m in out.turns if m["role"] == "tool"] == results, out.turns
+    assert (stats[0].calls, stats[0].failures, stats[0].per_tool) == (len(results), 0, {"multiply": len(results)})
+    suffix = T.tool_suffix_ids(tok, [{"role": "tool", "name": "multiply", "content": r} for r in results], None,
+                               stops)
+    assert out.ids == turn + suffix + reply and out.mask == [1] * len(turn) + [0] * len(suffix) + [1] * len(reply)
+    assert not out.cut
+
+
+def test_a_template_whose_tool_calls_cannot_be_read_is_refused(tool_file, tokenizer):
+    """Item 2: a template that writes tool calls in a form neither the tokenizer's response template, TRL's for a
+    stock template nor the Hermes ``<tool_call>`` parser reads is refused before any model (was: the calls parsed
+    to nothing, silently)."""
+    tools = [t.schema for t in T.load_tools([f"{tool_file}:add"])]
+    template = ("{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m.role }}: "
+                "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}{% endfor %}"
+                "{% else %}{{ m.content }}{% endif %}<|endoftext|>\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    problem = T.template_problem(tokenizer, tools, template)
+    assert problem is not None and problem.startswith("the chat template writes a tool call as 'CALL add") and \
+        "\n" not in problem, problem
+
+
+def test_deep_or_broken_calls_are_errors_for_the_model_never_a_crash(tokenizer):
+    """Item 12: 1,000 nested brackets inside ``<tool_call>`` (or as string arguments) are an error the model
+    reads, never a ``RecursionError`` that ends the rank."""
+    for text in ("<tool_call>" + "[" * 1000 + "</tool_call>",
+                 '<tool_call>{"name": "add", "arguments": "' + "[" * 1000 + '"}</tool_call>'):
+        calls = T.parse_tool_calls(text, tokenizer)
+        assert len(calls) == 1 and calls[0]["error"] and "nest" in calls[0]["error"], calls
+
+
+def test_a_tool_stuck_in_c_code_is_stopped_by_its_timeout_and_replaced(multiply_file):
+    """Item 12 and item 15: a tool call runs in the rank's worker process, so a call stuck in C code that holds
+    the GIL is killed at ``tool_timeout_s`` (a thread could not be stopped) and the next call gets a fresh worker;
+    slow calls leave no thread behind; what a tool prints never mixes with its result."""
+    import threading
+
+    fns = {t.name: t.function for t in T.load_tools([f"{multiply_file}:{n}" for n in ("crunch", "nap", "multiply",
+                                                                                      "chatty")])}
+    stats = T.ToolStats()
+    assert T.call_tool(fns, {"name": "multiply", "arguments": {"a": 6, "b": 7}, "error": None}, 30.0, stats) == "42"
+    threads = threading.active_count()
+    start = time.perf_counter()
+    stuck = T.call_tool(fns, {"name": "crunch", "arguments": {"n": 4 * 10 ** 8}, "error": None}, 0.5, stats)
+    assert time.perf_counter() - start < 4 and json.loads(stuck) == {
+        "error": "the tool 'crunch' did not return within 0.5 s"}
+    for _ in range(4):
+        T.call_tool(fns, {"name": "nap", "arguments": {"seconds": 5}, "error": None}, 0.2, stats)
+    assert threading.active_count() == threads  # no thread left running a slow call
+    assert T.call_tool(fns, {"name": "multiply", "arguments": {"a": 2, "b": 3}, "error": None}, 30.0, stats) == "6"
+    assert T.call_tool(fns, {"name": "chatty", "arguments": {"n": 2}, "error": None}, 30.0, stats) == "word word "
+    assert (stats.calls, stats.failures, stats.non_text) == (8, 5, 2)
+
+
+def test_the_calculator_is_safe_by_construction():
+    """Item 12: results too large to compute quickly are refused before they are computed (the exponent check
+    alone let ``((((9**64)**64)**64)**64)`` run for 31 s)."""
+    from finetune.recipes.rewards import import_function
+
+    calculate = import_function(CALCULATOR, "train.grpo.tools", "")
+    for bad in ("(9**64)**64", "((((9**64)**64)**64)**64)", "2**64**64", "(10**300)*(10**300)", "(-8) ** 0.5"):
+        start = time.perf_counter()
+        with pytest.raises(ValueError):
+            calculate(bad)
+        assert time.perf_counter() - start < 0.1, bad
+    assert calculate("2 ** 64") == "18446744073709551616" and calculate("1.5 ** 2") == "2.25"
+
+
+def test_a_huge_result_is_not_tokenized_and_a_cut_rollout_is_truncated(multiply_file, tokenizer):
+    """Item 15: a 4 MB result is known not to fit from its length (the tokenizer's longest token bounds its
+    characters per token) without tokenizing it; the rollout cut there is truncated (not terminated), so
+    ``mask_truncated_completions`` applies to it."""
+    fns = {t.name: t.function for t in T.load_tools([f"{multiply_file}:chatty"])}
+    eos = tokenizer.eos_token_id
+    call = tokenizer('<tool_call>{"name": "chatty", "arguments": {"n": 800000}}</tool_call>',
+                     add_special_tokens=False)["input_ids"] + [eos]
+    start = time.perf_counter()
+    out = T.tool_turns([[1, 2]], [call], lambda inputs, budget: [[eos] for _ in inputs], tokenizer, [fns], 200, 2,
+                       30.0, [T.ToolStats()])[0]
+    assert time.perf_counter() - start < 2
+    assert out.ids == call and out.cut  # no room for the result: cut, and marked so
+
+
+def test_a_property_of_an_environment_is_not_a_tool_and_a_text_reward_is_refused(tmp_path):
+    """Item 15: an environment's ``@property`` is not read to list its tools (one that needs ``reset()`` crashed
+    ``--check``); ``get_reward`` returning the text ``"0.5"`` is refused as every reward function's text is."""
+    from finetune.recipes import rewards
+    from finetune.recipes.grpo.agent import environment_reward
+
+    path = tmp_path / "env.py"
+    path.write_text("class Env:\n    def reset(self, **row):\n        self._state = 1\n\n    @property\n"
+                    "    def state(self) -> int:\n        return self._state\n\n    def get_reward(self):\n"
+                    "        return '0.5'\n")
+    factory = T.load_environment(f"{path}:Env")
+    assert T.environment_tools(factory()) == []
+    env = factory()
+    env.reset()
+    table = [rewards.RewardFunction(f"{path}:Env", "Env", environment_reward, 1.0)]
+    with pytest.raises(rewards.RewardError, match="returned '0.5' \\(a str\\)"):
+        rewards.score(table, ["p"], ["c"], [[1]], {"environments": [env]})
+
+
+@pytest.mark.parametrize(("body", "what"), [("import sys\nsys.exit(3)\n", "SystemExit: 3"),
+                                             ("raise KeyboardInterrupt('stop')\n", "KeyboardInterrupt: stop")])
+def test_a_tool_file_that_exits_at_import_is_refused_in_one_line(tmp_path, body, what):
+    """Item 15: ``sys.exit`` or ``KeyboardInterrupt`` at import is a ConfigError (was: ``--check`` passed silently,
+    or a traceback)."""
+    path = tmp_path / f"exits_{abs(hash(body))}.py"
+    path.write_text(body + "\n\ndef f(x: int) -> int:\n    '''F.\n\n    Args:\n        x: x.\n    '''\n    return x\n")
+    with pytest.raises(ConfigError, match=f"train.grpo.tools: importing '{path}' failed: {what}"):
+        T.load_tools([f"{path}:f"])

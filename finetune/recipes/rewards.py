@@ -182,8 +182,8 @@ def import_function(spec: str, key: str, what: str) -> Callable:
     ``train.grpo.tools``). ``what`` ends the error for a ``spec`` that is no ``file:name`` ("'x' is <what>").
 
     Raises:
-        ConfigError: one line naming ``key``: ``spec`` is no ``file:name``, the file is missing or fails to import,
-            or it has no callable ``name``.
+        ConfigError: one line naming ``key``: ``spec`` is no ``file:name``, the file is missing or fails to import
+            (raises, ``sys.exit`` included), or it has no callable ``name``.
     """
     path, _, name = spec.rpartition(":")
     if not path or not name:
@@ -199,7 +199,8 @@ def import_function(spec: str, key: str, what: str) -> Callable:
             spec_obj.loader.exec_module(module)
             sys.modules[module_name] = module
         module = sys.modules[module_name]
-    except Exception as e:  # noqa: BLE001  (the user's file: any error is reported as one line)
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001  (the user's file: one line; sys.exit
+        # or a KeyboardInterrupt raised at import included, which would end --check silently or with a traceback)
         raise ConfigError(f"{key}: importing '{path}' failed: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):

@@ -5,17 +5,26 @@ A tool is a Python function with type hints and a Google-style docstring, named 
 (TRL 1.16's ``GRPOTrainer(tools=[...])``; transformers' "passing tools"): its JSON schema comes from transformers'
 :func:`~transformers.utils.get_json_schema`, and the tokenizer's chat template renders the schemas into the prompt
 (``apply_chat_template(messages, tools=schemas)``). When a completion calls tools, each call is parsed
-(:func:`parse_tool_calls`: the tokenizer's own response parser where it declares a ``response_schema``, else the
-Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` form), run (:func:`call_tool`), and its
-result is appended to the sampled tokens as the template renders a ``tool`` message (:func:`tool_suffix_ids`); the
-model then continues. Token in, token out: the sampled tokens are never re-tokenized from text.
+(:func:`parse_tool_calls`: the tokenizer's ``parse_response`` with its ``response_template``, or with the one TRL
+1.16's ``add_response_schema`` gives a stock template it knows, e.g. Llama-3.1's bare ``{"name": ...,
+"parameters": {...}}``; else the Hermes / Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks,
+SmolLM2's list of calls in one block and a ``"parameters"`` key included), run (:func:`call_tool`), and its result
+is appended to the sampled tokens as the template renders a ``tool`` message (:func:`tool_suffix_ids`); the model
+then continues. Token in, token out: the sampled tokens are never re-tokenized from text. ``--check`` renders a
+tool call with the template and refuses a template whose calls the parser does not read back
+(:func:`template_problem`).
 
 A tool that raises, runs past ``train.grpo.tool_timeout_s``, is unknown, or gets arguments that are not a JSON
 object returns ``{"error": ...}`` (JSON) to the model (as TRL does) and is counted (``tools/failure_frequency``); a
 result that is not a string is sent as TRL 1.16 sends it, ``str(result)`` (a list of text content blocks: their
 texts), and counted as ``non_text`` (not a failure).
-No tool call ever stops a rank. A tool that hangs keeps its thread (Python cannot stop one); the rollout goes on
-without it.
+No tool call ever stops a rank. A ``train.grpo.tools`` function runs in the rank's worker process
+(:class:`ToolProcess`, :mod:`finetune.recipes.tool_worker`): a call past the timeout is stopped by killing the
+process, and the next call starts another (a thread cannot be stopped, and one in C code holding the GIL blocks
+the rank, its timeout and its signal handlers). An environment's methods keep their instance's state in the rank,
+so they run in a thread: one that times out is left behind, and that instance's later calls fail at once (at most
+one such thread per instance). The parser accepts brackets nested :data:`MAX_NESTING` deep at most (deeper is an
+error the model reads), and a result is known not to fit from its length before it is tokenized.
 
 The user's file is imported when the run starts and by ``--check``: the run config names it, so running it is what
 the user asked for (as for reward functions, :mod:`finetune.recipes.rewards`).
@@ -23,16 +32,52 @@ the user asked for (as for reward functions, :mod:`finetune.recipes.rewards`).
 
 from __future__ import annotations
 
+import atexit
+import functools
+import inspect
 import json
+import os
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.recipes import tool_worker
+from finetune.recipes.tool_worker import as_text
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-"""The Hermes / Qwen2.5 / Qwen3 tool-call block: a JSON object ``{"name": ..., "arguments": {...}}``."""
+"""The Hermes / Qwen2.5 / Qwen3 tool-call block: a JSON object ``{"name": ..., "arguments": {...}}`` (or a list
+of them: SmolLM2)."""
+
+MAX_NESTING = 32
+"""Brackets (``[``, ``{``) a turn's tool calls may nest at most; deeper is an error the model reads (Python's JSON
+decoder raises ``RecursionError`` near 1,000)."""
+
+LOAD_TIMEOUT_S = 120.0
+"""Seconds the worker process may take to import a tool's file (not counted in ``train.grpo.tool_timeout_s``)."""
+
+MAX_RESULT_BYTES = 64 << 20
+"""A tool result's size at most (its JSON line from the worker); a larger one is an error."""
+
+
+@dataclass(frozen=True)
+class ToolProcess:
+    """A ``train.grpo.tools`` function as :func:`call_tool` runs it: in the rank's worker process
+    (:func:`worker`), so a call past its timeout can be stopped. ``spec`` is ``/absolute/file.py:name``; calling the
+    object runs the function in this process, without a timeout."""
+
+    spec: str
+    function: Callable
+
+    def __call__(self, **arguments):
+        return self.function(**arguments)
 
 
 @dataclass
@@ -41,7 +86,7 @@ class Tool:
     ``get_json_schema``: ``{"type": "function", "function": {"name", "description", "parameters"}}``)."""
 
     name: str
-    function: Callable
+    function: ToolProcess
     schema: dict
 
 
@@ -91,8 +136,25 @@ def load_tools(specs: list[str], key: str = "train.grpo.tools") -> list[Tool]:
         name = schema["function"]["name"]
         if any(t.name == name for t in tools):
             raise ConfigError(f"{key}: two tools are named '{name}'; rename one function")
-        tools.append(Tool(name, fn, schema))
+        path, _, attr = spec.rpartition(":")
+        tools.append(Tool(name, ToolProcess(f"{Path(path).resolve()}:{attr}", fn), schema))
     return tools
+
+
+def refuse_shadowing(tools: list[Tool], methods: list[Tool], environment: str,
+                     key: str = "train.grpo.environment") -> None:
+    """Refuse a ``train.grpo.tools`` function named like a method the environment offers (both would be offered:
+    two schemas of one name, and a call would run only one of them).
+
+    Raises:
+        ConfigError: one line naming ``key``, the method and the tool.
+    """
+    for m in methods:
+        for t in tools:
+            if t.name == m.name:
+                raise ConfigError(f"{key}: {environment.rpartition(':')[2]}.{m.name} has the name of the tool "
+                                  f"{t.function.spec} (train.grpo.tools); rename one (an environment's public "
+                                  f"methods are tools too; a leading underscore makes one private)")
 
 
 def environment_tools(environment, key: str = "train.grpo.environment") -> list[Tool]:
@@ -109,8 +171,15 @@ def environment_tools(environment, key: str = "train.grpo.environment") -> list[
                           f"itself for each rollout from its row and returns None or the first observation (text)")
     tools = []
     for name in sorted(dir(environment)):
+        if name.startswith("_") or name in ("reset", "get_reward"):
+            continue
+        # a property (or other data attribute) is no method: never read it (it may need reset() first)
+        static = inspect.getattr_static(environment, name, None)
+        if isinstance(static, (property, functools.cached_property)) or not callable(static) and not isinstance(
+                static, (staticmethod, classmethod)):
+            continue
         method = getattr(environment, name)
-        if name.startswith("_") or name in ("reset", "get_reward") or not callable(method):
+        if not callable(method):
             continue
         try:
             schema = get_json_schema(method)
@@ -140,76 +209,237 @@ def load_environment(spec: str, key: str = "train.grpo.environment") -> Callable
     return factory
 
 
-def template_problem(tokenizer, schemas: list[dict], chat_template: str | None = None) -> str | None:
+def template_problem(tokenizer, schemas: list[dict], chat_template: str | None = None,
+                     stops: list[int] | None = None) -> str | None:
     """Why the chat template (``chat_template``, else the tokenizer's) cannot offer the tools whose JSON schemas
     are ``schemas`` (None when it can): it must render the schemas (each tool's name appears in the rendered
-    prompt), an assistant turn with a tool call and a ``tool`` message."""
+    prompt), an assistant turn with a tool call that :func:`parse_tool_calls` reads back as that call, and a
+    ``tool`` message. ``stops``: the ids a turn ends at (None: the tokenizer's EOS)."""
     if not schemas:
         return None
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         return ("the tokenizer has no chat template; set data.chat_template (e.g. "
                 "data/chat_templates/chatml_tools.jinja)")
     messages = [{"role": "user", "content": "x"}]
+    name = schemas[0]["function"]["name"]
+    arguments = _sample_arguments(schemas[0])
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": arguments}}]}
     kwargs = {"chat_template": chat_template} if chat_template else {}
     try:
         rendered = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
                                                  add_generation_prompt=True, **kwargs)
-        tool_suffix_ids(tokenizer, [{"role": "tool", "name": schemas[0]["function"]["name"], "content": "1"}],
-                        chat_template)
+        whole = tokenizer.apply_chat_template(messages + [call], tools=schemas, tokenize=False, **kwargs)
+        tool_suffix_ids(tokenizer, [{"role": "tool", "name": name, "content": "1"}], chat_template, stops)
     except Exception as e:  # noqa: BLE001  (a Jinja error of the user's template)
         return f"the chat template cannot render tools, tool calls or tool results ({type(e).__name__}: {e})"
     missing = [n for n in (x["function"]["name"] for x in schemas) if n not in rendered]
     if missing:
         return (f"the chat template does not render the tools' schemas (no '{missing[0]}' in the prompt); use a "
                 f"template with tools, e.g. data/chat_templates/chatml_tools.jinja")
+    if whole.startswith(rendered):
+        turn = whole[len(rendered):]
+        ends = [tokenizer.convert_ids_to_tokens(t) for t in (stops or [tokenizer.eos_token_id])]
+        cut = max((turn.find(e) + len(e) for e in ends if isinstance(e, str) and e in turn), default=len(turn))
+        got = parse_tool_calls(turn[:cut], tokenizer, rendered, chat_template)
+        if [(c["name"], c["arguments"]) for c in got] != [(name, arguments)]:
+            return (f"the chat template writes a tool call as {turn[:cut][:80]!r}, which finetune reads as "
+                    f"{[(c['name'], c['arguments'] or c['error']) for c in got]} (it reads the tokenizer's "
+                    f"response_template, TRL's for a stock template, or Hermes <tool_call> blocks); use a template "
+                    f"whose calls it reads, e.g. data/chat_templates/chatml_tools.jinja")
     return None
 
 
-def parse_tool_calls(text: str, tokenizer=None) -> list[dict]:
+def _sample_arguments(schema: dict) -> dict:
+    """One argument for the round trip of :func:`template_problem`: the first parameter, a value of its type."""
+    props = schema["function"].get("parameters", {}).get("properties", {})
+    by_type = {"string": "text", "integer": 1, "number": 1.5, "boolean": True, "array": [1], "object": {"k": 1}}
+    return {n: by_type.get(p.get("type"), "text") for n, p in list(props.items())[:1]}
+
+
+@functools.lru_cache(maxsize=16)
+def _stock_response_template(chat_template: str) -> dict | None:
+    """TRL 1.16's response template for a stock chat template it knows (``add_response_schema``), or None."""
+    from trl.chat_template_utils import add_response_schema
+
+    holder = types.SimpleNamespace(chat_template=chat_template)
+    try:
+        add_response_schema(holder)
+    except ValueError:  # not a template TRL knows
+        return None
+    return getattr(holder, "response_template", None)
+
+
+def response_template(tokenizer, chat_template: str | None = None) -> dict | None:
+    """The response template that reads an assistant turn written with ``chat_template`` (else the tokenizer's):
+    the tokenizer's own ``response_template`` (transformers 5.23) when the template is the tokenizer's, else TRL
+    1.16's for a stock template it knows (``trl.chat_template_utils.add_response_schema``: Llama-3.1/3.2, Qwen2.5/3,
+    GPT-OSS, ...); None for another template (the Hermes ``<tool_call>`` blocks are read)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if (chat_template is None or chat_template == own) and getattr(tokenizer, "response_template", None):
+        return tokenizer.response_template
+    template = chat_template or own
+    return _stock_response_template(template) if isinstance(template, str) else None
+
+
+def _nesting(text: str) -> int:
+    """How deep ``[`` and ``{`` nest in ``text`` (outside JSON strings: a ``"`` opens one only inside brackets)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+        elif ch == '"' and depth:
+            in_string = True
+    return deepest
+
+
+def _error(why: str) -> dict:
+    return {"name": None, "arguments": None, "error": why}
+
+
+def parse_tool_calls(text: str, tokenizer=None, prefix: str = "", chat_template: str | None = None) -> list[dict]:
     """The tool calls of one assistant turn, in order: ``{"name": str | None, "arguments": dict | None, "error":
-    str | None}`` each (``error`` when the call could not be read). Uses the tokenizer's response parser when it
-    declares a ``response_schema`` (transformers' chat-template tool-call parsing), else the Hermes ``<tool_call>``
-    blocks (:data:`TOOL_CALL`); an empty list when the turn calls nothing."""
-    if tokenizer is not None and getattr(tokenizer, "response_schema", None):
+    str | None}`` each (``error`` when the call could not be read); an empty list when the turn calls nothing.
+
+    With a response template (:func:`response_template`), the tokenizer's ``parse_response(text, schema,
+    prefix=prefix)`` reads the turn (``text`` up to and including its end token: Llama-3.x's close pattern needs
+    it; ``prefix``: the text before the turn, whose generation prompt the template anchors at). Not TRL's
+    ``parse_response`` wrapper: it turns a call it cannot read into plain text, which would hide it from the model
+    and from ``tools/failure_frequency``. Else the Hermes ``<tool_call>`` blocks (:data:`TOOL_CALL`): a JSON
+    object, or a list of them (SmolLM2), its arguments under ``"arguments"`` or ``"parameters"`` (Llama-3.x).
+
+    A call nesting brackets deeper than :data:`MAX_NESTING` is an error, not parsed (the JSON decoder recurses).
+    """
+    template = response_template(tokenizer, chat_template) if tokenizer is not None else None
+    if template is not None:
+        if _nesting(text) > MAX_NESTING:
+            return [_error(f"the tool call nests brackets deeper than {MAX_NESTING} levels")]
         try:
-            parsed = tokenizer.parse_response(text)
+            parsed = tokenizer.parse_response(text, template, prefix=prefix)
         except Exception as e:  # noqa: BLE001  (a malformed call: the model is told)
-            return [{"name": None, "arguments": None, "error": f"the tool call could not be parsed ({e})"}]
+            return [_error(f"the tool call could not be parsed ({type(e).__name__}: {str(e).splitlines()[0]})")]
         calls = []
-        for call in parsed.get("tool_calls") or []:
-            f = call.get("function", call)
-            calls.append(_call(f.get("name"), f.get("arguments")))
+        for call in (parsed or {}).get("tool_calls") or []:
+            calls += _calls(call.get("function", call) if isinstance(call, dict) else call)
         return calls
     calls = []
     for block in TOOL_CALL.findall(text):
+        if _nesting(block) > MAX_NESTING:
+            calls.append(_error(f"the tool call nests brackets deeper than {MAX_NESTING} levels"))
+            continue
         try:
             obj = json.loads(block)
-        except json.JSONDecodeError as e:
-            calls.append({"name": None, "arguments": None, "error": f"the tool call is not JSON ({e.msg})"})
+        except ValueError as e:
+            calls.append(_error(f"the tool call is not JSON ({getattr(e, 'msg', e)})"))
             continue
-        if not isinstance(obj, dict):
-            calls.append({"name": None, "arguments": None, "error": "the tool call is not a JSON object"})
-            continue
-        calls.append(_call(obj.get("name"), obj.get("arguments", {})))
+        calls += _calls(obj)
     return calls
+
+
+def _calls(obj) -> list[dict]:
+    """A parsed call ``{"name", "arguments" | "parameters"}``, or a list of them (SmolLM2), as call dicts."""
+    if isinstance(obj, list) and obj:
+        return [c for item in obj for c in _calls(item)] if all(isinstance(i, dict) for i in obj) else \
+            [_error("the tool call is not a JSON object or a list of them")]
+    if not isinstance(obj, dict):
+        return [_error("the tool call is not a JSON object")]
+    return [_call(obj.get("name"), obj.get("arguments", obj.get("parameters", {})))]
 
 
 def _call(name, arguments) -> dict:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        if _nesting(arguments) > MAX_NESTING:
+            return _error(f"the tool call nests brackets deeper than {MAX_NESTING} levels")
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except ValueError:
             pass
     if not isinstance(name, str):
-        return {"name": None, "arguments": None, "error": "the tool call names no tool"}
+        return _error("the tool call names no tool")
     if not isinstance(arguments, dict):
         return {"name": name, "arguments": None, "error": "the tool call's arguments are not a JSON object"}
     return {"name": name, "arguments": arguments, "error": None}
 
 
+class _Worker:
+    """The rank's tool process (:mod:`finetune.recipes.tool_worker`): started on the first call, killed and
+    replaced when a call runs past its timeout, killed when the rank exits."""
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.loaded: set[str] = set()
+        self.buffer = b""
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            for pipe in (self.process.stdin, self.process.stdout):
+                pipe.close()
+        self.process, self.loaded, self.buffer = None, set(), b""
+
+    def ask(self, request: dict, timeout_s: float) -> dict | None:
+        """The worker's answer, or None when it did not answer within ``timeout_s`` (it is then killed)."""
+        if self.process is None or self.process.poll() is not None:
+            self.kill()
+            self.process = subprocess.Popen([sys.executable, "-u", tool_worker.__file__], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, cwd=os.getcwd())
+        try:
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
+            self.process.stdin.flush()
+        except OSError:  # it died
+            self.kill()
+            return {"error": "the tool process ended"}
+        fd, deadline = self.process.stdout.fileno(), time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.kill()
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk or len(self.buffer) > MAX_RESULT_BYTES:
+                code = self.process.poll()
+                self.kill()
+                return {"error": f"the tool's result is longer than {MAX_RESULT_BYTES} bytes" if chunk else
+                        f"the tool process ended (exit code {code})"}
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line)
+
+    def call(self, spec: str, arguments: dict, timeout_s: float) -> dict | None:
+        if spec not in self.loaded:
+            answer = self.ask({"load": spec}, LOAD_TIMEOUT_S)
+            if answer is None or "error" in answer:
+                return {"error": f"importing the tool failed: {answer['error']}" if answer else
+                        f"importing the tool took more than {LOAD_TIMEOUT_S:g} s"}
+            self.loaded.add(spec)
+        return self.ask({"call": spec, "arguments": arguments}, timeout_s)
+
+
+_WORKER = _Worker()
+atexit.register(_WORKER.kill)
+_HUNG: dict[int, threading.Thread] = {}
+"""Per environment instance (or function), the thread of its call that timed out while it still runs."""
+
+
 def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: ToolStats) -> str:
     """Run one parsed call and return what the model reads: the result as text, or ``{"error": ...}`` (JSON) for a
-    call that failed. Counts it in ``stats``. Never raises."""
+    call that failed. Counts it in ``stats``. Never raises.
+
+    A :class:`ToolProcess` runs in the rank's worker process (stopped by killing it at ``timeout_s``); another
+    callable (an environment's bound method) in a thread, and while a call of its instance that timed out still
+    runs, the instance's next calls fail at once."""
     stats.calls += 1
     name = call.get("name")
     stats.per_tool[name or "<unparsed>"] = stats.per_tool.get(name or "<unparsed>", 0) + 1
@@ -217,11 +447,25 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: T
         return _failed(stats, call["error"])
     if name not in tools:
         return _failed(stats, f"unknown tool '{name}'; the tools are: {', '.join(sorted(tools))}")
+    fn = tools[name]
+    if isinstance(fn, ToolProcess):
+        answer = _WORKER.call(fn.spec, call["arguments"], timeout_s)
+        if answer is None:
+            return _failed(stats, f"the tool '{name}' did not return within {timeout_s:g} s")
+        if "error" in answer:
+            return _failed(stats, answer["error"])
+        stats.non_text += bool(answer.get("non_text"))
+        return answer["text"]
+    owner = id(getattr(fn, "__self__", fn))
+    if owner in _HUNG:
+        if _HUNG[owner].is_alive():
+            return _failed(stats, f"the tool '{name}' did not run: an earlier call of it has not returned")
+        del _HUNG[owner]
     box: dict = {}
 
     def run() -> None:
         try:
-            box["value"] = tools[name](**call["arguments"])
+            box["value"] = fn(**call["arguments"])
         except BaseException as e:  # noqa: BLE001  (any failure of the user's tool is the model's to read)
             box["error"] = f"{type(e).__name__}: {e}"
 
@@ -229,6 +473,7 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: T
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        _HUNG[owner] = worker
         return _failed(stats, f"the tool '{name}' did not return within {timeout_s:g} s")
     if "error" in box:
         return _failed(stats, box["error"])
@@ -236,25 +481,20 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: T
     if isinstance(value, str):
         return value
     stats.non_text += 1
-    return _as_text(value)
-
-
-def _as_text(value) -> str:
-    """A tool's result that is not a string, as the model reads it: TRL 1.16's ``str(result)`` (``None`` ->
-    ``"None"``, ``{"a": 1}`` -> ``"{'a': 1}"``, ``3`` -> ``"3"``); a list of text content blocks
-    (``[{"type": "text", "text": ...}]``, which TRL passes to the template as multimodal content) -> their texts
-    joined. Never raises (a ``__str__`` that raises gives the type's name)."""
-    if isinstance(value, list) and value and all(isinstance(b, dict) and b.get("type") == "text" for b in value):
-        return "".join(str(b.get("text", "")) for b in value)
-    try:
-        return str(value)
-    except Exception:  # noqa: BLE001  (the user's object)
-        return f"<{type(value).__name__}>"
+    return as_text(value)
 
 
 def _failed(stats: ToolStats, why: str) -> str:
     stats.failures += 1
     return json.dumps({"error": why})
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer) -> int:
+    """Characters one token of ``tokenizer`` decodes to at most (its longest vocabulary entry: byte-level BPE
+    writes one character per byte, SentencePiece one per character): a text of ``n`` characters is at least
+    ``n / _longest_token`` tokens."""
+    return max([len(t) for t in tokenizer.get_vocab()] + [1])
 
 
 def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template: str | None = None,
@@ -295,6 +535,9 @@ class Trajectory:
     ids: list[int]
     mask: list[int]
     turns: list[dict]
+    cut: bool = False
+    """The rollout ended because its last calls' results did not fit in ``max_completion_length``: truncated, not
+    terminated (``mask_truncated_completions`` applies to it, as to a rollout cut by the length limit)."""
 
 
 def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_fn, tokenizer,
@@ -310,7 +553,9 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
     :func:`parse_tool_calls` finds calls in it. Its
     calls run (:func:`call_tool`); their results' tokens (:func:`tool_suffix_ids`) are appended to the sampled
     tokens, and ``generate_fn`` continues every such rollout in one batch. A rollout whose results would take it past
-    ``max_completion_length`` tokens stops before them (as TRL); a continuation is cut to what is left.
+    ``max_completion_length`` tokens stops before them (as TRL) and is marked ``cut`` (truncated; TRL counts it as
+    terminated by its EOS); results whose characters cannot fit are not tokenized (:func:`_longest_token`). A
+    continuation is cut to what is left.
 
     Args:
         prompts: each rollout's prompt token ids (no padding).
@@ -331,22 +576,28 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
     """
     ends = stops or [tokenizer.eos_token_id]
 
-    def turn(ids: list[int]) -> dict:
+    def turn(ids: list[int], before: list[int]) -> dict:
         ended = bool(ids) and ids[-1] in ends
         text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        calls = parse_tool_calls(text, tokenizer) if ended else []
+        calls = parse_tool_calls(tokenizer.decode(ids, skip_special_tokens=False), tokenizer,
+                                 tokenizer.decode(before, skip_special_tokens=False), chat_template) if ended else []
         return {"role": "assistant", "content": text, "tool_calls": calls}
 
-    out = [Trajectory(list(c), [1] * len(c), [turn(list(c))]) for c in completions]
+    out = [Trajectory(list(c), [1] * len(c), [turn(list(c), list(p))]) for p, c in zip(prompts, completions)]
     active = [i for i, t in enumerate(out) if t.turns[-1]["tool_calls"]]
     for _ in range(max_iterations):
         inputs, budgets, rows = [], [], []
         for i in active:
             results = [{"role": "tool", "name": call.get("name") or "unknown",
                         "content": call_tool(tools[i], call, timeout_s, stats[i])} for call in out[i].turns[-1]["tool_calls"]]
+            room = max_completion_length - len(out[i].ids)
+            if sum(len(r["content"]) for r in results) > room * _longest_token(tokenizer):
+                out[i].cut = True  # more characters than `room` tokens can hold: never tokenized
+                continue
             suffix = tool_suffix_ids(tokenizer, results, chat_template, stops)
-            if len(out[i].ids) + len(suffix) >= max_completion_length:
-                continue  # no room for the results and a reply: the rollout ends with its calls
+            if len(suffix) >= room:
+                out[i].cut = True  # no room for the results and a reply: the rollout ends with its calls
+                continue
             out[i].ids += suffix
             out[i].mask += [0] * len(suffix)
             out[i].turns += results
@@ -361,7 +612,7 @@ def tool_turns(prompts: list[list[int]], completions: list[list[int]], generate_
             ids = list(ids)[:budget]
             out[i].ids += ids
             out[i].mask += [1] * len(ids)
-            out[i].turns.append(turn(ids))
+            out[i].turns.append(turn(ids, prompts[i] + out[i].ids[:len(out[i].ids) - len(ids)]))
             if out[i].turns[-1]["tool_calls"]:
                 active.append(i)
     return out

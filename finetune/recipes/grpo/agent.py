@@ -57,6 +57,7 @@ def _load(tools: tuple[str, ...], environment: str) -> Agent:
     schemas, methods = [t.schema for t in loaded], ()
     if factory is not None:
         offered = tool_utils.environment_tools(factory())
+        tool_utils.refuse_shadowing(loaded, offered, environment)
         schemas += [t.schema for t in offered]
         methods = tuple(t.name for t in offered)
     return Agent(loaded, factory, schemas, methods)
@@ -75,8 +76,9 @@ def agent_of(cfg: RunConfig) -> Agent | None:
 
 
 def environment_reward(prompts, completions, environments=None, **columns) -> list[float | None]:
-    """The environment's own reward (TRL's ``get_reward``): one per rollout, read when it ends."""
-    return [float(e.get_reward()) if e is not None and hasattr(e, "get_reward") else None for e in environments]
+    """The environment's own reward (TRL's ``get_reward``): one per rollout, read when it ends, as it returns it
+    (:func:`finetune.recipes.rewards.score` refuses what is no number, text included, as for any reward function)."""
+    return [e.get_reward() if e is not None and hasattr(e, "get_reward") else None for e in environments]
 
 
 def start_environments(agent: Agent, columns: dict[str, list], n: int) -> tuple[list, list[str | None]]:
@@ -174,7 +176,7 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
     Returns:
         ``(whole, transcripts, stats)``: ``whole`` with every rollout's tokens (``completion_ids`` padded,
         ``completion_mask`` 1 on every real token, ``lengths``, ``terminated``: the last turn ended with one of
-        ``stops``) and
+        ``stops`` and the rollout was not cut for want of room for its tool results) and
         ``tool_mask`` ``[N, C']`` float32 (1 on the model's tokens, 0 on the tools'); ``turns`` ``[N]`` int64 (the
         model's turns); ``tool_calls``, ``tool_failures`` ``[N]`` float32; ``tool_calls_by_name`` ``[N, T + 1]``
         float32 (the calls of each of :attr:`Agent.names`, then those naming no offered tool or none at all); the
@@ -210,7 +212,7 @@ def multi_turn(whole: dict, prompts: dict, generate_fn, tok, g: GrpoConfig, agen
         real[i, :len(t.ids)] = 1
         model[i, :len(t.ids)] = torch.tensor(t.mask, dtype=torch.float32)
     out = {"completion_ids": ids, "completion_mask": real,
-           "terminated": torch.tensor([bool(t.ids) and t.ids[-1] in stops for t in done]),
+           "terminated": torch.tensor([bool(t.ids) and t.ids[-1] in stops and not t.cut for t in done]),
            "lengths": real.sum(1).long(), "tool_mask": model,
            "turns": torch.tensor([sum(m["role"] == "assistant" for m in t.turns) for t in done], dtype=torch.long),
            "tool_calls": torch.tensor([float(s.calls) for s in per_stats]),
