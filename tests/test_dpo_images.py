@@ -108,3 +108,37 @@ def test_zero3_dpo_on_images_trains_and_exports(pairs, tmp_path):
     assert len([r for r in metrics if "train/loss" in r]) == 3
     model = AutoModelForImageTextToText.from_pretrained(run / "export")
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
+
+
+@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
+def test_the_pair_batch_is_the_processors_own_batch(pairs, tmp_path, name):
+    """Issue 68 item 1: two pairs collated by the recipe hold every model input the processor gives the four
+    conversations (prompt + chosen, prompt + rejected, with the prompt's images) as one right-padded batch
+    (Qwen2.5-VL's ``mm_token_type_ids``, its 3-D rotary positions' source, included), and the plain model's logits
+    on the real tokens are the same for both."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.data.batch import model_inputs
+    from finetune.data.images import decode_image, load_processor
+    from test_vlm_sft import _family
+
+    folder = _family(name)
+    overrides = [*_overrides(pairs, tmp_path), f"model.path={folder}", "data.max_seq_len=256"]
+    _, tok, batch = first_batch(CONFIG, overrides, pairs, 2)
+    rows = pq.read_table(pairs).slice(0, 2).to_pylist()
+    processor = load_processor(str(folder))
+    processor.tokenizer.padding_side = "right"
+    pictures = [[decode_image(v, "test", str(pairs.parent)) for v in r["images"]] for r in rows]
+    want = processor.apply_chat_template(
+        [r["prompt"] + r[side] for side in ("chosen", "rejected") for r in rows], tokenize=True, return_dict=True,
+        return_tensors="pt", processor_kwargs={"images": pictures + pictures, "padding": True})
+    got = {k: v for k, v in model_inputs(batch).items() if k != "labels"}
+    assert set(got) == set(want), (set(got), set(want))
+    for key in want:
+        assert torch.equal(got[key], want[key].to(got[key].dtype)), key
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder)).eval()
+    with torch.no_grad():
+        ours, theirs = model(**got).logits, model(**want).logits
+    real = want["attention_mask"].bool()
+    assert torch.allclose(ours[real], theirs[real], atol=1e-6), (ours[real] - theirs[real]).abs().max()

@@ -205,3 +205,58 @@ def test_zero3_lora_with_kl_trains_on_images_and_exports(prompts, tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(run / "export")
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
     assert AutoProcessor.from_pretrained(run / "export").image_processor is not None
+
+
+@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
+def test_rollouts_and_the_training_pass_run_the_model_on_the_processors_inputs(prompts, tmp_path, name):
+    """Issue 68 item 1: three prompts (1, 2 and 1 images) collated by the recipe, two greedy completions of each
+    through the rollout (each prompt prefilled once, its KV cache repeated) are the tokens the plain model's
+    ``generate`` gives the processor's own inputs of the prompt alone (Qwen2.5-VL's ``mm_token_type_ids`` included:
+    its 3-D rotary positions), and the training pass gives each completion token the log-probability of the plain
+    model's forward of the processor's inputs of prompt + completion."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.data.images import decode_image, load_processor
+    from finetune.engine.rollout import image_token_ids
+    from finetune.recipes import grpo
+    from finetune.recipes.grpo.loss import completion_logps
+    from finetune.recipes.grpo.rollout import generate
+    from test_vlm_sft import _family
+
+    folder = _family(name)
+    cfg, tok, batch = first_batch(CONFIG, [*_overrides(prompts, tmp_path), f"model.path={folder}",
+                                           "data.max_seq_len=256"], prompts, 3)
+    processor = load_processor(str(folder))
+    rows = pq.read_table(prompts).slice(0, 3).to_pylist()
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder)).eval()
+    g = dataclasses.replace(cfg.train.grpo, max_completion_length=5, temperature=1.0, num_generations=2)
+    n = g.num_generations
+    out = generate(model, batch, g, tok, n, False, 0, False)
+    zeros = torch.zeros(len(out["completion_ids"]))
+    seqs = grpo._sequences(batch, out, g, zeros, zeros, zeros, torch.zeros(len(zeros), 1))
+    with torch.no_grad():
+        logps, _ = completion_logps(model, seqs, g.temperature)
+    for i, row in enumerate(rows):
+        pictures = [decode_image(v, "test", str(prompts.parent)) for v in row["images"]]
+        alone = processor.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                              return_dict=True, return_tensors="pt",
+                                              processor_kwargs={"images": pictures})
+        with torch.no_grad():
+            want = model.generate(**alone, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
+                                  eos_token_id=tok.eos_token_id, suppress_tokens=image_token_ids(model.config))
+        want = want[0, alone["input_ids"].shape[1]:]
+        for j in range(n):
+            k = i * n + j
+            c = out["completion_ids"][k][: int(out["lengths"][k])]
+            assert c.tolist() == want[: len(c)].tolist(), (k, c, want)
+            full = {**alone, "input_ids": torch.cat([alone["input_ids"][0], c])[None],
+                    "attention_mask": torch.ones(1, alone["input_ids"].shape[1] + len(c), dtype=torch.long)}
+            for key in ("mm_token_type_ids", "token_type_ids"):
+                if key in alone:
+                    full[key] = torch.nn.functional.pad(alone[key], (0, len(c)))
+            with torch.no_grad():
+                logits = model(**full).logits[0]
+            p = alone["input_ids"].shape[1]
+            ref = torch.log_softmax(logits[p - 1:-1].float(), -1).gather(-1, c[:, None]).squeeze(-1)
+            assert torch.allclose(logps[k][: len(c)], ref, atol=1e-5), (k, logps[k][: len(c)], ref)

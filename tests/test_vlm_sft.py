@@ -342,3 +342,52 @@ def test_a_plain_prompt_column_renders_as_the_conversation(tmp_path):
     assert set(got) == set(want)
     for key in want:
         assert [np.asarray(v).tolist() for v in got[key]] == [np.asarray(v).tolist() for v in want[key]], key
+
+
+def _family(name: str) -> Path:
+    """A tiny image-text model folder, skipped where its processor cannot be built (Qwen2.5-VL's video processor
+    needs torchvision)."""
+    import importlib.util
+
+    if name == "tiny-qwen2.5-vl" and importlib.util.find_spec("torchvision") is None:
+        pytest.skip("Qwen2.5-VL's processor needs torchvision (its video processor)")
+    return REPO / "data" / "models" / name
+
+
+@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
+def test_the_collated_batch_runs_the_model_as_the_processors_own_batch(rows, name):
+    """Issue 68 item 1: two rows (1 and 3 images) tokenized and collated by ``vlm_sft`` give every model input the
+    processor's own padded batch gives (Qwen2.5-VL's ``mm_token_type_ids``, from which it builds its 3-D rotary
+    positions), and the plain model's logits on the real tokens are the same for both batches."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from finetune.config import load_run_config
+    from finetune.data.batch import model_inputs
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    folder = _family(name)
+    cfg = load_run_config(CONFIG, [f"data.train_files=[{rows}]", f"model.path={folder}", "data.max_seq_len=256"])
+    recipe = get_recipe("vlm_sft")
+    tokenizer = load_tokenizer(cfg, recipe)
+    examples = recipe.tokenize_function(tokenizer, cfg.data)
+    raw = datasets.load_dataset("parquet", data_files=str(rows), split="train")
+    picked = [raw[0], raw[2]]
+    tokenized = examples({"messages": [r["messages"] for r in picked],
+                          "images": [[{"bytes": _png(im), "path": None} for im in r["images"]] for r in picked]})
+    batch = recipe.make_collator(tokenizer, cfg.data)([{k: v[i] for k, v in tokenized.items()} for i in range(2)])
+    tokenizer.padding_side = "right"
+    want = examples.processor.apply_chat_template(
+        [r["messages"] for r in picked], tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"images": [r["images"] for r in picked], "padding": True})
+    assert set(model_inputs(batch)) - {"labels"} == set(want), (set(batch), set(want))
+    for key in want:
+        assert torch.equal(batch[key], want[key].to(batch[key].dtype)), key
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder)).eval()
+    with torch.no_grad():
+        ours = model(**{k: v for k, v in model_inputs(batch).items() if k != "labels"}).logits
+        theirs = model(**want).logits
+    real = want["attention_mask"].bool()
+    assert torch.allclose(ours[real], theirs[real], atol=1e-6), (ours[real] - theirs[real]).abs().max()

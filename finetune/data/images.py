@@ -25,9 +25,17 @@ from finetune.data.dataset import default_cache_dir, file_columns, file_id, fing
 from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 
-TEXT_KEYS = ("input_ids", "attention_mask", "assistant_masks", "token_type_ids", "mm_token_type_ids")
-"""Keys of the processor's output that are not image tensors (``token_type_ids`` and ``mm_token_type_ids`` mark
-image positions for some processors; the model does not need them for a causal-LM loss)."""
+TEXT_KEYS = ("input_ids", "attention_mask", "assistant_masks")
+"""Keys of the processor's output that the recipes store themselves (the token ids, their mask, the assistant
+marks that become the labels); :func:`store` keeps every other key."""
+
+TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
+"""Per-token model inputs a processor returns beside ``input_ids`` (``[rows, tokens]``, 1 on an image's tokens):
+Qwen2.5-VL builds its 3-D (M-RoPE) positions only when given ``mm_token_type_ids`` (``compute_3d_position_ids``;
+without them every token gets a 1-D position), Gemma 3 attends bidirectionally within an image only when given
+``token_type_ids``. Stored as token lists (:func:`store`, where the processor's ``model_input_names`` name them),
+padded with 0 like ``attention_mask`` (:func:`pad_tokens`) and 0 on generated tokens, as TRL's collators and
+``generate`` extend them."""
 
 STACKED = ("pixel_attention_mask",)
 """Image tensors that a processor stacks per row (padded to the batch's most images) whatever their rank; besides
@@ -162,10 +170,16 @@ def decode_image(value, where: str, folder: str | None = None, data_cfg=None):
     return image
 
 
+ROWS_VERSION = 2
+"""The layout of the tokenized image rows (2: the processor's per-token inputs, :data:`TOKEN_KEYS`, are kept);
+part of every image recipe's cache key (:func:`pixel_key`), so rows tokenized by an older layout are not reused."""
+
+
 def pixel_key(data_cfg) -> dict:
     """The image settings that change the tokenized rows (for a recipe's cache key): ``min_pixels``, ``max_pixels``
-    when set."""
-    return {k: getattr(data_cfg, k) for k in ("min_pixels", "max_pixels") if getattr(data_cfg, k)}
+    when set, and :data:`ROWS_VERSION`."""
+    return {"image_rows": ROWS_VERSION,
+            **{k: getattr(data_cfg, k) for k in ("min_pixels", "max_pixels") if getattr(data_cfg, k)}}
 
 
 def message_problem(messages) -> str | None:
@@ -295,18 +309,43 @@ def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def store(enc: dict, out: dict[str, list]) -> int:
-    """Append the image tensors of one row's processor output ``enc`` (every key but :data:`TEXT_KEYS`) to the
-    tokenized columns ``out``: each flat, its shape in :data:`SHAPE`. Returns how many tensors it stored."""
+def store(enc: dict, out: dict[str, list], names=None) -> int:
+    """Append one row's processor output ``enc`` to the tokenized columns ``out``: its per-token inputs
+    (:data:`TOKEN_KEYS`, those among ``names``, the processor's ``model_input_names``; all when None) as token
+    lists, and every other key but :data:`TEXT_KEYS` (the image tensors) flat, its shape in :data:`SHAPE`. Returns
+    how many image tensors it stored."""
     n = 0
     for key, value in enc.items():
         if key in TEXT_KEYS:
             continue
         value = np.asarray(value)
+        if key in TOKEN_KEYS:
+            if names is None or key in names:
+                out.setdefault(key, []).append(value.reshape(-1).tolist())
+            continue
         out.setdefault(key, []).append(value.ravel())
         out.setdefault(SHAPE.format(key), []).append(list(value.shape))
         n += 1
     return n
+
+
+def pad_tokens(rows: list[dict], width: int, left: bool = False, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The rows' per-token inputs (:data:`TOKEN_KEYS`, read as ``prefix + key``) as ``[rows, width]`` int64
+    tensors under their own names, padded with 0 on the right (``left``: on the left), as the processor pads a
+    batch's ``attention_mask``; none when the rows have none."""
+    out = {}
+    for key in TOKEN_KEYS:
+        if prefix + key not in rows[0]:
+            continue
+        t = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            v = torch.as_tensor(list(r[prefix + key]), dtype=torch.long)
+            if left:
+                t[i, width - len(v):] = v
+            else:
+                t[i, :len(v)] = v
+        out[key] = t
+    return out
 
 
 def row_tensors(row: dict) -> dict[str, torch.Tensor]:

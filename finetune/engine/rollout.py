@@ -71,6 +71,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from finetune.data import images
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 
@@ -474,16 +475,23 @@ class HFGenerateRollout(RolloutEngine):
         the whole generation (:class:`ReservedLayer`); ``generate`` then runs the last prompt token and decodes.
         Positions as ``generate`` makes them from the left-padded mask (``cumsum - 1``, 0 on the padding), passed
         when the model's forward takes them, unless it computes its own (:func:`own_positions`); ``inputs``: the
-        prompts' image tensors, encoded with them (a prompt's last token is never an image's)."""
+        prompts' image tensors, encoded with them (a prompt's last token is never an image's; the per-token inputs,
+        :data:`finetune.data.images.TOKEN_KEYS`, cut as the ids are); a model that keeps its rotary offsets per row
+        (Qwen2.5-VL's ``rope_deltas``, from the prefill's 3-D positions) has them repeated as the cache is, so
+        ``generate`` continues every copy at its prompt's positions."""
         base = self._base()
         cache = DynamicCache(config=base.config.get_text_config(decoder=True))
         params = inspect.signature(base.forward).parameters
         extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        extra |= inputs or {}
+        extra |= {k: v[:, :-1] if k in images.TOKEN_KEYS else v for k, v in (inputs or {}).items()}
         if "position_ids" in params and not own_positions(base):
             extra["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, :-1]
         self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True, **extra)
         cache.batch_repeat_interleave(n)
+        for m in (base, getattr(base, "model", None)):  # Qwen2.5-VL's offsets of its 3-D positions, one per row
+            deltas = getattr(m, "rope_deltas", None)
+            if isinstance(deltas, torch.Tensor) and deltas.shape[0] == ids.shape[0] and n > 1:
+                m.rope_deltas = deltas.repeat_interleave(n, 0)
         cache.layers = [ReservedLayer.reserve(x, ids.shape[1] + new_tokens) if type(x) is DynamicLayer
                         and x.is_initialized else x for x in cache.layers]
         return cache

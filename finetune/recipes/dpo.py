@@ -328,8 +328,13 @@ class PairExamples:
             out["labels"].append(lab_c)
             out["rejected_input_ids"].append(ids_r)
             out["rejected_labels"].append(lab_r)
-            if encs is not None:  # the prompt's images, once for the pair
-                images.store(encs[0], out)
+            if encs is not None:  # the prompt's images, once for the pair; each sequence's per-token inputs
+                names = self.processor.model_input_names
+                images.store(encs[0], out, names)
+                rejected: dict[str, list] = {}
+                images.store({k: v for k, v in encs[1].items() if k in images.TOKEN_KEYS}, rejected, names)
+                for key, values in rejected.items():
+                    out.setdefault("rejected_" + key, []).extend(values)
                 c["images"] += len(batch[d.image_column][i] or [])
             c["pairs"] += 1
             c["tokens"] += len(ids_c) + len(ids_r)
@@ -363,7 +368,9 @@ class PairCollator:
     chosen sequences, then the B rejected ones; right-padded with the pad token, mask 0, label -100; the length
     rounded up to ``pad_to_multiple_of``) and, when the rows have it, ``reference_logps`` ``[2B]`` float32; with images,
     each pair's prompt image tensors for its chosen and again for its rejected sequence, joined as the processor joins
-    a batch of the ``2B`` rows (:func:`finetune.data.images.join`), which the forward passes to the model."""
+    a batch of the ``2B`` rows (:func:`finetune.data.images.join`), and each sequence's per-token inputs
+    (``mm_token_type_ids``, ``token_type_ids``; right-padded with 0: :func:`finetune.data.images.pad_tokens`), which
+    the forward passes to the model."""
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int = 0):
         self.pad, self.multiple = pad_token_id, pad_to_multiple_of
@@ -385,6 +392,8 @@ class PairCollator:
         if any(k.endswith("__shape") for k in rows[0]):
             pictures = [images.row_tensors(r) for r in rows]
             batch.update(images.join(pictures + pictures))
+            batch.update(images.pad_tokens(rows + [{k: r["rejected_" + k] for k in images.TOKEN_KEYS
+                                                    if "rejected_" + k in r} for r in rows], longest))
         if REFERENCE_COLUMN in rows[0]:
             ref = [r[REFERENCE_COLUMN] for r in rows]
             batch[REFERENCE_COLUMN] = torch.tensor([c for c, _ in ref] + [r for _, r in ref], dtype=torch.float32)

@@ -150,7 +150,7 @@ class VlmExamples:
             out["input_ids"].append(ids)
             out["attention_mask"].append([1] * len(ids))
             out["labels"].append(labels)
-            images.store(enc, out)
+            images.store(enc, out, self.processor.model_input_names)
             c["examples"] += 1
             c["tokens"] += len(ids)
             c["images"] += len(pictures)
@@ -170,8 +170,9 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> VlmExamples:
 
 
 class ImageCollator:
-    """Right-pad ``input_ids`` (pad token), ``attention_mask`` (0) and ``labels`` (-100) to the micro-batch's longest
-    row (rounded up to ``pad_to_multiple_of``), and join each image tensor as its processor joins a batch: per-row
+    """Right-pad ``input_ids`` (pad token), ``attention_mask`` (0), ``labels`` (-100) and the processor's per-token
+    inputs (``mm_token_type_ids``, ``token_type_ids``: 0; :func:`finetune.data.images.pad_tokens`) to the
+    micro-batch's longest row (rounded up to ``pad_to_multiple_of``), and join each image tensor as its processor joins a batch: per-row
     stacks zero-padded to the micro-batch's most and largest images and stacked, flat ones concatenated in row order
     (:func:`finetune.data.images.join`)."""
 
@@ -183,7 +184,7 @@ class ImageCollator:
         out = {}
         for key, fill in (("input_ids", self.pad), ("attention_mask", 0), ("labels", -100)):
             out[key] = torch.tensor([list(r[key]) + [fill] * (longest - len(r[key])) for r in rows], dtype=torch.long)
-        return {**out, **images.join([images.row_tensors(r) for r in rows])}
+        return {**out, **images.pad_tokens(rows, longest), **images.join([images.row_tensors(r) for r in rows])}
 
 
 def make_collator(tokenizer, data_cfg: DataConfig) -> ImageCollator:

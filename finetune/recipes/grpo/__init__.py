@@ -255,7 +255,8 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
     :func:`~finetune.recipes.grpo.agent.observed_prompts`) and ``prompts_differ`` (0-d bool: some group's prompts
     differ, so :func:`~finetune.recipes.grpo.loss.shares_prompts` turns prompt sharing off for this micro-batch);
     with images, each completion's prompt's image tensors (joined as the processor joins a batch of ``B G`` rows,
-    :func:`finetune.data.images.join`) and ``image_keys``, their names."""
+    :func:`finetune.data.images.join`), the prompt's per-token inputs (:data:`finetune.data.images.TOKEN_KEYS`) with 0
+    on the completion, and ``image_keys``, their names."""
     n = g.num_generations
     prompt_ids, prompt_mask = b["input_ids"].repeat_interleave(n, 0), b["attention_mask"].repeat_interleave(n, 0)
     differ = False
@@ -265,6 +266,9 @@ def _sequences(b: dict, c: dict, g: GrpoConfig, adv, r, std, table) -> dict:
         groups = torch.stack([prompt_ids, prompt_mask]).reshape(2, -1, n, prompt_ids.shape[1])
         differ = not bool((groups == groups[:, :, :1]).all())  # a group's prompts differ: no prompt sharing
     pictures = images.join([r for r in b["images"] for _ in range(n)]) if b.get("images") else {}
+    for key in images.TOKEN_KEYS:  # the prompt's per-token inputs, 0 on the completion (as generate extends them)
+        if key in b and "prompt_ids" not in c:
+            pictures[key] = torch.nn.functional.pad(b[key].repeat_interleave(n, 0), (0, c["completion_ids"].shape[1]))
     cmask = c["completion_mask"] * c["tool_mask"] if "tool_mask" in c else c["completion_mask"]  # tools: not trained
     if g.mask_truncated_completions:
         cmask = cmask * c["terminated"][:, None].float()

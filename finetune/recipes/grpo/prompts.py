@@ -139,7 +139,7 @@ class PromptRows:
             for n in d.reward_columns:
                 out[COLUMN_PREFIX + n].append(batch[n][i])
             if enc is not None:
-                images.store(enc, out)
+                images.store(enc, out, self.processor.model_input_names)
                 c["images"] += len(batch[d.image_column][i] or [])
             c["prompts"] += 1
             c["tokens"] += len(ids)
@@ -172,7 +172,9 @@ class PromptCollator:
     ``row_seeds`` ``[B]`` int64 (the rows' ``_seed``: the sampling seed, independent of ranks and split); and, not
     tensors, ``prompts`` (the raw prompts), ``reward_columns`` (name -> ``B`` values) and ``row_index`` (the
     validation rows' indexes, -1 in training); with images, ``images``: each row's image tensors
-    (:func:`finetune.data.images.row_tensors`, joined per generation and training batch)."""
+    (:func:`finetune.data.images.row_tensors`, joined per generation and training batch), and the processor's
+    per-token inputs (``mm_token_type_ids``, ``token_type_ids``) ``[B, longest]``, left-padded with 0
+    (:func:`finetune.data.images.pad_tokens`)."""
 
     row_seeded = True
 
@@ -193,7 +195,7 @@ class PromptCollator:
                 "prompts": [r[PROMPT_COLUMN] for r in rows],
                 "reward_columns": {n: [r[COLUMN_PREFIX + n] for r in rows] for n in self.names},
                 **({"images": [images.row_tensors(r) for r in rows]} if any(k.endswith("__shape") for k in rows[0])
-                   else {})}
+                   else {}), **images.pad_tokens(rows, longest, left=True)}
 
 
 def make_collator(tokenizer, data_cfg: DataConfig) -> PromptCollator:

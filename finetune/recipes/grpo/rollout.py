@@ -114,7 +114,8 @@ def greedy_completions(model, batch: dict, g: GrpoConfig, tok, cfg: RunConfig | 
     cols = dict(batch["reward_columns"])
     agent = agent_of(cfg) if cfg is not None else None
     environments, observed = _environments(agent, cols, list(batch["prompts"]) if agent else [], cfg, tok)
-    prompts = {k: batch[k] for k in ("input_ids", "attention_mask", "images") if k in batch} if observed is None \
+    prompts = {k: batch[k] for k in ("input_ids", "attention_mask", "images", *images.TOKEN_KEYS) if k in batch} \
+        if observed is None \
         else observed[0]
     with _rollout(model, g, tok).weights():
         c = generate(model, prompts, g, tok, 1, False, 0, _synced(model, g))
@@ -131,7 +132,8 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
     Args:
         engine: the engine (or a plain causal LM).
         batch: a prompt batch (:class:`PromptCollator`); its ``images`` (each row's image tensors) go to the model
-            with the prompts (:func:`finetune.data.images.join`).
+            with the prompts (:func:`finetune.data.images.join`), and so do its per-token inputs
+            (:data:`finetune.data.images.TOKEN_KEYS`: Qwen2.5-VL's 3-D positions, Gemma 3's image attention).
         g: ``train.grpo`` (``max_completion_length``, ``temperature``, ``top_p``, ``top_k``, ``fast_generation``).
         n: completions per prompt.
         sample: sample (else greedy).
@@ -143,7 +145,8 @@ def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool
     """
     sampling = SamplingConfig(max_new_tokens=g.max_completion_length, temperature=g.temperature if sample else 0.0,
                               top_p=g.top_p, top_k=g.top_k, n_samples_per_prompt=n)
-    inputs = images.join(batch["images"]) if batch.get("images") else None
+    inputs = {**images.join(batch["images"]), **{k: batch[k] for k in images.TOKEN_KEYS if k in batch}} \
+        if batch.get("images") else None
     return complete(engine, batch["input_ids"], batch["attention_mask"], sampling, tokenizer, seed, inputs,
                     g.generation_backend, gather=not synced, fast=g.fast_generation)
 
@@ -159,14 +162,17 @@ def _texts(tokenizer, completion: dict) -> tuple[list[str], list[list[int]]]:
 def join_prompts(micro: list[dict], pad: int) -> dict:
     """The prompts of several prompt batches as one: ``input_ids``, ``attention_mask`` ``[sum B, longest]``
     (left-padded again to the longest prompt), ``row_seeds`` and, with images, ``images`` (the rows' image tensors in
-    order); a prompt's positions do not change (they count its real tokens)."""
+    order) and the per-token inputs (:data:`finetune.data.images.TOKEN_KEYS`, left-padded with 0); a prompt's
+    positions do not change (they count its real tokens)."""
     width = max(b["input_ids"].shape[1] for b in micro)
     ids = torch.cat([torch.nn.functional.pad(b["input_ids"], (width - b["input_ids"].shape[1], 0), value=pad)
                      for b in micro])
     mask = torch.cat([torch.nn.functional.pad(b["attention_mask"], (width - b["attention_mask"].shape[1], 0))
                       for b in micro])
+    tokens = {k: torch.cat([torch.nn.functional.pad(b[k], (width - b[k].shape[1], 0)) for b in micro])
+              for k in images.TOKEN_KEYS if k in micro[0]}
     return {"input_ids": ids, "attention_mask": mask, "row_seeds": torch.cat([b["row_seeds"] for b in micro]),
-            **({"images": [r for b in micro for r in b["images"]]} if "images" in micro[0] else {})}
+            **({"images": [r for b in micro for r in b["images"]]} if "images" in micro[0] else {}), **tokens}
 
 
 def split_completions(whole: dict, sizes: list[int], pad: int) -> list[dict]:
