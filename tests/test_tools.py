@@ -457,3 +457,29 @@ def test_a_tool_file_that_exits_at_import_is_refused_in_one_line(tmp_path, body,
     path.write_text(body + "\n\ndef f(x: int) -> int:\n    '''F.\n\n    Args:\n        x: x.\n    '''\n    return x\n")
     with pytest.raises(ConfigError, match=f"train.grpo.tools: importing '{path}' failed: {what}"):
         T.load_tools([f"{path}:f"])
+
+
+def test_a_rollout_cut_for_its_results_is_truncated_in_the_step(multiply_file):
+    """Item 15, settled: a rollout whose tool results did not fit ended with its call's end token and counted as
+    terminated, so ``mask_truncated_completions`` left it in; the step's ``terminated`` is now False for it (a
+    rollout that answered is still terminated)."""
+    import torch
+
+    from finetune.config import GrpoConfig
+    from finetune.recipes.grpo.agent import Agent, multi_turn
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2")
+    tok.chat_template, tok.pad_token = (REPO / "data/chat_templates/chatml_tools.jinja").read_text(), tok.eos_token
+    eos = tok.eos_token_id
+    tools = T.load_tools([f"{multiply_file}:chatty"])
+    call = tok('<tool_call>{"name": "chatty", "arguments": {"n": 60}}</tool_call>', add_special_tokens=False)[
+        "input_ids"] + [eos]
+    answer = tok("It is 6.", add_special_tokens=False)["input_ids"] + [eos]
+    ids = torch.full((2, len(call)), eos)
+    ids[0], ids[1, :len(answer)] = torch.tensor(call), torch.tensor(answer)
+    g = GrpoConfig(max_completion_length=len(call) + 30, max_tool_calling_iterations=2, tool_timeout_s=30.0)
+    out, turns, stats = multi_turn({"completion_ids": ids, "lengths": torch.tensor([len(call), len(answer)])},
+                                   {"input_ids": torch.ones(2, 2, dtype=torch.long),
+                                    "attention_mask": torch.ones(2, 2, dtype=torch.long)},
+                                   None, tok, g, Agent(tools, None, [t.schema for t in tools]), [None, None], None)
+    assert out["terminated"].tolist() == [False, True] and stats.calls == 1 and len(turns[0]) == 1
