@@ -231,3 +231,140 @@ def test_failed_export_check_moves_the_export_aside(base, tmp_path):
 
 def _diff(failed: Path) -> float:
     return json.loads((failed / "export_check.json").read_text())["max_abs_logit_diff"]
+
+
+class _RunsCode:
+    """Pickles as a call of ``os.system(command)``: what a crafted checkpoint file holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def rehash(ckpt: Path, name: str) -> None:
+    """Record ``ckpt/name``'s new size and SHA-256 in the manifest and the manifest's in the ``COMPLETE`` marker:
+    what someone who changed the file on purpose does, so that the manifest cannot see it."""
+    import hashlib
+
+    files = json.loads((ckpt / ckpt_utils.MANIFEST).read_text())["files"]
+    data = (ckpt / name).read_bytes()
+    write_manifest(ckpt, {**files, name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}})
+
+
+def write_manifest(ckpt: Path, files: dict) -> None:
+    """Replace ``ckpt``'s manifest by one listing ``files``, its SHA-256 recorded in the ``COMPLETE`` marker."""
+    import hashlib
+
+    manifest = json.loads((ckpt / ckpt_utils.MANIFEST).read_text())
+    text = json.dumps({**manifest, "files": files})
+    (ckpt / ckpt_utils.MANIFEST).write_text(text)
+    meta = ckpt_utils.marker(ckpt)
+    meta["manifest"]["sha256"] = hashlib.sha256(text.encode()).hexdigest()
+    (ckpt / ckpt_utils.MARKER).write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_file_that_runs_code_is_refused_by_export_resume_and_every_load(base, tmp_path):
+    """Issue 68 item 10: a checkpoint whose model states (and another whose RNG state) hold a pickle that calls
+    ``os.system``, manifest and marker updated to match, runs nothing: ``finetune export`` and the resume's
+    verification refuse it in one line naming the file, and every load of it (finetune's, and DeepSpeed's own
+    ``torch.load(weights_only=False)`` under :func:`safe_load.weights_only`) raises instead of running it. Sound
+    files load."""
+    from finetune.errors import RunFailure
+    from finetune.lifecycle import safe_load
+    from finetune.lifecycle.export import export_checkpoint
+
+    import torch
+
+    run = copy_of(base, tmp_path)
+    step4, step6 = run / "checkpoints" / "step4", run / "checkpoints" / "step6"
+    ran = tmp_path / "ran"
+    states = step6 / "mp_rank_00_model_states.pt"
+    assert safe_load.code_in(states) == [] and safe_load.code_in(step6 / SHARD.format(0)) == []
+    sound = safe_load.load(states)
+    torch.save({**sound, "x": _RunsCode(f"touch {ran}")}, states)
+    rehash(step6, states.name)
+    rng = step4 / "rng_state_rank1.pt"
+    assert safe_load.code_in(rng) == []
+    torch.save({**safe_load.load(rng), "x": _RunsCode(f"touch {ran}")}, rng)
+    rehash(step4, rng.name)
+    assert ckpt_utils.size_problem(step6) is None and ckpt_utils.size_problem(step4) is None
+
+    with pytest.raises(ConfigError) as refused:
+        export_checkpoint(step6, tmp_path / "export")
+    assert len(refused.value.problems) == 1 and "mp_rank_00_model_states.pt names posix.system" in \
+        refused.value.problems[0] and "would run code" in refused.value.problems[0]
+    assert not (tmp_path / "export").exists()
+    with pytest.raises(ConfigError) as refused:
+        resume_policy.verified(step6, fall_back=False)
+    assert "mp_rank_00_model_states.pt names posix.system" in refused.value.problems[0]
+    with pytest.raises(ConfigError) as refused:  # without a manifest the pickles are scanned all the same
+        meta = ckpt_utils.marker(step4)
+        del meta["manifest"]
+        (step4 / ckpt_utils.MARKER).write_text(json.dumps(meta))
+        resume_policy.verified(step4, fall_back=False)
+    assert "rng_state_rank1.pt names posix.system" in refused.value.problems[0]
+    assert resume_policy.verified(step6, fall_back=True) == run / "checkpoints" / "step2"
+    for path in (states, rng):
+        with pytest.raises(RunFailure, match=f"'{path.name}' is refused.*posix.system"):
+            safe_load.load(path)
+        with safe_load.weights_only(), pytest.raises(RunFailure, match="posix.system"):
+            torch.load(path, weights_only=False)  # DeepSpeed's call
+    assert not ran.exists()
+    assert torch.load is not safe_load._forced and safe_load.load(step6 / SHARD.format(1))["optimizer_state_dict"]
+
+
+def _inf_over_storages(path: Path, n: int = 64) -> None:
+    """Write +inf (float32) over the first ``n`` bytes of every tensor storage of ``path`` in place (same size)."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        spots = []
+        for info in z.infolist():
+            if "/data/" in info.filename and info.file_size >= n:
+                with open(path, "rb") as f:
+                    f.seek(info.header_offset + 26)
+                    name_len, extra_len = struct.unpack("<HH", f.read(4))
+                spots.append(info.header_offset + 30 + name_len + extra_len)
+    with open(path, "r+b") as f:
+        for at in spots:
+            f.seek(at)
+            f.write(struct.pack(f"<{n // 4}f", *[math.inf] * (n // 4)))
+
+
+def test_export_of_a_checkpoint_with_infinite_weights_writes_nothing(base, tmp_path):
+    """Issue 68 item 11: +inf written over 64 bytes of every storage of a ZeRO optimizer shard (the fp32 master
+    weights; size unchanged): the export refuses it as damaged (its manifest), and with the manifest updated to match,
+    refuses the non-finite weights; nothing is written either way. The sound checkpoint exports."""
+    from finetune.lifecycle.export import export_checkpoint
+
+    run = copy_of(base, tmp_path)
+    step6 = run / "checkpoints" / "step6"
+    shard = step6 / SHARD.format(0)
+    size = shard.stat().st_size
+    _inf_over_storages(shard)
+    assert shard.stat().st_size == size
+    with pytest.raises(ConfigError, match=f"'{step6}' is damaged .*{SHARD.format(0)} does not match its SHA-256"):
+        export_checkpoint(step6, tmp_path / "export")
+    rehash(step6, shard.name)
+    with pytest.raises(ConfigError) as refused:
+        export_checkpoint(step6, tmp_path / "export")
+    assert "holds weights that are not finite: transformer.wte.weight (" in refused.value.problems[0]
+    assert not (tmp_path / "export").exists() and not (tmp_path / "export.partial").exists()
+    assert (export_checkpoint(run / "checkpoints" / "step4", tmp_path / "export") / "model.safetensors").is_file()
+
+
+def test_a_manifest_naming_files_outside_its_checkpoint_is_damaged(base, tmp_path):
+    """Issue 68, by reading: manifest names are joined to the checkpoint folder; one that leaves it (``../``, an
+    absolute path) makes the checkpoint damaged instead of being stat'ed and hashed."""
+    run = copy_of(base, tmp_path)
+    step6 = run / "checkpoints" / "step6"
+    outside = tmp_path / "elsewhere.bin"
+    outside.write_bytes(b"x" * 10)
+    for name in ("../../../elsewhere.bin", str(outside)):
+        write_manifest(step6, {name: {"size": 10, "sha256": "0" * 64}})
+        assert ckpt_utils.size_problem(step6) == (f"{ckpt_utils.MANIFEST} names '{name}', which is not a file inside "
+                                                  f"the checkpoint (a manifest finetune writes lists the folder's own "
+                                                  f"files only)")

@@ -56,6 +56,7 @@ import yaml
 from deepspeed.accelerator import get_accelerator
 
 from finetune import patches
+from finetune.lifecycle import safe_load
 from finetune.parallel import distributed as dist_utils
 from finetune.config import dump_yaml
 from finetune.engine.ds_config import engine_precision, zero_stage
@@ -200,14 +201,28 @@ def read_manifest(ckpt: Path) -> dict | None:
     recorded = marker(ckpt).get("manifest")
     if not recorded:
         return None
-    path = ckpt / recorded.get("file", MANIFEST)
+    name = str(recorded.get("file", MANIFEST))
+    if not _inside(name):
+        raise ValueError(f"its {MARKER} marker names the manifest '{name}', which is not a file inside the checkpoint")
+    path = ckpt / name
     try:
         data = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{path.name} is missing or unreadable ({e.strerror or e})") from None
     if hashlib.sha256(data).hexdigest() != recorded.get("sha256"):
         raise ValueError(f"{path.name} is not the manifest its {MARKER} marker records (SHA-256 differs)")
-    return json.loads(data)["files"]
+    files = json.loads(data)["files"]
+    outside = [n for n in files if not _inside(n)]
+    if outside:
+        raise ValueError(f"{path.name} names '{outside[0]}', which is not a file inside the checkpoint (a manifest "
+                         f"finetune writes lists the folder's own files only)")
+    return files
+
+
+def _inside(name: str) -> bool:
+    """True when manifest entry ``name`` is a relative path that stays inside the checkpoint folder."""
+    p = Path(name)
+    return bool(name) and not p.is_absolute() and ".." not in p.parts
 
 
 def size_problem(ckpt: Path) -> str | None:
@@ -242,11 +257,16 @@ class Verification:
     """The slowest rank's wall time (each rank hashes its own files in parallel with the others)."""
     manifest: bool = True
     """False for a checkpoint saved before manifests existed (loaded unverified)."""
+    code: list[str] = field(default_factory=list)
+    """One line per ``.pt`` file whose pickle names code rather than checkpoint data
+    (:func:`finetune.lifecycle.safe_load.code_in`), checked with or without a manifest; also in :attr:`problems`."""
 
 
 def verify(ckpt: Path) -> Verification:
     """Check every file of ``ckpt`` against its manifest: each rank hashes the files :func:`writer_rank` gives it
-    (all ranks in parallel), then the ranks agree (one ``all_gather_object``). All ranks call it.
+    (all ranks in parallel), then the ranks agree (one ``all_gather_object``). Every ``.pt`` file's pickle is also
+    scanned for code (:func:`finetune.lifecycle.safe_load.code_in`), manifest or not: a file someone else wrote and
+    hashed passes the manifest. All ranks call it.
 
     Returns:
         :class:`Verification` (identical on every rank).
@@ -256,11 +276,9 @@ def verify(ckpt: Path) -> Verification:
         files = read_manifest(ckpt)
     except (ValueError, OSError) as e:
         return Verification([str(e)])
-    if files is None:
-        return Verification(manifest=False)
     world, me = dist_utils.world_size(), dist_utils.rank()
     problems = []
-    for name in sorted(files):
+    for name in sorted(files or {}):
         if writer_rank(name, world) != me:
             continue
         entry, path = files[name], ckpt / name
@@ -270,9 +288,15 @@ def verify(ckpt: Path) -> Verification:
             problems.append(f"{name} is {path.stat().st_size:,} bytes, its manifest says {entry['size']:,}")
         elif _sha256(path) != entry["sha256"]:
             problems.append(f"{name} does not match its SHA-256 in the manifest (same size, other bytes)")
-    parts = dist_utils.all_gather_object((problems, time.perf_counter() - t0))
-    return Verification(sorted(p for part, _ in parts for p in part), len(files),
-                        sum(e["size"] for e in files.values()), max(s for _, s in parts))
+    code = [safe_load.refusal(path, names) for path in sorted(ckpt.rglob("*.pt"))
+            if writer_rank(str(path.relative_to(ckpt)), world) == me and (names := safe_load.code_in(path))]
+    parts = dist_utils.all_gather_object((problems, code, time.perf_counter() - t0))
+    problems = sorted(p for part, _, _ in parts for p in part)
+    code = sorted(c for _, part, _ in parts for c in part)
+    if files is None:
+        return Verification(code, manifest=False, code=code)
+    return Verification(problems + code, len(files), sum(e["size"] for e in files.values()),
+                        max(s for _, _, s in parts), code=code)
 
 
 def falls_back(resume: str | None) -> bool:
@@ -373,7 +397,7 @@ def restore_rng_state(ckpt: Path) -> None:
         logger.warning(f"{ckpt} has no random-generator state for rank {dist_utils.rank()} (saved on fewer ranks): "
                        f"this rank keeps its seeded generators")
         return
-    state = torch.load(path, weights_only=False)
+    state = safe_load.load(path)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -389,7 +413,7 @@ def load_rank_state(ckpt: Path):
     """This rank's recipe state saved in ``ckpt`` (:data:`RECIPE_STATE`), or None when there is none. Read with
     ``torch.load(weights_only=True)``: tensors and plain containers only, nothing that runs code."""
     path = ckpt / RECIPE_STATE.format(rank=dist_utils.rank())
-    return torch.load(path, weights_only=True) if path.is_file() else None
+    return safe_load.load(path) if path.is_file() else None
 
 
 def non_finite_weights(engine) -> list[str]:
@@ -645,7 +669,9 @@ def _convert(ckpt: Path, target: Path) -> None:
     tmp = ckpt.parent / f".{target.name}.tmp{os.getpid()}"
     out = tmp / target.name  # the converter writes 'latest_universal' beside its output: keep it inside tmp
     workers = max(1, min(4, (os.cpu_count() or 2) // 2))
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt),
+    # the converter reads every file with torch.load(weights_only=False): run it under safe_load's weights_only
+    cmd = [sys.executable, "-m", "finetune.lifecycle.safe_load", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", str(ckpt),
            "--output_folder", str(out), "--inject_missing_state", "--num_extract_workers", str(workers),
            "--num_merge_workers", str(max(1, workers // 2))]
     t0 = time.perf_counter()
@@ -748,8 +774,9 @@ def load(engine, ckpt: Path, universal: Path | None = None, what: str = "resumed
     """
     src = universal or ckpt
     decay = [g.get("weight_decay") for g in engine.optimizer.param_groups] if universal is not None else []
-    path, client = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+    with safe_load.weights_only():  # DeepSpeed passes weights_only=False
+        path, client = engine.load_checkpoint(str(src.parent), tag=src.name, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
     if universal is not None:
         # DeepSpeed 0.19.8's ZeRO-3 universal load gives every parameter group the hyper-parameters of group 0,
         # which would put weight decay on the no-decay group (biases, norms; finetune.engine.model.param_groups)

@@ -35,7 +35,8 @@ from finetune.parallel import distributed as dist_utils
 from finetune.parallel import expert
 from finetune.engine import lora, quantize
 from finetune.engine.ds_config import precision_of
-from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete
+from finetune.lifecycle import safe_load
+from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete, verify
 from finetune.lifecycle.model_card import CARD, write_card
 from finetune.config import load_run_config
 from finetune.engine.model import load_pretrained
@@ -80,8 +81,36 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     states = ckpt / "mp_rank_00_model_states.pt"
     if not states.is_file():
         raise ConfigError(f"export: '{ckpt}' is not a DeepSpeed checkpoint folder (no model states)")
-    module = torch.load(states, map_location="cpu", weights_only=False)["module"]
+    module = safe_load.load(states, map_location="cpu")["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+
+
+def verified_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """:func:`consolidated_state_dict` of ``ckpt`` once it verifies as a resume verifies it (every file against its
+    manifest, every pickle scanned for code: :func:`finetune.lifecycle.checkpoint.verify`), read with
+    ``weights_only`` loading (:mod:`finetune.lifecycle.safe_load`). One process (``finetune export``).
+
+    Raises:
+        ConfigError: a file does not match the manifest or names code (one line naming the files).
+    """
+    check = verify(ckpt)
+    if check.problems:
+        raise ConfigError(f"export: '{ckpt}' is damaged or not checkpoint data ({'; '.join(check.problems[:3])}"
+                          f"{' ...' if len(check.problems) > 3 else ''}); export another checkpoint")
+    if not check.manifest:
+        logger.warning(f"export: '{ckpt}' has no manifest (saved before checkpoints recorded their files' SHA-256): "
+                       f"exported unverified")
+    with safe_load.weights_only():  # zero_to_fp32 passes weights_only=False
+        return consolidated_state_dict(ckpt)
+
+
+def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
+    """``"name (n of N)"`` for each floating-point tensor of ``state`` holding a NaN or an infinity."""
+    bad = []
+    for name, t in state.items():
+        if t.is_floating_point() and not (ok := torch.isfinite(t)).all():
+            bad.append(f"{name} ({int((~ok).sum()):,} of {t.numel():,})")
+    return bad
 
 
 def _check_and_load(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt: Path) -> None:
@@ -205,7 +234,12 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     run_cfg = load_run_config(run_config)
     recipe = get_recipe(run_cfg.recipe)
 
-    state = consolidated_state_dict(ckpt) if state is None else state
+    state = verified_state_dict(ckpt) if state is None else state
+    bad = non_finite(state)
+    if bad:
+        raise ConfigError(f"export: '{ckpt}' holds weights that are not finite: {', '.join(bad[:4])}"
+                          f"{' ...' if len(bad) > 4 else ''}; nothing was written (a checkpoint finetune saved never "
+                          f"holds them: the files were changed after the save); export another checkpoint")
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     config.use_cache = source_use_cache(run_cfg)  # sft's packing trains without; the export generates with a cache
     q = run_cfg.model.quantization
@@ -276,7 +310,8 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
         else:
             peft_model = lora.wrap(recipe.model_class.from_config(config, dtype=torch.float32), run_cfg.model.lora,
                                    recipe.model_class, 0)
-            _check_and_load(peft_model, consolidated_state_dict(ckpt), ckpt)
+            with safe_load.weights_only():
+                _check_and_load(peft_model, consolidated_state_dict(ckpt), ckpt)
             base = peft_model.unload()
         adapted = PeftModel.from_pretrained(base, export / lora.ADAPTER_DIR).eval()
     with torch.no_grad():

@@ -317,8 +317,8 @@ def verified(ckpt: Path, fall_back: bool) -> Path:
     """
     t0 = time.perf_counter()
     check = ckpt_utils.verify(ckpt)
-    if not check.manifest:
-        return ckpt  # resolve_resume's note said so: loaded unverified
+    if not check.manifest and not check.code:
+        return ckpt  # resolve_resume's note said so: loaded unverified (its pickles scanned for code all the same)
     if not check.problems:
         logger.info(f"--resume: {ckpt} verified: {check.files} files, {check.bytes / 2**20:.1f} MiB in "
                     f"{ckpt_utils.duration(time.perf_counter() - t0)} (SHA-256 {ckpt_utils.duration(check.seconds)} on "
