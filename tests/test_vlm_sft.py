@@ -391,3 +391,85 @@ def test_the_collated_batch_runs_the_model_as_the_processors_own_batch(rows, nam
         theirs = model(**want).logits
     real = want["attention_mask"].bool()
     assert torch.allclose(ours[real], theirs[real], atol=1e-6), (ours[real] - theirs[real]).abs().max()
+
+
+def test_exif_orientation_is_applied_as_the_libraries_apply_it(tmp_path):
+    """Issue 68 item 14: a 64x32 JPEG whose EXIF orientation is 6 (rotate 90 degrees clockwise to view) decodes
+    32x64, with the pixels ``transformers.image_utils.load_image`` and ``datasets.Image`` give (both apply
+    ``ImageOps.exif_transpose``)."""
+    import numpy as np
+    from PIL import Image
+    from transformers.image_utils import load_image
+
+    from finetune.data import images
+
+    pixels = np.zeros((32, 64, 3), np.uint8)
+    pixels[:, :32] = (255, 0, 0)  # left half red: upright, the red half is on top
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "sideways.jpg"
+    Image.fromarray(pixels).save(path, exif=exif.tobytes(), quality=95)
+    got = images.decode_image(str(path), "test")
+    want = load_image(str(path))
+    assert got.size == want.size == (32, 64)
+    assert np.array_equal(np.asarray(got), np.asarray(want.convert("RGB")))
+    stored = datasets.Image().decode_example({"bytes": path.read_bytes(), "path": None})
+    assert np.array_equal(np.asarray(images.decode_image({"bytes": path.read_bytes(), "path": None}, "test")),
+                          np.asarray(stored.convert("RGB")))
+
+
+def test_an_image_file_changed_on_disk_is_tokenized_again(tmp_path):
+    """Issue 68 item 14: rows that name their images by a path relative to the parquet file; after one image file
+    is rewritten with other pixels (the parquet file untouched), the next tokenization misses the cache and its
+    ``pixel_values`` are the new image's; an image file broken after ``--check`` passed is found by the next check
+    (its mark is keyed on the image files too)."""
+    import os
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from finetune.config import load_run_config
+    from finetune.data.dataset import load_splits
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    (tmp_path / "images").mkdir()
+    for k in range(2):
+        Image.new("RGB", (32, 32), (40 * k, 0, 0)).save(tmp_path / "images" / f"{k}.png")
+    turn = pa.struct([("role", pa.string()), ("content", pa.list_(pa.struct([("type", pa.string()),
+                                                                            ("text", pa.string())])))])
+    messages = [[{"role": "user", "content": [{"type": "image", "text": None}, {"type": "text", "text": "Digit?"}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": str(k)}]}] for k in range(2)]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"messages": pa.array(messages, pa.list_(turn)),
+                             "images": pa.array([[f"images/{k}.png"] for k in range(2)], pa.list_(pa.string()))}),
+                   path)
+    cfg = load_run_config(CONFIG, [f"data.train_files=[{path}]", f"data.validation_files=[{path}]",
+                                   f"data.cache_dir={tmp_path / 'cache'}"])
+    recipe = get_recipe("vlm_sft")
+    tokenizer = load_tokenizer(cfg, recipe)
+
+    def first_pixels():
+        split = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed, num_proc=1).train
+        return np.asarray(split[0]["pixel_values"])
+
+    before = first_pixels()
+    image = tmp_path / "images" / "0.png"
+    stat = image.stat()
+    Image.new("RGB", (32, 32), (0, 0, 250)).save(image)
+    os.utime(image, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    after = first_pixels()
+    assert not np.array_equal(before, after)
+    from finetune.data import images
+
+    cols, problems = ["messages", "images"], []
+    images.check_image_rows("data.train_files", str(path), cols, tmp_path / "cache", problems)
+    assert problems == []
+    broken = tmp_path / "images" / "1.png"
+    stat = broken.stat()
+    broken.write_bytes(b"not an image")
+    os.utime(broken, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    images.check_image_rows("data.train_files", str(path), cols, tmp_path / "cache", problems)
+    assert len(problems) == 1 and "row 1: image 1 cannot be read" in problems[0], problems

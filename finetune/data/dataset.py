@@ -247,6 +247,56 @@ def file_id(path: str) -> list:
     return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
 
 
+def linked_files(path: str, column: str) -> list[str]:
+    """The files that ``column`` of the parquet file ``path`` names by path, in row order, each once: its string
+    values (a file path, or a list of them) or the ``path`` fields of ``datasets.Image``'s ``{bytes, path}`` structs
+    (those of rows whose bytes win included), a relative one resolved against the parquet file's folder (as
+    :func:`finetune.data.images.open_image` reads it). Reads only those string leaves of the column, never the
+    image bytes. Empty when ``path`` has no such column or names no file."""
+    pf = pq.ParquetFile(path)
+    schema = pf.schema
+    leaves = [schema.column(i) for i in range(len(schema))]
+    picked = [c.path for c in leaves if (c.path == column or c.path.startswith(column + "."))
+              and c.physical_type == "BYTE_ARRAY" and str(c.logical_type) == "String"]
+    found: dict[str, None] = {}
+
+    def walk(value):
+        if isinstance(value, str):
+            found.setdefault(value, None)
+        elif isinstance(value, dict):
+            walk(value.get("path"))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    for g in range(pf.num_row_groups):
+        if picked:
+            walk(pf.read_row_group(g, columns=picked).column(0).to_pylist())
+    folder = Path(path).parent
+    return [str(folder / f) if not Path(f).is_absolute() else f for f in found if f]
+
+
+def source_id(path: str, linked_column: str | None = None) -> list:
+    """What identifies a data file's version in a cache key: :func:`file_id`, and with ``linked_column`` (the image
+    column of an image recipe) the version of every file that column names (:func:`linked_files`: ``[path, size,
+    mtime]``, or ``[path, None]`` when missing), hashed, so an image file changed on disk misses the cache."""
+    if not linked_column:
+        return file_id(path)
+    linked = []
+    for f in linked_files(path, linked_column):
+        try:
+            linked.append(file_id(f))
+        except OSError:
+            linked.append([os.path.abspath(f), None])
+    return [*file_id(path), fingerprint({"linked": linked})]
+
+
+def linked_column(d: DataConfig, cols: list[str]) -> str | None:
+    """The column whose named files are part of a split's cache key (:func:`source_id`): ``data.image_column``
+    when the recipe reads it (``vlm_sft``; ``dpo`` and ``grpo`` on an image-text model), else None."""
+    return d.image_column if d.image_column and d.image_column in cols else None
+
+
 def _tokenizer_id(tokenizer) -> list:
     folder = Path(tokenizer.name_or_path)
     files = sorted(p for p in folder.glob("*") if p.is_file()) if folder.is_dir() else []
@@ -455,11 +505,12 @@ def load_splits(recipe, tokenizer, data_cfg: DataConfig, seed: int, num_proc: in
 
         train_source = tokenization.ParquetRows(train_files, cols)
         n_train = min(d.max_train_rows, len(train_source)) if d.max_train_rows else len(train_source)
-        ids = {"train_files": [file_id(f) for f in train_files], "max_rows": d.max_train_rows}
+        linked = linked_column(d, cols)
+        ids = {"train_files": [source_id(f, linked) for f in train_files], "max_rows": d.max_train_rows}
         if val_files:
             train_rows, val_source = np.arange(n_train), tokenization.ParquetRows(val_files, cols)
             val_rows, train_ids = np.arange(len(val_source)), ids
-            val_ids, val_key = {"val_files": [file_id(f) for f in val_files]}, "data.validation_files"
+            val_ids, val_key = {"val_files": [source_id(f, linked) for f in val_files]}, "data.validation_files"
         else:
             train_idx, val_idx = holdout(n_train, d.validation_fraction, seed)
             train_rows, val_rows = np.asarray(train_idx, np.int64), np.asarray(val_idx, np.int64)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoProcessor
 
-from finetune.data.dataset import default_cache_dir, file_columns, file_id, fingerprint
+from finetune.data.dataset import default_cache_dir, file_columns, fingerprint, source_id
 from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 
@@ -150,12 +150,16 @@ def fit_pixels(image, min_pixels: int = 0, max_pixels: int = 0):
 
 
 def decode_image(value, where: str, folder: str | None = None, data_cfg=None):
-    """One image of a row (:func:`open_image`) decoded, as an RGB PIL image, resized into ``data_cfg``'s
+    """One image of a row (:func:`open_image`) decoded, turned upright by its EXIF orientation
+    (``ImageOps.exif_transpose``, as ``datasets.Image`` and ``transformers.image_utils.load_image`` do: a phone's
+    JPEG stored sideways is seen as its viewers show it), as an RGB PIL image, resized into ``data_cfg``'s
     ``min_pixels`` / ``max_pixels`` (:func:`fit_pixels`) when given.
 
     Raises:
         ConfigError: unreadable or empty (one line: ``where``, what was wrong).
     """
+    from PIL import ImageOps
+
     try:
         image = open_image(value, folder)
         image.load()
@@ -164,7 +168,7 @@ def decode_image(value, where: str, folder: str | None = None, data_cfg=None):
             from None
     if image.width == 0 or image.height == 0:
         raise ConfigError(f"{where}: an image is empty ({image.width}x{image.height}); fix or drop that row")
-    image = image.convert("RGB")
+    image = ImageOps.exif_transpose(image).convert("RGB")
     if data_cfg is not None:
         image = fit_pixels(image, data_cfg.min_pixels, data_cfg.max_pixels)
     return image
@@ -245,8 +249,9 @@ def image_problem(messages, images, folder: str | None = None) -> str | None:
 def check_image_rows(key: str, path: str, cols: list[str], cache: Path, problems: list[str]) -> None:
     """:func:`image_problem` of every row of ``path`` (``cols``: the conversation and image columns), one row group
     at a time; one line for the first bad row, naming the file and the row. A file that passes is marked in
-    ``<cache>/checked`` and not read again."""
-    mark = cache / "checked" / f"images-{fingerprint({'file': file_id(path), 'columns': cols, 'version': 1})}"
+    ``<cache>/checked`` (keyed on its version and those of the image files it names:
+    :func:`finetune.data.dataset.source_id`) and not read again."""
+    mark = cache / "checked" / f"images-{fingerprint({'file': source_id(path, cols[1]), 'columns': cols, 'version': 2})}"
     if mark.exists():
         return
     pf, row = pq.ParquetFile(path), 0

@@ -26,9 +26,9 @@ from finetune.lifecycle import run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data import tokenization
-from finetune.data.dataset import (check_parquet_files, check_utf8, default_cache_dir, expand_files, file_id,
-                                   fingerprint, holdout, no_rows_problem, remember_checked, row_mapper,
-                                   tokenization_key)
+from finetune.data.dataset import (check_parquet_files, check_utf8, default_cache_dir, expand_files,
+                                   fingerprint, holdout, linked_column, no_rows_problem, remember_checked,
+                                   row_mapper, source_id, tokenization_key)
 from finetune.engine.ds_config import resolve_ds_config, zero_stage
 from finetune.errors import ConfigError
 from finetune.recipes import RECIPES, get_recipe, offering, said
@@ -482,13 +482,13 @@ def _check_rows_left(recipe, tokenizer, d, seed: int, where: str, problems: list
     cols = recipe.columns(d)
     train_files = expand_files(d.train_files, "data.train_files", [])
     val_files = expand_files(d.validation_files, "data.validation_files", [])
-    mark = None
+    mark, linked = None, linked_column(d, cols)
     if marks is not None:
         try:
             mark = default_cache_dir(d) / "checked" / ("rows-" + fingerprint(
-                {**tokenization_key(recipe, tokenizer, d), "train": [file_id(f) for f in train_files],
-                 "max_rows": d.max_train_rows, "validation": [file_id(f) for f in val_files] or [d.validation_fraction,
-                                                                                               seed]}))
+                {**tokenization_key(recipe, tokenizer, d), "train": [source_id(f, linked) for f in train_files],
+                 "max_rows": d.max_train_rows,
+                 "validation": [source_id(f, linked) for f in val_files] or [d.validation_fraction, seed]}))
         except OSError:  # a file gone meanwhile: reported by the launch
             return
         if mark.exists():
