@@ -249,3 +249,44 @@ def test_lora_config_keys():
     assert load_run_config(GPT, ["model.lora.r=4", "model.lora=null"]).model.lora is None
     with pytest.raises(ConfigError, match="model.lora.rank"):
         load_run_config(GPT, ["model.lora.rank=4"])
+
+
+def test_dora_at_zero3_generates_before_any_engine_forward(tmp_path, monkeypatch):
+    """Issue 68 item 4: DoRA at ZeRO-3 (every parameter partitioned) on a real 1-rank engine: generation through the
+    model itself before any engine forward (``grpo``, on-policy ``distill`` with ``gather_for_generation: false``)
+    raised ``IndexError`` in peft's ``dora.py``, which reads ``lora_A.weight`` and the base layer's weight and bias
+    outside their modules' forwards; DeepSpeed finds such parameters only inside an engine forward. They are
+    registered with the DoRA modules beforehand: generation runs, and the model's logits equal the engine's."""
+    from finetune import patches
+    from finetune.config import load_run_config
+    from finetune.engine.model import build_engine, load_model_config
+    from finetune.parallel import distributed as dist_utils
+    from finetune.preflight.validate import validate_run
+    from finetune.recipes import recipe_for
+
+    from conftest import free_port
+
+    cfg = load_run_config(GPT, ["model.lora.r=4", "model.lora.use_dora=true", "ds.zero_optimization.stage=3",
+                                "ds.zero_optimization.stage3_param_persistence_threshold=0",
+                                f"output_dir={tmp_path / 'run'}"])
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                        "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO)
+    ds = validate_run(cfg, None, 1, True).ds
+    dist_utils.init(5.0)
+    try:
+        recipe = recipe_for(cfg)
+        engine = build_engine(cfg, recipe, load_model_config(cfg, recipe), ds, total_steps=4).engine
+        engine.eval()
+        ids = torch.tensor([[464, 983, 286, 262, 1578]])
+        with torch.no_grad():
+            out = engine.module.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                         do_sample=False, pad_token_id=0)
+            assert out.shape == (1, 8)
+            logits = engine.module(input_ids=ids).logits
+            assert torch.equal(engine(input_ids=ids).logits, logits)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        patches.restore_all()

@@ -119,6 +119,42 @@ def all_linear(model: torch.nn.Module) -> str | list[str]:
             if isinstance(m, torch.nn.Linear) and matches(f"{n}.weight", "language_model")]
 
 
+def gather_dora_inputs(model: torch.nn.Module) -> int:
+    """ZeRO-3: register, with every DoRA module of ``model`` (peft's ``lora_magnitude_vector`` entries), the
+    parameters it reads outside their own modules' forwards (``deepspeed.zero.register_external_parameter``), so
+    DeepSpeed gathers them whenever the DoRA module runs.
+
+    peft 0.21's ``DoraLinearLayer.forward`` reads ``lora_A.weight`` (its shape, for the identity it multiplies), the
+    base layer's weight (the column norm) and its bias, and the embedding variant both adapter matrices; a partitioned
+    parameter read that way is empty (``IndexError`` in ``dora.py``) unless DeepSpeed gathers it. DeepSpeed finds
+    such parameters by itself only inside an engine forward (``ZeROOrderedDict``, ``_in_forward``), so generation
+    through the model before any engine forward (``grpo``, on-policy ``distill`` with ``gather_for_generation:
+    false``) crashed. Call before or after ``deepspeed.initialize`` (the registration is by parameter identity).
+
+    Returns:
+        How many DoRA modules got their parameters registered.
+    """
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+    from peft.tuners.lora import LoraLayer
+
+    n = 0
+    for layer in model.modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for name, dora in layer.lora_magnitude_vector.items():
+            params = list(layer.get_base_layer().parameters())
+            for adapters in (layer.lora_A, layer.lora_B):
+                if name in adapters:
+                    params += list(adapters[name].parameters())
+            for adapters in (layer.lora_embedding_A, layer.lora_embedding_B):
+                if name in adapters:
+                    params.append(adapters[name])
+            for p in params:
+                register_external_parameter(dora, p)
+            n += 1
+    return n
+
+
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameter counts; ZeRO-3 partitioned parameters and bitsandbytes' packed 4-bit weights
     count with their full size."""

@@ -213,6 +213,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if cfg.model.freeze:  # before LoRA and deepspeed.initialize: DeepSpeed partitions the trainable parameters only
         logger.info(freeze.apply(model, list(cfg.model.freeze)))
     model = lora.apply(model, cfg, recipe)  # gradient checkpointing, LoRA (frozen base): before deepspeed.initialize
+    if zero_stage(ds) == 3 and cfg.model.lora is not None and cfg.model.lora.use_dora:
+        logger.info(f"DoRA at ZeRO-3: {lora.gather_dora_inputs(model)} DoRA modules gather the adapter and base "
+                    f"weights they read (generation before any engine forward included)")
     if optimizer and neftune.activate(model, cfg.train.neftune_noise_alpha) is not None:
         logger.info(f"NEFTune: noise alpha {cfg.train.neftune_noise_alpha:g} on the input embeddings, training "
                     f"forwards only")
