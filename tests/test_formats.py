@@ -215,3 +215,52 @@ def test_bundle_starting_config_names_the_recognised_form(tmp_path):
     assert guess("conversations") == ("sft", {"format": "sharegpt"})
     assert guess("prompt", "completion") == ("sft", {"format": "prompt_completion"})
     assert guess("question", "answer") == ("sft", {"prompt_column": "question", "response_column": "answer"})
+
+
+def test_a_recognised_form_under_explicit_columns_says_how_to_read_it(tmp_path, capsys):
+    """Issue 68, item 9: an Alpaca or ShareGPT file given to a config naming data.prompt_column/response_column
+    failed with "has no column 'question'" alone; the line now says which form the file is (recognised from its
+    columns) and the two ways to read it (data.format, or clearing the column keys). A file in no form stays as
+    it was."""
+    paths = _write_forms(tmp_path)
+    for name, form in (("alpaca", "Alpaca"), ("sharegpt", "ShareGPT")):
+        code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'run'}", f"data.train_files=[{paths[name]}]",
+                                f"data.validation_files=[{paths[name]}]", "data.messages_column=",
+                                "data.prompt_column=question", "data.response_column=answer",
+                                f"data.cache_dir={tmp_path / 'c'}"], capsys)
+        errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
+        assert code == 2 and errors, out[-2000:]
+        assert "has no column 'question'" in errors[0] and f"the file is in the {form} form (recognised from its columns): " \
+            f"set data.format: {name}, or clear data.prompt_column and data.response_column" in errors[0], errors
+        assert len([e for e in errors if paths[name].name in e]) == 2, errors  # one line per file, not per column
+
+
+def test_the_form_reads_the_column_of_its_shape(tmp_path, capsys):
+    """Issue 68, item 15: a ``conversations`` column of text beside a valid ``messages`` column is the messages
+    form, read from ``messages`` (it read ``conversations`` and failed every row)."""
+    from finetune.config import DataConfig
+    from finetune.data import formats
+
+    rows = _conversations()[:6]
+    path = tmp_path / "both.parquet"
+    pq.write_table(pa.table({"conversations": [r["instruction"] for r in rows],
+                             "messages": [_messages(r) for r in rows]}), path)
+    for fmt in ("auto", "messages"):
+        assert formats.resolve(DataConfig(train_files=[str(path)], format=fmt)).columns == ("messages",), fmt
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'run'}", f"data.train_files=[{path}]",
+                            f"data.validation_files=[{path}]", "data.messages_column=",
+                            f"data.cache_dir={tmp_path / 'c'}"], capsys)
+    assert code == 0, out[-2000:]
+
+
+def test_no_chat_template_names_the_form_not_an_empty_column(tmp_path, capsys):
+    """Issue 68, item 9: without a chat template, an Alpaca file's line named ``data.messages_column ''``; it names
+    the form the rows were recognised in."""
+    paths = _write_forms(tmp_path)
+    code, out = check_here(["--config", SFT, f"output_dir={tmp_path / 'run'}", f"data.train_files=[{paths['alpaca']}]",
+                            f"data.validation_files=[{paths['alpaca']}]", "data.messages_column=",
+                            "data.chat_template=", f"data.cache_dir={tmp_path / 'c'}"], capsys)
+    errors = [line for line in out.splitlines() if line.startswith("finetune: error:")]
+    assert code == 2 and len(errors) == 1, out[-2000:]
+    assert "has no chat template to render the conversations of the Alpaca file(s)" in errors[0], errors
+    assert "messages_column ''" not in errors[0], errors

@@ -92,11 +92,16 @@ def detect(schema: pa.Schema) -> str | None:
 
 
 def form_of(name: str, schema: pa.Schema, d: DataConfig) -> Form:
-    """The :class:`Form` of the form ``name`` in a file with ``schema`` (the optional columns it has)."""
+    """The :class:`Form` of the form ``name`` in a file with ``schema`` (the optional columns it has). The
+    conversation column of ``messages``/``sharegpt`` is ``data.messages_column``, else the one of
+    ``conversations``/``messages`` whose turns have the form's fields (a ``conversations`` column of text beside a
+    ``messages`` column of ``{role, content}`` lists is not the one read)."""
     names = set(schema.names)
     if name in ("messages", "sharegpt"):
-        col = d.messages_column or next((c for c in ("conversations", "messages") if c in names),
-                                        "conversations" if name == "sharegpt" else "messages")
+        shape = {"from", "value"} if name == "sharegpt" else {"role", "content"}
+        candidates = [c for c in ("conversations", "messages") if c in names]
+        col = d.messages_column or next((c for c in candidates if shape <= _struct_fields(schema.field(c).type)),
+                                        next(iter(candidates), "conversations" if name == "sharegpt" else "messages"))
         return Form(name, (col,) + (("system",) if name == "sharegpt" and "system" in names else ()))
     if name == "alpaca":
         return Form(name, ("instruction", "output") + tuple(c for c in ("input", "system", "history") if c in names))
@@ -204,6 +209,9 @@ def _sharegpt_turn(turn) -> dict:
 
 
 def _sharegpt(row: dict, column: str) -> list[dict]:
+    """A ShareGPT row as messages. Not TRL's ``maybe_convert_to_chatml``: it renames ``from``/``value`` to
+    ``role``/``content`` but keeps ShareGPT's tags as roles (``human``, ``gpt``, ``observation``, ``function_call``),
+    which chat templates reject or render as unknown roles, and it changes the row in place."""
     turns = row.get(column)
     if not isinstance(turns, (list, tuple)):
         raise ValueError(f"a row whose '{column}' is not a list of {{from, value}} turns")

@@ -160,9 +160,16 @@ def chat_template(data_cfg: DataConfig, tokenizer) -> str:
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
     if not template:
+        if data_cfg.messages_column:
+            what = f"data.messages_column '{data_cfg.messages_column}'"
+        else:
+            try:
+                what = f"the conversations of the {formats.NAMES[formats.resolve(data_cfg).name]} file(s)"
+            except ConfigError:  # reported by the form's own check
+                what = "the conversations of the data files"
         raise ConfigError(f"data.chat_template: tokenizer '{tokenizer.name_or_path}' has no chat template to render "
-                          f"data.messages_column '{data_cfg.messages_column}'; set data.chat_template to a Jinja "
-                          f"template or a file (e.g. data/chat_templates/chatml.jinja, ChatML-style)")
+                          f"{what}; set data.chat_template to a Jinja template or a file (e.g. "
+                          f"data/chat_templates/chatml.jinja, ChatML-style)")
     return template
 
 
@@ -608,10 +615,22 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
                 continue
             needed = list(zip(read.columns, keys)) + ([(d.tools_column, "tools_column")] if d.tools_column else [])
             missing = False
+            absent = [col for col, what in needed if col not in schema.names and what != "tools_column"]
+            recognised = formats.detect(schema) if absent and d.format == "auto" else None
+            recognised = recognised if recognised != read.name else None  # a misnamed column of the same form
+            if recognised:  # the column keys name columns of another form: say which form the file is in
+                named = " and ".join(f"data.{k}" for k in ("messages_column", "prompt_column", "response_column")
+                                     if getattr(d, k))
+                problems.append(f"{key}: '{f}' has no column {' nor '.join(repr(c) for c in absent)} (columns: "
+                                f"{', '.join(schema.names)}); the file is in the {formats.NAMES[recognised]} form "
+                                f"(recognised from its columns): set data.format: {recognised}, or clear {named} "
+                                f"(sft then recognises the form)")
+                missing = True
             for col, what in needed:
                 if col not in schema.names:
-                    problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); set "
-                                    f"data.{what}")
+                    if not (recognised and col in absent):  # else said above
+                        problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); "
+                                        f"set data.{what}")
                     missing = True
                 elif not read.chat and what != "tools_column" and not string_type(schema.field(col).type):
                     problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
