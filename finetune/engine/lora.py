@@ -209,7 +209,9 @@ def disable_dropout(model: torch.nn.Module) -> int:
     """Every ``torch.nn.Dropout`` (and subclass) of ``model`` gets ``p = 0`` (TRL 1.16's ``disable_dropout_in_model``),
     and so does every float module attribute ending in ``dropout`` (transformers' attention modules keep their
     ``attention_dropout`` probability as a float and pass it to the attention kernel in training): a train-mode
-    forward is then deterministic, LoRA's ``lora_dropout`` included. Returns how many were above 0."""
+    forward is then deterministic, LoRA's ``lora_dropout`` included. TRL's function is not called: TRL is no runtime
+    dependency of finetune (its test and benchmark extras only; its import costs seconds a launch), and it leaves the
+    attention modules' float probabilities on. Returns how many were above 0."""
     n = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout) and module.p > 0:

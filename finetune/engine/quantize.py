@@ -21,6 +21,7 @@ import importlib.util
 import logging
 
 import torch
+from transformers import PreTrainedModel
 
 from finetune.config import QuantizationConfig, RunConfig
 
@@ -193,17 +194,17 @@ def dequantized_base(model_class, path: str, model_config, q: QuantizationConfig
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s weights as stored: parameters and buffers, and for each bitsandbytes 4-bit weight its
-    quantization state (absmax scales, code maps; double quantization's nested ones)."""
-    n = 0
+    """Bytes of ``model``'s weights as stored: transformers' ``get_memory_footprint`` (parameters and buffers at their
+    stored size: a 4-bit weight packed two to a byte; a ZeRO-3 partition its local part), plus what it leaves out: for
+    each bitsandbytes 4-bit weight its quantization state (absmax scales, code maps; double quantization's nested
+    ones) and for each 8-bit weight its row scales (``SCB``)."""
+    n = PreTrainedModel.get_memory_footprint(model)  # only parameters() and buffers(): any torch module
     for p in model.parameters():
-        n += p.numel() * p.element_size()
         state = getattr(p, "quant_state", None)
         if state is not None:
             n += sum(t.numel() * t.element_size() for t in _state_tensors(state))
         scb = getattr(p, "SCB", None)  # 8-bit: one fp32 scale per output row
         n += scb.numel() * scb.element_size() if isinstance(scb, torch.Tensor) else 0
-    n += sum(b.numel() * b.element_size() for b in model.buffers())
     return n
 
 
