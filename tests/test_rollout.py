@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import REPO, cpu_env, free_port, ok, run_python
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -178,16 +179,19 @@ def test_completions_end_at_every_end_token_of_the_models_generation_config():
     assert int(c["lengths"][0]) > j + 1
 
 
-def test_zero3_generation_gathers_once_and_fetches_nothing_per_token(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_zero3_generation_gathers_once_and_fetches_nothing_per_token(tmp_path, lora):
     """Real DeepSpeed ZeRO-3, 1 rank, ``stage3_param_persistence_threshold: 0`` (every parameter partitioned, as a
-    real model's layers are): generating 12 tokens inside ``weights()`` takes one ``GatheredParameters`` gather and
-    no module fetch (with DeepSpeed's hooks left on: 416, a fetch per submodule and token); the completions equal a
-    plain copy's; the next training step fetches through the restored hooks, trains and leaves the parameters
-    partitioned."""
+    real model's layers are): generating 12 tokens inside ``weights()`` takes one ``GatheredParameters`` gather, no
+    module fetch (with DeepSpeed's hooks left on: 416, a fetch per submodule and token) and no ``reset_step`` of the
+    coordinator (its top-level pre-hook left on: one per decoding step of a plain model, one per generate call of a
+    LoRA ``PeftModel``; each broadcasts while a trace is recorded, so ranks with different numbers of tool turns hung:
+    issue 68 item 3); the completions equal a plain copy's; the next training step fetches through the restored
+    hooks, trains and leaves the parameters partitioned. ``lora``: the engine's module is a LoRA ``PeftModel``."""
     out = tmp_path / "z3.json"
-    ok(run_python(["tests/zero3_generation.py", str(out)], env=cpu_env(MASTER_PORT=str(free_port()),
-                                                                        PYTHONPATH=str(REPO))))
+    ok(run_python(["tests/zero3_generation.py", str(out), *(["lora"] if lora else [])],
+                  env=cpu_env(MASTER_PORT=str(free_port()), PYTHONPATH=str(REPO))))
     r = json.loads(out.read_text())
-    assert r == {"gathers": 1, "fetches_in_generation": 0, "same_as_plain": True, "fetches_in_training": r[
-        "fetches_in_training"], "partitioned_after": True, "loss_finite": True}, r
+    assert r == {"gathers": 1, "fetches_in_generation": 0, "resets_in_generation": 0, "same_as_plain": True,
+                 "fetches_in_training": r["fetches_in_training"], "partitioned_after": True, "loss_finite": True}, r
     assert r["fetches_in_training"] > 0

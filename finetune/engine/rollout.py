@@ -149,9 +149,13 @@ def _parameter_offload(engine):
 @contextlib.contextmanager
 def zero3_hooks_off(engine):
     """While active, DeepSpeed's ZeRO-3 forward and backward module hooks are removed from ``engine``'s module (no
-    submodule gathers or releases its parameters around its forward); on leaving they are registered again and the
-    prefetch trace is invalidated. TRL 1.16's ``remove_hooks`` / ``add_hooks`` (``trl.models.utils``) on DeepSpeed
-    0.19.8's ``DeepSpeedZeRoOffload``. Use it only while every parameter is gathered
+    submodule gathers or releases its parameters around its forward), and so is its top-level forward pre-hook
+    (``DeepSpeedZeRoOffload.fwd_pre_hook``: the coordinator's ``reset_step``, which broadcasts while a prefetch
+    trace is recorded, so a rank that runs the root module's forward more often than another, e.g. more tool
+    turns, would wait for a broadcast the other never makes); on leaving they are registered again, the pre-hook
+    first as DeepSpeed orders them, and the prefetch trace is invalidated (``_register_deepspeed_module`` of the root
+    does it). TRL 1.16's ``remove_hooks`` / ``add_hooks`` (``trl.models.utils``) on DeepSpeed 0.19.8's
+    ``DeepSpeedZeRoOffload``, plus the pre-hook, which TRL leaves on. Use it only while every parameter is gathered
     (``deepspeed.zero.GatheredParameters``); outside ZeRO-3 it does nothing."""
     offload = _parameter_offload(engine)
     if offload is None:
@@ -163,9 +167,15 @@ def zero3_hooks_off(engine):
     for hook in [*offload.forward_hooks, *offload.backward_hooks]:
         hook.remove()
     offload.forward_hooks, offload.backward_hooks = [], []
+    pre = getattr(offload, "fwd_pre_hook", None)
+    start = module._forward_pre_hooks.get(pre.id) if pre is not None else None
+    if start is not None:
+        pre.remove()
     try:
         yield
     finally:
+        if start is not None:
+            offload.fwd_pre_hook = module.register_forward_pre_hook(start)
         offload._register_deepspeed_module(module)
 
 
