@@ -473,3 +473,61 @@ def test_an_image_file_changed_on_disk_is_tokenized_again(tmp_path):
     os.utime(broken, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     images.check_image_rows("data.train_files", str(path), cols, tmp_path / "cache", problems)
     assert len(problems) == 1 and "row 1: image 1 cannot be read" in problems[0], problems
+
+
+def _jpeg(size: int = 64) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray((np.random.default_rng(0).random((size, size, 3)) * 255).astype("uint8")).save(buffer, "JPEG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("bad", ["text_only", "truncated"])
+def test_a_text_only_row_or_a_truncated_jpeg_is_one_line_naming_its_file_and_row(tmp_path, bad):
+    """Issue 68 items 6 and 15: a row without images in an image dataset (the tokenized columns would differ in
+    length, and at ZeRO-3 a rank with an image-less micro-batch would skip the vision tower alone) and a truncated
+    JPEG (its header is valid) are refused by ``--check``, one line per file key naming the file and the row; the
+    tokenization (a launch whose check marks are stale) stops on them with the same file and row, never an
+    ``ArrowInvalid``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from finetune.config import load_run_config
+    from finetune.data.dataset import load_splits
+    from finetune.engine.model import load_tokenizer
+    from finetune.errors import ConfigError
+    from finetune.recipes import get_recipe
+
+    good = _jpeg()
+    part = pa.struct([("type", pa.string()), ("text", pa.string())])
+    turn = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+    user = [{"type": "image", "text": None}, {"type": "text", "text": "Digit?"}]
+    messages = [[{"role": "user", "content": user}, {"role": "assistant", "content": [{"type": "text", "text": "7"}]}]
+                for _ in range(3)]
+    pictures = [[{"bytes": good, "path": None}] for _ in range(3)]
+    if bad == "text_only":
+        messages[1][0]["content"] = user[1:]
+        pictures[1] = []
+        want = "row 1: it has no image"
+    else:
+        pictures[1] = [{"bytes": good[: len(good) * 3 // 4], "path": None}]
+        want = "row 1: image 1 cannot be read (OSError: image file is truncated"
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"messages": pa.array(messages, pa.list_(turn)), "images": pa.array(
+        pictures, pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())])))}), path)
+    overrides = [f"data.train_files=[{path}]", f"data.validation_files=[{path}]", f"data.cache_dir={tmp_path / 'c'}",
+                 f"output_dir={tmp_path / 'out'}"]
+    found = launch_problems(CONFIG, overrides)
+    assert len(found) == 2 and all(f"'{path}' {want}" in p for p in found), found
+    assert {p.split(":")[0] for p in found} == {"data.train_files", "data.validation_files"}, found
+    cfg = load_run_config(CONFIG, overrides)
+    recipe = get_recipe("vlm_sft")
+    with pytest.raises(ConfigError) as e:
+        load_splits(recipe, load_tokenizer(cfg, recipe), cfg.data, cfg.train.seed, num_proc=1)
+    line = e.value.problems[0]
+    assert len(e.value.problems) == 1 and f"'{path}' row 1: " in line, e.value.problems
+    assert ("image file is truncated" if bad == "truncated" else "it has no image") in line, line

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoProcessor
 
 from finetune.data.dataset import default_cache_dir, file_columns, fingerprint, source_id
-from finetune.data.tokenization import SOURCE_DIR
+from finetune.data.tokenization import SOURCE_DIR, SOURCE_ROW
 from finetune.errors import ConfigError
 
 TEXT_KEYS = ("input_ids", "attention_mask", "assistant_masks")
@@ -179,6 +179,18 @@ ROWS_VERSION = 2
 part of every image recipe's cache key (:func:`pixel_key`), so rows tokenized by an older layout are not reused."""
 
 
+def row_where(batch: dict, i: int, columns: str) -> str:
+    """How errors name row ``i`` of a batch of rows: ``'<parquet file>' row <n>`` (:data:`SOURCE_ROW`, which
+    :class:`finetune.data.tokenization.ParquetRows` adds), else ``a row of <columns>``."""
+    return batch[SOURCE_ROW][i] if SOURCE_ROW in batch else f"a row of {columns}"
+
+
+def folder_of(batch: dict, i: int) -> str | None:
+    """The folder of row ``i``'s parquet file (:data:`SOURCE_DIR`; relative image paths are relative to it), or
+    None."""
+    return batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
+
+
 def pixel_key(data_cfg) -> dict:
     """The image settings that change the tokenized rows (for a recipe's cache key): ``min_pixels``, ``max_pixels``
     when set, and :data:`ROWS_VERSION`."""
@@ -218,19 +230,27 @@ def conversation(prompt, images: int) -> list:
 
 def pairing_problem(messages, images: int) -> str | None:
     """Why a row's conversation (or plain text prompt: :func:`conversation`) and its ``images`` images do not go
-    together (a malformed conversation, image parts and images in different numbers); None when they do."""
+    together (a malformed conversation, no image, image parts and images in different numbers); None when they do.
+
+    A row without images is refused: the tokenized rows would lack its image tensors (the columns would differ in
+    length), and at ZeRO-3 a micro-batch without an image on one rank would skip the vision tower there only, while
+    the other ranks gather its parameters."""
     messages = conversation(messages, images)
     problem = message_problem(messages)
     if problem:
         return f"its conversation is {problem}"
+    if images == 0:
+        return ("it has no image (rows without images are not supported in an image dataset: a batch without one "
+                "would skip the vision tower on one rank, which hangs ZeRO-3)")
     if image_parts(messages) != images:
         return f"it has {images} image(s) for {image_parts(messages)} image part(s) in its conversation"
     return None
 
 
 def image_problem(messages, images, folder: str | None = None) -> str | None:
-    """:func:`pairing_problem`, or why an image cannot be read or is empty; None when the row is fine. Reads each
-    image's header only (``PIL.Image.verify``), not its pixels."""
+    """:func:`pairing_problem`, or why an image cannot be read or is empty; None when the row is fine. Decodes each
+    image (``PIL.Image.load``): a truncated JPEG has a valid header (``PIL.Image.verify`` passes it) and fails only
+    where its pixels are read."""
     images = list(images or [])
     problem = pairing_problem(messages, len(images))
     if problem:
@@ -238,7 +258,7 @@ def image_problem(messages, images, folder: str | None = None) -> str | None:
     for j, value in enumerate(images):
         try:
             with open_image(value, folder) as im:
-                im.verify()
+                im.load()
                 if im.width == 0 or im.height == 0:
                     return f"image {j + 1} is empty ({im.width}x{im.height})"
         except Exception as e:  # noqa: BLE001  (PIL raises many kinds for a bad file)
@@ -251,7 +271,8 @@ def check_image_rows(key: str, path: str, cols: list[str], cache: Path, problems
     at a time; one line for the first bad row, naming the file and the row. A file that passes is marked in
     ``<cache>/checked`` (keyed on its version and those of the image files it names:
     :func:`finetune.data.dataset.source_id`) and not read again."""
-    mark = cache / "checked" / f"images-{fingerprint({'file': source_id(path, cols[1]), 'columns': cols, 'version': 2})}"
+    parts = {"file": source_id(path, cols[1]), "columns": cols, "version": 3}
+    mark = cache / "checked" / f"images-{fingerprint(parts)}"
     if mark.exists():
         return
     pf, row = pq.ParquetFile(path), 0

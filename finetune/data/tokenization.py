@@ -56,6 +56,10 @@ SOURCE_DIR = "__source_dir__"
 """A key of every batch :meth:`ParquetRows.take` returns besides the columns: each row's parquet file's folder
 (a file path in a row is relative to it: :mod:`finetune.data.images`)."""
 
+SOURCE_ROW = "__source_row__"
+"""Another such key: where each row is, ``'<parquet file>' row <n>`` (``n`` counted from 0 within its file), for a
+map function's errors about one row (:mod:`finetune.data.images`)."""
+
 
 class ParquetRows:
     """The rows of ``files`` (in order), columns ``columns`` only, read lazily by row group.
@@ -66,17 +70,19 @@ class ParquetRows:
 
     ``len()`` is the total row count (from the footers). :meth:`take` reads the row groups that hold the
     asked rows and keeps the last one read, so reading ascending rows batch by batch reads each row group once. Its
-    batches hold :data:`SOURCE_DIR` too.
+    batches hold :data:`SOURCE_DIR` and :data:`SOURCE_ROW` too.
     """
 
     def __init__(self, files: list[str], columns: list[str]):
         self.files, self.columns = list(files), list(columns)
-        groups, starts, total = [], [], 0
+        groups, starts, total, self.file_starts = [], [], 0, []
         for f in self.files:
             meta = pq.ParquetFile(f).metadata
+            first = total
             for g in range(meta.num_row_groups):
                 groups.append((f, g))
                 starts.append(total)
+                self.file_starts.append(first)
                 total += meta.row_group(g).num_rows
         self.groups, self.starts, self.total = groups, np.asarray(starts + [total], dtype=np.int64), total
         self._cached: tuple[int, dict] | None = None
@@ -94,7 +100,7 @@ class ParquetRows:
     def take(self, rows: np.ndarray) -> dict[str, list]:
         """The rows ``rows`` (ascending int indices into all files' rows) as ``{column: [values]}``."""
         out: dict[str, list] = {c: [] for c in self.columns}
-        out[SOURCE_DIR] = []
+        out[SOURCE_DIR], out[SOURCE_ROW] = [], []
         rows = np.asarray(rows, dtype=np.int64)
         where = np.searchsorted(self.starts, rows, side="right") - 1
         for g in np.unique(where):
@@ -103,7 +109,9 @@ class ParquetRows:
             for c in self.columns:
                 column = values[c]
                 out[c] += [column[i] for i in local]
-            out[SOURCE_DIR] += [str(Path(self.groups[int(g)][0]).parent)] * len(local)
+            f = self.groups[int(g)][0]
+            out[SOURCE_DIR] += [str(Path(f).parent)] * len(local)
+            out[SOURCE_ROW] += [f"'{f}' row {int(r) - self.file_starts[int(g)]}" for r in rows[where == g]]
         return out
 
 

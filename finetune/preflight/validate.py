@@ -516,7 +516,8 @@ def _check_rows_left(recipe, tokenizer, d, seed: int, where: str, problems: list
                 problems.append(no_rows_problem(where, key, name, len(rows), getattr(mapper, "dropped", 0), fn,
                                                 d.text_column, recipe.capabilities.counts_rows))
         except ConfigError as e:  # a row the recipe's map function refuses: the launch would stop on it too
-            problems += [f"{where}{line}" for line in e.problems]
+            problems += [line for line in (f"{where}{line}" for line in e.problems) if line not in problems]
+            # (a row of a file that is both the train and the validation file: one line)
     if mark is not None and len(problems) == before:
         marks.append(mark)
 

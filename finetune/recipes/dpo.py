@@ -92,7 +92,6 @@ from finetune.parallel import sequence
 from finetune.parallel.layout import layout
 from finetune.data import images, mixture
 from finetune.data.batch import LossOutput, model_inputs, to_device
-from finetune.data.tokenization import SOURCE_DIR
 from finetune.engine.auto import AutoModelForCausalOrImageTextLM
 from finetune.engine.ds_config import engine_precision
 from finetune.config import DataConfig, DpoConfig, RunConfig
@@ -245,7 +244,8 @@ class PairExamples:
         labels[:start] = [-100] * min(start, len(labels))
         return ids, labels
 
-    def encode_with_images(self, prompt, response, pictures: list) -> tuple[list[int], list[int], dict] | None:
+    def encode_with_images(self, prompt, response, pictures: list, where: str = "") \
+            -> tuple[list[int], list[int], dict] | None:
         """Ids, labels (the response's assistant tokens only, :func:`~finetune.recipes.vlm_sft` 's way: the template's
         ``{% generation %}`` marks) and the processor's output of ``prompt + response`` with the row's decoded images;
         None when the response has no assistant turn.
@@ -259,8 +259,8 @@ class PairExamples:
         prompt = images.conversation(prompt, len(pictures))
         problem = images.pairing_problem(list(prompt) + messages, len(pictures))
         if problem:
-            raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "
-                              f"fix or drop that row")
+            where = where or f"a row of '{prompt_column(self.d)}' and '{self.d.image_column}'"
+            raise ConfigError(f"data: {where}: {problem}; fix or drop that row")
         kwargs = {"chat_template": self.template} if self.template else {}
         enc = self.processor.apply_chat_template(
             list(prompt) + messages, tokenize=True, return_dict=True, return_tensors="np",
@@ -294,10 +294,10 @@ class PairExamples:
                 continue
             encs = None
             if self.processor is not None:
-                folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
-                pictures = [images.decode_image(v, f"data.image_column: a row of '{d.image_column}'", folder, d)
+                where = images.row_where(batch, i, f"'{p_col}' and '{d.image_column}'")
+                pictures = [images.decode_image(v, f"data.image_column: {where}", images.folder_of(batch, i), d)
                             for v in (batch[d.image_column][i] or [])]
-                pair = [self.encode_with_images(prompt, r, pictures) for r in (chosen, rejected)]
+                pair = [self.encode_with_images(prompt, r, pictures, where) for r in (chosen, rejected)]
                 encs = [p[2] if p else None for p in pair]
                 pair = [p[:2] if p else None for p in pair]
             else:

@@ -45,7 +45,6 @@ from finetune.config import DataConfig, RunConfig
 from finetune.data import images
 from finetune.data.batch import padded_length
 from finetune.data.dataset import default_cache_dir, file_columns
-from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
@@ -127,11 +126,11 @@ class VlmExamples:
         for i in range(len(batch[icol])):
             messages = row_messages(d, batch, i)
             c["rows"] += 1
+            where = images.row_where(batch, i, f"'{mcol}' and '{icol}'")
             problem = images.pairing_problem(messages, len(batch[icol][i] or []))
             if problem:
-                raise ConfigError(f"data: a row of '{mcol}' and '{icol}': {problem}; fix or drop that row")
-            folder = batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None
-            pictures = [images.decode_image(v, f"data.image_column: a row of '{icol}'", folder, d)
+                raise ConfigError(f"data: {where}: {problem}; fix or drop that row")
+            pictures = [images.decode_image(v, f"data.image_column: {where}", images.folder_of(batch, i), d)
                         for v in (batch[icol][i] or [])]
             kwargs = {"chat_template": self.template} if self.template else {}
             enc = self.processor.apply_chat_template(

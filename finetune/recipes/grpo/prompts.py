@@ -11,7 +11,6 @@ import torch
 
 from finetune.config import DataConfig, RunConfig
 from finetune.data import images
-from finetune.data.tokenization import SOURCE_DIR
 from finetune.errors import ConfigError
 from finetune.recipes import dpo
 from finetune.recipes.sft import count_summary, message_problem, prompt_ids, template_text
@@ -90,20 +89,19 @@ class PromptRows:
             self.template = chat_template(self.d, self.tokenizer)
         return prompt_ids(self.tokenizer, list(prompt), self.template, self.tools)
 
-    def encode_with_images(self, prompt, row_images, folder: str | None) -> dict:
+    def encode_with_images(self, prompt, row_images, folder: str | None, where: str = "") -> dict:
         """A conversational prompt with its images through the processor: ``input_ids`` ``[1, T]`` and the image
         tensors (numpy).
 
         Raises:
             ConfigError: the prompt is not a conversation, its image parts and images differ in number, or an image
-                cannot be read (one line naming the columns).
+                cannot be read (one line naming ``where``, the file and row, else the columns).
         """
+        where = where or f"a row of '{prompt_column(self.d)}' and '{self.d.image_column}'"
         problem = images.pairing_problem(prompt, len(row_images or []))
         if problem:
-            raise ConfigError(f"data: a row of '{prompt_column(self.d)}' and '{self.d.image_column}': {problem}; "
-                              f"fix or drop that row")
-        pictures = [images.decode_image(v, f"data.image_column: a row of '{self.d.image_column}'", folder, self.d)
-                    for v in (row_images or [])]
+            raise ConfigError(f"data: {where}: {problem}; fix or drop that row")
+        pictures = [images.decode_image(v, f"data.image_column: {where}", folder, self.d) for v in (row_images or [])]
         kwargs = {"chat_template": self.template} if self.template else {}
         prompt = images.conversation(prompt, len(pictures))
         return self.processor.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
@@ -122,8 +120,8 @@ class PromptRows:
                 continue
             enc = None
             if self.processor is not None:
-                enc = self.encode_with_images(prompt, batch[d.image_column][i],
-                                              batch[SOURCE_DIR][i] if SOURCE_DIR in batch else None)
+                enc = self.encode_with_images(prompt, batch[d.image_column][i], images.folder_of(batch, i),
+                                              images.row_where(batch, i, f"'{names[0]}' and '{d.image_column}'"))
                 ids = enc["input_ids"][0].tolist()
             else:
                 ids = self.encode(prompt)
