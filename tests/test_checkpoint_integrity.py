@@ -368,3 +368,25 @@ def test_a_manifest_naming_files_outside_its_checkpoint_is_damaged(base, tmp_pat
         assert ckpt_utils.size_problem(step6) == (f"{ckpt_utils.MANIFEST} names '{name}', which is not a file inside "
                                                   f"the checkpoint (a manifest finetune writes lists the folder's own "
                                                   f"files only)")
+
+
+def test_disk_full_at_the_manifest_write_is_one_line_and_leaves_no_temporary(tmp_path):
+    """Issue 68, item 15: the disk filling up exactly when rank 0 writes ``manifest.json`` (the kernel's ENOSPC from
+    ``/dev/full``, where the temporary manifest goes) raised an OSError, a traceback, and left ``.manifest.json.tmp``;
+    it is one RunFailure line naming the folder and its free space, and nothing is left."""
+    from finetune.errors import RunFailure
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    ck = tmp_path / "checkpoints" / "step2"
+    ck.mkdir(parents=True)
+    (ck / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    tmp = ck / f".{ckpt_utils.MANIFEST}.tmp"
+    tmp.symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    with pytest.raises(RunFailure) as e:
+        ckpt_utils.write_manifest(ck)
+    line = str(e.value)
+    assert "\n" not in line and f"writing '{ck / ckpt_utils.MANIFEST}' failed (OSError: [Errno 28] No space left " \
+        f"on device" in line and f"GiB free in '{ck}'" in line, line
+    assert sorted(p.name for p in ck.iterdir()) == ["mp_rank_00_model_states.pt"]
+    assert not ckpt_utils.is_complete(ck)

@@ -165,6 +165,26 @@ def _hash(folder: Path, names: list[str]) -> dict[str, dict]:
     return {n: {"size": (folder / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
 
 
+def _write_replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``.<name>.tmp`` beside it and ``os.replace``.
+
+    Raises:
+        RunFailure: the write failed (disk full, read-only folder): one line naming the folder and its free space;
+            the temporary file is removed, and the checkpoint stays without its ``COMPLETE`` marker.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise RunFailure(f"checkpoint: writing '{path}' failed ({type(e).__name__}: {e}); {free / 2**30:.2f} GiB free "
+                          f"in '{path.parent}': free space or move output_dir (the checkpoint has no {MARKER} marker "
+                          f"and is never loaded)") from e
+
+
 def write_manifest(ckpt: Path) -> dict:
     """Hash ``ckpt``'s files, each rank those :func:`writer_rank` gives it, and (rank 0) write :data:`MANIFEST`.
 
@@ -174,6 +194,9 @@ def write_manifest(ckpt: Path) -> dict:
     Returns:
         On rank 0, what the ``COMPLETE`` marker records of it: ``{"file", "sha256", "files", "bytes", "seconds"}``
         (``seconds``: the slowest rank's hashing); ``{}`` on the other ranks.
+
+    Raises:
+        RunFailure: rank 0 could not write the manifest (disk full): the folder and its free space, in one line.
     """
     t0 = time.perf_counter()
     world, me = dist_utils.world_size(), dist_utils.rank()
@@ -183,9 +206,7 @@ def write_manifest(ckpt: Path) -> dict:
         return {}
     files = {n: e for part, _ in parts for n, e in part.items()}
     text = json.dumps({"format": 1, "algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1)
-    tmp = ckpt / f".{MANIFEST}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, ckpt / MANIFEST)
+    _write_replace(ckpt / MANIFEST, text)
     return {"file": MANIFEST, "sha256": hashlib.sha256(text.encode()).hexdigest(), "files": len(files),
             "bytes": sum(e["size"] for e in files.values()), "seconds": round(max(s for _, s in parts), 6)}
 
@@ -494,15 +515,12 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
     manifest = write_manifest(ckdir / tag)
     if dist_utils.is_main():
         shutil.rmtree(universal_folder(ckdir / tag), ignore_errors=True)  # a copy of an older save of this step
-        tmp = ckdir / tag / f".{MARKER}.tmp"
         par = (config or {}).get("parallel", {})
-        tmp.write_text(json.dumps({"step": state.step, "world_size": dist_utils.world_size(),
-                                   "zero_stage": engine.zero_optimization_stage(),
-                                   "sequence_parallel_size": par.get("sequence_parallel_size", 1),
-                                   "tensor_parallel_size": par.get("tensor_parallel_size", 1),
-                                   "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time(),
-                                   "manifest": manifest}))
-        os.replace(tmp, ckdir / tag / MARKER)
+        _write_replace(ckdir / tag / MARKER, json.dumps({
+            "step": state.step, "world_size": dist_utils.world_size(), "zero_stage": engine.zero_optimization_stage(),
+            "sequence_parallel_size": par.get("sequence_parallel_size", 1),
+            "tensor_parallel_size": par.get("tensor_parallel_size", 1),
+            "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time(), "manifest": manifest}))
         if keep_last > 0:
             try:
                 prune(ckdir, keep_last, protect)
