@@ -154,19 +154,17 @@ def zero3_hooks_off(engine):
     trace is recorded, so a rank that runs the root module's forward more often than another, e.g. more tool
     turns, would wait for a broadcast the other never makes); on leaving they are registered again, the pre-hook
     first as DeepSpeed orders them, and the prefetch trace is invalidated (``_register_deepspeed_module`` of the root
-    does it). TRL 1.16's ``remove_hooks`` / ``add_hooks`` (``trl.models.utils``) on DeepSpeed 0.19.8's
+    does it). TRL 1.16's own ``remove_hooks`` / ``add_hooks`` (``trl.models.utils``) on DeepSpeed 0.19.8's
     ``DeepSpeedZeRoOffload``, plus the pre-hook, which TRL leaves on. Use it only while every parameter is gathered
     (``deepspeed.zero.GatheredParameters``); outside ZeRO-3 it does nothing."""
     offload = _parameter_offload(engine)
     if offload is None:
         yield
         return
+    from trl.models.utils import add_hooks, remove_hooks  # TRL's import: only where ZeRO-3 generates
+
     module = offload.module
-    for param in module.parameters(recurse=True):
-        getattr(param, "ds_active_sub_modules", set()).clear()
-    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
-        hook.remove()
-    offload.forward_hooks, offload.backward_hooks = [], []
+    remove_hooks(engine)
     pre = getattr(offload, "fwd_pre_hook", None)
     start = module._forward_pre_hooks.get(pre.id) if pre is not None else None
     if start is not None:
@@ -176,7 +174,7 @@ def zero3_hooks_off(engine):
     finally:
         if start is not None:
             offload.fwd_pre_hook = module.register_forward_pre_hook(start)
-        offload._register_deepspeed_module(module)
+        add_hooks(engine)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
