@@ -183,3 +183,22 @@ def test_evaluate_grpo_export_scores_greedy_completions(tmp_path, capsys, monkey
     assert metrics["eval/rewards/chars/mean"] == pytest.approx(sum(b for _, _, b in rows) / 3, abs=1e-6)
     assert metrics["eval/reward"] == pytest.approx(sum(a + 0.5 * b for _, a, b in rows) / 3, abs=1e-6)
     assert f"eval/reward               {metrics['eval/reward']:.6g}" in printed  # rank 0's table
+
+
+def test_lm_eval_refuses_an_export_without_tokenizer_and_limit_zero(tmp_path, capsys):
+    """Issue 68, item 15: ``finetune lm-eval`` on an export without tokenizer files ran the harness on the empty
+    tokenizer transformers builds from ``config.json`` alone (every text no tokens, scores of nothing), and
+    ``--limit 0`` ended in the harness's traceback ("did not find any docs"); each is one line, exit 2, before the
+    harness loads a model."""
+    bare = tmp_path / "export"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(REPO / "data/models/tiny-gpt2" / name, bare / name)
+    tasks = ["--tasks", "wikitext2_local", "--include-path", "scripts/lm_eval_tasks"]
+    code, printed = finetune_here(["lm-eval", bare, *tasks, "--limit", "2"], capsys)
+    assert code == 2 and f"lm-eval: the export '{bare}' has no tokenizer files (none of tokenizer.json" in printed, \
+        printed[-2000:]
+    code, printed = finetune_here(["lm-eval", REPO / "data/models/tiny-gpt2", *tasks, "--limit", "0", "--out",
+                                   tmp_path / "out.json"], capsys)
+    assert code == 2 and "lm-eval: --limit: must be > 0" in printed and "Traceback" not in printed, printed[-2000:]
+    assert not (tmp_path / "out.json").exists() and not (bare / "lm_eval").exists()

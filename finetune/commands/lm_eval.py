@@ -15,8 +15,10 @@ Rank 0 alone, one process (the harness's ``hf`` model: ``--device cuda:0`` on a 
 file; an existing file is never overwritten) with the harness's results, configs and versions, and adds each task's
 metrics to the ``model-index`` of the export's ``README.md`` (the card :mod:`finetune.lifecycle.model_card` wrote),
 replacing an earlier result of the same task, metric and few-shot count. Refused before any model is loaded (exit 2,
-one line): no export, a task that is not in the harness's registry nor in ``--include-path``, an ``--out`` that
-exists, the harness not installed (``pip install lm-eval==0.4.13``).
+one line): no export, an export without tokenizer files (transformers would build an empty tokenizer from its
+``config.json`` and every score would be of no tokens), a ``--limit`` that is not above 0, a task that is not in the
+harness's registry nor in ``--include-path``, an ``--out`` that exists, the harness not installed (``pip install
+lm-eval==0.4.13``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from finetune.commands.selftest import check_output_file
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.lifecycle.model_card import CARD
+from finetune.preflight.validate import TOKENIZER_FILES
 
 
 def parser() -> argparse.ArgumentParser:
@@ -109,7 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``finetune lm-eval``. Returns the process exit status (2: bad input)."""
     args = parser().parse_args(argv)
     try:
+        if args.limit is not None and not args.limit > 0:  # NaN too
+            raise ConfigError(f"lm-eval: --limit: must be > 0 (examples per task, or a fraction of them below 1), got "
+                              f"{args.limit:g}; leave it out to evaluate every example")
         export = export_folder(args.target).resolve()
+        if not any((export / f).is_file() for f in TOKENIZER_FILES):
+            # transformers then builds a tokenizer from config.json alone that turns every text into no tokens
+            raise ConfigError(f"lm-eval: the export '{export}' has no tokenizer files (none of "
+                              f"{', '.join(TOKENIZER_FILES)}); save the run's tokenizer there "
+                              f"(AutoTokenizer.from_pretrained(<model.tokenizer_path>).save_pretrained('{export}')), "
+                              f"or export again with finetune export, which writes it")
         home = export.parent if export.name == "export" else export
         out = Path(args.out) if args.out else home / "lm_eval" / f"results-{time.strftime('%Y%m%d-%H%M%S')}.json"
         check_output_file("--out", out, command="lm-eval: ")
