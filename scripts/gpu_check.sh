@@ -7,24 +7,27 @@
 # table of every figure last. Sized for one 9-minute run on one GPU, installs included. --cpu-dry-run: the same
 # sections on CPU ranks with tiny shapes and no installs (the test suite runs it: tests/test_gpu_check.py).
 #
-# OUT_DIR (default gpu_check_out/; it must not exist or be empty: nothing is overwritten) receives at most 8 files:
+# OUT_DIR (default gpu_check_out/ in the repository; a relative one is relative to the folder the script is run from;
+# it must not exist or be empty: nothing is overwritten) receives at most 8 files:
 # log.txt (everything printed), figures.jsonl (one JSON object per figure), summary.md (the table), and the
 # self-test's rows: selftest.json, selftest_liger.json, selftest_hybrid.json.
 # Exit status: 0 when every section ran (a missed target is a figure in the table, not a failure), 1 when a section
 # failed or ran out of time (its row says which), 2 for bad arguments.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+repo=$(cd "$(dirname "$0")/.." && pwd)
 
 dry=0
-out=gpu_check_out
+out=$repo/gpu_check_out
 for arg in "$@"; do
   case "$arg" in
     --cpu-dry-run) dry=1 ;;
-    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option '$arg' (usage: scripts/gpu_check.sh [--cpu-dry-run] [OUT_DIR])" >&2; exit 2 ;;
-    *) out=$arg ;;
+    /*) out=$arg ;;
+    *) out=$PWD/$arg ;;  # a relative OUT_DIR is the caller's, not the repository's
   esac
 done
+cd "$repo" || exit 2
 if [ -e "$out" ] && [ -n "$(ls -A "$out" 2>/dev/null)" ]; then
   echo "gpu_check.sh: OUT_DIR '$out' exists and is not empty; it is never overwritten, choose another folder" >&2
   exit 2

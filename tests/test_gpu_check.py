@@ -52,3 +52,26 @@ def test_cpu_dry_run_runs_every_section(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "CPU dry run" in summary and summary.count("\n| ") == len(rows) + 2  # header, rule, a line per figure
     assert (out / "log.txt").read_text().count("=== gpu_check: ") == 2 * len(SECTIONS)
+
+
+def test_a_relative_out_dir_is_the_callers(tmp_path):
+    """Issue 68, item 15: ``scripts/gpu_check.sh --cpu-dry-run myout`` run from another folder wrote ``<repo>/myout``
+    (the script works from the repository root); a relative OUT_DIR is the caller's. The sections run with a Python
+    that fails at once (``PYTHON=false``): only where the files go is checked here."""
+    name = f"gpu_check_relative_{os.getpid()}"
+    env = {**os.environ, "PYTHON": "false"}
+    try:
+        done = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "--cpu-dry-run", name], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # every section failed: exit 1
+        assert (tmp_path / name / "log.txt").is_file() and not (REPO / name).exists()
+        (tmp_path / "used").mkdir()
+        (tmp_path / "used" / "mine.txt").write_text("a user's file")
+        done = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "--cpu-dry-run", "used"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and f"'{tmp_path / 'used'}' exists and is not empty" in done.stderr, done.stderr
+    finally:
+        if (REPO / name).is_dir():  # the defect's leftover
+            for p in (REPO / name).iterdir():
+                p.unlink()
+            (REPO / name).rmdir()
