@@ -110,8 +110,8 @@ def test_zero3_dpo_on_images_trains_and_exports(pairs, tmp_path):
     assert type(model).__name__ == "Idefics3ForConditionalGeneration"
 
 
-@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
-def test_the_pair_batch_is_the_processors_own_batch(pairs, tmp_path, name):
+@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl", "tiny-gemma3"])
+def test_the_pair_batch_is_the_processors_own_batch(pairs, tmp_path, name, tmp_path_factory):
     """Issue 68 item 1: two pairs collated by the recipe hold every model input the processor gives the four
     conversations (prompt + chosen, prompt + rejected, with the prompt's images) as one right-padded batch
     (Qwen2.5-VL's ``mm_token_type_ids``, its 3-D rotary positions' source, included), and the plain model's logits
@@ -122,7 +122,7 @@ def test_the_pair_batch_is_the_processors_own_batch(pairs, tmp_path, name):
     from finetune.data.images import decode_image, load_processor
     from test_vlm_sft import _family
 
-    folder = _family(name)
+    folder = _family(name, tmp_path_factory)
     overrides = [*_overrides(pairs, tmp_path), f"model.path={folder}", "data.max_seq_len=256"]
     _, tok, batch = first_batch(CONFIG, overrides, pairs, 2)
     rows = pq.read_table(pairs).slice(0, 2).to_pylist()
@@ -142,3 +142,23 @@ def test_the_pair_batch_is_the_processors_own_batch(pairs, tmp_path, name):
         ours, theirs = model(**got).logits, model(**want).logits
     real = want["attention_mask"].bool()
     assert torch.allclose(ours[real], theirs[real], atol=1e-6), (ours[real] - theirs[real]).abs().max()
+
+
+@pytest.mark.parametrize("name,template,end", [("tiny-smolvlm", "smolvlm.jinja", "<end_of_utterance>"),
+                                               ("tiny-gemma3", "gemma3.jinja", "<end_of_turn>")])
+def test_a_stock_template_without_generation_marks_scores_the_responses(pairs, tmp_path, name, template, end,
+                                                                        tmp_path_factory):
+    """Issue 68 (settled): with a family's stock chat template (no ``{% generation %}`` marks) every pair was
+    dropped as having no answer; now each pair is kept and its chosen and rejected responses (and the turn's end)
+    are the targets, located by rendering prefixes with the prompt's images."""
+    from test_vlm_sft import STOCK, _family
+
+    folder = _family(name, tmp_path_factory)
+    overrides = [*_overrides(pairs, tmp_path), f"model.path={folder}", "data.max_seq_len=256",
+                 f"data.chat_template={STOCK / template}"]
+    _, tok, batch = first_batch(CONFIG, overrides, pairs, 3)
+    answers = pq.read_table(pairs).column("answer").to_pylist()
+    for i in range(6):
+        want = answers[i % 3] if i < 3 else str((int(answers[i % 3]) + 3) % 10)
+        trained = tok.decode(batch["labels"][i][batch["labels"][i] != -100])
+        assert trained.strip() == want + end, (i, trained)

@@ -207,8 +207,8 @@ def test_zero3_lora_with_kl_trains_on_images_and_exports(prompts, tmp_path):
     assert AutoProcessor.from_pretrained(run / "export").image_processor is not None
 
 
-@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
-def test_rollouts_and_the_training_pass_run_the_model_on_the_processors_inputs(prompts, tmp_path, name):
+@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl", "tiny-gemma3"])
+def test_rollouts_and_the_training_pass_run_the_model_on_the_processors_inputs(prompts, tmp_path, name, tmp_path_factory):
     """Issue 68 item 1: three prompts (1, 2 and 1 images) collated by the recipe, two greedy completions of each
     through the rollout (each prompt prefilled once, its KV cache repeated) are the tokens the plain model's
     ``generate`` gives the processor's own inputs of the prompt alone (Qwen2.5-VL's ``mm_token_type_ids`` included:
@@ -223,7 +223,7 @@ def test_rollouts_and_the_training_pass_run_the_model_on_the_processors_inputs(p
     from finetune.recipes.grpo.rollout import generate
     from test_vlm_sft import _family
 
-    folder = _family(name)
+    folder = _family(name, tmp_path_factory)
     cfg, tok, batch = first_batch(CONFIG, [*_overrides(prompts, tmp_path), f"model.path={folder}",
                                            "data.max_seq_len=256"], prompts, 3)
     processor = load_processor(str(folder))

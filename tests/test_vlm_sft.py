@@ -344,21 +344,51 @@ def test_a_plain_prompt_column_renders_as_the_conversation(tmp_path):
         assert [np.asarray(v).tolist() for v in got[key]] == [np.asarray(v).tolist() for v in want[key]], key
 
 
-def _family(name: str) -> Path:
-    """A tiny image-text model folder, skipped where its processor cannot be built (Qwen2.5-VL's video processor
-    needs torchvision)."""
+STOCK = Path(__file__).parent / "stock_chat_templates"
+"""Stock chat templates of the image-text families (copied from their published checkpoints; none marks the
+assistant's text with ``{% generation %}``)."""
+
+FAMILIES = ["tiny-smolvlm", "tiny-qwen2.5-vl", "tiny-gemma3"]
+
+
+def _family(name: str, tmp_path_factory=None) -> Path:
+    """A tiny image-text model folder (config and processor, no weights): the shipped SmolVLM and Qwen2.5-VL (skipped
+    where its processor cannot be built: its video processor needs torchvision), or a Gemma 3 built here into the
+    session's temporary folder (Gemma 3's processor with Gemma 3's stock chat template, ``data/models/gsm8k-bpe-8k``
+    plus its image and turn tokens; 32x32 images of 4 tokens)."""
     import importlib.util
 
     if name == "tiny-qwen2.5-vl" and importlib.util.find_spec("torchvision") is None:
         pytest.skip("Qwen2.5-VL's processor needs torchvision (its video processor)")
-    return REPO / "data" / "models" / name
+    if name != "tiny-gemma3":
+        return REPO / "data" / "models" / name
+    folder = tmp_path_factory.getbasetemp() / "tiny-gemma3"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoTokenizer, Gemma3Config, Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tok = AutoTokenizer.from_pretrained(REPO / "data" / "models" / "gsm8k-bpe-8k", extra_special_tokens={
+        "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
+    tok.add_special_tokens({"bos_token": "<bos>", "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}), tokenizer=tok,
+                    chat_template=(STOCK / "gemma3.jinja").read_text(), image_seq_length=4).save_pretrained(folder)
+    Gemma3Config(text_config={"vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "head_dim": 16, "sliding_window": 16, "max_position_embeddings": 512},
+                 vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+                 mm_tokens_per_image=4, boi_token_index=tok.boi_token_id, image_token_index=tok.image_token_id,
+                 eoi_token_index=tok.convert_tokens_to_ids("<end_of_image>")).save_pretrained(folder)
+    return folder
 
 
-@pytest.mark.parametrize("name", ["tiny-smolvlm", "tiny-qwen2.5-vl"])
-def test_the_collated_batch_runs_the_model_as_the_processors_own_batch(rows, name):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_collated_batch_runs_the_model_as_the_processors_own_batch(rows, name, tmp_path_factory):
     """Issue 68 item 1: two rows (1 and 3 images) tokenized and collated by ``vlm_sft`` give every model input the
     processor's own padded batch gives (Qwen2.5-VL's ``mm_token_type_ids``, from which it builds its 3-D rotary
-    positions), and the plain model's logits on the real tokens are the same for both batches."""
+    positions; Gemma 3's ``token_type_ids``, its bidirectional attention within an image), and the plain model's
+    logits on the real tokens are the same for both batches."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -367,7 +397,7 @@ def test_the_collated_batch_runs_the_model_as_the_processors_own_batch(rows, nam
     from finetune.engine.model import load_tokenizer
     from finetune.recipes import get_recipe
 
-    folder = _family(name)
+    folder = _family(name, tmp_path_factory)
     cfg = load_run_config(CONFIG, [f"data.train_files=[{rows}]", f"model.path={folder}", "data.max_seq_len=256"])
     recipe = get_recipe("vlm_sft")
     tokenizer = load_tokenizer(cfg, recipe)
@@ -531,3 +561,57 @@ def test_a_text_only_row_or_a_truncated_jpeg_is_one_line_naming_its_file_and_row
     line = e.value.problems[0]
     assert len(e.value.problems) == 1 and f"'{path}' row 1: " in line, e.value.problems
     assert ("image file is truncated" if bad == "truncated" else "it has no image") in line, line
+
+
+@pytest.mark.parametrize("name,template,end", [("tiny-smolvlm", "smolvlm.jinja", "<end_of_utterance>"),
+                                               ("tiny-qwen2.5-vl", "qwen2_5_vl.jinja", "<|im_end|>"),
+                                               ("tiny-gemma3", "gemma3.jinja", "<end_of_turn>")])
+def test_a_stock_template_without_generation_marks_trains_the_answers(rows, name, template, end, tmp_path_factory):
+    """Issue 68 (settled): the stock image-text chat templates have no ``{% generation %}`` marks, so
+    ``return_assistant_tokens_mask`` marks nothing and every row was dropped as having no answer. With each
+    family's stock template every row is kept and exactly its answer and the turn's end (and the newline the
+    template puts after it) train, located by rendering prefixes with their images; no image token trains."""
+    from finetune.config import load_run_config
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    folder = _family(name, tmp_path_factory)
+    cfg = load_run_config(CONFIG, [f"data.train_files=[{rows}]", f"model.path={folder}", "data.max_seq_len=256",
+                                   f"data.chat_template={STOCK / template}"])
+    recipe = get_recipe("vlm_sft")
+    tokenizer = load_tokenizer(cfg, recipe)
+    examples = recipe.tokenize_function(tokenizer, cfg.data)
+    raw = datasets.load_dataset("parquet", data_files=str(rows), split="train").select(range(3))
+    tokenized = examples({"messages": raw["messages"],
+                          "images": [[{"bytes": _png(im), "path": None} for im in r] for r in raw["images"]]})
+    assert len(tokenized["labels"]) == 3, examples.summary()
+    for labels, r in zip(tokenized["labels"], raw):
+        trained = [t for t in labels if t != -100]
+        assert tokenizer.decode(trained).strip() == r["messages"][1]["content"][0]["text"] + end, \
+            tokenizer.decode(trained)
+
+
+def test_an_image_in_an_assistant_turn_does_not_train(tmp_path):
+    """Issue 68 (settled): an assistant turn that shows an image (``{"type": "image"}`` in its content) was marked
+    whole by ``{% generation %}``, so the model was trained to predict the image's placeholder tokens, which only
+    the processor places. Those tokens (``<image>``, ``<fake_token_around_image>``, ``<global-img>`` for Idefics3)
+    get label -100; the turn's text still trains."""
+    from PIL import Image
+
+    from finetune.config import load_run_config
+    from finetune.data.images import image_token_ids
+    from finetune.engine.model import load_tokenizer
+    from finetune.recipes import get_recipe
+
+    cfg = load_run_config(CONFIG, ["data.max_seq_len=256"])
+    recipe = get_recipe("vlm_sft")
+    tokenizer = load_tokenizer(cfg, recipe)
+    examples = recipe.tokenize_function(tokenizer, cfg.data)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Show me a seven."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Here:"}, {"type": "image"}]}]
+    out = examples({"messages": [messages], "images": [[{"bytes": _png(Image.new("RGB", (32, 32))), "path": None}]]})
+    ids, labels = out["input_ids"][0], out["labels"][0]
+    placed = image_token_ids(examples.processor)
+    assert len(placed) == 3 and sum(t in placed for t in ids) == 7  # 4 <image>, 2 fake tokens, <global-img>
+    assert all(label == -100 for t, label in zip(ids, labels) if t in placed)
+    assert tokenizer.decode([t for t in labels if t != -100]).strip() == "Here:<end_of_utterance>"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -174,8 +175,9 @@ def decode_image(value, where: str, folder: str | None = None, data_cfg=None):
     return image
 
 
-ROWS_VERSION = 2
-"""The layout of the tokenized image rows (2: the processor's per-token inputs, :data:`TOKEN_KEYS`, are kept);
+ROWS_VERSION = 3
+"""The layout of the tokenized image rows (2: the processor's per-token inputs, :data:`TOKEN_KEYS`, are kept; 3: the
+assistant turns of templates without ``{% generation %}`` and no image token trained: :func:`assistant_mask`);
 part of every image recipe's cache key (:func:`pixel_key`), so rows tokenized by an older layout are not reused."""
 
 
@@ -212,6 +214,82 @@ def message_problem(messages) -> str | None:
                                              and isinstance(p.get("text"), str)) for p in content)):
             return f"message {i} is {m!r:.80}, not {{role: str, content: str or a list of text and image parts}}"
     return None
+
+
+GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+"""A chat template's ``{% generation %}`` tag (``apply_chat_template(return_assistant_tokens_mask=True)`` marks the
+text inside it)."""
+
+
+def marks_assistant(template: str | None) -> bool:
+    """Whether ``template`` marks assistant text with ``{% generation %}`` outside Jinja comments."""
+    return bool(template) and bool(GENERATION.search(re.sub(r"{#.*?#}", "", template, flags=re.S)))
+
+
+IMAGE_TOKENS = ("image_token", "fake_image_token", "global_image_tag", "boi_token", "eoi_token", "video_token",
+                "vision_start_token", "vision_end_token")
+"""Attributes of a processor or its tokenizer that name the tokens an image becomes (Idefics3's ``<image>``,
+``<fake_token_around_image>``, ``<global-img>``; Qwen2.5-VL's ``<|image_pad|>``; Gemma 3's ``<start_of_image>``,
+``<image_soft_token>``, ``<end_of_image>``)."""
+
+
+def image_token_ids(processor) -> set[int]:
+    """The token ids of :data:`IMAGE_TOKENS` that the processor's tokenizer knows (none of them text)."""
+    tok = getattr(processor, "tokenizer", processor)
+    out = set()
+    for owner in (processor, tok):
+        for name in IMAGE_TOKENS:
+            token = getattr(owner, name, None)
+            i = tok.convert_tokens_to_ids(token) if isinstance(token, str) else None
+            if isinstance(i, int) and i != tok.unk_token_id:
+                out.add(i)
+    return out
+
+
+def assistant_mask(processor, messages: list, pictures: list, enc: dict, template: str | None = None,
+                   where: str = "data") -> list[int]:
+    """1 on the assistant turns' tokens of ``enc`` (the processor's output of ``messages`` with ``pictures``) but
+    an image's (:func:`image_token_ids`: an image in an assistant turn is input the processor places, never a
+    prediction), 0 elsewhere: the template's ``{% generation %}`` marks (``enc["assistant_masks"]``) when it has them (``template``,
+    else the processor's own), else from rendering prefixes, as ``sft`` does for text: turn ``i`` spans from the
+    end of ``messages[:i]`` rendered with the assistant's turn opened to the end of ``messages[:i + 1]``, each
+    prefix processed with the images its image parts show (so an image's tokens count as in the whole row). Stock
+    templates (Qwen2.5-VL's, SmolVLM's, Gemma 3's) have no marks.
+
+    Raises:
+        ConfigError: a prefix renders differently when more turns follow (the assistant turns cannot be located;
+            one line, ``where`` naming the row).
+    """
+    ids = np.asarray(enc["input_ids"]).reshape(-1).tolist()
+    if marks_assistant(template or getattr(processor, "chat_template", None)):
+        mask = np.asarray(enc["assistant_masks"]).reshape(-1).tolist()
+        return _without_images(processor, ids, mask)
+    kwargs = {"chat_template": template} if template else {}
+
+    def render(turns: list, opened: bool) -> list[int]:
+        shown = pictures[:image_parts(turns)]
+        out = processor.apply_chat_template(turns, add_generation_prompt=opened, tokenize=True, return_dict=True,
+                                            return_tensors="np", processor_kwargs={"images": shown} if shown else {},
+                                            **kwargs)
+        return np.asarray(out["input_ids"]).reshape(-1).tolist()
+
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        start = len(render(messages[:i], True)) if i else 0
+        upto = render(messages[: i + 1], False)
+        if ids[: len(upto)] != upto:
+            raise ConfigError(f"{where}: the chat template renders the start of a conversation differently when more "
+                              f"turns follow, so assistant turns cannot be located; mark assistant text with "
+                              f"{{% generation %}} ... {{% endgeneration %}} in data.chat_template")
+        mask[start:len(upto)] = [1] * (len(upto) - start)
+    return _without_images(processor, ids, mask)
+
+
+def _without_images(processor, ids: list[int], mask: list[int]) -> list[int]:
+    drop = image_token_ids(processor)
+    return [0 if t in drop else m for t, m in zip(ids, mask)]
 
 
 def image_parts(messages: list) -> int:

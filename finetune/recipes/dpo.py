@@ -266,7 +266,9 @@ class PairExamples:
             list(prompt) + messages, tokenize=True, return_dict=True, return_tensors="np",
             return_assistant_tokens_mask=True, processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
         ids = enc["input_ids"][0].tolist()
-        labels = [t if m else -100 for t, m in zip(ids, enc["assistant_masks"][0].tolist())]
+        marks = images.assistant_mask(self.processor, list(prompt) + messages, pictures, enc, self.template,
+                                      f"data: {where or 'a row'}")
+        labels = [t if m else -100 for t, m in zip(ids, marks)]
         labels[0] = -100
         return ids, labels, enc
 

@@ -137,7 +137,7 @@ class VlmExamples:
                 messages, tokenize=True, return_dict=True, return_tensors="np", return_assistant_tokens_mask=True,
                 processor_kwargs={"images": pictures} if pictures else {}, **kwargs)
             ids = enc["input_ids"][0].tolist()
-            trained = enc["assistant_masks"][0].tolist()
+            trained = images.assistant_mask(self.processor, messages, pictures, enc, self.template, f"data: {where}")
             if not any(trained[1:]):
                 c["no_answer"] += 1
                 continue
