@@ -9,9 +9,12 @@ processor (``AutoProcessor`` from ``model.tokenizer_path`` or ``model.path``) re
 template (``data.chat_template`` overrides it) and its image processor: the image placeholder becomes the model's
 image tokens (their number set by the image processor's sizes: ``min_pixels``/``max_pixels`` for Qwen2.5-VL,
 ``image_seq_len`` for Idefics3), and ``apply_chat_template(return_assistant_tokens_mask=True)`` marks the assistant
-turns, which need a template with ``{% generation %}`` (the shipped tiny models' templates have it). Only those
-tokens train: the prompt, the image tokens and the template's own tokens get label -100, and so does every row's
-first token.
+turns when the template has ``{% generation %}`` marks (the shipped tiny models' templates have them); a template
+without them (the stock ones of Qwen2.5-VL, SmolVLM, Gemma 3) has its assistant turns located by rendering prefixes
+(:func:`finetune.data.images.assistant_mask`). Only those tokens train: the prompt, every image token (one in an
+assistant turn too) and the template's own tokens get label -100, and so does every row's first token. The
+processor's per-token inputs (Qwen2.5-VL's ``mm_token_type_ids``, Gemma 3's ``token_type_ids``) go to the model
+with the batch.
 
 Rows are tokenized once per data file, processor and settings and cached like the text recipes' tokens, the
 processor's image tensors included (``pixel_values`` and whatever else the processor returns for the model:
