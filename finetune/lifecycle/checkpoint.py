@@ -283,11 +283,12 @@ class Verification:
     (:func:`finetune.lifecycle.safe_load.code_in`), checked with or without a manifest; also in :attr:`problems`."""
 
 
-def verify(ckpt: Path) -> Verification:
+def verify(ckpt: Path, alone: bool = False) -> Verification:
     """Check every file of ``ckpt`` against its manifest: each rank hashes the files :func:`writer_rank` gives it
     (all ranks in parallel), then the ranks agree (one ``all_gather_object``). Every ``.pt`` file's pickle is also
     scanned for code (:func:`finetune.lifecycle.safe_load.code_in`), manifest or not: a file someone else wrote and
-    hashed passes the manifest. All ranks call it.
+    hashed passes the manifest. All ranks call it, unless ``alone``: this process checks every file itself and
+    makes no collective call (an export on one rank of a launch, ``finetune export``).
 
     Returns:
         :class:`Verification` (identical on every rank).
@@ -297,7 +298,7 @@ def verify(ckpt: Path) -> Verification:
         files = read_manifest(ckpt)
     except (ValueError, OSError) as e:
         return Verification([str(e)])
-    world, me = dist_utils.world_size(), dist_utils.rank()
+    world, me = (1, 0) if alone else (dist_utils.world_size(), dist_utils.rank())
     problems = []
     for name in sorted(files or {}):
         if writer_rank(name, world) != me:
@@ -311,7 +312,8 @@ def verify(ckpt: Path) -> Verification:
             problems.append(f"{name} does not match its SHA-256 in the manifest (same size, other bytes)")
     code = [safe_load.refusal(path, names) for path in sorted(ckpt.rglob("*.pt"))
             if writer_rank(str(path.relative_to(ckpt)), world) == me and (names := safe_load.code_in(path))]
-    parts = dist_utils.all_gather_object((problems, code, time.perf_counter() - t0))
+    mine = (problems, code, time.perf_counter() - t0)
+    parts = [mine] if alone else dist_utils.all_gather_object(mine)
     problems = sorted(p for part, _, _ in parts for p in part)
     code = sorted(c for _, part, _ in parts for c in part)
     if files is None:
