@@ -88,12 +88,13 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
 def verified_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     """:func:`consolidated_state_dict` of ``ckpt`` once it verifies as a resume verifies it (every file against its
     manifest, every pickle scanned for code: :func:`finetune.lifecycle.checkpoint.verify`), read with
-    ``weights_only`` loading (:mod:`finetune.lifecycle.safe_load`). One process (``finetune export``).
+    ``weights_only`` loading (:mod:`finetune.lifecycle.safe_load`). This process alone checks every file, with no
+    collective call (``finetune export``; rank 0 of a launch).
 
     Raises:
         ConfigError: a file does not match the manifest or names code (one line naming the files).
     """
-    check = verify(ckpt)
+    check = verify(ckpt, alone=True)
     if check.problems:
         raise ConfigError(f"export: '{ckpt}' is damaged or not checkpoint data ({'; '.join(check.problems[:3])}"
                           f"{' ...' if len(check.problems) > 3 else ''}); export another checkpoint")
