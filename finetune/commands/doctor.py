@@ -51,13 +51,14 @@ from finetune.config import RunConfig, deep_merge, load_run_config
 from finetune.data.dataset import default_cache_dir, expand_files
 from finetune.parallel import op_builds
 from finetune.parallel.distributed import slurm_head_node
+from finetune.engine import gguf
 from finetune.engine.ds_config import describe_precision, load_ds_json, zero_stage
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.airgap.manifest import weights_problems
 from finetune.preflight.plan import active_parameters, model_shape, run_precision
 from finetune.recipes import RECIPES, get_recipe
-from finetune.preflight.validate import TOKENIZER_FILES, WEIGHT_FILES, validate_run
+from finetune.preflight.validate import TOKENIZER_FILES, WEIGHT_FILES, resolve_model_files, validate_run
 
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_NTASKS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST")
 _HOSTFILES = ("/job/hostfile",)
@@ -75,7 +76,7 @@ def _size(n: float) -> str:
 def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
     rows = []
     for key, folder in (("model.path", cfg.model.path), ("model.tokenizer_path", cfg.model.tokenizer_path)):
-        if not folder:
+        if not folder or gguf.is_gguf(folder):  # a GGUF left as it is could not be converted: its own FAIL row
             continue
         p = Path(folder)
         if not p.is_dir():
@@ -430,7 +431,10 @@ def main(argv: list[str] | None = None) -> int:
     world = (args.world_size or int(os.environ.get("WORLD_SIZE", "0") or 0)
              or max(1, cfg.parallel.sequence_parallel_size) * max(1, cfg.parallel.tensor_parallel_size))
     nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
-    rows = diagnose(cfg, world, nodes)
+    found: list[str] = []  # a .gguf model.path: checked, converted once, then the folder is what is diagnosed
+    notes = resolve_model_files(cfg, found, announce=False)
+    rows = [("model", "FAIL", line) for line in found] + [("model", "ok", line) for line in notes]
+    rows += diagnose(cfg, world, nodes)
     print(render(rows))
     return 2 if any(s == "FAIL" for _, s, _ in rows) else 0
 

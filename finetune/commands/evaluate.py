@@ -46,6 +46,7 @@ from finetune.parallel import sequence
 from finetune.commands.selftest import check_output_file
 from finetune.config import load_run_config
 from finetune.data.dataset import build_train_data
+from finetune.engine import gguf
 from finetune.engine.model import build_engine, load_model_config, load_tokenizer
 from finetune.training.generation import EvalGeneration
 from finetune.errors import ConfigError
@@ -69,12 +70,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def export_folder(target: str) -> Path:
-    """The export to evaluate: ``target/export`` of a run folder, or ``target`` itself.
+    """The export to evaluate: ``target/export`` of a run folder, or ``target`` itself (a folder, or a ``.gguf`` file
+    that the launch's checks convert: :func:`finetune.preflight.validate.resolve_model_files`).
 
     Raises:
         ConfigError: neither holds a ``config.json``.
     """
     path = Path(target)
+    if gguf.is_gguf(path) and path.is_file():  # the model of a GGUF file, converted by the launch's checks
+        return path
     for candidate in (path / "export", path):
         if (candidate / "config.json").is_file():
             return candidate
@@ -125,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_intermixed_args(argv)
     try:
         export = export_folder(args.target)
-        out = Path(args.out) if args.out else export / f"evaluation-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        stamp = time.strftime('%Y%m%d-%H%M%S')
+        out = (Path(args.out) if args.out else export.with_name(f"{export.name}.evaluation-{stamp}.json")
+               if gguf.is_gguf(export) else export / f"evaluation-{stamp}.json")
         check_output_file("--out", out, command="evaluate: ")
         with tempfile.TemporaryDirectory(prefix="finetune-evaluate-") as scratch:
             # train.grpo.beta: the evaluation computes no KL term, and beta > 0 is refused without the LoRA base

@@ -1,5 +1,6 @@
 """``finetune plan <run config>``: memory per GPU and per node of every ZeRO stage, offload and gradient
-checkpointing choice, offline from ``config.json`` (the memory model is :mod:`finetune.preflight.plan`)."""
+checkpointing choice, offline from ``config.json`` (the memory model is :mod:`finetune.preflight.plan`); a ``.gguf``
+``model.path`` is read from its converted folder (:func:`finetune.preflight.validate.resolve_model_files`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from finetune.config import load_run_config
 from finetune.errors import ConfigError
 from finetune.errors import report as report_error
 from finetune.preflight.plan import make_plan, parse_size
+from finetune.preflight.validate import resolve_model_files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise ConfigError(problems)
         cfg = load_run_config(args.config, args.overrides)
+        resolve_model_files(cfg, problems)  # a .gguf model.path: its converted folder (finetune.engine.gguf)
+        if problems:
+            raise ConfigError(problems)
         if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
             raise ConfigError(f"model.path: '{cfg.model.path}/config.json' does not exist (the plan needs the model's "
                               f"config.json, not its weights)")

@@ -1,6 +1,7 @@
 """Model, tokenizer and DeepSpeed engine set-up.
 
-* Model and tokenizer load from local folders only (``local_files_only=True``).
+* Model and tokenizer load from local folders only (``local_files_only=True``); a ``.gguf`` ``model.path`` has been
+  replaced by its converted folder before (:mod:`finetune.engine.gguf`), and the log names the file it came from.
 * ``init: scratch`` builds the model from ``config.json`` alone (the recipe's ``model_class.from_config``), seeded
   so every rank builds the same weights, and the same weights at every ZeRO stage: under ZeRO-3
   transformers skips torch's default ``reset_parameters`` and runs only the model's ``_init_weights``,
@@ -43,7 +44,7 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import freeze, lora, moe, muon, neftune, quantize
+from finetune.engine import freeze, gguf, lora, moe, muon, neftune, quantize
 
 from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
@@ -188,6 +189,8 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     hf_ds = HfDeepSpeedConfig(ds) if zero_stage(ds) == 3 else None
     torch.manual_seed(cfg.train.seed)
     attn = cfg.model.attn_implementation  # sdpa, eager, flash_attention_2 (checked in finetune.preflight.validate)
+    if source := gguf.describe(cfg.model.path):  # model.path named a .gguf: its converted folder (engine/gguf.py)
+        logger.info(source)
     if cfg.model.quantization is not None:  # QLoRA: the frozen base quantized as it loads (bitsandbytes)
         model = quantize.load_base(recipe.model_class, cfg.model.path, model_config, cfg.model.quantization,
                                    precision_of(ds), attn)

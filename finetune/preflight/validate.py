@@ -19,7 +19,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.engine import freeze, lora, moe, muon, quantize
+from finetune.engine import freeze, gguf, lora, moe, muon, quantize
 from finetune.data import mixture
 from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -91,8 +91,10 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
             problems.append("model.attn_implementation: 'flash_attention_2' needs the flash-attn package and a CUDA "
                             "GPU, not available here; use sdpa (default) or eager")
     if not cfg.model.path:
-        problems.append("model.path: not set (a local folder with config.json)")
+        problems.append("model.path: not set (a local folder with config.json, or a .gguf file)")
         return
+    if gguf.is_gguf(cfg.model.path) or gguf.is_gguf(cfg.model.tokenizer_path):
+        return  # a GGUF that could not be converted: resolve_model_files said why
     p = Path(cfg.model.path)
     if not p.is_dir():
         problems.append(f"model.path: folder '{p}' does not exist (models load from local folders only; "
@@ -377,6 +379,18 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
+def resolve_model_files(cfg: RunConfig, problems: list[str], announce: bool = True) -> list[str]:
+    """A ``.gguf`` ``model.path`` / ``model.tokenizer_path`` replaced in ``cfg`` by its converted Hugging Face folder
+    under ``<data.cache_dir>/gguf/`` (:func:`finetune.engine.gguf.resolve`: checked, then converted once by
+    transformers' GGUF loader), so that every verb reads a GGUF as the folder a launch trains. A file that cannot be
+    converted adds its lines to ``problems`` and stays as it is.
+
+    Returns:
+        The lines that say what was converted and where (empty when nothing was converted now).
+    """
+    return gguf.resolve(cfg, default_cache_dir(cfg.data), problems, announce=announce)
+
+
 def checked_inputs_config(config: str | Path, overrides: list[str]) -> RunConfig:
     """The run config of ``config`` + ``overrides`` once its inputs pass :func:`check_inputs` (the data verbs:
     ``finetune prepare``, ``finetune inspect``); the valid files' UTF-8 marks are written.
@@ -409,6 +423,7 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
         problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
+    resolve_model_files(cfg, problems)
     _check_model(cfg, problems)
     if not cfg.data.train_files and not cfg.data.sources:
         problems.append("data.train_files: no training files given")
