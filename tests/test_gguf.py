@@ -250,3 +250,28 @@ def test_real_gguf_converts(tmp_path):
     with torch.no_grad():
         assert torch.equal(converted(ids).logits, direct(ids).logits)
     assert "<|im_start|>" in AutoTokenizer.from_pretrained(folder).chat_template
+
+
+def test_bundle_carries_a_gguf_and_verify_checks_it(tiny, tmp_path, capsys):
+    """``finetune bundle OUT --model x.gguf`` carries the file (its run config's ``model.path`` names it) and
+    ``finetune verify OUT`` checks it: whole as hashed, and readable by transformers' GGUF loader."""
+    path, model = tiny
+    out = tmp_path / "bundle"
+    code, printed = finetune_here(["bundle", out, "--model", path], capsys)
+    assert code == 0, printed
+    carried = out / "models" / "tiny-llama.f32" / path.name
+    assert carried.read_bytes() == path.read_bytes()
+    assert f"path: models/tiny-llama.f32/{path.name}" in (out / "run_config.yaml").read_text()
+    manifest = json.loads((out / "MANIFEST.json").read_text())
+    assert [s.get("gguf") for s in manifest["sources"]] == [path.name]
+    code, printed = finetune_here(["verify", out], capsys)
+    assert code == 0, printed
+
+    from finetune.airgap.bundle import verify_bundle
+    from finetune.airgap.manifest import file_entries, write_manifest
+
+    carried.chmod(0o644)
+    write_gguf(carried, model, arch="rwkv6")  # rehashed: only the GGUF check can find it
+    write_manifest(out, {**manifest, "files": file_entries(out)})
+    problems = verify_bundle(out)
+    assert len(problems) == 1 and "'rwkv6' model, an architecture transformers' GGUF loader cannot read" in problems[0]

@@ -12,10 +12,12 @@ that reaches the Hugging Face Hub (or only local files) and writes the folder de
   inside the folder (or a cache snapshot's blob) it is copied by content; a link that leaves the folder is refused
   in one line unless ``follow_links`` (``--follow-links``), which copies what it points to, saying so. Every
   safetensors header and shard index is read (:func:`finetune.airgap.manifest.weights_problems`): a truncated or damaged
-  weights file is refused. Never taken unless asked: pickled weights
+  weights file is refused. A named ``.gguf`` file (``--model x.gguf``) is carried alone into ``OUT/models/<stem>/``,
+  after the checks a launch runs on it (:func:`finetune.engine.gguf.problems`: a GGUF, whole, of an architecture
+  transformers reads); the run on the cluster converts it (``model.path`` names the file). Never taken unless asked: pickled weights
   (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``, ``*.pkl``: unpickling runs code; ``allow_pickle``) and Python files
-  (remote code; ``trust_remote_code``, recorded in the manifest); never taken: TensorFlow, Flax, ONNX, GGUF
-  weights (PyTorch training reads none of them).
+  (remote code; ``trust_remote_code``, recorded in the manifest); never taken from a folder: TensorFlow, Flax, ONNX,
+  GGUF weights (PyTorch training reads none of them; a GGUF is taken when named itself, above).
 * **Datasets**: ``datasets.load_dataset`` on a local parquet/jsonl/json/csv file, a folder of them (splits from
   the file names), a ``save_to_disk`` folder (``load_from_disk``), or a Hub dataset repo fetched at a resolved
   commit with ``snapshot_download`` into the Hugging Face cache and loaded from there (its README's
@@ -59,6 +61,7 @@ import yaml
 from loguru import logger
 
 from finetune import __version__
+from finetune.engine import gguf
 from finetune.errors import ConfigError
 from finetune.airgap.manifest import FORMAT, MANIFEST, check_files, file_entries, read_manifest, sha256_file, \
     source_problems, weights_problems, write_manifest
@@ -101,6 +104,8 @@ class Source:
     config: str | None = None
     trust_remote_code: bool = False
     splits: dict = field(default_factory=dict)
+    gguf: str | None = None
+    """Models from a ``.gguf`` file: its name in the model's folder (the run's ``model.path`` is that file)."""
 
     @property
     def path(self) -> str:
@@ -138,7 +143,7 @@ def _name(ident: str, config: str | None = None) -> str:
         ConfigError: no usable name (``--model /``).
     """
     p = _local(ident) if Path(ident).expanduser().exists() else Path(ident.rstrip("/"))
-    base = p.stem if p.suffix in DATA_SUFFIXES else p.name
+    base = p.stem if p.suffix in DATA_SUFFIXES or gguf.is_gguf(p) else p.name
     if re.fullmatch(r"[0-9a-f]{40}", base) and p.parent.name == "snapshots":  # a Hugging Face cache snapshot
         base = p.parent.parent.name.split("--")[-1]
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", base + (f"-{config}" if config else ""))
@@ -400,6 +405,14 @@ def fetch_model(spec: str, out: Path, allow_pickle: bool = False, trust_remote_c
     dest = out / src.path
     ignore = _ignore(allow_pickle, trust_remote_code)
     local = _local(ident)
+    if local.is_file() and gguf.is_gguf(local):  # a GGUF named itself: the file alone, checked as a launch does
+        bad = gguf.problems(str(local), f"--model {spec}", needs_tokenizer=False)
+        if bad:
+            raise ConfigError(bad)
+        src.gguf = local.name
+        copied = _copy_if_changed(local, dest / local.name)
+        logger.info(f"model {src.name}: GGUF {local} {'copied' if copied else 'already there'}")
+        return src
     if local.is_dir():
         copied, kept = _copy_model(local, dest, ignore, follow_links, f"model {src.name}")
         src.resolved_revision = _cache_commit(local)
@@ -621,7 +634,9 @@ def starting_config(out: Path, models: list[Source], datasets: list[Source]) -> 
     """Text of ``run_config.yaml``: the first model and dataset, paths relative to the bundle folder."""
     recipe, keys = _recipe_guess(models, datasets, out)
     model = {"path": models[0].path} if models else {"path": "models/<name>"}
-    if models and not any((out / models[0].path).glob("*.safetensors")) and not any(
+    if models and models[0].gguf:
+        model["path"] = f"{models[0].path}/{models[0].gguf}"
+    elif models and not any((out / models[0].path).glob("*.safetensors")) and not any(
             (out / models[0].path).glob("*.bin")):
         model["init"] = "scratch"
     data: dict = {}
@@ -755,6 +770,8 @@ def _check_model(root: Path, src: dict) -> list[str]:
     from transformers import AutoTokenizer
 
     folder, problems, custom = root / src["path"], [], False
+    if src.get("gguf"):  # a GGUF file: its metadata as a launch checks it (no weights read, no code run)
+        return gguf.problems(str(folder / src["gguf"]), f"model {src['name']}", needs_tokenizer=False)
     for name in ("config.json", "tokenizer_config.json"):
         if not (folder / name).is_file():
             continue
