@@ -97,9 +97,9 @@ class ModelConfig:
     """Where the model and tokenizer come from (local folders only; the Hub is never contacted)."""
 
     path: str = ""
-    """Local folder with ``config.json`` (and the weights when ``init: pretrained``)."""
+    """Local folder with ``config.json`` (and the weights when ``init: pretrained``), or a ``.gguf`` file (llama.cpp's format, quantized or not), converted once by transformers' GGUF loader into a cached folder ``<data.cache_dir>/gguf/<sha256>/`` that every rank loads."""
     tokenizer_path: str = ""
-    """Local tokenizer folder; empty means ``model.path``."""
+    """Local tokenizer folder (or a ``.gguf`` file holding one); empty means ``model.path``."""
     init: Init = "pretrained"
     """``pretrained``: load the weights from ``model.path``; ``scratch``: random init from ``config.json`` only."""
     config_overrides: dict = field(default_factory=dict)
