@@ -174,6 +174,46 @@ def test_the_teacher_keeps_packed_examples_apart(teacher):
     assert torch.allclose(got, alone, rtol=0, atol=1e-5), (got - alone).abs().max()
 
 
+def test_the_teacher_logits_are_checked_as_the_students(teacher):
+    """In process: a teacher whose forward changes its head's output in a way ``lm_loss.logits_transform`` does not
+    know (its logits doubled) is refused at its forward, as such a student is (the recipe computes the teacher's
+    logits from its hidden states, so they would silently lack the change); a teacher with a known transform (Gemma-2's
+    ``final_logit_softcapping``) is not, and its loss is the textbook one of the logits it returns."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from finetune.config import DistillConfig
+    from finetune.recipes import distill
+
+    class Doubled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    student, _ = models(teacher, seed=2)
+    torch.manual_seed(3)
+    doubled = Doubled(LlamaConfig(vocab_size=8192, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)).eval()
+    capped = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma2", vocab_size=8192, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5)).eval()
+    ids = torch.randint(1, 8192, (2, 16))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    d = DistillConfig(loss="forward_kl", temperature=1.0, alpha=0.5)
+    try:
+        distill._TEACHER.update(engine=doubled)
+        with pytest.raises(RuntimeError, match="Doubled changes the output of its head Linear"):
+            distill.forward(student, batch, settings=d)
+        distill._TEACHER.update(engine=capped)
+        got = distill.forward(student, batch, settings=d).loss_sum
+        assert got.item() == pytest.approx(textbook_loss(capped, d)(student, batch).item(), rel=1e-6)
+    finally:
+        distill._TEACHER.clear()
+
+
 def _logged(run: Path, key: str) -> list[float]:
     return [r[key] for r in read_metrics(run) if key in r]
 
@@ -350,6 +390,32 @@ def test_bad_teacher_settings_are_one_line_each_before_any_model(tmp_path, teach
                                                    "1 - alpha weights the cross-entropy), got 1.5"]
     assert problems("train.distill.on_policy_fraction=0.5") == [
         "train.distill.on_policy_fraction: on-policy rows need one example per row; set data.packing=false"]
+
+
+def test_a_teacher_vocabulary_smaller_than_the_tokenizer_is_one_line_before_any_model(tmp_path, capsys):
+    """A teacher folder without tokenizer files (it reads the student's) whose ``vocab_size`` is smaller than the
+    student's tokenizer passed ``--check`` and crashed every rank in the teacher's embedding (``IndexError``): it is
+    one line naming the folder and both sizes, as is the same teacher with the student's tokenizer files."""
+    import torch
+
+    from finetune.recipes import distill
+
+    (tmp_path / "none").mkdir()
+    small = write_teacher(tmp_path / "small", vocab=4096, tokenizer=tmp_path / "none")  # no tokenizer files
+    want = (f"train.distill.teacher: '{small}' has vocab_size 4,096 (config.json) but the student's tokenizer "
+            f"'data/models/gsm8k-bpe-8k' has 8,192 tokens, whose ids past 4,095 would index past the teacher's "
+            f"embedding; use a teacher of the student's tokenizer (vocab_size >= 8,192)")
+    overrides = [f"output_dir={tmp_path / 'out'}", f"train.distill.teacher={small}"]
+    code, printed = check_here(["--config", CONFIG, *overrides], capsys)
+    assert code == 2 and want in printed, printed
+    assert launch_problems(CONFIG, overrides) == [want]
+    for f in (REPO / "data" / "models" / "gsm8k-bpe-8k").iterdir():  # the same with the tokenizer's files
+        shutil.copy(f, small / f.name)
+    assert launch_problems(CONFIG, overrides) == [want]
+    # what the line prevents: the teacher's forward on the student's token ids
+    _, t = models(small, seed=0)
+    with pytest.raises(IndexError):
+        distill.teacher_hidden(t, {"input_ids": torch.tensor([[1, 8000]])}, torch.ones(1, 2, dtype=torch.bool))
 
 
 def test_the_cached_top_k_equals_the_teacher_at_the_whole_vocabulary(teacher):

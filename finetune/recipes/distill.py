@@ -78,8 +78,8 @@ from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe, sft
 from finetune.recipes.gpt_clm import count_targets, forward as ce_forward, next_token_targets
-from finetune.recipes.lm_loss import add_head_gradients, chunk_tokens, find_head, head_output, logits_transform, \
-    unwrap
+from finetune.recipes.lm_loss import add_head_gradients, check_head_output, chunk_tokens, find_head, head_output, \
+    logits_transform, unwrap
 
 MODEL_CLASS = AutoModelForCausalLM
 
@@ -311,7 +311,17 @@ def teacher_hidden(model, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
     The forward makes no KV cache (``use_cache=False``, whatever the teacher's ``config.json`` says, as real
     checkpoints ship ``use_cache: true``): transformers builds the packed rows' block-diagonal mask from
     ``position_ids`` only for a forward without a cache (``masking_utils``), and Llama/Qwen-family models make one on
-    every forward their config allows, so packed examples would attend to each other in the teacher."""
+    every forward their config allows, so packed examples would attend to each other in the teacher.
+
+    The teacher's logits are computed later from these rows by its head and
+    :func:`~finetune.recipes.lm_loss.logits_transform`, so the forward's returned ``logits`` are checked to be the
+    capture changed by that transform alone (:func:`~finetune.recipes.lm_loss.check_head_output`, the student's
+    check): a teacher that changes its head's output otherwise would be silently wrong.
+
+    Raises:
+        RuntimeError: the teacher never called its head, called it more than once, or changed its output otherwise
+            than :func:`~finetune.recipes.lm_loss.logits_transform` says.
+    """
     head = find_head(model)
     state = SimpleNamespace(rows=None)
 
@@ -320,12 +330,16 @@ def teacher_hidden(model, inputs: dict, keep: torch.Tensor) -> torch.Tensor:
         return state.rows
 
     with patches.applied(patches.instance_forward(head, capture, "distill: the teacher's hidden states at the "
-                                                  "trained positions; its head runs in the student's loss")):
-        model(**inputs, use_cache=False)
+                                                  "trained positions; its head runs in the student's loss")), \
+            head_output(head) as seen:
+        out = model(**inputs, use_cache=False)
     if state.rows is None:
         raise RuntimeError(f"{type(unwrap(model)).__name__} (the teacher) never called its output head "
                            f"{type(head).__name__}")
-    return state.rows
+    try:  # its logits are computed from these rows by its head and logits_transform: the check the student's get
+        return check_head_output(model, head, out.logits, seen, logits_transform(model))
+    except RuntimeError as e:
+        raise RuntimeError(f"distill: the teacher: {e}") from None
 
 
 def _gathered(params: list):
@@ -544,8 +558,6 @@ def distill_loss(model, batch: dict, d: DistillConfig, t) -> tuple[torch.Tensor,
             student returns its head's output changed in a way :func:`~finetune.recipes.lm_loss.logits_transform`
             does not know.
     """
-    from finetune.recipes.lm_loss import check_head_output
-
     targets = next_token_targets(batch)
     keep = targets != -100
     inputs = {k: v for k, v in model_inputs(batch).items() if k not in _NOT_INPUTS}
@@ -746,8 +758,9 @@ def _vocab(path: str):
 def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
     """``train.distill``'s numbers and the teacher folder, before any model is built: one line each for a missing
     teacher, a folder without ``config.json`` or weights, a teacher whose tokenizer has another vocabulary than the
-    student's (both named), a vocabulary larger than the teacher's head, numbers out of range, and on-policy rows
-    with packed data."""
+    student's (both named), a teacher whose ``vocab_size`` is smaller than the student's tokenizer (with or without
+    its own tokenizer files: it reads the student's token ids, and an id past its embedding fails its first forward
+    with ``IndexError``), numbers out of range, and on-policy rows with packed data."""
     d = cfg.train.distill
     if not 0 <= d.alpha <= 1:
         problems.append(f"train.distill.alpha: must be in [0, 1] (the divergence's weight; 1 - alpha weights the "
@@ -783,18 +796,25 @@ def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.distill.teacher: '{folder}' has no weights (*.safetensors, *.bin); the teacher "
                         f"must be trained (e.g. an sft export)")
     student_path = cfg.model.tokenizer_path or cfg.model.path
-    if not student_path or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return  # the teacher folder carries no tokenizer: it reads the student's
+    if not student_path:
+        return
     try:
-        mine, theirs = _vocab(student_path), _vocab(str(folder))
+        mine = _vocab(student_path)
     except Exception:  # noqa: BLE001  (the student's tokenizer problem is reported by the compatibility checks)
         return
-    if mine.get_vocab() != theirs.get_vocab():
-        problems.append(f"train.distill.teacher: the teacher's tokenizer '{folder}' ({len(theirs):,} tokens) has "
-                        f"another vocabulary than the student's '{student_path}' ({len(mine):,} tokens); "
-                        f"distillation compares the two distributions token by token: use a teacher of the same "
-                        f"tokenizer")
-        return
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            theirs = _vocab(str(folder))
+        except Exception:  # noqa: BLE001  (never loaded by a run: the teacher reads the student's token ids)
+            theirs = mine
+        if mine.get_vocab() != theirs.get_vocab():
+            problems.append(f"train.distill.teacher: the teacher's tokenizer '{folder}' ({len(theirs):,} tokens) has "
+                            f"another vocabulary than the student's '{student_path}' ({len(mine):,} tokens); "
+                            f"distillation compares the two distributions token by token: use a teacher of the same "
+                            f"tokenizer")
+            return
+    # with or without its own tokenizer files, the teacher reads the student's token ids: every id must have a row
+    # of its embedding (a smaller one fails in the teacher's first forward, IndexError on every rank)
     try:
         from transformers import AutoConfig
 
@@ -804,8 +824,10 @@ def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
                         f"{' '.join(str(e).split())[:200]}")
         return
     if isinstance(vocab, int) and len(mine) > vocab:
-        problems.append(f"train.distill.teacher: '{folder}' has vocab_size {vocab:,}, fewer than the tokenizer's "
-                        f"{len(mine):,} tokens")
+        problems.append(f"train.distill.teacher: '{folder}' has vocab_size {vocab:,} (config.json) but the student's "
+                        f"tokenizer '{student_path}' has {len(mine):,} tokens, whose ids past {vocab - 1:,} would "
+                        f"index past the teacher's embedding; use a teacher of the student's tokenizer (vocab_size "
+                        f">= {len(mine):,})")
 
 
 def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
