@@ -7,7 +7,7 @@ Hugging Face folder that every rank and verb reads.
 * Two processes that start on the same file at once convert it once; the other waits and takes the same folder.
 * Refused before any process group, one line each, exit 2: a file that is no GGUF, a truncated one, an architecture
   transformers' loader cannot read, a file without a tokenizer.
-* ``plan`` and ``evaluate`` take the same path; ``bundle --model x.gguf`` carries the file and ``verify`` checks it.
+* ``doctor``, ``plan`` and ``evaluate`` take the same path, a run's export is made from it; ``bundle --model x.gguf`` carries the file and ``verify`` checks it.
 * Extended: the shared real file (SmolLM2-135M-Instruct, Q4_1) converts to the model transformers loads from it.
 """
 
@@ -130,18 +130,19 @@ def test_gguf_trains_as_its_folder(tiny, tmp_path):
     says what it converted and where."""
     path, model = tiny
     reference = transformers_folder(path, tmp_path / "reference")
-    common = ["train.max_steps=1", "train.eval_every=0", "train.save_every=0", "export=false",
-              "data.max_train_rows=64", f"data.cache_dir={tmp_path / 'cache'}"]
+    common = ["train.max_steps=1", "train.eval_every=0", "train.save_every=0", "data.max_train_rows=64",
+              f"data.cache_dir={tmp_path / 'cache'}"]
     run_gguf = ok(launch(CONFIGS / "tiny_gpt.yaml", [f"output_dir={tmp_path / 'a'}", f"model.path={path}", *common],
-                         nproc=1))
-    ok(launch(CONFIGS / "tiny_gpt.yaml", [f"output_dir={tmp_path / 'b'}", f"model.path={reference}", *common],
-              nproc=1))
+                         nproc=1))  # with its export, checked against the engine as every run's
+    ok(launch(CONFIGS / "tiny_gpt.yaml", [f"output_dir={tmp_path / 'b'}", f"model.path={reference}", "export=false",
+                                          *common], nproc=1))
     folders = list((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64))
     assert len(folders) == 1, folders
     assert f"converted by transformers into '{folders[0]}'" in run_gguf.stdout
     assert f"model from GGUF '{path}'" in (tmp_path / "a" / "logs" / "rank0.log").read_text()
     loss_gguf, loss_ref = train_losses(tmp_path / "a")[1], train_losses(tmp_path / "b")[1]
     assert loss_gguf == loss_ref, (loss_gguf, loss_ref)
+    assert (tmp_path / "a" / "export" / "model.safetensors").is_file()
 
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -215,11 +216,16 @@ def test_refusals(case, tiny, tmp_path, capsys):
     assert not (tmp_path / "cache" / "gguf").is_dir() or not list((tmp_path / "cache" / "gguf").glob("[0-9a-f]*"))
 
 
-def test_plan_and_evaluate_take_a_gguf(tiny, tmp_path, capsys):
-    """``finetune plan`` plans the GGUF's model and ``finetune evaluate x.gguf`` evaluates it (through the same
-    conversion, reused from the cache)."""
+def test_plan_doctor_and_evaluate_take_a_gguf(tiny, tmp_path, capsys):
+    """``finetune doctor`` diagnoses the GGUF's converted folder, ``finetune plan`` plans its model and
+    ``finetune evaluate x.gguf`` evaluates it (through the same conversion, reused from the cache)."""
     path, _ = tiny
     cache = f"data.cache_dir={tmp_path / 'cache'}"
+    code, printed = finetune_here(["doctor", CONFIGS / "tiny_gpt.yaml", f"model.path={path}", cache,
+                                   f"output_dir={tmp_path / 'run'}"], capsys)
+    folder = next((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64))
+    assert f"converted by transformers into '{folder}'" in printed, printed
+    assert f"model.path '{folder}': config.json; weights; tokenizer" in printed, printed
     code, printed = finetune_here(["plan", CONFIGS / "tiny_gpt.yaml", f"model.path={path}", cache,
                                    "--gpus-per-node", "1"], capsys)
     assert code == 0, printed
