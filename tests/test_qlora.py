@@ -3,7 +3,9 @@ backend.
 
 * In process: the quantized layers' real storage equals what ``finetune plan`` counts for them; the base dequantized
   for the export computes what the quantized layers compute in training mode (4-bit: 1e-5; 8-bit quantizes the
-  activations too, so only near); bad ``model.quantization`` input is one line before any model.
+  activations too, so only near), and given the checkpoint's layers it dequantizes their saved weights; the merged
+  export of a checkpoint whose base another machine quantized is that base dequantized bit for bit (not
+  ``model.path`` quantized again); bad ``model.quantization`` input is one line before any model.
 * Extended (two 2-rank launches): a ZeRO-2 run of a pretrained tiny Llama with a 4-bit NF4 base trains, its merged
   export and its adapter folder on the 4-bit base reproduce the engine's logits (1e-5), and a resume from its step-2
   checkpoint gives the same losses at steps 3-4.
@@ -67,6 +69,93 @@ def test_plan_counts_the_stored_bytes_and_the_dequantized_base_computes_the_same
         diff = (dequantized(input_ids=ids).logits - ref).abs().max().item()
     assert "quantization_config" not in dequantized.config.to_dict()
     assert diff < (1e-5 if bits == 4 else 0.2 * ref.std().item()), diff
+    # given the layers' saved state (the export's checkpoint), their saved quantized weights are what is dequantized
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    weight = saved["model.layers.0.mlp.up_proj.weight"].view(-1)
+    weight[0] = weight[0] ^ 0x10 if bits == 4 else weight[0] + 1  # one weight's code changed
+    layer = "model.layers.0.mlp.up_proj"
+    again = quantize.dequantized_base(AutoModelForCausalLM, str(pretrained_llama), config, q, "fp32",
+                                      saved=lambda name: {k[len(name) + 1:]: v for k, v in saved.items()
+                                                          if k.startswith(name + ".")})
+    changed = {n: int((p != dequantized.get_parameter(n)).sum()) for n, p in again.named_parameters()}
+    assert changed == {**dict.fromkeys(changed, 0), f"{layer}.weight": 1}, {n: c for n, c in changed.items() if c}
+
+
+def _move_a_code_across_its_nearest_boundary(state: dict, key: str, weight: torch.Tensor) -> int:
+    """Change the packed NF4 code of the weight of ``weight`` (``[out, in]``, the layer's source weights) nearest to a
+    code boundary (a midpoint between two NF4 values, relative to its 64-weight block's absmax) to the code on the
+    boundary's other side, in ``state[key]`` (the packed uint8 ``[out * in / 2, 1]``), as a quantizer rounding by
+    other arithmetic moves it. Returns the weight's flat index."""
+    import bitsandbytes as bnb
+
+    code = bnb.functional.get_4bit_type("nf4", device="cpu")
+    mid = (code[:-1] + code[1:]) / 2
+    flat = weight.reshape(-1, 64).float()
+    scaled = (flat / flat.abs().amax(1, keepdim=True)).reshape(-1)
+    gap, which = (scaled[:, None] - mid[None]).abs().min(1)
+    i = int(gap.argmin())
+    new = int(which[i]) + (0 if scaled[i] > mid[which[i]] else 1)  # the code on the other side of the boundary
+    packed = state[key].view(-1)
+    byte = int(packed[i // 2])
+    packed[i // 2] = (new << 4 | byte & 0xF) if i % 2 == 0 else (byte & 0xF0 | new)
+    return i
+
+
+def test_the_merged_export_dequantizes_the_checkpoints_packed_base(pretrained_llama, tmp_path):
+    """In process, a ZeRO-0 checkpoint (``mp_rank_00_model_states.pt``: the engine's module state, the 4-bit base
+    packed with its quantization state) whose base another machine quantized: bitsandbytes' CUDA kernel and its CPU
+    backend round differently in places (a last partial block divided by its absmax on the CPU, multiplied by the
+    reciprocal on CUDA; double quantization's offset a mean summed in each device's order), so a weight at an NF4
+    code boundary may get the neighbouring code; here one weight's code is moved across its nearest boundary. The
+    merged export's weights are the checkpoint's packed base dequantized, bit for bit, not ``model.path`` quantized
+    again on the export's CPU; a checkpoint without the packed base is one line."""
+    import bitsandbytes as bnb
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.config import config_to_dict, dump_yaml, load_run_config
+    from finetune.engine import lora, quantize
+    from finetune.errors import ConfigError
+    from finetune.lifecycle.export import export_checkpoint
+
+    run = tmp_path / "run"
+    cfg = load_run_config(SFT, [f"output_dir={run}", f"model.path={pretrained_llama}", "model.tokenizer_path=",
+                                "model.init=pretrained", "deepspeed=ds_configs/zero0.json", "model.lora.r=4",
+                                "model.quantization.bits=4"])
+    config = AutoConfig.from_pretrained(pretrained_llama)
+    trained = lora.wrap(quantize.load_base(AutoModelForCausalLM, str(pretrained_llama), config,
+                                           cfg.model.quantization, "fp32"), cfg.model.lora, AutoModelForCausalLM, 0)
+    state = {k: v.detach().clone() for k, v in trained.state_dict().items()}
+    layer = "model.layers.1.mlp.down_proj"
+    key = f"base_model.model.{layer}.base_layer.weight"
+    source = AutoModelForCausalLM.from_pretrained(pretrained_llama).get_submodule(layer).weight
+    _move_a_code_across_its_nearest_boundary(state, key, source)
+    stats = {k[len(key) + 1:]: v for k, v in state.items() if k.startswith(key + ".")}
+    assert stats["quant_state.bitsandbytes__nf4"] is not None and "nested_absmax" in stats  # double quantization
+
+    ckpt = run / "checkpoints" / "step1"
+    ckpt.mkdir(parents=True)
+    torch.save({"module": state}, ckpt / "mp_rank_00_model_states.pt")
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": 1}))
+    (run / "run_config.yaml").write_text(dump_yaml(config_to_dict(cfg)))
+    config.save_pretrained(run / "model_config")
+    AutoTokenizer.from_pretrained(pretrained_llama).save_pretrained(run / "model_config")
+    out = export_checkpoint(ckpt, tmp_path / "export")
+
+    got = load_file(out / "model.safetensors")
+    for name, module in trained.named_modules():  # every quantized layer: the checkpoint's bytes dequantized
+        if isinstance(module, bnb.nn.Linear4bit):
+            prefix = f"{name}.weight"
+            packed = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+            want = bnb.functional.dequantize_4bit(state[prefix], bnb.functional.QuantState.from_dict(packed, "cpu"))
+            plain = name.removeprefix("base_model.model.").removesuffix(".base_layer")
+            differ = int((got[f"{plain}.weight"] != want.float()).sum())
+            assert differ == 0, f"{plain}: {differ} weights differ from the checkpoint's dequantized"
+
+    del state[key]  # a checkpoint saved without its frozen base
+    torch.save({"module": state}, ckpt / "mp_rank_00_model_states.pt")
+    with pytest.raises(ConfigError, match=f"{layer}: the checkpoint holds no packed weight"):
+        export_checkpoint(ckpt, tmp_path / "export2")
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

@@ -11,8 +11,9 @@ transformers' ``BitsAndBytesConfig``, prepared for adapter training by peft's ``
   to a wrong loss (bitsandbytes issue #1451).
 * Checkpoints hold the packed weights with their quantization state (bitsandbytes' ``_save_to_state_dict``);
   a resume rebuilds the same base from ``model.path`` and loads them back over it.
-* The export dequantizes the base to the compute dtype (:func:`dequantized_base`) before merging the adapters, so the
-  merged model computes what the engine computed; the adapter folder is for the 4-bit base (:func:`load_base`).
+* The export dequantizes the checkpoint's packed base (the weights training quantized, on whatever device) to the
+  compute dtype (:func:`dequantized_base`) before merging the adapters, so the merged model computes what the engine
+  computed; the adapter folder is for the 4-bit base (:func:`load_base`).
 """
 
 from __future__ import annotations
@@ -187,10 +188,50 @@ def load_base(model_class, path: str, model_config, q: QuantizationConfig, preci
     return prepare(_quantized(model_class, path, model_config, q, precision, device_map(), attn))
 
 
-def dequantized_base(model_class, path: str, model_config, q: QuantizationConfig, precision: str):
-    """The quantized base (quantized on the CPU as :func:`load_base` quantizes it) dequantized to fp32 ``nn.Linear``
-    layers (transformers' ``dequantize``): the weights the engine's matmuls used, for a merged export."""
-    return _quantized(model_class, path, model_config, q, precision, "cpu", "sdpa").dequantize().float()
+def dequantized_base(model_class, path: str, model_config, q: QuantizationConfig, precision: str,
+                     saved=None):
+    """The quantized base dequantized to fp32 ``nn.Linear`` layers (transformers' ``dequantize``): the weights the
+    engine's matmuls used, for a merged export.
+
+    The base is built as :func:`load_base` builds it, on the CPU; with ``saved`` each quantized layer's weight is then
+    replaced by the one training used (:func:`use_saved`) before it is dequantized. Quantizing ``model.path`` again is
+    not the same: bitsandbytes' CUDA kernel and its CPU backend round differently in places (a last partial 64-weight
+    block divided by its absmax on the CPU, multiplied by the reciprocal on CUDA; double quantization's offset, a mean,
+    summed in each device's order; the nested 8-bit codes by two implementations), so weights at a code boundary can
+    get the neighbouring code; dequantization is one multiplication (and the offset's addition) on both.
+
+    Args:
+        saved: ``layer name -> {key: tensor}``: the layer's own entries of the module state training saved (its
+            ``state_dict``: the packed weight with its quantization state, or the 8-bit weight with ``SCB``).
+    """
+    model = _quantized(model_class, path, model_config, q, precision, "cpu", "sdpa")
+    if saved is not None:
+        for name, module in quantized_layers(model).items():
+            use_saved(module, saved(name))
+    return model.dequantize().float()
+
+
+def quantized_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``name -> layer`` of ``model``'s bitsandbytes layers (``Linear4bit``, ``Linear8bitLt``)."""
+    import bitsandbytes as bnb
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+
+
+def use_saved(module: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Give the bitsandbytes layer ``module`` the quantized weight of ``saved`` (the layer's ``state_dict`` as
+    training saved it), with bitsandbytes' own loading: 4-bit, the packed ``weight`` and the quantization state its
+    ``weight.*`` entries hold (``Params4bit.from_prequantized``, as transformers loads a pre-quantized checkpoint);
+    8-bit, ``weight`` and ``SCB`` (``Linear8bitLt``'s ``load_state_dict``)."""
+    import bitsandbytes as bnb
+
+    if isinstance(module, bnb.nn.Linear4bit):
+        stats = {k[len("weight."):]: v for k, v in saved.items() if k.startswith("weight.")}
+        module.weight = bnb.nn.Params4bit.from_prequantized(saved["weight"], stats, requires_grad=False,
+                                                            device=module.weight.device, module=module)
+    else:
+        module.load_state_dict({k: v for k, v in saved.items() if k in ("weight", "SCB", "weight_format")},
+                               strict=False)
 
 
 def model_bytes(model: torch.nn.Module) -> int:

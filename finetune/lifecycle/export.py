@@ -154,6 +154,38 @@ def _load_trained(model: torch.nn.Module, state: dict[str, torch.Tensor], ckpt: 
     model.load_state_dict(trained, strict=False)
 
 
+_LAYER_KEYS = ("weight", "bias", "SCB", "weight_format")
+"""A bitsandbytes layer's own ``state_dict`` entries (with ``weight.*``, a 4-bit weight's quantization state)."""
+
+
+def saved_quantized_layer(ckpt: Path):
+    """``layer name -> {key: tensor}``: a QLoRA base layer's entries of the module state in ``ckpt`` (its
+    ``mp_rank_00_model_states.pt``, read with :func:`finetune.lifecycle.safe_load.load`; ``zero_to_fp32`` leaves the
+    quantization state out), for :func:`finetune.engine.quantize.dequantized_base`: the packed weights training
+    used. The layer is looked up as the ``PeftModel`` names it (``base_model.model.<name>.base_layer`` with adapters
+    on it, else ``base_model.model.<name>``), or by its own name.
+
+    Raises:
+        ConfigError: the checkpoint has no model states, or no packed weight for a layer (one line naming both).
+    """
+    states = ckpt / "mp_rank_00_model_states.pt"
+    if not states.is_file():
+        raise ConfigError(f"export: '{ckpt}' is not a DeepSpeed checkpoint folder (no model states)")
+    module = safe_load.load(states, map_location="cpu")["module"]
+
+    def entries(name: str) -> dict[str, torch.Tensor]:
+        for prefix in (f"base_model.model.{name}.base_layer.", f"base_model.model.{name}.", f"{name}."):
+            got = {k[len(prefix):]: v for k, v in module.items() if k.startswith(prefix)
+                   and (k[len(prefix):] in _LAYER_KEYS or k[len(prefix):].startswith("weight."))}
+            if "weight" in got:
+                return got
+        raise ConfigError(f"export: {ckpt}: {name}: the checkpoint holds no packed weight of this quantized layer "
+                          f"(its module state lacks base_model.model.{name}.base_layer.weight); export a checkpoint "
+                          f"finetune saved from a model.quantization run")
+
+    return entries
+
+
 def run_precision(run_dir: Path) -> str:
     """``fp32``, ``bf16`` or ``fp16``: what the run in ``run_dir`` trained in (its ``ds_config.json``; fp32 without)."""
     ds = run_dir / "ds_config.json"
@@ -245,8 +277,9 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
     config.use_cache = source_use_cache(run_cfg)  # sft's packing trains without; the export generates with a cache
     q = run_cfg.model.quantization
     with plain_model_construction():
-        if q is not None:  # QLoRA: the checkpoint's base is packed; the same base dequantized, the adapters from it
-            model = quantize.dequantized_base(recipe.model_class, run_cfg.model.path, config, q, run_precision(run_dir))
+        if q is not None:  # QLoRA: the checkpoint's packed base dequantized, the adapters from the checkpoint
+            model = quantize.dequantized_base(recipe.model_class, run_cfg.model.path, config, q, run_precision(run_dir),
+                                              saved=saved_quantized_layer(ckpt))
         else:
             model = recipe.model_class.from_config(config, dtype=torch.float32)
         if run_cfg.model.lora is not None:  # the checkpoint holds the PeftModel's state (base + adapters)
