@@ -287,6 +287,5 @@ def test_dora_at_zero3_generates_before_any_engine_forward(tmp_path, monkeypatch
             logits = engine.module(input_ids=ids).logits
             assert torch.equal(engine(input_ids=ids).logits, logits)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        dist_utils.shutdown()
         patches.restore_all()

@@ -237,6 +237,5 @@ def test_resume_that_changes_the_schedule_keeps_loraplus_rates_and_decays(tmp_pa
         assert [g["lr"] for g in groups] == pytest.approx([2e-4, 3.2e-3, 3.2e-3])  # no warmup: the peak at step 0
         assert [g["weight_decay"] for g in groups] == [0.1, 0.1, 0.0]
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        dist_utils.shutdown()
         patches.restore_all()

@@ -38,7 +38,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from finetune import patches
 from finetune.parallel import distributed as dist_utils
@@ -196,6 +195,5 @@ def run_evaluation(cfg, ds: dict) -> dict:
             metrics["generations"] = records
         return metrics
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        dist_utils.shutdown()
         patches.restore_all()  # the libraries' own objects again, whoever runs next in this process

@@ -19,7 +19,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 
 from finetune.parallel import distributed as dist_utils
 from finetune.errors import ConfigError
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             dist_utils.set_cpu_threads()
         rows = run_checks(names)
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        dist_utils.shutdown()
     if dist_utils.is_main():
         print(render(rows))
         if args.json:

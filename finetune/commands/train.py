@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 from finetune import patches
 from finetune.lifecycle import checkpoint as ckpt_utils
@@ -225,9 +224,5 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
     finally:
         if opened.lock is not None:
             opened.lock.release()
-        if torch.distributed.is_initialized():
-            try:
-                torch.distributed.destroy_process_group()
-            except Exception:  # noqa: BLE001  (best effort at shutdown)
-                pass
+        dist_utils.shutdown()
         patches.restore_all()  # the libraries' own objects again, whoever runs next in this process

@@ -378,3 +378,18 @@ def all_gather_object(obj) -> list:
         dist.all_gather_object(out, obj)
         return out
     return [obj]
+
+
+def shutdown() -> None:
+    """End this process's process group, if any, through DeepSpeed's ``deepspeed.comm.destroy_process_group``: it
+    also drops DeepSpeed's cached groups (``deepspeed.utils.groups``: the clone of the world group, the data-parallel
+    and sequence-parallel groups), which ``torch.distributed.destroy_process_group`` alone leaves pointing at the
+    destroyed group, so a later process group in the same process (an in-process ``evaluate`` after another) would
+    fail in ``deepspeed.initialize`` ("Group ... is not registered"). Best effort: never raises."""
+    if not dist.is_initialized():
+        return
+    try:
+        deepspeed.comm.destroy_process_group()
+    except Exception:  # noqa: BLE001  (best effort at shutdown; fall back to torch's own)
+        if dist.is_initialized():
+            dist.destroy_process_group()
