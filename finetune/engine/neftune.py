@@ -21,7 +21,6 @@ row is one example there: the SP shard carries no mask, :class:`finetune.paralle
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
