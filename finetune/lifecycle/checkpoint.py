@@ -802,6 +802,15 @@ def load(engine, ckpt: Path, universal: Path | None = None, what: str = "resumed
         # which would put weight decay on the no-decay group (biases, norms; finetune.engine.model.param_groups)
         for g, wd in zip(engine.optimizer.param_groups, decay):
             g["weight_decay"] = wd
+        # ... and group 0's learning rate: under LoRA+ (peft's create_loraplus_optimizer groups, lr x ratio for the
+        # B matrices) the first step after the load would train every group at the A matrices' rate. The restored
+        # LR schedule holds each group's rate (base_lrs, get_last_lr()).
+        schedule = engine.lr_scheduler
+        if schedule is not None and hasattr(schedule, "get_last_lr"):
+            for g, lr in zip(engine.optimizer.param_groups, schedule.get_last_lr()):
+                g["lr"] = lr
+            for g, base in zip(engine.optimizer.param_groups, getattr(schedule, "base_lrs", [])):
+                g["initial_lr"] = base
         # ... and one step-count tensor to every parameter group's state; torch's Adam increments it in place
         # once per group and step, which would run the bias correction ahead in all groups after the first
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
