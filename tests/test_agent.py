@@ -213,3 +213,139 @@ def _first_row(overrides):
     cfg = load_run_config(CONFIG, overrides)
     first = pq.read_table(REPO / "data/guess_number/train.parquet").slice(0, 1).to_pylist()[0]
     return {grpo.PROMPT_COLUMN: first["prompt"], **{grpo.COLUMN_PREFIX + n: first[n] for n in cfg.data.reward_columns}}
+
+
+# Issue 68 item 12: an environment's calls run in the rank's environment process, where a timeout can stop them.
+
+COUNTERS = '''
+class Counter:
+    """A counter per rollout; ``spin`` computes a power in C code that holds the GIL and would not end."""
+
+    def reset(self, start, **row):
+        self.count, self.blob = int(start), object()
+
+    def add(self, k: int) -> str:
+        """Add to the count.
+
+        Args:
+            k: How much.
+        """
+        self.count += k
+        return f"count {self.count}"
+
+    def spin(self) -> str:
+        """Compute a power with 64**64 bits of exponent (C code holding the GIL, for ever)."""
+        return str((9 ** 64) ** 64 ** 64)
+
+    def get_reward(self) -> float:
+        """A tenth of the count."""
+        return self.count / 10
+'''
+
+
+def _counters(tmp_path):
+    path = tmp_path / "counters.py"
+    path.write_text(COUNTERS)
+    agent = agent_mod._load((), f"{path}:Counter")
+    return agent, lambda env: {m: getattr(env, m) for m in agent.methods}
+
+
+def _call(name: str, **arguments) -> dict:
+    return {"name": name, "arguments": arguments, "error": None}
+
+
+def test_an_environment_call_stuck_in_c_code_is_stopped_and_its_process_lost(tmp_path):
+    """A method spinning in C code that holds the GIL is stopped at ``tool_timeout_s`` (the rank's threads run on
+    meanwhile); the instances of that process are lost: their tool calls return an error the model reads, their
+    ``get_reward`` None; a fresh instance then works, and reward functions read the instances' attributes and
+    rewards through their handles; a value that is not JSON is a one-line TypeError."""
+    import threading
+    import time
+
+    from finetune.recipes import rewards
+    from finetune.recipes import tools as T
+
+    agent, tools_of = _counters(tmp_path)
+    assert agent.methods == ("add", "spin")
+    envs, observations = agent_mod.start_environments(agent, {"start": [1, 2]}, 2, timeout_s=0.5)
+    assert observations == [None, None]
+    stats = T.ToolStats()
+    assert T.call_tool(tools_of(envs[0]), _call("add", k=2), 0.5, stats) == "count 3"
+    ticks, done = [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    start = time.perf_counter()
+    stuck = T.call_tool(tools_of(envs[1]), _call("spin"), 0.5, stats)
+    took = time.perf_counter() - start
+    done.set()
+    ticker.join()
+    assert json.loads(stuck) == {"error": "the tool 'spin' did not return within 0.5 s"} and took < 1.5, took
+    assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.25  # the rank's threads were never blocked
+    for env in envs:  # both lost with the process: the other rollout's and the spinning one's
+        lost = json.loads(T.call_tool(tools_of(env), _call("add", k=1), 0.5, stats))["error"]
+        assert lost == ("the environment was lost: a call of another rollout, or of this one, ran past 0.5 s "
+                        "(train.grpo.tool_timeout_s), so the process holding the rank's environments was stopped")
+        assert env.get_reward() is None and env.count is None
+    assert agent_mod.environment_reward([], [], environments=envs) == [None, None]
+    assert (stats.calls, stats.failures) == (4, 3)
+
+    fresh, _ = agent_mod.start_environments(agent, {"start": [5]}, 1, timeout_s=0.5)
+    assert T.call_tool(tools_of(fresh[0]), _call("add", k=2), 0.5, stats) == "count 7"
+
+    def counted(prompts, completions, environments, **columns):
+        return [env.count / 7 for env in environments]
+
+    table = rewards.score([rewards.RewardFunction("counted", "counted", counted, 1.0),
+                           rewards.RewardFunction("Counter", "Counter", agent_mod.environment_reward, 1.0)],
+                          ["p"], ["c"], [[1]], {"environments": fresh})
+    assert table == [[1.0, 0.7]]
+    with pytest.raises(TypeError) as e:
+        fresh[0].blob
+    assert str(e.value) == ("Counter.blob holds a value of type 'object', which cannot be read from the rank: "
+                            "environments run in the environment process, and only JSON values (numbers, text, "
+                            "lists, dicts, None) cross")
+    assert not hasattr(fresh[0], "missing")
+
+
+def test_an_environment_call_holding_the_gil_returns_within_its_timeout(tmp_path):
+    """The rank's own path (``start_environments``, the rollout's tools bound by name, ``call_tool``) run in a forked
+    child so that this test cannot hang: the spinning call returns its timeout error within ``tool_timeout_s`` + 1 s.
+    Before, the method ran in a thread of the rank, which C code holding the GIL blocked for ever (with the rank's
+    timeout and signal handlers): the child never answered."""
+    import os
+    import select
+    import signal
+    import time
+
+    from finetune.recipes import tools as T
+
+    agent, tools_of = _counters(tmp_path)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the rank
+        try:
+            os.close(read)
+            envs, _ = agent_mod.start_environments(agent, {"start": [1]}, 1)
+            start = time.perf_counter()
+            said = T.call_tool(tools_of(envs[0]), _call("spin"), 0.5, T.ToolStats())
+            os.write(write, json.dumps({"said": said, "took": time.perf_counter() - start}).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        answered = select.select([read], [], [], 0.5 + 2.5)[0]
+        if not answered:
+            os.kill(child, signal.SIGKILL)
+        got = json.loads(os.read(read, 1 << 16) or "null") if answered else None
+    finally:
+        os.close(read)
+        os.waitpid(child, 0)
+    assert got is not None, "the environment's call did not return within 3 s: the rank was blocked"
+    assert json.loads(got["said"]) == {"error": "the tool 'spin' did not return within 0.5 s"}
+    assert got["took"] < 1.5, got

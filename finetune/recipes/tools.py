@@ -18,13 +18,21 @@ A tool that raises, runs past ``train.grpo.tool_timeout_s``, is unknown, or gets
 object returns ``{"error": ...}`` (JSON) to the model (as TRL does) and is counted (``tools/failure_frequency``); a
 result that is not a string is sent as TRL 1.16 sends it, ``str(result)`` (a list of text content blocks: their
 texts), and counted as ``non_text`` (not a failure).
-No tool call ever stops a rank. A ``train.grpo.tools`` function runs in the rank's worker process
-(:class:`ToolProcess`, :mod:`finetune.recipes.tool_worker`): a call past the timeout is stopped by killing the
-process, and the next call starts another (a thread cannot be stopped, and one in C code holding the GIL blocks
-the rank, its timeout and its signal handlers). An environment's methods keep their instance's state in the rank,
-so they run in a thread: one that times out is left behind, and that instance's later calls fail at once (at most
-one such thread per instance). The parser accepts brackets nested :data:`MAX_NESTING` deep at most (deeper is an
-error the model reads), and a result is known not to fit from its length before it is tokenized.
+No tool call ever stops a rank. Tools and environments run in the rank's worker processes
+(:mod:`finetune.recipes.tool_worker`), so that a call past the timeout is stopped by killing its process, and the
+next call starts another: a thread cannot be stopped, and one in C code holding the GIL (``(9**64)**64**64``) blocks
+the rank, its timeout and its signal handlers (a preemption's SIGTERM could not checkpoint). A
+``train.grpo.tools`` function runs in the rank's tool process (:class:`ToolProcess`). An environment's instances
+(TRL 1.16's ``environment_factory``: one per rollout) live in the rank's environment process
+(:func:`new_environment`); the rank holds a handle on each (:class:`RemoteEnvironment`) whose methods are the
+rollout's tools and which the reward functions read as the instance (``env.get_reward()``, ``env.attribute``: JSON
+values cross, nothing else; JSON both ways, so nothing read runs code). A call past the timeout stops that process
+and loses every instance it held: their later tool calls return an error saying so, and their reads (``get_reward``
+included) give None, a missing reward. The environment's own process keeps a hanging tool from losing the
+environments' state. The probe instance ``--check`` and the schemas use (:func:`load_environment`,
+:func:`environment_tools`) stays in the rank: it is only inspected, its methods never called. The parser accepts
+brackets nested :data:`MAX_NESTING` deep at most (deeper is an error the model reads), and a result is known not to
+fit from its length before it is tokenized.
 
 The user's file is imported when the run starts and by ``--check``: the run config names it, so running it is what
 the user asked for (as for reward functions, :mod:`finetune.recipes.rewards`).
@@ -373,73 +381,321 @@ def _call(name, arguments) -> dict:
 
 
 class _Worker:
-    """The rank's tool process (:mod:`finetune.recipes.tool_worker`): started on the first call, killed and
-    replaced when a call runs past its timeout, killed when the rank exits."""
+    """One of the rank's worker processes (:mod:`finetune.recipes.tool_worker`): started on the first request,
+    killed and replaced when a request runs past its timeout, killed when the rank exits; a process forked from the
+    rank starts its own. ``what`` names it in messages (``"tool"``, ``"environment"``).
 
-    def __init__(self):
+    Environment instances are numbered by the rank (:attr:`next_id`), so it knows without asking which are gone: an
+    instance made before the current process started was lost with the process that held it (:meth:`lost` says
+    why), one numbered below :attr:`dropped` was dropped."""
+
+    def __init__(self, what: str):
+        self.what = what
         self.process: subprocess.Popen | None = None
+        self.pid = os.getpid()
         self.loaded: set[str] = set()
         self.buffer = b""
+        self.lock = threading.RLock()
+        self.next_id = 0
+        """The number the next environment instance gets."""
+        self.born = 0
+        """The first instance number of the current process (those below it were lost or dropped)."""
+        self.dropped = 0
+        """Instances numbered below this were dropped (:meth:`drop`)."""
+        self.losses: list[tuple[int, str]] = []
+        """Per process that ended holding instances: (the instance numbers below which it held them, why)."""
 
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.wait()
-            for pipe in (self.process.stdin, self.process.stdout):
-                pipe.close()
-        self.process, self.loaded, self.buffer = None, set(), b""
+    def kill(self, why: str | None = None) -> None:
+        """Stop the process (the rank's own only: never one a forked parent started); the instances it held are
+        lost, for ``why`` (None: it ended)."""
+        with self.lock:
+            if self.pid != os.getpid():  # forked: the process is the parent's
+                self.process, self.pid = None, os.getpid()
+                why = why or "it was made in another process (the rank forked)"
+            if self.next_id > max(self.born, self.dropped):
+                self.losses.append((self.next_id, why or f"the {self.what} process ended"))
+            if self.process is not None:
+                self.process.kill()
+                self.process.wait()
+                for pipe in (self.process.stdin, self.process.stdout):
+                    pipe.close()
+            self.process, self.loaded, self.buffer, self.born = None, set(), b"", self.next_id
 
-    def ask(self, request: dict, timeout_s: float) -> dict | None:
-        """The worker's answer, or None when it did not answer within ``timeout_s`` (it is then killed)."""
-        if self.process is None or self.process.poll() is not None:
-            self.kill()
-            self.process = subprocess.Popen([sys.executable, "-u", tool_worker.__file__], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, cwd=os.getcwd())
-        try:
-            self.process.stdin.write((json.dumps(request) + "\n").encode())
-            self.process.stdin.flush()
-        except OSError:  # it died
-            self.kill()
-            return {"error": "the tool process ended"}
-        fd, deadline = self.process.stdout.fileno(), time.monotonic() + timeout_s
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+    def lost(self, number: int) -> str | None:
+        """Why environment instance ``number`` is gone, or None while the process holds it."""
+        if number < self.dropped:
+            return "it was dropped at the end of its step"
+        return next((why for below, why in self.losses if number < below), None)
+
+    def ask(self, request: dict, timeout_s: float, why: str | None = None) -> dict | None:
+        """The worker's answer, or None when it did not answer within ``timeout_s`` (it is then killed, its
+        instances lost for ``why``)."""
+        with self.lock:
+            if self.pid != os.getpid() or self.process is None or self.process.poll() is not None:
+                code = None if self.process is None or self.pid != os.getpid() else self.process.poll()
+                self.kill(None if code is None else f"the {self.what} process ended (exit code {code})")
+                self.process = subprocess.Popen([sys.executable, "-u", tool_worker.__file__], stdin=subprocess.PIPE,
+                                                stdout=subprocess.PIPE, cwd=os.getcwd())
+            try:
+                self.process.stdin.write((json.dumps(request) + "\n").encode())
+                self.process.stdin.flush()
+            except OSError:  # it died
                 self.kill()
+                return {"error": f"the {self.what} process ended"}
+            fd, deadline = self.process.stdout.fileno(), time.monotonic() + timeout_s
+            while b"\n" not in self.buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    self.kill(why or f"a call ran past {timeout_s:g} s")
+                    return None
+                chunk = os.read(fd, 1 << 20)
+                if not chunk or len(self.buffer) > MAX_RESULT_BYTES:
+                    try:
+                        code = self.process.wait(0 if chunk else 5)  # at the end of its output it is exiting
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    ended = f"the {self.what} process ended (exit code {code})"
+                    longer = f"the {self.what}'s result is longer than {MAX_RESULT_BYTES} bytes"
+                    self.kill(longer if chunk else ended)
+                    return {"error": longer if chunk else ended}
+                self.buffer += chunk
+            line, _, self.buffer = self.buffer.partition(b"\n")
+            return json.loads(line)
+
+    def load(self, spec: str) -> str | None:
+        """Import ``spec``'s file in the process (once per process, within :data:`LOAD_TIMEOUT_S`); None, or why
+        it failed (``"failed: Type: ..."``, ``"took more than ... s"``)."""
+        with self.lock:
+            if spec in self.loaded and self.pid == os.getpid() and self.process is not None \
+                    and self.process.poll() is None:
                 return None
-            chunk = os.read(fd, 1 << 20)
-            if not chunk or len(self.buffer) > MAX_RESULT_BYTES:
-                code = self.process.poll()
-                self.kill()
-                return {"error": f"the tool's result is longer than {MAX_RESULT_BYTES} bytes" if chunk else
-                        f"the tool process ended (exit code {code})"}
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(line)
+            answer = self.ask({"load": spec}, LOAD_TIMEOUT_S, f"importing {spec} took more than {LOAD_TIMEOUT_S:g} s")
+            if answer is None or "error" in answer:
+                return f"failed: {answer['error']}" if answer else f"took more than {LOAD_TIMEOUT_S:g} s"
+            self.loaded.add(spec)
+            return None
 
     def call(self, spec: str, arguments: dict, timeout_s: float) -> dict | None:
-        if spec not in self.loaded:
-            answer = self.ask({"load": spec}, LOAD_TIMEOUT_S)
-            if answer is None or "error" in answer:
-                return {"error": f"importing the tool failed: {answer['error']}" if answer else
-                        f"importing the tool took more than {LOAD_TIMEOUT_S:g} s"}
-            self.loaded.add(spec)
+        failed = self.load(spec)
+        if failed:
+            return {"error": f"importing the tool {failed}"}
         return self.ask({"call": spec, "arguments": arguments}, timeout_s)
 
+    def drop(self) -> None:
+        """Forget every environment instance made so far (the process frees them; their handles say so)."""
+        with self.lock:
+            if self.process is not None and self.pid == os.getpid() and self.process.poll() is None \
+                    and self.next_id > max(self.born, self.dropped):
+                self.ask({"drop_below": self.next_id}, LOAD_TIMEOUT_S, "dropping the instances of a step took "
+                                                                       f"more than {LOAD_TIMEOUT_S:g} s")
+            self.dropped = self.next_id
+            self.losses = [(below, why) for below, why in self.losses if below > self.dropped]
 
-_WORKER = _Worker()
+
+_WORKER = _Worker("tool")
+"""The rank's ``train.grpo.tools`` process."""
+_ENVIRONMENTS = _Worker("environment")
+"""The rank's ``train.grpo.environment`` process (its own, so that a tool that hangs never takes the environments'
+state with it)."""
 atexit.register(_WORKER.kill)
-_HUNG: dict[int, threading.Thread] = {}
-"""Per environment instance (or function), the thread of its call that timed out while it still runs."""
+atexit.register(_ENVIRONMENTS.kill)
+
+
+class EnvironmentFailed(Exception):
+    """An environment instance could not be made (:func:`new_environment`); the message is one line."""
+
+
+class EnvironmentCallError(RuntimeError):
+    """A method or property of an environment instance raised in the environment process (the message names it
+    and the exception, one line)."""
+
+
+@dataclass(frozen=True)
+class _Handle:
+    worker: _Worker
+    number: int
+    name: str
+    """The instance's class name."""
+    methods: frozenset[str]
+    timeout_s: float
+
+
+def _lost_error(why: str) -> dict:
+    return {"error": f"the environment was lost: {why}"}
+
+
+class RemoteMethod:
+    """A method of a :class:`RemoteEnvironment`: called by a reward function (``env.get_reward()``), it runs in the
+    environment process and returns its value (JSON: numbers, text, lists, dicts, None; a NumPy or PyTorch scalar as
+    its Python number); on a lost instance, or past the instance's timeout (which stops the process: the rank's other
+    instances are lost with it), it returns None, a missing value (TRL's for a reward). As a tool, :func:`call_tool`
+    runs it (:meth:`tool_call`).
+
+    Raises (when called):
+        TypeError: an argument or the result is not a JSON value (one line: environments run in the environment
+            process, and only JSON crosses).
+        AttributeError: the instance has no such attribute.
+        EnvironmentCallError: the method raised.
+    """
+
+    def __init__(self, environment: RemoteEnvironment, name: str):
+        self.__self__, self.__name__ = environment, name
+
+    def __repr__(self) -> str:
+        return f"<method {self.__self__._remote.name}.{self.__name__} in the environment process>"
+
+    def __call__(self, *args, **kwargs):
+        h = self.__self__._remote
+        where = f"{h.name}.{self.__name__}()"
+        if h.worker.lost(h.number):
+            return None
+        try:
+            json.dumps([args, kwargs])
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}: an argument cannot be passed ({e}); environments run in the environment "
+                            f"process, and only JSON values (numbers, text, lists, dicts, None) cross") from None
+        answer = h.worker.ask({"invoke": self.__name__, "id": h.number, "args": list(args), "kwargs": kwargs},
+                              h.timeout_s, _ran_past(h.timeout_s))
+        return _read(answer, h, where)
+
+    def tool_call(self, arguments: dict, timeout_s: float) -> dict | None:
+        """The method run as a tool (:func:`call_tool`): the worker's answer (``{"text"[, "non_text"]}`` or
+        ``{"error"}``; the instance lost: ``{"error": "the environment was lost: ..."}``), or None when it did not
+        return within ``timeout_s`` (the process is stopped: the rank's other instances are lost with it)."""
+        h = self.__self__._remote
+        why = h.worker.lost(h.number)
+        if why:
+            return _lost_error(why)
+        answer = h.worker.ask({"invoke": self.__name__, "id": h.number, "kwargs": arguments, "text": True},
+                              timeout_s, _ran_past(timeout_s))
+        if answer is not None and "missing" in answer:
+            return {"error": f"AttributeError: {answer['missing']}"}
+        return answer
+
+
+def _ran_past(timeout_s: float) -> str:
+    return (f"a call of another rollout, or of this one, ran past {timeout_s:g} s (train.grpo.tool_timeout_s), so "
+            f"the process holding the rank's environments was stopped")
+
+
+def _read(answer: dict | None, h: _Handle, where: str):
+    """A value the environment process sent for ``where`` (a read or a call by a reward function)."""
+    if answer is None or h.worker.lost(h.number):
+        if answer is None:
+            from finetune.logs import logger
+
+            logger.warning(f"train.grpo.environment: {where} did not return within {h.timeout_s:g} s "
+                           f"(train.grpo.tool_timeout_s); the environment process was stopped, and reads of its "
+                           f"instances give None (a missing reward)")
+        return None
+    if "value" in answer:
+        return answer["value"]
+    if "not_json" in answer:
+        raise TypeError(f"{where} {'returned' if where.endswith(')') else 'holds'} a value of type "
+                        f"'{answer['not_json']}', which cannot be read from the rank: environments run in the "
+                        f"environment process, and only JSON values (numbers, text, lists, dicts, None) cross")
+    if "missing" in answer:
+        raise AttributeError(answer["missing"])
+    raise EnvironmentCallError(f"{where} raised {answer['error']}")
+
+
+class RemoteEnvironment:
+    """A handle on one environment instance (TRL 1.16's ``environment_factory``) that lives in the rank's environment
+    process (:func:`new_environment`), so that every call of it can be stopped: the rollout's tools are its methods
+    (:class:`RemoteMethod`, run by :func:`call_tool`), and a reward function that receives it in ``environments``
+    reads it as the instance: ``env.get_reward()``, ``env.some_attribute`` (a JSON value, read in that process; a
+    callable attribute gives a :class:`RemoteMethod`). An instance lost because its process was stopped (a call past
+    ``train.grpo.tool_timeout_s``) reads None, and its methods return None; its tool calls return an error the model
+    reads. Attributes are read-only from the rank.
+
+    Raises (reading an attribute):
+        TypeError: the value is not JSON (one line naming the attribute).
+        AttributeError: the instance has no such attribute.
+        EnvironmentCallError: a property raised.
+    """
+
+    def __init__(self, handle: _Handle):
+        object.__setattr__(self, "_remote", handle)
+
+    def __repr__(self) -> str:
+        return f"<{self._remote.name} environment {self._remote.number} in the environment process>"
+
+    def __setattr__(self, name, value):
+        raise TypeError(f"{self._remote.name}.{name} cannot be set from the rank: environments run in the environment "
+                        f"process; change their state in their own methods")
+
+    def __getattr__(self, name: str):
+        if name == "_remote" or name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        h = self._remote
+        if name in h.methods:
+            return RemoteMethod(self, name)
+        if h.worker.lost(h.number):
+            return None
+        answer = h.worker.ask({"get": name, "id": h.number}, h.timeout_s, _ran_past(h.timeout_s))
+        if answer is not None and "callable" in answer:
+            return RemoteMethod(self, name)
+        return _read(answer, h, f"{h.name}.{name}")
+
+
+def new_environment(spec: str, row: dict, timeout_s: float) -> tuple[RemoteEnvironment, str | None]:
+    """A new environment instance in the rank's environment process: ``Factory()`` (``spec`` is
+    ``/absolute/file.py:Factory``), then ``reset(**row)`` (TRL 1.16's ``environment_factory``), together within
+    ``timeout_s`` (the file's import is not counted).
+
+    Returns:
+        ``(environment, observation)``: the instance's handle, and what ``reset`` returned (None or text).
+
+    Raises:
+        EnvironmentFailed: one line: a value of ``row`` that is not JSON, the file does not import there, the
+            factory or ``reset`` raised or ran past ``timeout_s``, or ``reset`` returned other than None or text.
+    """
+    factory = spec.rpartition(":")[2]
+    for k, v in row.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            raise EnvironmentFailed(f"the row's column '{k}' holds a value of type '{type(v).__name__}', which "
+                                    f"cannot be passed to {factory}.reset: environments run in the environment "
+                                    f"process, and only JSON values (numbers, text, lists, dicts, None) cross") \
+                from None
+    worker, call = _ENVIRONMENTS, f"{factory}.reset({', '.join(row)})"
+    with worker.lock:
+        failed = worker.load(spec)
+        if failed:
+            raise EnvironmentFailed(f"importing {spec} in the environment process {failed}")
+        number = worker.next_id  # counted once made: a failed one is not, and a restarted process holds it
+        answer = worker.ask({"create": spec, "id": number, "row": row}, timeout_s,
+                            f"{call} ran past {timeout_s:g} s (train.grpo.tool_timeout_s)")
+        if answer is not None and "observation" in answer:
+            worker.next_id += 1
+    if answer is None:
+        raise EnvironmentFailed(f"{call} did not return within {timeout_s:g} s (train.grpo.tool_timeout_s)")
+    if answer.get("stage") == "factory":
+        raise EnvironmentFailed(f"{factory}() failed: {answer['error']}")
+    if "error" in answer:
+        raise EnvironmentFailed(f"{answer.get('class', factory)}.reset({', '.join(row)}) failed: {answer['error']}")
+    if "observation_type" in answer:
+        raise EnvironmentFailed(f"{answer['class']}.reset returned a {answer['observation_type']}; return None or the "
+                                f"first observation as text (it is appended to the prompt's last message)")
+    handle = _Handle(worker, number, answer["class"], frozenset(answer["methods"]), timeout_s)
+    return RemoteEnvironment(handle), answer["observation"]
+
+
+def drop_environments() -> None:
+    """Free every environment instance made so far in the rank's environment process (called before a batch of
+    rollouts makes its own, so the process does not grow); their handles then read None."""
+    _ENVIRONMENTS.drop()
 
 
 def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: ToolStats) -> str:
     """Run one parsed call and return what the model reads: the result as text, or ``{"error": ...}`` (JSON) for a
     call that failed. Counts it in ``stats``. Never raises.
 
-    A :class:`ToolProcess` runs in the rank's worker process (stopped by killing it at ``timeout_s``); another
-    callable (an environment's bound method) in a thread, and while a call of its instance that timed out still
-    runs, the instance's next calls fail at once."""
+    A :class:`ToolProcess` runs in the rank's tool process, an environment's method (:class:`RemoteMethod`) in its
+    environment process: a call past ``timeout_s`` is stopped by killing that process (the next call starts
+    another; the environment instances it held are lost: their calls return an error saying so). Another callable
+    (code that builds its own tool map, tests) runs in the rank's thread, without a timeout."""
     stats.calls += 1
     name = call.get("name")
     stats.per_tool[name or "<unparsed>"] = stats.per_tool.get(name or "<unparsed>", 0) + 1
@@ -448,40 +704,20 @@ def call_tool(tools: dict[str, Callable], call: dict, timeout_s: float, stats: T
     if name not in tools:
         return _failed(stats, f"unknown tool '{name}'; the tools are: {', '.join(sorted(tools))}")
     fn = tools[name]
-    if isinstance(fn, ToolProcess):
-        answer = _WORKER.call(fn.spec, call["arguments"], timeout_s)
+    if isinstance(fn, (ToolProcess, RemoteMethod)):
+        answer = _WORKER.call(fn.spec, call["arguments"], timeout_s) if isinstance(fn, ToolProcess) else \
+            fn.tool_call(call["arguments"], timeout_s)
         if answer is None:
             return _failed(stats, f"the tool '{name}' did not return within {timeout_s:g} s")
-        if "error" in answer:
-            return _failed(stats, answer["error"])
-        stats.non_text += bool(answer.get("non_text"))
-        return answer["text"]
-    owner = id(getattr(fn, "__self__", fn))
-    if owner in _HUNG:
-        if _HUNG[owner].is_alive():
-            return _failed(stats, f"the tool '{name}' did not run: an earlier call of it has not returned")
-        del _HUNG[owner]
-    box: dict = {}
-
-    def run() -> None:
+    else:
         try:
-            box["value"] = fn(**call["arguments"])
-        except BaseException as e:  # noqa: BLE001  (any failure of the user's tool is the model's to read)
-            box["error"] = f"{type(e).__name__}: {e}"
-
-    worker = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        _HUNG[owner] = worker
-        return _failed(stats, f"the tool '{name}' did not return within {timeout_s:g} s")
-    if "error" in box:
-        return _failed(stats, box["error"])
-    value = box.get("value")
-    if isinstance(value, str):
-        return value
-    stats.non_text += 1
-    return as_text(value)
+            answer = tool_worker._text(fn(**call["arguments"]))
+        except (Exception, SystemExit) as e:  # noqa: BLE001  (any failure of the user's tool is the model's to read)
+            answer = {"error": f"{type(e).__name__}: {e}"}
+    if "error" in answer:
+        return _failed(stats, answer["error"])
+    stats.non_text += bool(answer.get("non_text"))
+    return answer["text"]
 
 
 def _failed(stats: ToolStats, why: str) -> str:

@@ -14,7 +14,10 @@ An environment (TRL 1.16's ``environment_factory``) has one instance per rollout
 observation) is appended to the prompt's last message, as TRL does, and the rollout starts from that prompt,
 rendered by the chat template: prompt tokens, never trained (:func:`observed_prompts`); its public methods are the
 rollout's tools, and the reward functions receive the instances as ``environments`` (its ``get_reward`` is the
-reward named after its class, weight 1: :func:`environment_reward`).
+reward named after its class, weight 1: :func:`environment_reward`). The instances live in the rank's environment
+process, not in the rank (:func:`finetune.recipes.tools.new_environment`): a call of one past
+``train.grpo.tool_timeout_s`` is stopped, even in C code that holds the GIL, and the instances lost with that
+process answer their tool calls with an error and their reads with None; every rank goes on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -42,6 +46,10 @@ class Agent:
     """What the prompts offer: the tools' schemas, then the environment's methods' (one probe instance)."""
     methods: tuple[str, ...] = ()
     """The environment's methods offered as tools (bound to each rollout's instance by name)."""
+    environment: str = ""
+    """The factory as ``/absolute/file.py:Factory``: each rollout's instance is made from it in the rank's
+    environment process (:func:`start_environments`); :attr:`factory` makes the rank's probe instances only
+    (schemas, ``--check``, whether it has ``get_reward``)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -54,13 +62,15 @@ class Agent:
 def _load(tools: tuple[str, ...], environment: str) -> Agent:
     loaded = tool_utils.load_tools(list(tools))
     factory = tool_utils.load_environment(environment) if environment else None
-    schemas, methods = [t.schema for t in loaded], ()
+    schemas, methods, spec = [t.schema for t in loaded], (), ""
     if factory is not None:
-        offered = tool_utils.environment_tools(factory())
+        offered = tool_utils.environment_tools(factory())  # a probe: inspected in the rank, its methods never called
         tool_utils.refuse_shadowing(loaded, offered, environment)
         schemas += [t.schema for t in offered]
         methods = tuple(t.name for t in offered)
-    return Agent(loaded, factory, schemas, methods)
+        path, _, name = environment.rpartition(":")
+        spec = f"{Path(path).resolve()}:{name}"
+    return Agent(loaded, factory, schemas, methods, spec)
 
 
 def agent_of(cfg: RunConfig) -> Agent | None:
@@ -77,37 +87,41 @@ def agent_of(cfg: RunConfig) -> Agent | None:
 
 def environment_reward(prompts, completions, environments=None, **columns) -> list[float | None]:
     """The environment's own reward (TRL's ``get_reward``): one per rollout, read when it ends, as it returns it
-    (:func:`finetune.recipes.rewards.score` refuses what is no number, text included, as for any reward function)."""
+    (:func:`finetune.recipes.rewards.score` refuses what is no number, text included, as for any reward function);
+    None for an instance lost with its process (:class:`~finetune.recipes.tools.RemoteEnvironment`)."""
     return [e.get_reward() if e is not None and hasattr(e, "get_reward") else None for e in environments]
 
 
-def start_environments(agent: Agent, columns: dict[str, list], n: int) -> tuple[list, list[str | None]]:
+def start_environments(agent: Agent, columns: dict[str, list], n: int, timeout_s: float = 10.0) \
+        -> tuple[list, list[str | None]]:
     """One fresh instance per rollout, reset with its row's columns (TRL 1.16's ``environment_factory``:
-    ``reset(**row)`` returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn, since an
-    observation belongs to the prompt (:func:`observed_prompts`).
+    ``reset(**row)`` returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn,
+    since an observation belongs to the prompt (:func:`observed_prompts`). The instances live in the rank's
+    environment process (:func:`finetune.recipes.tools.new_environment`), so that a call past ``timeout_s``
+    (``train.grpo.tool_timeout_s``; ``reset`` included) can be stopped; each is a
+    :class:`~finetune.recipes.tools.RemoteEnvironment` here. The instances of the batch before are dropped first
+    (its rollouts were scored), so that process does not grow.
 
     Returns:
         ``(environments, observations)``: ``n`` instances (``[None] * n`` without an environment) and what each
         ``reset`` returned (None or text).
 
     Raises:
-        RunFailure: ``reset`` raised, or returned something other than None or text (one line).
+        RunFailure: one line: ``reset`` (or the factory) raised, ran past ``timeout_s``, or returned something other
+            than None or text; a row value that is not JSON; the file does not import in the environment process.
     """
     if agent.factory is None:
         return [None] * n, [None] * n
+    if not agent.environment:
+        raise ValueError("start_environments: the agent names no environment file (Agent.environment)")
+    tool_utils.drop_environments()
     out, observations = [], []
     for i in range(n):
-        env = agent.factory()
         row = {k: v[i] for k, v in columns.items() if k != "environments"}
         try:
-            observation = env.reset(**row)
-        except Exception as e:  # noqa: BLE001  (the user's environment: one line on every rank via the caller)
-            raise RunFailure(f"grpo: train.grpo.environment: {type(env).__name__}.reset({', '.join(row)}) failed: "
-                             f"{type(e).__name__}: {e}") from e
-        if observation is not None and not isinstance(observation, str):
-            raise RunFailure(f"grpo: train.grpo.environment: {type(env).__name__}.reset returned a "
-                             f"{type(observation).__name__}; return None or the first observation as text (it is "
-                             f"appended to the prompt's last message)")
+            env, observation = tool_utils.new_environment(agent.environment, row, timeout_s)
+        except tool_utils.EnvironmentFailed as e:  # the user's environment: one line on every rank via the caller
+            raise RunFailure(f"grpo: train.grpo.environment: {e}") from e
         out.append(env)
         observations.append(observation)
     return out, observations
@@ -265,7 +279,8 @@ def sample_rollout(agent: Agent, tok, prompt: list[dict], columns: dict, g: Grpo
     Raises:
         RunFailure: the environment's ``reset`` failed.
     """
-    environments, observations = start_environments(agent, {k: [v] for k, v in columns.items()}, 1)
+    environments, observations = start_environments(agent, {k: [v] for k, v in columns.items()}, 1,
+                                                    g.tool_timeout_s)
     messages = observe(prompt, observations[0])
     prompt_ids = encode(messages)
     schema = agent.schemas[0]

@@ -81,7 +81,7 @@ def _environments(agent, cols: dict, prompts: list, cfg: RunConfig, tok) -> tupl
     rollouts' own prompts (:func:`~finetune.recipes.grpo.agent.observed_prompts`: ``(batch, messages)``)."""
     if agent is None or agent.factory is None:
         return None, None
-    environments, observations = start_environments(agent, cols, len(prompts))
+    environments, observations = start_environments(agent, cols, len(prompts), cfg.train.grpo.tool_timeout_s)
     encode = PromptRows(tok, cfg.data, agent.schemas).encode
     return environments, observed_prompts(prompts, observations, encode, cfg.data.max_seq_len, tok.pad_token_id)
 
