@@ -163,6 +163,11 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the user's prints go to stderr, never into an answer
     sys.stdout = sys.stderr
+    # run as a script, Python put this file's folder (finetune/recipes) first on sys.path, where a user's
+    # `import tools` or `import rewards` would find finetune's modules instead of theirs (finetune/run.py does
+    # the same for the rank)
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     cache: dict = {}
     instances: dict = {}
