@@ -1,5 +1,6 @@
 """Launched multi-turn ``grpo`` runs with tools and an environment (issue 53's acceptance lines), 2 CPU ranks, ZeRO-3
-with every parameter partitioned (``stage3_param_persistence_threshold: 0``), the model gathered once per step for
+with every parameter partitioned (``stage3_param_persistence_threshold: 0``), LoRA with a KL term (``model.lora.r:
+4``, ``train.grpo.beta: 0.04``: LoRA is required whenever ``beta > 0``), the model gathered once per step for
 generation.
 
 One pair of launches serves every assertion: a 3-step run, and the same run resumed from its step-1 checkpoint.
@@ -8,14 +9,19 @@ One pair of launches serves every assertion: a 3-step run, and the same run resu
   counted (``tools/failure_frequency`` > 0), the model reads the error (or TRL's ``str(result)``), the run goes on.
 * The environment's ``reset(**row)`` returns the first observation (how many tools to use), which becomes part of
   the rollout's prompt; the rows ask for 0 to 3 tool turns, so the two ranks' rollouts take different numbers of
-  turns and lengths every step (the test reads each rank's generation calls): the run finishes within its timeout.
-* Resume between steps is exact: steps 2 and 3 of the resumed run log the same loss, rewards, grad norm and tool
-  counts as the uninterrupted run, and the same transcripts.
+  turns and lengths every step, and different numbers of continuation turns (``generate`` calls after the first):
+  at step 1 one rank makes none (both its rows ask for no tool) while the other makes two, at steps 2 and 3 one
+  makes one and the other three (the test reads each rank's generation calls). The run finishes within its
+  timeout: with LoRA (a ``PeftModel`` over the ZeRO-3 module) DeepSpeed's top-level forward pre-hook ran once per
+  ``generate`` call and broadcast, so before ``zero3_hooks_off`` removed it (issue 68, item 3) these runs hung.
+* Resume between steps is exact: steps 2 and 3 of the resumed run log the same loss, KL, rewards, grad norm and
+  tool counts as the uninterrupted run, the same transcripts, and the same continuation turns on each rank.
 
 The model does not choose the turns: this file, run as a script (``launch(script=...)``), is ``finetune/run.py``
 with the grpo rollout's ``generate`` running the real model (the same forward passes, inside the gathered weights)
 and then answering with scripted turns drawn from the context (:func:`scripted_turn`), so that real tool turns
-happen. Everything else (the tool loop, the tools, the environment, DeepSpeed, checkpoints) runs as in a launch.
+happen. Everything else (the tool loop, the tools, the environment, LoRA, DeepSpeed, checkpoints) runs as in a
+launch.
 """
 
 from __future__ import annotations
@@ -84,8 +90,10 @@ class Panel:
         """0.5 per press, at most 1."""
         return min(1.0, 0.5 * self._presses)
 '''
-CALLS = [0, 3, 1, 2, 3, 0, 2, 1]
-"""Each row's tool turns (its ``calls`` column, which the environment's observation states)."""
+CALLS = [0, 3, 1, 2, 1, 0, 0, 1]
+"""Each row's tool turns (its ``calls`` column, which the environment's observation states). Seed 42's order gives
+the ranks rows 6, 0 | 3, 7 at step 1 (0 | 2 continuation turns), 2, 4 | 1, 5 at step 2 and 4, 7 | 5, 1 at step 3
+(1 | 3 each)."""
 TOOL_NAMES = ["calculate", "explode", "nap", "shape", "press"]
 
 
@@ -116,12 +124,15 @@ def _scripted_generate(original):
         # the model's forward passes inside the gathered weights, as many calls as the turns take (a few tokens
         # each: the scripted turns replace them)
         original(engine, batch, dataclasses.replace(g, max_completion_length=4), tokenizer, n, sample, seed, synced)
-        rows = []
+        rows, read = [], 0
         for j, (ids, mask) in enumerate(zip(batch["input_ids"], batch["attention_mask"])):
+            read = max(read, tokenizer.decode(ids[mask.bool()]).count("</tool_response>"))
             for k in range(n):
                 rows.append(scripted_turn(ids[mask.bool()].tolist(), j * n + k, tokenizer, g.max_completion_length))
+        # read: the tool results the contexts hold (0: a first turn, else a continuation turn); sample: a training
+        # step's rollouts (else the end-of-run evaluation's greedy completions)
         with open(Path(os.environ["AGENT_RUN_LOG"]) / f"generate_rank{os.environ.get('RANK', '0')}.jsonl", "a") as f:
-            f.write(json.dumps({"rows": len(rows)}) + "\n")
+            f.write(json.dumps({"rows": len(rows), "read": read, "sample": sample}) + "\n")
         return as_generated(rows, tokenizer)
     return generate
 
@@ -142,7 +153,7 @@ from conftest import CONFIGS, cpu_env, launch, ok, read_metrics  # noqa: E402
 
 CONFIG = CONFIGS / "tiny_grpo.yaml"
 TEMPLATE = REPO / "data/chat_templates/chatml_tools.jinja"
-METRICS = ("train/loss", "train/reward", "train/rewards/Panel/mean", "train/rewards/has_digit/mean",
+METRICS = ("train/loss", "train/kl", "train/reward", "train/rewards/Panel/mean", "train/rewards/has_digit/mean",
            "train/tools/call_frequency", "train/tools/failure_frequency", "train/tools/turns_mean",
            "train/completions/mean_length", "train/grad_norm")
 
@@ -157,6 +168,7 @@ def _overrides(tmp: Path) -> list[str]:
     return [f"data.train_files=[{data}]", f"data.validation_files=[{data}]", "data.prompt_column=prompt",
             "data.reward_columns=[answer,calls]", f"data.chat_template={TEMPLATE}", "data.max_seq_len=640",
             f"data.cache_dir={tmp / 'cache'}", "deepspeed=ds_configs/zero3.json",
+            "model.lora.r=4", "train.grpo.beta=0.04",  # LoRA with a KL term (issue 68, item 3)
             "ds.zero_optimization.stage3_param_persistence_threshold=0",
             "model.config_overrides={max_position_embeddings: 1024}",  # the five tools' schemas: a long prompt
             f"train.grpo.tools=[{REPO}/data/tools/calculator.py:calculate,{tmp}/tools.py:explode,{tmp}/tools.py:nap,"
@@ -165,6 +177,24 @@ def _overrides(tmp: Path) -> list[str]:
             "train.grpo.max_completion_length=320", "train.grpo.rewards=[tests/grpo_rewards.py:has_digit]",
             "train.grpo.reward_weights=[]", "train.grpo.length_cache=0", "train.grpo.log_completions=16",
             "train.max_steps=3", "train.save_every=1"]
+
+
+def _continuation_turns(folder: Path) -> dict[int, list[int]]:
+    """Each rank's continuation turns per training step of the run in ``folder``: its sampling ``generate`` calls
+    after each step's first (a first turn's contexts hold no tool result, a continuation's do)."""
+    turns = {}
+    for rank in (0, 1):
+        steps = []
+        for line in (folder / "gen" / f"generate_rank{rank}.jsonl").read_text().splitlines():
+            call = json.loads(line)
+            if not call["sample"]:  # the evaluation's
+                continue
+            if call["read"] == 0:
+                steps.append(0)
+            else:
+                steps[-1] += 1
+        turns[rank] = steps
+    return turns
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +229,14 @@ def test_failing_tools_are_counted_and_ranks_with_different_turns_never_hang(run
     calls = {rank: [json.loads(x)["rows"] for x in (run / "gen" / f"generate_rank{rank}.jsonl").read_text().splitlines()]
              for rank in (0, 1)}
     assert calls[0] != calls[1], calls
+    # and so do the numbers of generate calls: every step, the ranks make different numbers of continuation turns,
+    # and at some step one rank makes none while the other makes some (issue 68, item 3: with LoRA at ZeRO-3 the
+    # broadcasts of DeepSpeed's top-level pre-hook followed the calls, and such a step hung)
+    turns = _continuation_turns(run)
+    assert len(turns[0]) == len(turns[1]) == 3, turns
+    assert all(a != b for a, b in zip(turns[0], turns[1])), turns
+    assert any(min(a, b) == 0 < max(a, b) for a, b in zip(turns[0], turns[1])), turns
+    assert "train/kl" in rows[1] and any(r["train/kl"] > 0 for r in rows.values()), rows  # LoRA, beta > 0
     logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     results = [t["content"] for r in logged for t in r["turns"] if t["role"] == "tool"]
     names = {t["name"] for r in logged for t in r["turns"] if t["role"] == "tool"}
@@ -226,3 +264,5 @@ def test_a_resume_between_steps_with_tools_and_an_environment_is_exact(runs):
     assert any(first[s]["train/loss"] != 0 for s in (2, 3))  # the comparison is not of zeros
     logged = (run / "completions.jsonl").read_text().splitlines()
     assert (resumed / "completions.jsonl").read_text().splitlines() == logged[len(logged) // 3:]
+    again_turns = _continuation_turns(resumed)
+    assert again_turns == {rank: t[1:] for rank, t in _continuation_turns(run).items()}, again_turns
