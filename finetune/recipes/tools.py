@@ -58,7 +58,6 @@ from pathlib import Path
 
 from finetune.errors import ConfigError
 from finetune.recipes import tool_worker
-from finetune.recipes.tool_worker import as_text
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 """The Hermes / Qwen2.5 / Qwen3 tool-call block: a JSON object ``{"name": ..., "arguments": {...}}`` (or a list
