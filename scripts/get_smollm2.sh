@@ -154,7 +154,7 @@ fi
 
 # 3. the shared folder beside the repository
 if [ -n "$shared" ] && [ -f "$shared/$name" ]; then
-  shared_abs=$(cd "$shared" && pwd)/$name
+  shared_abs=$(cd "$shared" && pwd -P)/$name  # the real folder (../shared may be a link)
   rc=0
   place file "$shared_abs" || rc=$?
   if [ "$rc" = 0 ]; then
