@@ -217,24 +217,42 @@ def test_refusals(case, tiny, tmp_path, capsys):
 
 
 def test_plan_doctor_and_evaluate_take_a_gguf(tiny, tmp_path, capsys):
-    """``finetune doctor`` diagnoses the GGUF's converted folder, ``finetune plan`` plans its model and
-    ``finetune evaluate x.gguf`` evaluates it (through the same conversion, reused from the cache)."""
+    """``finetune doctor``, ``finetune plan`` and ``--check`` read the GGUF's config and tokenizer without converting
+    its weights (a config-only folder, made once); ``finetune evaluate x.gguf`` converts it whole and evaluates it, and
+    the config-only folder holds the same config, generation config and tokenizer as that full conversion."""
     path, _ = tiny
     cache = f"data.cache_dir={tmp_path / 'cache'}"
     code, printed = finetune_here(["doctor", CONFIGS / "tiny_gpt.yaml", f"model.path={path}", cache,
                                    f"output_dir={tmp_path / 'run'}"], capsys)
-    folder = next((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64))
-    assert f"converted by transformers into '{folder}'" in printed, printed
-    assert f"model.path '{folder}': config.json; weights; tokenizer" in printed, printed
+    light = next((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64 + "-config"))
+    assert f"config and tokenizer read by transformers into '{light}'" in printed, printed
+    assert f"model.path '{light}': config.json; weights in the GGUF file (converted at launch); tokenizer" in printed
+    assert not any(f.suffix in (".safetensors", ".bin") for f in light.iterdir()), list(light.iterdir())
     code, printed = finetune_here(["plan", CONFIGS / "tiny_gpt.yaml", f"model.path={path}", cache,
                                    "--gpus-per-node", "1"], capsys)
     assert code == 0, printed
     assert "598,336" in printed or "0.6M" in printed or "ZeRO" in printed, printed
+    code, printed = finetune_here(["train", "--config", CONFIGS / "tiny_gpt.yaml", f"model.path={path}", cache,
+                                   f"output_dir={tmp_path / 'run'}", "--check"], capsys)
+    assert code == 0, printed
+    assert not list((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64)), "a check converted the weights"
     out = tmp_path / "eval.json"
     code, printed = finetune_here(["evaluate", path, "--config", CONFIGS / "tiny_gpt.yaml", cache,
                                    "train.eval_max_batches=1", "--out", out], capsys)
     assert code == 0, printed
     assert json.loads(out.read_text())["metrics"]["eval/loss"] > 0
+    full = next((tmp_path / "cache" / "gguf").glob("[0-9a-f]" * 64))
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    def config(folder):
+        return {k: v for k, v in AutoConfig.from_pretrained(folder).to_dict().items() if k not in ("dtype", "_name_or_path")}
+
+    assert config(light) == config(full)
+    assert GenerationConfig.from_pretrained(light).to_dict() == GenerationConfig.from_pretrained(full).to_dict()
+    a, b = AutoTokenizer.from_pretrained(light), AutoTokenizer.from_pretrained(full)
+    text = "Natalia sold clips to 48 of her friends in April."
+    assert a(text)["input_ids"] == b(text)["input_ids"] and a.chat_template == b.chat_template == TEMPLATE
 
 
 @pytest.mark.extended

@@ -89,8 +89,8 @@ def _model_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
         what = []
         if key == "model.path":
             what.append("config.json" + ("" if (p / "config.json").is_file() else " MISSING"))
-            what.append("weights" + ("" if has_w else (" MISSING" if cfg.model.init == "pretrained"
-                                                        else " none (init: scratch)")))
+            what.append("weights" + ("" if has_w else " in the GGUF file (converted at launch)" if gguf.weights_deferred(p)
+                                     else (" MISSING" if cfg.model.init == "pretrained" else " none (init: scratch)")))
         if key == "model.tokenizer_path" or not cfg.model.tokenizer_path:
             what.append("tokenizer" + ("" if has_tok else " MISSING"))
         bad = any("MISSING" in w for w in what)
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
              or max(1, cfg.parallel.sequence_parallel_size) * max(1, cfg.parallel.tensor_parallel_size))
     nodes = args.nodes or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
     found: list[str] = []  # a .gguf model.path: checked, converted once, then the folder is what is diagnosed
-    notes = resolve_model_files(cfg, found, announce=False)
+    notes = resolve_model_files(cfg, found, announce=False, weights=False)
     rows = [("model", "FAIL", line) for line in found] + [("model", "ok", line) for line in notes]
     rows += diagnose(cfg, world, nodes)
     print(render(rows))

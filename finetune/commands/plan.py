@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             raise ConfigError(problems)
         cfg = load_run_config(args.config, args.overrides)
-        resolve_model_files(cfg, problems)  # a .gguf model.path: its converted folder (finetune.engine.gguf)
+        resolve_model_files(cfg, problems, weights=False)  # a .gguf model.path: its config (finetune.engine.gguf)
         if problems:
             raise ConfigError(problems)
         if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():

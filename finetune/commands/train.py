@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         cfg, resolved, launcher = check_launch(args.config, args.overrides, args.resume, args.resume_allow_changes,
-                                               announce=not (args.print_config or args.check))
+                                               announce=not (args.print_config or args.check),
+                                               weights=not (args.print_config or args.check))
         if args.print_config or args.check:
             return resolved.print_check(cfg, args.config, args.print_config)
     except ConfigError as e:

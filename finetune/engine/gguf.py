@@ -16,6 +16,10 @@ tokenizer files with the file's chat template. Every rank, and every later verb 
   dies), converts into a private ``.partial-*`` folder and renames it into place whole; the other ranks of a launch
   block on the lock and find the folder there. The same rule as the tokenization cache
   (:mod:`finetune.data.tokenization`): a killed conversion never leaves a folder a later run would take.
+* **Config only** (``weights=False``: ``--check``, ``--print-config``, ``plan``, ``doctor``): what a check reads, the
+  config, generation config and tokenizer, without the weights, into ``gguf/<sha256>-config/`` (a few seconds instead
+  of a dequantization); a full conversion, when one exists, serves as well. Its ``gguf.json`` says ``"weights":
+  false`` (:func:`weights_deferred`), so that the checks do not ask it for weight files.
 * **Checks** (:func:`problems`), before any process group or model, one line each: the file is missing, not a GGUF or
   truncated (its tensor table points past its end); its architecture is one transformers' GGUF loader cannot read
   (the line names it and the ones it can); it has no tokenizer in its metadata and no ``model.tokenizer_path`` is set.
@@ -26,7 +30,9 @@ No GGUF reader of finetune's own: the metadata comes from transformers' reader (
 
 from __future__ import annotations
 
+import copy
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -53,6 +59,22 @@ def _metadata(path: Path) -> tuple[dict, object]:
 
     metadata, _ = read_gguf_metadata(str(path), ("tokenizer.ggml.tokens",))
     return metadata, GgufHeader.from_file(str(path))
+
+
+@functools.lru_cache(maxsize=4)
+def _config_of(path: str, size: int, mtime_ns: int):
+    """transformers' ``AutoConfig`` of the GGUF file ``path`` (its legacy reader parses the whole metadata, seconds for
+    a real vocabulary), read once per process and file version: the checks and the conversion share it."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+
+
+def _auto_config(path: Path):
+    """:func:`_config_of` for the file ``path`` as it is now (a copy: the caller may change it)."""
+    st = path.stat()
+    return copy.deepcopy(_config_of(str(path.resolve()), st.st_size, st.st_mtime_ns))
 
 
 def supported_architectures() -> list[str]:
@@ -89,9 +111,7 @@ def problems(path: str, key: str, needs_tokenizer: bool) -> list[str]:
     arch = metadata.get("general.architecture")
     found = []
     try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+        _auto_config(p)
     except Exception as e:  # noqa: BLE001  (ValueError: architecture not supported; KeyError: a key it needs)
         if "not supported" in str(e) or arch not in supported_architectures():
             found.append(f"{key}: GGUF file '{p}' is a '{arch}' model, an architecture transformers' GGUF loader "
@@ -136,9 +156,31 @@ def folder_for(sha256: str, cache_root: Path) -> Path:
     return cache_root / "gguf" / sha256
 
 
+def config_folder_for(sha256: str, cache_root: Path) -> Path:
+    """The config-only folder (no weights) of the GGUF file whose SHA-256 is ``sha256``: what the checks read."""
+    return cache_root / "gguf" / f"{sha256}-config"
+
+
 def is_converted(folder: Path) -> bool:
     """True when ``folder`` is a complete conversion (renamed into place with its ``gguf.json``)."""
     return (folder / INFO_FILE).is_file()
+
+
+def weights_deferred(folder: str | os.PathLike) -> bool:
+    """True when ``folder`` is a GGUF's config-only folder: its weights stay in the GGUF until a launch converts it."""
+    return (source_of(folder) or {}).get("weights") is False
+
+
+def _ready(path: Path, cache_root: Path, weights: bool) -> Path | None:
+    """A complete folder of the GGUF file ``path`` that serves (the full conversion; for ``weights=False`` also the
+    config-only one), or None. Its file was checked (:func:`problems`) when it was made, and its SHA-256 names it."""
+    if not path.is_file():
+        return None
+    digest = sha256_of(path, cache_root)
+    for folder in (folder_for(digest, cache_root), *(() if weights else (config_folder_for(digest, cache_root),))):
+        if is_converted(folder):
+            return folder
+    return None
 
 
 @contextmanager
@@ -183,10 +225,10 @@ def convert(path: Path, out: Path) -> dict:
     """
     import torch
     import transformers
-    from transformers import AutoConfig, AutoTokenizer, GgufConfig
+    from transformers import AutoTokenizer, GgufConfig
 
     parent, name = str(path.parent), path.name
-    config = AutoConfig.from_pretrained(parent, gguf_file=name, local_files_only=True)
+    config = _auto_config(path)
     metadata, header = _metadata(path)
     with_tokenizer = bool(metadata.get("tokenizer.ggml.tokens"))
     dtype = header.dtype or torch.float32
@@ -203,26 +245,55 @@ def convert(path: Path, out: Path) -> dict:
             "transformers": transformers.__version__}
 
 
-def ensure_converted(path: str, cache_root: Path) -> tuple[Path, str | None]:
+def convert_config(path: Path, out: Path) -> dict:
+    """The config, generation config and (when the file holds one) tokenizer of the GGUF file ``path``, read by
+    transformers' GGUF loader and saved into ``out`` without the weights: what ``--check``, ``plan`` and ``doctor``
+    read. The generation config is the one ``from_pretrained`` gives the full conversion (``from_model_config``).
+
+    Returns:
+        The folder's ``gguf.json`` record (``"weights": false``; without ``source``/``sha256``).
+    """
+    import transformers
+    from transformers import AutoTokenizer, GenerationConfig
+
+    parent, name = str(path.parent), path.name
+    config = _auto_config(path)
+    metadata, header = _metadata(path)
+    with_tokenizer = bool(metadata.get("tokenizer.ggml.tokens"))
+    model_class = _model_class(config)._model_mapping[type(config)]  # what the full conversion builds
+    config.architectures = [model_class.__name__]  # as save_pretrained of that model writes it
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    if with_tokenizer:
+        AutoTokenizer.from_pretrained(parent, gguf_file=name, local_files_only=True).save_pretrained(out)
+    return {"architecture": header.architecture, "tokenizer": with_tokenizer, "weights": False,
+            "model_class": model_class.__name__, "transformers": transformers.__version__}
+
+
+def ensure_converted(path: str, cache_root: Path, weights: bool = True) -> tuple[Path, str | None]:
     """The converted folder of the GGUF file ``path`` under ``cache_root``, converting it first when no process has
     (under the file's lock: of the ranks that start together one converts, the others wait and reuse it).
+
+    Args:
+        weights: False for a check that reads no weights: the full conversion when it exists, else the config-only
+            folder (:func:`convert_config`), made when missing.
 
     Returns:
         ``(folder, note)``: ``note`` is the line that says what was converted and where, or None when the folder was
         already there.
     """
     p = Path(path)
+    if ready := _ready(p, cache_root, weights):
+        return ready, None
     digest = sha256_of(p, cache_root)
-    folder = folder_for(digest, cache_root)
-    if is_converted(folder):
-        return folder, None
+    folder = folder_for(digest, cache_root) if weights else config_folder_for(digest, cache_root)
     with _locked(folder.parent / f"{digest}.lock"):
-        if is_converted(folder):  # another rank converted it while this one waited
-            return folder, None
+        if ready := _ready(p, cache_root, weights):  # another rank converted it while this one waited
+            return ready, None
         start = time.monotonic()
         partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=folder.parent))
         try:
-            info = {"source": str(p.resolve()), "sha256": digest, **convert(p, partial)}
+            info = {"source": str(p.resolve()), "sha256": digest, **(convert if weights else convert_config)(p, partial)}
             (partial / INFO_FILE).write_text(json.dumps(info, indent=1, sort_keys=True))
             if folder.exists():  # an incomplete folder of an older layout: never taken, replaced whole
                 shutil.rmtree(folder)
@@ -230,9 +301,12 @@ def ensure_converted(path: str, cache_root: Path) -> tuple[Path, str | None]:
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
+    took = f"{time.monotonic() - start:.0f} s"
+    if not weights:
+        return folder, (f"GGUF '{p}' ({info['architecture']}, sha256 {digest[:12]}): config and tokenizer read by "
+                        f"transformers into '{folder}' in {took} (the weights are converted at launch)")
     return folder, (f"GGUF '{p}' ({info['architecture']}, sha256 {digest[:12]}) converted by transformers into "
-                    f"'{folder}' ({info['model_class']}, {info['parameters']:,} parameters, {info['dtype']}) in "
-                    f"{time.monotonic() - start:.0f} s")
+                    f"'{folder}' ({info['model_class']}, {info['parameters']:,} parameters, {info['dtype']}) in {took}")
 
 
 def source_of(folder: str | os.PathLike) -> dict | None:
@@ -243,16 +317,19 @@ def source_of(folder: str | os.PathLike) -> dict | None:
         return None
 
 
-def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True) -> list[str]:
+def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True, weights: bool = True) -> list[str]:
     """Replace a ``.gguf`` ``model.path`` / ``model.tokenizer_path`` of the run config ``cfg`` (in place) by its
     converted folder under ``cache_root``, converting it once (:func:`ensure_converted`).
 
-    Checks first (:func:`problems`); a key with a problem is left as it is and its lines appended to ``found``, so that
-    nothing is converted for a run that is refused.
+    Checks first (:func:`problems`), unless a folder made from the same file (by SHA-256) is already there; a key with
+    a problem is left as it is and its lines appended to ``found``, so that nothing is converted for a run that is
+    refused.
 
     Args:
         announce: print each conversion's line to stderr (the converting process; a launch's log has it too, from
             :func:`describe` when the model is built).
+        weights: False for the verbs that read no weights (``--check``, ``plan``, ``doctor``): the config-only folder
+            serves (:func:`convert_config`).
 
     Returns:
         The lines that say what was converted and where (empty when every folder was already there).
@@ -264,6 +341,8 @@ def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True) -> l
     separate_tokenizer = bool(m.tokenizer_path) and not is_gguf(m.tokenizer_path)
     own = []
     for k in keys:
+        if _ready(Path(getattr(m, k)), cache_root, weights and k == "path"):
+            continue
         own += problems(getattr(m, k), f"model.{k}", needs_tokenizer=(k == "tokenizer_path" or not separate_tokenizer))
     if own:
         found += own
@@ -271,7 +350,7 @@ def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True) -> l
     notes = []
     for k in keys:
         try:
-            folder, note = ensure_converted(getattr(m, k), cache_root)
+            folder, note = ensure_converted(getattr(m, k), cache_root, weights=weights and k == "path")
         except OSError as e:
             found.append(f"model.{k}: cannot write the conversion of '{getattr(m, k)}' under '{cache_root}/gguf' "
                          f"({e.strerror or e}); set data.cache_dir (or $FINETUNE_CACHE) to a writable folder")

@@ -101,7 +101,8 @@ def _check_model(cfg: RunConfig, problems: list[str]) -> None:
                         f"copy the downloaded model there or fix the path)")
     elif not (p / "config.json").is_file():
         problems.append(f"model.path: '{p}' has no config.json")
-    elif cfg.model.init == "pretrained" and not any((p / w).is_file() for w in WEIGHT_FILES):
+    elif (cfg.model.init == "pretrained" and not any((p / w).is_file() for w in WEIGHT_FILES)
+          and not gguf.weights_deferred(p)):  # a GGUF's config-only folder: its weights are in the checked file
         problems.append(f"model.path: '{p}' has no weights ({', '.join(WEIGHT_FILES)}); "
                         f"use model.init=scratch to train from config.json alone")
     tok = Path(cfg.model.tokenizer_path or cfg.model.path)
@@ -379,16 +380,17 @@ def _check_trackers(ds: dict) -> list[str]:
     return []
 
 
-def resolve_model_files(cfg: RunConfig, problems: list[str], announce: bool = True) -> list[str]:
+def resolve_model_files(cfg: RunConfig, problems: list[str], announce: bool = True, weights: bool = True) -> list[str]:
     """A ``.gguf`` ``model.path`` / ``model.tokenizer_path`` replaced in ``cfg`` by its converted Hugging Face folder
     under ``<data.cache_dir>/gguf/`` (:func:`finetune.engine.gguf.resolve`: checked, then converted once by
     transformers' GGUF loader), so that every verb reads a GGUF as the folder a launch trains. A file that cannot be
-    converted adds its lines to ``problems`` and stays as it is.
+    converted adds its lines to ``problems`` and stays as it is. ``weights=False`` (the verbs that build no model):
+    the file's config-only folder serves, read in seconds instead of a dequantization.
 
     Returns:
         The lines that say what was converted and where (empty when nothing was converted now).
     """
-    return gguf.resolve(cfg, default_cache_dir(cfg.data), problems, announce=announce)
+    return gguf.resolve(cfg, default_cache_dir(cfg.data), problems, announce=announce, weights=weights)
 
 
 def checked_inputs_config(config: str | Path, overrides: list[str]) -> RunConfig:
@@ -408,14 +410,15 @@ def checked_inputs_config(config: str | Path, overrides: list[str]) -> RunConfig
     return cfg
 
 
-def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[str], list[str]]:
+def check_inputs(cfg: RunConfig, marks: list[Path] | None = None, weights: bool = True) -> tuple[list[str], list[str]]:
     """The checks of the run's inputs, a part of :func:`validate_run` that needs neither a world size nor an output
     folder (``finetune prepare`` runs them alone): recipe, model and tokenizer files, data files and columns, the
     recipe's data checks, model/tokenizer/data compatibility, numbers.
 
     ``marks`` collects the cache marks of files whose text was found valid UTF-8
     (:func:`finetune.data.dataset.check_utf8`); write them with :func:`finetune.data.dataset.remember_checked` once every check
-    passed.
+    passed. ``weights=False``: nothing will be built from the model files (``--check``), so a ``.gguf`` is read without
+    its weights (:func:`resolve_model_files`).
 
     Returns:
         ``(problems, number_problems)``: every problem (one line each), and those of them about numbers.
@@ -423,7 +426,7 @@ def check_inputs(cfg: RunConfig, marks: list[Path] | None = None) -> tuple[list[
     problems: list[str] = []
     if cfg.recipe not in RECIPES:
         problems.append(f"recipe: '{cfg.recipe}' unknown (choose one of: {', '.join(RECIPES)})")
-    resolve_model_files(cfg, problems)
+    resolve_model_files(cfg, problems, weights=weights)
     _check_model(cfg, problems)
     if not cfg.data.train_files and not cfg.data.sources:
         problems.append("data.train_files: no training files given")
@@ -556,7 +559,7 @@ def _nan_problems(cfg: RunConfig, known: list[str]) -> list[str]:
 
 
 def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bool,
-                 allow_changes: bool = False) -> Resolved:
+                 allow_changes: bool = False, weights: bool = True) -> Resolved:
     """Check everything that can be checked before a model is built; raise all problems together.
 
     Args:
@@ -584,7 +587,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             (:func:`finetune.lifecycle.resume.keep_global_batch`).
     """
     marks: list[Path] = []
-    problems, number_problems = check_inputs(cfg, marks)
+    problems, number_problems = check_inputs(cfg, marks, weights=weights)
     if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
@@ -669,7 +672,7 @@ def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:
 
 
 def check_launch(config: str, overrides: list[str], resume: str | None, allow_changes: bool,
-                 announce: bool = True) -> tuple[RunConfig, Resolved, str]:
+                 announce: bool = True, weights: bool = True) -> tuple[RunConfig, Resolved, str]:
     """Everything a launch checks before its process group exists, on every rank: load and merge the config
     (defaults < file < overrides), discover rank and world size from the launcher, resolve ``output_root`` and
     an automatic resume, then :func:`validate_run`.
@@ -680,6 +683,7 @@ def check_launch(config: str, overrides: list[str], resume: str | None, allow_ch
         resume: the ``--resume`` value or None.
         allow_changes: ``--resume-allow-changes``.
         announce: rank 0 prints the note of an automatic resume (not for ``--check``).
+        weights: False when no model will be built (``--check``, ``--print-config``): see :func:`check_inputs`.
 
     Returns:
         ``(cfg, resolved, launcher)``.
@@ -694,7 +698,7 @@ def check_launch(config: str, overrides: list[str], resume: str | None, allow_ch
     if note and announce and dist_utils.rank() == 0:
         print(f"finetune: {note}", file=sys.stderr, flush=True)
     try:
-        resolved = validate_run(cfg, resume, dist_utils.world_size(), dist_utils.on_cpu(), allow_changes)
+        resolved = validate_run(cfg, resume, dist_utils.world_size(), dist_utils.on_cpu(), allow_changes, weights)
     except ConfigError as e:
         raise ConfigError(load_problems + _unless_about(e.problems, load_problems)) from e
     if load_problems:
