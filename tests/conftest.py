@@ -60,7 +60,18 @@ def distill_teacher_stand_in() -> Path:
     return folder
 
 
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M-Instruct GGUF file: where ``scripts/get_smollm2.sh`` puts it when it has run, else the
+    shared copy beside the repository (``../shared/models/``, which CI has)."""
+    fetched = REPO / "models" / "smollm2-135m-instruct" / SMOLLM2_NAME
+    return fetched if fetched.is_file() else REPO.parent / "shared" / "models" / "smollm2-135m-instruct" / SMOLLM2_NAME
+
+
 EXPORT_STAND_INS = {
+    "grpo_smollm2_arithmetic.yaml": [f"model.path={smollm2_gguf()}"],  # a clean clone has not fetched it
     "distill_gsm8k.yaml": [f"train.distill.teacher={distill_teacher_stand_in()}"],
     "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
                         "model.tokenizer_path=data/models/tiny-gpt2"],
@@ -70,9 +81,9 @@ EXPORT_STAND_INS = {
         "max_position_embeddings: 1536}"],
     "grpo_digits.yaml": ["model.path=data/models/tiny-smolvlm", "model.init=scratch"],
 }
-"""Overrides for the shipped configs that start from an SFT run's export (the two-command chains), which a clean
-clone does not have: the model each export is built from, from scratch (a distillation's teacher: a stand-in with
-weights)."""
+"""Overrides for the shipped configs that name a model a clean clone does not have: an SFT run's export (the
+two-command chains), replaced by the model it is built from, from scratch (a distillation's teacher: a stand-in with
+weights); the real SmolLM2 GGUF, by its shared copy."""
 
 
 def shm_buffers() -> set[str]:

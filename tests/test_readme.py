@@ -1,5 +1,6 @@
-"""The README stays true: its commands install pinned torch first and its main command runs; the config reference
-(docs/config.md) is generated from the code."""
+"""The README stays true: its commands install pinned torch first, its main command fetches and trains the real model
+(run in ``tests/test_real.py``), its from-scratch example runs; the config reference (docs/config.md) is generated
+from the code."""
 
 from __future__ import annotations
 
@@ -35,13 +36,23 @@ def test_readme_commands_install_pinned_torch_first():
         assert torch_step < next(i for i, s in enumerate(steps) if s.startswith("pip install -e"))
 
 
-def test_readme_main_command_in_fresh_clone(tmp_path):
-    """The README's main command (its training part; this venv stands in for the one it creates) run in a
+def test_readme_main_command_fetches_the_real_model_and_runs_its_config():
+    """The main command installs, fetches the real model with ``scripts/get_smollm2.sh`` and launches the shipped
+    SmolLM2 config (which the shipped-config tests validate; ``tests/test_real.py`` runs the command itself)."""
+    steps = [s.strip() for s in readme_block("<!-- main-command -->").split("&&")]
+    fetch = steps.index("bash scripts/get_smollm2.sh")
+    assert fetch > next(i for i, s in enumerate(steps) if s.startswith("pip install -e")) and fetch == len(steps) - 2
+    train = shlex.split(steps[-1])
+    assert train[:4] == ["DS_ACCELERATOR=cpu", "deepspeed", "--num_gpus", "2"], train
+    assert train[train.index("--config") + 1] == "finetune/recipes/configs/grpo_smollm2_arithmetic.yaml"
+
+
+def test_readme_from_scratch_command_in_fresh_clone(tmp_path):
+    """The README's second example, a model from scratch (this venv stands in for the main command's), run in a
     fresh clone of the committed tree leaves a run folder with logs, TensorBoard events, a checkpoint and an export."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    steps = [s.strip() for s in readme_block("<!-- main-command -->").split("&&")]
-    train = shlex.split(steps[-1])
+    train = shlex.split(readme_block("<!-- from-scratch-command -->"))
     env_assignments = dict(a.split("=", 1) for a in train if re.match(r"^[A-Z_]+=", a))
     argv = [a for a in train if a not in {f"{k}={v}" for k, v in env_assignments.items()}]
     assert argv[0] == "deepspeed"

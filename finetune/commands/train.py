@@ -38,7 +38,7 @@ from finetune.training.generation import EvalGeneration, write_sample
 from finetune.logs import StartupClock, logger, monitor_sections, setup_logging
 from finetune.lifecycle.preemption import StopSignal
 from finetune.recipes import recipe_for
-from finetune.lifecycle.report import write_run_report
+from finetune.lifecycle.report import eval_answers, write_run_report
 from finetune.lifecycle.resume import restore, settle
 from finetune.lifecycle.run_folder import open_run, write_launch
 from finetune.training.trainer import fit
@@ -206,6 +206,8 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
             summary = write_run_report(run_dir)
             if summary:
                 logger.info(f"evaluation: {summary}")
+            for line in eval_answers(run_dir):  # grpo: a few held-out greedy answers, before and after
+                logger.info(line)
             if cfg.export and cfg.train.sample_prompt and recipe.capabilities.generates_text:
                 with sequence.sequence_parallel_off():
                     sample = write_sample(run_dir, cfg)

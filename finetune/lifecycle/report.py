@@ -166,3 +166,34 @@ def eval_summary(series: dict[str, list[tuple[int, float]]]) -> str:
             (s0, v0), (s1, v1) = points[0], points[-1]
             parts.append(f"{key} {v0:.4g} (step {s0}) -> {v1:.4g} (step {s1})")
     return "; ".join(parts)
+
+
+def eval_answers(run_dir: Path, n: int = 3) -> list[str]:
+    """The first ``n`` held-out greedy answers of the run's first and last evaluation, one line each, from the
+    records an online-RL evaluation writes (``grpo``: ``eval/step<N>_completions.jsonl``): the prompt's last user
+    message, then the answer and its rewards before and after, e.g.
+    ``'What is 59 + 63? ...': step 0 'To add 59 and 63, we need' (exact_match 0) -> step 10 '122' (exact_match 1)``.
+    [] when the run has fewer than two such evaluations or a file cannot be read (a report, never a failure)."""
+    import json
+
+    def step_of(p: Path) -> int:
+        return int(p.name.removeprefix("step").split("_", 1)[0])
+
+    files = sorted((Path(run_dir) / "eval").glob("step*_completions.jsonl"), key=step_of)
+    if len(files) < 2:
+        return []
+    try:
+        first, last = ([json.loads(line) for line in f.read_text().splitlines()[:n]] for f in (files[0], files[-1]))
+    except (OSError, ValueError):
+        return []
+
+    def prompt(p) -> str:
+        users = [m.get("content") for m in p if isinstance(m, dict) and m.get("role") == "user"] if isinstance(p, list) else []
+        text = users[-1] if users else p
+        return " ".join(str(text).split())[-120:]
+
+    def rewards(r: dict) -> str:
+        return ", ".join(f"{k} {v:.3g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in r.get("rewards", {}).items())
+
+    return [f"held-out answer to {prompt(a.get('prompt'))!r}: step {a.get('step')} {a.get('completion')!r} ({rewards(a)}) "
+            f"-> step {b.get('step')} {b.get('completion')!r} ({rewards(b)})" for a, b in zip(first, last)]
