@@ -414,6 +414,8 @@ class TrainConfig:
     """Also evaluate before the first optimizer step (step 0) of a fresh run, so curves start where training did."""
     eval_max_batches: int = 0
     """Cap on eval micro-batches per rank (0: the whole validation split)."""
+    eval_micro_batch_size: int = 0
+    """Rows per rank per evaluation batch (HF Trainer's ``per_device_eval_batch_size``); 0: ``train.micro_batch_size``. Evaluation keeps no gradients, so it can take larger batches: a generating evaluation (``grpo``'s greedy answers, ``train.eval_generate``) decodes a batch in as many steps as one row, so fewer, larger batches take less time. Under sequence parallelism it must equal the micro batch (Ulysses cuts every batch alike)."""
     save_every: int = 0
     """Save a checkpoint every N optimizer steps (0: only at the end)."""
     keep_last_checkpoints: int = 0

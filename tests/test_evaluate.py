@@ -43,7 +43,9 @@ def test_evaluate_reproduces_the_final_eval_of_the_run(tiny_gpt_run, tmp_path, c
     shutil.copytree(tiny_gpt_run, run)  # the evaluation writes into its export/; tests/test_train.py reads the run
     final = [r for r in read_metrics(run) if "eval/loss" in r][-1]
     proc = ok(evaluate_on_ranks([str(run), "--config", str(TINY), "train.eval_generate.prompts=3",
-                                 "train.eval_generate.max_new_tokens=8", "ds.zero_optimization.stage=3"]))
+                                 "train.eval_generate.max_new_tokens=8", "ds.zero_optimization.stage=3",
+                                 # the run's 4 batches of 4 rows per rank as 2 batches of 8: the same loss
+                                 "train.eval_micro_batch_size=8", "train.eval_max_batches=2"]))
     # no optimizer: DeepSpeed's parameter partitioning alone (ZeRO-3), no optimizer state, no fp32 master weights
     assert proc.stdout.count("engine without optimizer (evaluation): ZeRO stage 3") == 2, proc.stdout[-4000:]
     assert "DeepSpeedZeRoOffload" in proc.stdout

@@ -228,17 +228,19 @@ RANKS = {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_POR
 
 
 def test_checks_before_any_model(tmp_path, capsys):
-    """World size, heads, attention, recipe, loss weighting, generation and block length: one line each, exit 2."""
+    """World size, heads, attention, recipe, loss weighting, eval batch, generation and block length: one line each,
+    exit 2."""
     code, out = check_here(["--config", GPT, f"output_dir={tmp_path / 'r'}", "parallel.sequence_parallel_size=4",
-                            "model.attn_implementation=eager", "train.loss_weighting=micro_batch"], capsys,
-                           WORLD_SIZE="6", **RANKS)
+                            "model.attn_implementation=eager", "train.loss_weighting=micro_batch",
+                            "train.eval_micro_batch_size=3"], capsys, WORLD_SIZE="6", **RANKS)
     assert code == 2, out[-3000:]
     errs = [line for line in out.splitlines() if line.startswith("finetune: error:")]
     text = "\n".join(errs)
     for needle in ("parallel.sequence_parallel_size: 4 does not divide the world size 6",
                    "model.attn_implementation=eager cannot be sequence-parallel",
                    "train.loss_weighting=micro_batch averages each micro-batch on its own",
-                   "the model's 2 attention heads are not divisible by 4"):
+                   "the model's 2 attention heads are not divisible by 4",
+                   "train.eval_micro_batch_size: 3 with sequence parallelism"):
         assert sum(needle in e for e in errs) == 1, (needle, text)
     assert not (tmp_path / "r").exists()
     code, out = check_here(["--config", CONFIGS / "tiny_bert.yaml", f"output_dir={tmp_path / 'b'}",

@@ -899,15 +899,15 @@ def with_splits(splits: Splits, collator, cfg: RunConfig, repeat: int = 1) -> Tr
         mix = mixture_lib.Mixture([s.name for s in splits.sources], [s.train_rows for s in splits.sources],
                                   [s.weight for s in splits.sources], cfg.train.seed)
     lay = layout.layout(cfg)
+    eval_micro = cfg.train.eval_micro_batch_size or cfg.train.micro_batch_size
     train_dl = train_loader(splits.train, collator, cfg.data, cfg.train.micro_batch_size, cfg.train.seed,
                             cfg.train.gradient_accumulation_steps, mix, lay, repeat)
     if splits.sources:
         starts = np.cumsum([0] + [s.validation_rows for s in splits.sources]).tolist()
-        eval_dl = {s.name: eval_loader(splits.validation.select(range(a, b)), collator, cfg.data,
-                                       cfg.train.micro_batch_size, lay=lay)
+        eval_dl = {s.name: eval_loader(splits.validation.select(range(a, b)), collator, cfg.data, eval_micro, lay=lay)
                    for s, a, b in zip(splits.sources, starts, starts[1:])}
     else:
-        eval_dl = eval_loader(splits.validation, collator, cfg.data, cfg.train.micro_batch_size, lay=lay)
+        eval_dl = eval_loader(splits.validation, collator, cfg.data, eval_micro, lay=lay)
     micro, gas = cfg.train.micro_batch_size, cfg.train.gradient_accumulation_steps
     steps_per_epoch = (train_dl.sampler.num_samples // micro) // gas
     if steps_per_epoch == 0:

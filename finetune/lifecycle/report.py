@@ -162,7 +162,7 @@ def eval_summary(series: dict[str, list[tuple[int, float]]]) -> str:
     parts = []
     for key in ("eval/loss", "eval/perplexity", "eval/rewards/accuracies", "eval/reward"):
         points = series.get(key)
-        if points:
+        if points and not (key == "eval/loss" and all(v == 0 for _, v in points)):  # grpo's evaluation has no loss
             (s0, v0), (s1, v1) = points[0], points[-1]
             parts.append(f"{key} {v0:.4g} (step {s0}) -> {v1:.4g} (step {s1})")
     return "; ".join(parts)

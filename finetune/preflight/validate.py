@@ -253,11 +253,16 @@ def _check_numbers(cfg: RunConfig, problems: list[str]) -> None:
                     "train.max_grad_norm": cfg.train.max_grad_norm, "data.num_workers": cfg.data.num_workers,
                     "data.num_proc": cfg.data.num_proc,
                     "train.eval_max_batches": cfg.train.eval_max_batches, "data.max_train_rows": cfg.data.max_train_rows,
+                    "train.eval_micro_batch_size": cfg.train.eval_micro_batch_size,
                     "data.pad_to_multiple_of": cfg.data.pad_to_multiple_of, "data.min_pixels": cfg.data.min_pixels,
                     "data.max_pixels": cfg.data.max_pixels,
                     "train.keep_last_checkpoints": cfg.train.keep_last_checkpoints, "train.sample_temperature":
                 cfg.train.sample_temperature, "train.sample_top_k": cfg.train.sample_top_k}
     problems += [f"{k}: must be >= 0, got {v}" for k, v in non_negative.items() if not v >= 0]
+    eval_micro = cfg.train.eval_micro_batch_size
+    if cfg.parallel.sequence_parallel_size > 1 and eval_micro not in (0, cfg.train.micro_batch_size):
+        problems.append(f"train.eval_micro_batch_size: {eval_micro} with sequence parallelism, which cuts every batch "
+                        f"as the training micro batch ({cfg.train.micro_batch_size}); set it to 0")
     if cfg.data.min_pixels > 0 and cfg.data.max_pixels > 0 and cfg.data.min_pixels > cfg.data.max_pixels:
         problems.append(f"data.min_pixels: {cfg.data.min_pixels} is more than data.max_pixels "
                         f"{cfg.data.max_pixels}; an image cannot fit both")
