@@ -239,17 +239,17 @@ def _rel(got: list[float], want: list[float]) -> float:
 @pytest.mark.parametrize("case", [
     "zero0-reverse_kl-packed",
     *(pytest.param(f"{stage}-{divergence}-mixed", marks=pytest.mark.extended)
-      for stage, divergence in (("zero0", "forward_kl"), ("zero0", "reverse_kl"), ("zero0", "jsd"),
-                                ("zero3", "forward_kl"), ("zero3", "reverse_kl"))),
+      for stage, divergence in (("zero0", "jsd"), ("zero3", "forward_kl"), ("zero3", "reverse_kl"))),
 ])
 def test_a_launch_matches_the_plain_loop(tmp_path, teacher, student, case):
     """2 ranks x micro-batch 2 x accumulation 2: each step's loss (the mean over the global batch's trained tokens)
     and gradient norm equal the one-device loop's (1e-5, 1e-4), the teacher beside the student; ZeRO 0 with reverse
-    KL on packed rows of 2-4 examples each (the default suite); each divergence at ZeRO 0 and ZeRO 3 with half the
-    rows on-policy (``mixed``: the same steps train offline rows and completions the student samples, which the loop
-    samples with the same seeds, and which end at the EOS at different lengths: :func:`write_student`; ZeRO 3 with
-    every parameter of both models partitioned, threshold 0; JSD at ZeRO 3 is the resume test below). The log names
-    the teacher and the metrics are there."""
+    KL on packed rows of 2-4 examples each (the default suite); with half the rows on-policy (``mixed``: the same
+    steps train offline rows and completions the student samples, which the loop samples with the same seeds, and
+    which end at the EOS at different lengths: :func:`write_student`) JSD at ZeRO 0 and forward and reverse KL at
+    ZeRO 3 (every parameter of both models partitioned, threshold 0; JSD at ZeRO 3 is the resume test below; the
+    divergences are stage-blind, so their ZeRO-0 twins left for the extended checks' budget). The log names the
+    teacher and the metrics are there."""
     stage, divergence, rows = case.split("-")
     overrides = [f"train.distill.teacher={teacher}", f"train.distill.loss={divergence}",
                  f"deepspeed=ds_configs/{stage}.json"]

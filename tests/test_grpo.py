@@ -348,7 +348,7 @@ def test_zero3_generation_with_uneven_completions_finishes(tmp_path):
 def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
     """ZeRO-3, LoRA, beta 0.04, the model gathered once per step for generation (2 ranks x micro batch 1 x
     accumulation 2), 4 steps: TRL's metric names in metrics.jsonl, completions.jsonl, eval/reward, the export verified;
-    ZeRO-3's greedy evaluation completions are one process's; a resume from step 2 repeats steps 3-4 exactly."""
+    ZeRO-3's greedy evaluation completions are one process's."""
     run = tmp_path / "run"
     overrides = ["ds.zero_optimization.stage=3", "model.lora.r=4", "train.grpo.beta=0.04", "train.eval_every=2",
                  "train.eval_on_start=true", "export=true", f"data.cache_dir={tmp_path / 'cache'}",
@@ -365,16 +365,9 @@ def test_zero3_lora_with_kl_trains_logs_and_exports(tmp_path):
     assert any("eval/reward" in r for r in rows)
     sample = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert len(sample) == 16 and {"prompt", "completion", "reward", "rewards", "advantage"} <= set(sample[0])
-    # resume from step 2: steps 3 and 4 sample the same completions (the seeds come from the rows and the step) and
-    # train the same losses, rewards and KL
-    resumed = tmp_path / "resumed"
-    ok(launch(CONFIG, [f"output_dir={resumed}", *overrides], resume=str(run / "checkpoints" / "step2")))
-    again = {r["step"]: r for r in read_metrics(resumed) if "train/loss" in r}
-    assert sorted(again) == [3, 4]
-    for r in train[2:]:
-        for key in ("train/loss", "train/reward", "train/kl", "train/entropy"):
-            assert again[r["step"]][key] == pytest.approx(r[key], rel=1e-6, abs=1e-9), (r["step"], key)
-    assert [json.loads(line) for line in (resumed / "completions.jsonl").read_text().splitlines()] == sample[8:]
+    # the exact resume of this layout (ZeRO-3, LoRA, beta 0.04: the same completions, losses, rewards and KL) is
+    # tests/test_grpo_agent_runs.py's, with tools; its second launch here left for the extended checks' budget
+    assert (run / "checkpoints" / "step2" / "COMPLETE").is_file()
     assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-4
     # the step-0 evaluation generated greedily with the gathered ZeRO-3 weights (adapters zero): one process with the
     # same initial weights generates the same completions
@@ -538,15 +531,15 @@ def test_zero3_dapo_equals_the_textbook_global_token_mean(tmp_path):
     ("z3-grpo", ["ds.zero_optimization.stage=3", "train.grpo.loss_type=grpo"], 2),
     ("z0-dr_grpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=dr_grpo"], 2),
     ("z0-bnpo", ["ds.zero_optimization.stage=0", "train.grpo.loss_type=bnpo"], 2),
-    ("z0-split", ["ds.zero_optimization.stage=0", "train.micro_batch_size=2", "train.gradient_accumulation_steps=1"], 2),
     ("z2-world1", ["train.micro_batch_size=2", "train.gradient_accumulation_steps=2"], 1)])
 def test_other_stages_splits_and_world_sizes_equal_the_textbook(tmp_path, name, overrides, nproc):
     """Every other loss type at ZeRO 0 (2 ranks x accumulation 2), grpo at ZeRO 3 too (the loss types differ only in the
     normalisation, which is stage-blind; the stage's own path is the ZeRO-3 dapo and grpo runs): grpo (per-completion means, averaged over the
     global batch's completions), dr_grpo (the global batch's token sum / completions x max_completion_length), bnpo
-    (each micro-batch's token mean, averaged over micro-batches, TRL's local normalisation); dapo at ZeRO-0, micro
-    batch 2 x accumulation 1, and on one rank at micro batch 2 x accumulation 2 (the same 4 prompts per step, cut
-    otherwise): each equals the reference of its own layout, and the dapo ones equal the ZeRO-3 test's reference."""
+    (each micro-batch's token mean, averaged over micro-batches, TRL's local normalisation); dapo on one rank at micro
+    batch 2 x accumulation 2 (the same 4 prompts per step, cut otherwise; the 2-rank micro batch 2 x accumulation 1
+    twin left for the extended checks' budget): each equals the reference of its own layout, and the dapo one equals
+    the ZeRO-3 test's reference."""
     from test_dpo import max_rel
 
     losses, norms = _parity_run(tmp_path, name, overrides, nproc)

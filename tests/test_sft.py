@@ -285,10 +285,11 @@ _CLM = ["recipe=gpt_clm", "data.train_files=[data/wikitext2/test.parquet]",
 # launches: Llama at ZeRO 0, 3, 3 + offload, Qwen3 at ZeRO 3 and 3 + offload; ZeRO-0 is architecture-blind).
 # ZeRO-0 on Llama with gpt_clm only, CPU offload on Llama with sft only (the loss path and the offload are the
 # architecture's and the stage's, not the recipe's; tests/test_parity.py runs sft on Llama at ZeRO-3 with offload):
-# CI budget
+# CI budget. Llama sft at ZeRO-3 + offload left the matrix for the extended checks' budget: the default suite's
+# parity battery runs exactly that launch (parity_sft.yaml, export=true) and checks its golden losses and its export.
 _MATRIX = [(m, r, s) for m in ("tiny-llama", "tiny-qwen3") for r in ("sft", "gpt_clm") for s in _STAGES
-           if s != "z2" and (m, s) not in (("tiny-qwen3", "z0"), ("tiny-qwen3", "z3-offload"))
-           and (m, r, s) not in (("tiny-llama", "sft", "z0"), ("tiny-llama", "gpt_clm", "z3-offload"))]
+           if s not in ("z2", "z3-offload") and (m, s) != ("tiny-qwen3", "z0")
+           and (m, r, s) != ("tiny-llama", "sft", "z0")]
 _DEFAULT: set = set()  # add a case here to run it in the default suite (about 30 s per launch)
 
 
