@@ -212,7 +212,7 @@ def test_refusals(case, tiny, tmp_path, capsys):
     want = {"not_gguf": "cannot be read as a GGUF file", "truncated": "is truncated",
             "architecture": "'rwkv6' model, an architecture transformers' GGUF loader cannot read (it reads: ",
             "no_tokenizer": "holds no tokenizer"}[case]
-    assert lines[0].startswith(f"finetune: error: model.path: ") and want in lines[0], lines
+    assert lines[0].startswith("finetune: error: model.path: ") and want in lines[0], lines
     assert not (tmp_path / "cache" / "gguf").is_dir() or not list((tmp_path / "cache" / "gguf").glob("[0-9a-f]*"))
 
 
