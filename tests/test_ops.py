@@ -327,3 +327,26 @@ def test_doctor_multinode_rows(capsys, tmp_path, monkeypatch):
         assert "network interfaces up: d0, d1; NCCL_SOCKET_IFNAME=d0; GLOO_SOCKET_IFNAME=d0" in out, out
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_run_summary_prints_held_out_answers_before_and_after(tmp_path):
+    """The end of a grpo run: the held-out answers of the first and last evaluation (``eval/step<N>_completions.jsonl``,
+    ordered by step number, not by name), the prompt's last user message, and grpo's always-zero eval loss left out of
+    the evaluation line; one evaluation only: no answer lines."""
+    from finetune.lifecycle.report import eval_answers, eval_summary
+
+    (tmp_path / "eval").mkdir()
+    for step, answers in ((0, ["To add", "71 + 55 = 226"]), (2, ["12", "13"]), (10, ["122", "126"])):
+        rows = [{"step": step, "prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": f"What is {q}?"}],
+                 "completion": a, "rewards": {"exact_match": float(a in ("122", "126"))}}
+                for q, a in zip(("59 + 63", "71 + 55"), answers)]
+        (tmp_path / "eval" / f"step{step}_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = eval_answers(tmp_path, n=3)
+    assert lines == ["held-out answer to 'What is 59 + 63?': step 0 'To add' (exact_match 0) -> step 10 '122' (exact_match 1)",
+                     "held-out answer to 'What is 71 + 55?': step 0 '71 + 55 = 226' (exact_match 0) -> step 10 '126' "
+                     "(exact_match 1)"], lines
+    for step in (2, 10):
+        (tmp_path / "eval" / f"step{step}_completions.jsonl").unlink()
+    assert eval_answers(tmp_path) == []
+    assert eval_summary({"eval/loss": [(0, 0.0), (10, 0.0)], "eval/reward": [(0, 0.14), (10, 0.625)]}) == \
+        "eval/reward 0.14 (step 0) -> 0.625 (step 10)"

@@ -10,10 +10,10 @@ the extended checks: run them before a change to a recipe, the GGUF path or the 
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
+import sys
 import time
 
 import pytest
@@ -57,4 +57,4 @@ def test_readme_main_command_fine_tunes_the_real_model(tmp_path):
     assert proc.stdout.count("held-out answer to 'What is ") == 3, proc.stdout[-3000:]
     assert (run / "export" / "model.safetensors").is_file() and (run / "export_check.json").is_file()
     assert took < 600, f"{took:.0f} s"
-    print(f"README main command: {took:.0f} s, held-out accuracy {before:.3f} -> {after:.3f}", file=os.sys.stderr)
+    print(f"README main command: {took:.0f} s, held-out accuracy {before:.3f} -> {after:.3f}", file=sys.stderr)

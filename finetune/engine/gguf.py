@@ -171,12 +171,9 @@ def weights_deferred(folder: str | os.PathLike) -> bool:
     return (source_of(folder) or {}).get("weights") is False
 
 
-def _ready(path: Path, cache_root: Path, weights: bool) -> Path | None:
-    """A complete folder of the GGUF file ``path`` that serves (the full conversion; for ``weights=False`` also the
-    config-only one), or None. Its file was checked (:func:`problems`) when it was made, and its SHA-256 names it."""
-    if not path.is_file():
-        return None
-    digest = sha256_of(path, cache_root)
+def _ready(digest: str, cache_root: Path, weights: bool) -> Path | None:
+    """A complete folder of the GGUF file whose SHA-256 is ``digest`` that serves (the full conversion; for
+    ``weights=False`` also the config-only one), or None. Its file was checked (:func:`problems`) when it was made."""
     for folder in (folder_for(digest, cache_root), *(() if weights else (config_folder_for(digest, cache_root),))):
         if is_converted(folder):
             return folder
@@ -283,12 +280,12 @@ def ensure_converted(path: str, cache_root: Path, weights: bool = True) -> tuple
         already there.
     """
     p = Path(path)
-    if ready := _ready(p, cache_root, weights):
-        return ready, None
     digest = sha256_of(p, cache_root)
+    if ready := _ready(digest, cache_root, weights):
+        return ready, None
     folder = folder_for(digest, cache_root) if weights else config_folder_for(digest, cache_root)
     with _locked(folder.parent / f"{digest}.lock"):
-        if ready := _ready(p, cache_root, weights):  # another rank converted it while this one waited
+        if ready := _ready(digest, cache_root, weights):  # another rank converted it while this one waited
             return ready, None
         start = time.monotonic()
         partial = Path(tempfile.mkdtemp(prefix=".partial-", dir=folder.parent))
@@ -341,7 +338,8 @@ def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True, weig
     separate_tokenizer = bool(m.tokenizer_path) and not is_gguf(m.tokenizer_path)
     own = []
     for k in keys:
-        if _ready(Path(getattr(m, k)), cache_root, weights and k == "path"):
+        p = Path(getattr(m, k))
+        if p.is_file() and _ready(sha256_of(p, cache_root), cache_root, weights and k == "path"):
             continue
         own += problems(getattr(m, k), f"model.{k}", needs_tokenizer=(k == "tokenizer_path" or not separate_tokenizer))
     if own:

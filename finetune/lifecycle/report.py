@@ -11,6 +11,7 @@ matplotlib's Agg backend, so it works on a login node without a display. ``finet
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -174,8 +175,6 @@ def eval_answers(run_dir: Path, n: int = 3) -> list[str]:
     message, then the answer and its rewards before and after, e.g.
     ``'What is 59 + 63? ...': step 0 'To add 59 and 63, we need' (exact_match 0) -> step 10 '122' (exact_match 1)``.
     [] when the run has fewer than two such evaluations or a file cannot be read (a report, never a failure)."""
-    import json
-
     def step_of(p: Path) -> int:
         return int(p.name.removeprefix("step").split("_", 1)[0])
 
