@@ -299,7 +299,7 @@ class DistillConfig:
     (docs/distillation.md)."""
 
     teacher: str = ""
-    """The teacher: a local model folder (``config.json`` and weights, any ``AutoModelForCausalLM``) whose tokenizer has the student's vocabulary; frozen, in eval mode, without optimizer state, partitioned like the student under ZeRO-3."""
+    """The teacher: a local model folder (``config.json`` and weights, any ``AutoModelForCausalLM``) or a ``.gguf`` file (converted once, as ``model.path``'s), whose tokenizer has the student's vocabulary; frozen, in eval mode, without optimizer state, partitioned like the student under ZeRO-3."""
     loss: Divergence = "forward_kl"
     """The divergence per trained token between the teacher's and the student's next-token distributions at ``temperature``: ``forward_kl`` KL(teacher || student) (Hinton et al. 2015's soft targets), ``reverse_kl`` KL(student || teacher) (MiniLLM; mode seeking), ``jsd`` the generalized Jensen-Shannon divergence with ``beta`` (GKD: Agarwal et al. 2024; TRL's ``beta``)."""
     beta: float = 0.5

@@ -81,6 +81,18 @@ completion exceed the shape's 512)::
         train.max_steps=120 train.eval_every=0 train.eval_on_start=false train.save_every=120
     python scripts/bench.py --preset grpo_tools --init-from runs/bench_guess_sft/export --lock /tmp/heavy.lock
 
+``grpo_smollm2``: GRPO on a real pretrained model (issue 69), the README's main run
+(``grpo_smollm2_arithmetic.yaml``: SmolLM2-135M-Instruct from its GGUF file, LoRA rank 16 on every linear layer, 4
+two-digit additions x 8 completions of at most 12 tokens per rank and step, lr 2e-4) against TRL's
+``GRPOTrainer(peft_config=LoraConfig(...))`` from the same weights (the file converted once by
+``finetune.engine.gguf``; TRL loads that folder), the same conversational prompts (the model's own ChatML template on
+both sides), the same reward (``scripts/bench_rewards.py:last_integer_match``, the config's ``exact_match`` on the
+last integer). Both sides also evaluate the held-out greedy accuracy over the 200 test questions before the first
+step and after the last (not timed; ``held-out 0`` and ``held-out acc``): the gain of the same steps side by side.
+Needs the model file (``bash scripts/get_smollm2.sh``); not part of ``--preset all``::
+
+    python scripts/bench.py --preset grpo_smollm2 --steps 10 --skip 2 --rounds 1 --lock /tmp/heavy.lock
+
 ``vlm_sft``: vision-language SFT (issue 55), the shipped ``vlm_sft_digits.yaml`` (the tiny SmolVLM from scratch, the
 32x32 digits, the loss on the answer digit and its end-of-turn token) against TRL's ``SFTTrainer`` with the model's
 processor on the same rows (``scripts/bench_trl.py``: ``assistant_only_loss=True``, TRL's vision collator processing
@@ -374,6 +386,18 @@ PRESETS: dict[str, dict] = {
                    "contenders": ["finetune", "trl", "trl_best"],
                    "tiny": [f"model.config_overrides={REALISTIC_TINY}", "train.grpo.max_completion_length=24",
                             "train.grpo.max_tool_calling_iterations=1"]},
+    # GRPO on the real SmolLM2-135M-Instruct (issue 69): the README's main run (grpo_smollm2_arithmetic.yaml: LoRA
+    # rank 16 on every linear layer, 4 prompts x 8 completions of at most 12 tokens per rank and step, two-digit
+    # additions as one user message each, rendered by the model's own ChatML template) against TRL's
+    # GRPOTrainer(peft_config=LoraConfig(...)) from the same weights (the GGUF file converted once by
+    # finetune.engine.gguf; TRL loads that folder), the same conversational prompts and the same reward
+    # (scripts/bench_rewards.py:last_integer_match: the config's exact_match on the last integer). ``heldout``: the
+    # greedy accuracy over the 200 test questions before the first step and after the last, on both sides (not
+    # timed). ``real``: needs the model file (scripts/get_smollm2.sh), so not part of ``--preset all``.
+    "grpo_smollm2": {"config": "finetune/recipes/configs/grpo_smollm2_arithmetic.yaml", "epoch": True, "grpo": True,
+                     "heldout": True, "real": True,
+                     "overrides": ["train.grpo.rewards=[scripts/bench_rewards.py:last_integer_match]"],
+                     "contenders": ["finetune", "trl", "trl_best"], "tiny": []},
     # On-policy distillation: the shipped distill recipe with every row's response sampled by the student (TRL's
     # DistillationTrainer is always on-policy), the realistic shape from scratch as the student, a teacher of twice
     # its layers and width (TEACHER_SHAPE; written by main with seeded random weights, or --teacher), 4 prompts per
@@ -446,7 +470,9 @@ PRESETS: dict[str, dict] = {
 }
 """Per preset: base run config, overrides, contenders, ``tiny`` overrides (``--tiny``: a smoke run, for tests), and
 ``gpu`` (presets sized for a GPU: ``--preset all`` includes them only with ``--gpu``); ``search``: the
-``long_context`` flow (:func:`long_context`; not part of ``--preset all``)."""
+``long_context`` flow (:func:`long_context`; not part of ``--preset all``); ``real``: a real model's file the
+repository does not ship (not part of ``--preset all``); ``heldout``: the held-out metric after the last step (grpo:
+also before the first)."""
 PRESETS["reward_prompt_only"].update(overrides=PRESETS["reward"]["overrides"], tiny=PRESETS["reward"]["tiny"])
 
 
@@ -580,6 +606,26 @@ def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
     return start, meter.peaks
 
 
+def is_gguf(path: str) -> bool:
+    """A ``.gguf`` model path (finetune.engine.gguf)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def converted(path: str) -> Path:
+    """The folder ``finetune.engine.gguf`` converts the GGUF file ``path`` into (made once, under the user's cache:
+    ``$FINETUNE_CACHE`` or ``~/.cache/finetune``, as a run would), for both sides of a preset on a real model."""
+    from finetune.engine import gguf
+
+    file = Path(path) if Path(path).is_absolute() else REPO / path
+    if not file.is_file():
+        raise SystemExit(f"bench.py: no model file '{file}': fetch it with bash scripts/get_smollm2.sh")
+    root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+    folder, note = gguf.ensure_converted(str(file), root)
+    if note:
+        print(note, flush=True)
+    return folder
+
+
 def clean_shm(before: set[str]) -> None:
     """Remove the ``/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>`` files a launch left (HF Trainer
     leaves them): those made since ``before`` on a master port of :func:`deepspeed_cmd`'s, never the buffer of another
@@ -598,7 +644,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}")
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in rows if "eval/accuracy" in r]
+    held = "eval/reward" if preset.get("grpo") else "eval/accuracy"  # grpo: greedy exact match, the accuracy
+    evals = [r for r in rows if held in r]
     rows = [r for r in rows if "train/loss" in r]
     accuracies = [r.get("train/rewards/accuracies", r.get("train/accuracy")) for r in rows
                   if "train/rewards/accuracies" in r or "train/accuracy" in r]
@@ -631,7 +678,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     return {"start": start, "ends": ends, "cpu": cpu, "tokens": tokens, "positions": positions, "losses": losses,
             "peaks": peaks, "gpu_peak": gpu or None, "mfu": mfu, "reward_accuracies": accuracies, "rewards": rewards,
             "tool_calls": tool_calls, "completion_lengths": completion_lengths, "phases": phases,
-            "heldout_accuracy": evals[-1]["eval/accuracy"] if evals else None,
+            "heldout_accuracy": evals[-1][held] if evals else None,
+            "heldout_start": evals[0][held] if len(evals) > 1 else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
                                                                     if "train/shared_tokens" in r]) else None}
 
@@ -689,6 +737,7 @@ def trl(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
     rank0 = json.loads((out / "rank0.json").read_text())
     heldout = rank0.get("heldout") or {}
     return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_pairs": heldout.get("pairs"),
+            "heldout_start": heldout.get("start"),
             "phases": rank0.get("phases") or {}}
 
 
@@ -722,7 +771,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
     (grpo: ``num_generations``) adds completions/s and the mean rewards."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
     mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout, rewards, last_rewards = [], [], [], 0, 0.0, [], [], []
-    tool_calls = []
+    tool_calls, heldout_start = [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -749,6 +798,8 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
         e2e_seconds += ends[-1] - r["start"]
         if r.get("heldout_accuracy") is not None:
             heldout.append(r["heldout_accuracy"])
+        if r.get("heldout_start") is not None:
+            heldout_start.append(r["heldout_start"])
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "rows_per_s": rows_per_step * len(step_times) / seconds if rows_per_step else None,
@@ -770,6 +821,8 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             "e2e_real_tokens_per_s_per_round": [sum(r["tokens"][:len(r["ends"])]) / (r["ends"][-1] - r["start"])
                                                 for r in runs],
             "heldout_accuracy": statistics.fmean(heldout) if heldout else None,
+            "heldout_start": statistics.fmean(heldout_start) if heldout_start else None,
+            "heldout_accuracy_per_round": heldout,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["shared_tokens"] for r in runs
                                                                     if r.get("shared_tokens") is not None]) else None}
 
@@ -789,6 +842,9 @@ def grpo_summary(name: str, results: list[dict]) -> str:
                 f"(last {r['final_reward'] or 0:.4f})")
         if r.get("tool_call_frequency") is not None:
             line += f"  tool calls/rollout {r['tool_call_frequency']:.2f}"
+        if r.get("heldout_accuracy") is not None:  # the heldout presets: greedy accuracy before -> after
+            start = r.get("heldout_start")
+            line += f"  held-out {'n/a' if start is None else f'{start:.3f}'} -> {r['heldout_accuracy']:.3f}"
         if r is not ours:
             line += (f"  finetune/{r['contender']}: completions/s "
                      f"{ours['completions_per_s'] / r['completions_per_s']:.2f}x, tokens/s "
@@ -901,6 +957,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "gradient_checkpointing": m.gradient_checkpointing,
             "grpo": dataclasses.asdict(t.grpo), "distill": dataclasses.asdict(t.distill),
             "reward_columns": list(d.reward_columns), "init": m.init,
+            "lora": dataclasses.asdict(m.lora) if m.lora is not None and m.lora.r else None,
+            "eval_micro_batch_size": t.eval_micro_batch_size or t.micro_batch_size,
             "messages_column": d.messages_column, "image_column": d.image_column,
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
@@ -951,7 +1009,8 @@ def table(preset: str, results: list[dict]) -> str:
             ("reward acc", "{:.3f}", "final_reward_accuracy"), ("ours/this", "{:.2f}", "ratio_ours_over_this"),
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
             ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),
-            ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out acc", "{:.3f}", "heldout_accuracy"),
+            ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out 0", "{:.3f}", "heldout_start"),
+            ("held-out acc", "{:.3f}", "heldout_accuracy"),
             ("shared tok", "{:.2f}", "shared_tokens")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:
@@ -1214,7 +1273,8 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(args.keep or tmp)
         root.mkdir(parents=True, exist_ok=True)
         env.setdefault("FINETUNE_CACHE", str(root / "cache"))
-        every = [n for n, pr in PRESETS.items() if (args.gpu or not pr.get("gpu")) and not pr.get("search")]
+        every = [n for n, pr in PRESETS.items() if (args.gpu or not pr.get("gpu")) and not pr.get("search")
+                 and not pr.get("real")]
         for name in every if args.preset == "all" else [args.preset]:
             preset = PRESETS[name]
             if preset.get("search"):
@@ -1242,6 +1302,10 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{args.steps * t.micro_batch_size * t.gradient_accumulation_steps * args.nproc}")
             if preset.get("heldout"):  # one evaluation of every held-out pair after the last step (not timed)
                 overrides += [f"train.eval_every={args.steps}", "train.eval_max_batches=0"]
+                if preset.get("grpo"):  # and before the first: the gain
+                    overrides.append("train.eval_on_start=true")
+            if is_gguf(cfg.model.path):  # one converted folder for both sides (TRL loads a folder)
+                overrides.append(f"model.path={converted(cfg.model.path)}")
             cfg = load_run_config(REPO / preset["config"], overrides)
             spec = {**hf_spec(cfg, args.steps, precision), "log_every": args.log_every,
                     "validation_files": cfg.data.validation_files if preset.get("heldout") else []}

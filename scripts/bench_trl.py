@@ -62,6 +62,15 @@ defaults otherwise (gradient checkpointing on); ``best`` (``trl_best``): gradien
 run. Not applicable to vision rows in TRL 1.16: packing and ``padding_free`` (refused for vision datasets); length
 grouping gains nothing on rows of one length.
 
+GRPO on a real model (the ``grpo_smollm2`` preset): the spec's ``lora`` (the toolkit's ``model.lora``) becomes
+``GRPOTrainer(peft_config=peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules, use_dora, use_rslora))``, as a
+TRL user adapts a model; the prompts are conversations (one user message), which TRL renders with the model's own
+chat template, as the toolkit does. With ``validation_files`` in the spec, the held-out greedy accuracy before the
+first step and after the last (not timed; :func:`greedy_accuracy`): one greedy answer of at most
+``max_completion_length`` tokens per validation prompt, the prompt rendered as TRL renders it, scored by the first
+reward function, the mean over the prompts of every rank: what the toolkit's GRPO evaluation logs as
+``eval/reward``.
+
 GRPO with tools or an environment (the ``grpo_tools`` preset; ``train.grpo.tools`` / ``environment``): TRL's
 ``GRPOTrainer(tools=[...], environment_factory=Factory)`` with the same functions and class (imported from their
 files), ``max_tool_calling_iterations`` and ``max_completion_length`` (tool results included on both sides), the
@@ -121,6 +130,43 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+def greedy_accuracy(net, tokenizer, rows, reward, max_new_tokens: int, batch: int, columns: list[str]) -> tuple:
+    """Held-out greedy accuracy of ``net`` on this rank's share of ``rows`` (a ``datasets`` split with a ``prompt``
+    column: conversations or text), summed over the ranks: ``(mean score, prompts)``. Each prompt is rendered as TRL
+    renders it (the chat template with the generation prompt, else the text with the tokenizer's special tokens),
+    left-padded in batches of ``batch``, answered greedily (at most ``max_new_tokens`` tokens, stopping at the EOS)
+    and scored by ``reward`` (TRL's signature; ``None`` scores count as 0)."""
+    import torch
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mine = rows.select(range(rank, len(rows), world))
+    total = torch.zeros(2, dtype=torch.float64)
+    training, side = net.training, tokenizer.padding_side
+    net.eval()
+    tokenizer.padding_side = "left"
+    try:
+        with torch.no_grad():
+            for i in range(0, len(mine), batch):
+                chunk = mine[i:i + batch]
+                chat = isinstance(chunk["prompt"][0], list)
+                texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if chat else p
+                         for p in chunk["prompt"]]
+                enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+                out = net.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                completions = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+                scores = reward(prompts=chunk["prompt"], completions=completions,
+                                **{c: chunk[c] for c in columns})
+                total += torch.tensor([sum(x or 0.0 for x in scores), len(scores)], dtype=torch.float64)
+    finally:
+        net.train(training)
+        tokenizer.padding_side = side
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(total)
+    return float(total[0] / max(total[1], 1)), int(total[1])
 
 
 def main() -> None:
@@ -279,6 +325,22 @@ def main() -> None:
             agentic["tools"] = [load_reward(e) for e in g.get("tools") or []] or None
             if g.get("environment"):
                 agentic["environment_factory"] = load_reward(g["environment"])
+        reward_funcs = [load_reward(e) for e in g["rewards"]]
+        adapters = {}
+        if spec.get("lora"):  # the toolkit's model.lora as peft's LoraConfig, handed to TRL as its users do
+            from peft import LoraConfig
+
+            lo = spec["lora"]
+            targets = lo["target_modules"]
+            adapters["peft_config"] = LoraConfig(
+                r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo["dropout"], use_dora=lo["use_dora"],
+                use_rslora=lo["use_rslora"], task_type="CAUSAL_LM",
+                target_modules="all-linear" if targets == ["all-linear"] else targets,
+                modules_to_save=lo["modules_to_save"] or None)
+        if spec.get("validation_files"):  # before the first step (not timed): the start of the gain
+            held = prompts(spec["validation_files"])
+            heldout_start = greedy_accuracy(model, tokenizer, held, reward_funcs[0], g["max_completion_length"],
+                                            spec["eval_micro_batch_size"], spec["reward_columns"])
         common["per_device_train_batch_size"] *= g["num_generations"]  # TRL counts completions, ours prompts
         common["per_device_eval_batch_size"] = common["per_device_train_batch_size"]
         gargs = GRPOConfig(**common, num_generations=g["num_generations"],
@@ -290,8 +352,9 @@ def main() -> None:
                            num_iterations=g["num_iterations"], reward_weights=g["reward_weights"] or None,
                            use_vllm=False,
                            **({"max_tool_calling_iterations": g["max_tool_calling_iterations"]} if agentic else {}))
-        trainer = GRPOTrainer(model=model, reward_funcs=[load_reward(e) for e in g["rewards"]], args=gargs,
-                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()], **agentic)
+        trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=gargs,
+                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()], **agentic,
+                              **adapters)
     elif distill:
         from trl import DistillationConfig, DistillationTrainer
 
@@ -404,6 +467,10 @@ def main() -> None:
         metrics = trainer.evaluate()
         heldout = {"accuracy": metrics.get("eval_accuracy"), "loss": metrics.get("eval_loss"),
                    "pairs": len(trainer.eval_dataset)}
+    if grpo and spec.get("validation_files"):  # after the last step (not timed)
+        accuracy, n = greedy_accuracy(trainer.model, tokenizer, held, reward_funcs[0], g["max_completion_length"],
+                                      spec["eval_micro_batch_size"], spec["reward_columns"])
+        heldout = {"accuracy": accuracy, "start": heldout_start[0], "pairs": n}
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "reward_accuracies": accuracies,

@@ -11,14 +11,40 @@ smoke run (suite budget). The ``reward`` preset against TRL's ``RewardTrainer`` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
 import pytest
 
-from conftest import leftover_shm, run_python, shm_buffers
+from conftest import REPO, leftover_shm, run_python, shm_buffers
 
 pytestmark = pytest.mark.slow
+
+
+def test_bench_rewards_score_as_the_builtins_on_text_and_on_trls_messages():
+    """``scripts/bench_rewards.py``, which both sides of the grpo presets load, scores as the grpo recipe's built-ins
+    with the shipped configs' patterns (``####`` and the last integer), on the toolkit's text completions and on
+    TRL's conversational ones (one assistant message each)."""
+    from finetune.config import load_run_config
+    from finetune.recipes import rewards
+
+    spec = importlib.util.spec_from_file_location("bench_rewards", REPO / "scripts" / "bench_rewards.py")
+    bench_rewards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_rewards)
+    completions = ["59 + 63 equals 122.", "It is 12, not 122 or 13", "no number", "-5", "so #### 1,234", "#### 7 then 8"]
+    answer = ["122", "122", "3", "-5", "#### 1234", "#### 7"]
+    messages = [[{"role": "assistant", "content": c}] for c in completions]
+    for ours, pattern in ((bench_rewards.last_integer_match, bench_rewards.LAST_INTEGER),
+                          (bench_rewards.exact_match, bench_rewards.ANSWER_PATTERN)):
+        want = rewards.exact_match(prompts=[""] * 6, completions=completions, completion_ids=None, pattern=pattern,
+                                   reference_column="answer", answer=answer)
+        assert ours([""] * 6, completions, answer) == want
+        assert ours([""] * 6, messages, answer) == want
+    assert bench_rewards.last_integer_match([""] * 6, messages, answer)[:4] == [1.0, 0.0, 0.0, 1.0]
+    assert bench_rewards.format_reward([""] * 6, messages) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    shipped = load_run_config(REPO / "finetune" / "recipes" / "configs" / "grpo_smollm2_arithmetic.yaml")
+    assert shipped.train.grpo.answer_pattern == bench_rewards.LAST_INTEGER
 
 
 @pytest.mark.extended  # suite budget

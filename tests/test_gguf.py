@@ -7,6 +7,7 @@ Hugging Face folder that every rank and verb reads.
 * Two processes that start on the same file at once convert it once; the other waits and takes the same folder.
 * Refused before any process group, one line each, exit 2: a file that is no GGUF, a truncated one, an architecture
   transformers' loader cannot read, a file without a tokenizer.
+* A ``distill`` run's ``train.distill.teacher`` may name a ``.gguf``: checked without its weights, converted once.
 * ``doctor``, ``plan`` and ``evaluate`` take the same path, a run's export is made from it; ``bundle --model x.gguf`` carries the file and ``verify`` checks it.
 * Extended: the shared real file (SmolLM2-135M-Instruct, Q4_1) converts to the model transformers loads from it.
 """
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, cpu_env, finetune_here, launch, ok, refused_here, train_losses
+from conftest import CONFIGS, REPO, check_here, cpu_env, finetune_here, launch, ok, refused_here, train_losses
 
 gguf = pytest.importorskip("gguf")
 
@@ -253,6 +254,34 @@ def test_plan_doctor_and_evaluate_take_a_gguf(tiny, tmp_path, capsys):
     a, b = AutoTokenizer.from_pretrained(light), AutoTokenizer.from_pretrained(full)
     text = "Natalia sold clips to 48 of her friends in April."
     assert a(text)["input_ids"] == b(text)["input_ids"] and a.chat_template == b.chat_template == TEMPLATE
+
+
+def test_a_distill_teacher_may_be_a_gguf(tiny, tmp_path, capsys):
+    """``train.distill.teacher`` may name a ``.gguf`` (a real model as the teacher): ``--check`` reads its config and
+    tokenizer without its weights and compares its vocabulary with the student's; a launch's resolution converts it
+    whole, once, into the folder the teacher is then built from; a student of another vocabulary is refused, naming
+    the key."""
+    from finetune.config import load_run_config
+    from finetune.preflight.validate import resolve_model_files
+    from finetune.recipes import distill
+
+    path, _ = tiny
+    cache = tmp_path / "cache"
+    common = [f"train.distill.teacher={path}", f"data.cache_dir={cache}", f"output_dir={tmp_path / 'run'}"]
+    code, printed = check_here(["--config", CONFIGS / "parity_distill.yaml", *common], capsys)
+    assert code == 0, printed
+    assert not list((cache / "gguf").glob("[0-9a-f]" * 64)), "a check converted the weights"
+    cfg = load_run_config(CONFIGS / "parity_distill.yaml", common)
+    found: list[str] = []
+    notes = resolve_model_files(cfg, found, announce=False)
+    folder = next((cache / "gguf").glob("[0-9a-f]" * 64))
+    assert not found and cfg.train.distill.teacher == str(folder) and len(notes) == 1, (found, notes)
+    assert (folder / "model.safetensors").is_file()
+    distill.check_teacher(cfg, found)
+    assert not found, found
+    code, printed = check_here(["--config", CONFIGS / "parity_distill.yaml", *common,
+                                "model.tokenizer_path=data/models/tiny-gpt2", "model.config_overrides={}"], capsys)
+    assert code == 2 and "train.distill.teacher: the teacher's tokenizer" in printed, printed
 
 
 @pytest.mark.extended

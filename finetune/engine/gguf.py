@@ -315,8 +315,9 @@ def source_of(folder: str | os.PathLike) -> dict | None:
 
 
 def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True, weights: bool = True) -> list[str]:
-    """Replace a ``.gguf`` ``model.path`` / ``model.tokenizer_path`` of the run config ``cfg`` (in place) by its
-    converted folder under ``cache_root``, converting it once (:func:`ensure_converted`).
+    """Replace a ``.gguf`` ``model.path`` / ``model.tokenizer_path`` (and a ``distill`` run's
+    ``train.distill.teacher``) of the run config ``cfg`` (in place) by its converted folder under ``cache_root``,
+    converting it once (:func:`ensure_converted`).
 
     Checks first (:func:`problems`), unless a folder made from the same file (by SHA-256) is already there; a key with
     a problem is left as it is and its lines appended to ``found``, so that nothing is converted for a run that is
@@ -332,36 +333,41 @@ def resolve(cfg, cache_root: Path, found: list[str], announce: bool = True, weig
         The lines that say what was converted and where (empty when every folder was already there).
     """
     m = cfg.model
-    keys = [k for k in ("path", "tokenizer_path") if is_gguf(getattr(m, k))]
-    if not keys:
-        return []
     separate_tokenizer = bool(m.tokenizer_path) and not is_gguf(m.tokenizer_path)
+    # (owner, attribute, key as the user writes it, its weights are read, the file must carry a tokenizer)
+    slots = [(m, "path", "model.path", True, not separate_tokenizer),
+             (m, "tokenizer_path", "model.tokenizer_path", False, True)]
+    if getattr(cfg, "recipe", "") == "distill":  # the teacher reads the student's token ids: no tokenizer needed
+        slots.append((cfg.train.distill, "teacher", "train.distill.teacher", True, False))
+    slots = [s for s in slots if is_gguf(getattr(s[0], s[1]))]
+    if not slots:
+        return []
     own = []
-    for k in keys:
-        p = Path(getattr(m, k))
-        if p.is_file() and _ready(sha256_of(p, cache_root), cache_root, weights and k == "path"):
+    for owner, attr, key, reads_weights, needs_tokenizer in slots:
+        p = Path(getattr(owner, attr))
+        if p.is_file() and _ready(sha256_of(p, cache_root), cache_root, weights and reads_weights):
             continue
-        own += problems(getattr(m, k), f"model.{k}", needs_tokenizer=(k == "tokenizer_path" or not separate_tokenizer))
+        own += problems(getattr(owner, attr), key, needs_tokenizer=needs_tokenizer)
     if own:
         found += own
         return []
     notes = []
-    for k in keys:
+    for owner, attr, key, reads_weights, _ in slots:
         try:
-            folder, note = ensure_converted(getattr(m, k), cache_root, weights=weights and k == "path")
+            folder, note = ensure_converted(getattr(owner, attr), cache_root, weights=weights and reads_weights)
         except OSError as e:
-            found.append(f"model.{k}: cannot write the conversion of '{getattr(m, k)}' under '{cache_root}/gguf' "
+            found.append(f"{key}: cannot write the conversion of '{getattr(owner, attr)}' under '{cache_root}/gguf' "
                          f"({e.strerror or e}); set data.cache_dir (or $FINETUNE_CACHE) to a writable folder")
             return notes
         except Exception as e:  # noqa: BLE001  (transformers' loader: an unsupported tensor type, a shape it rejects)
-            found.append(f"model.{k}: transformers could not convert GGUF file '{getattr(m, k)}': {type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:300]}")
+            found.append(f"{key}: transformers could not convert GGUF file '{getattr(owner, attr)}': "
+                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
             return notes
         if note:
             notes.append(note)
             if announce:
                 print(f"finetune: {note}", file=sys.stderr, flush=True)
-        setattr(m, k, str(folder))
+        setattr(owner, attr, str(folder))
     return notes
 
 

@@ -72,7 +72,7 @@ from finetune import patches
 from finetune.config import DataConfig, DistillConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.data.dataset import default_cache_dir, eval_loader, file_id, fingerprint, with_splits
-from finetune.engine import rollout
+from finetune.engine import gguf, rollout
 from finetune.engine.rollout import SamplingConfig
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
@@ -792,7 +792,7 @@ def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
         problems.append(f"train.distill.teacher: '{folder}' is not a model folder (no config.json); give the "
                         f"teacher's local model folder")
         return
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")) and not gguf.weights_deferred(folder):
         problems.append(f"train.distill.teacher: '{folder}' has no weights (*.safetensors, *.bin); the teacher "
                         f"must be trained (e.g. an sft export)")
     student_path = cfg.model.tokenizer_path or cfg.model.path
