@@ -606,21 +606,16 @@ def run_launch(cmd: list[str], env: dict, log: Path, timeout: float,
     return start, meter.peaks
 
 
-def is_gguf(path: str) -> bool:
-    """A ``.gguf`` model path (finetune.engine.gguf)."""
-    return str(path).lower().endswith(".gguf")
-
-
-def converted(path: str) -> Path:
-    """The folder ``finetune.engine.gguf`` converts the GGUF file ``path`` into (made once, under the user's cache:
-    ``$FINETUNE_CACHE`` or ``~/.cache/finetune``, as a run would), for both sides of a preset on a real model."""
+def converted(path: str, data_cfg) -> Path:
+    """The folder ``finetune.engine.gguf`` converts the GGUF file ``path`` into (made once, under the run's cache,
+    :func:`finetune.data.dataset.default_cache_dir`, as a run would), for both sides of a preset on a real model."""
+    from finetune.data.dataset import default_cache_dir
     from finetune.engine import gguf
 
     file = Path(path) if Path(path).is_absolute() else REPO / path
     if not file.is_file():
         raise SystemExit(f"bench.py: no model file '{file}': fetch it with bash scripts/get_smollm2.sh")
-    root = Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
-    folder, note = gguf.ensure_converted(str(file), root)
+    folder, note = gguf.ensure_converted(str(file), default_cache_dir(data_cfg))
     if note:
         print(note, flush=True)
     return folder
@@ -1265,6 +1260,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--log-every {args.log_every} must divide --skip {args.skip} and --steps {args.steps} (whole windows)")
 
     from finetune.config import load_run_config
+    from finetune.engine import gguf
 
     precision = "bf16" if args.gpu else "fp32"
     env = environment(args.gpu)
@@ -1304,8 +1300,8 @@ def main(argv: list[str] | None = None) -> int:
                 overrides += [f"train.eval_every={args.steps}", "train.eval_max_batches=0"]
                 if preset.get("grpo"):  # and before the first: the gain
                     overrides.append("train.eval_on_start=true")
-            if is_gguf(cfg.model.path):  # one converted folder for both sides (TRL loads a folder)
-                overrides.append(f"model.path={converted(cfg.model.path)}")
+            if gguf.is_gguf(cfg.model.path):  # one converted folder for both sides (TRL loads a folder)
+                overrides.append(f"model.path={converted(cfg.model.path, cfg.data)}")
             cfg = load_run_config(REPO / preset["config"], overrides)
             spec = {**hf_spec(cfg, args.steps, precision), "log_every": args.log_every,
                     "validation_files": cfg.data.validation_files if preset.get("heldout") else []}

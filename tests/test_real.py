@@ -11,7 +11,6 @@ the extended checks: run them before a change to a recipe, the GGUF path or the 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -147,8 +146,11 @@ def test_every_causal_recipe_trains_on_the_real_models_own_log_probs(smollm2):
 
 
 def _cache() -> Path:
-    """The conversion cache the fixture and the launches share (the user's: converted once)."""
-    return Path(os.environ.get("FINETUNE_CACHE") or Path.home() / ".cache" / "finetune")
+    """The conversion cache the fixture and the launches share (the user's, as a run's: converted once)."""
+    from finetune.config import DataConfig
+    from finetune.data.dataset import default_cache_dir
+
+    return default_cache_dir(DataConfig())
 
 
 @pytest.fixture(scope="module")
