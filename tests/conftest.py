@@ -1,4 +1,4 @@
-"""Shared helpers: launch the real toolkit under a real launcher on CPU ranks and read what it wrote.
+"""Shared helpers: launch the real toolkit on CPU ranks as DeepSpeed's launcher starts them and read what it wrote.
 
 Every launch gets its own free master port (tests may run beside each other) and a shared
 tokenization cache for the session (``FINETUNE_CACHE``), so only the first run of a recipe tokenizes.
@@ -6,7 +6,6 @@ tokenization cache for the session (``FINETUNE_CACHE``), so only the first run o
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import subprocess
@@ -129,16 +128,19 @@ def _zero3(config: str | Path, overrides: list[str]) -> bool:
 def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume: str | None = None,
            timeout: int = 600, extra_args: list[str] = (), env: dict | None = None,
            script: str = "finetune/run.py") -> subprocess.CompletedProcess:
-    """Launch ``finetune/run.py --config config overrides...`` on ``nproc`` CPU ranks of this host with DeepSpeed's
-    per-node launcher, from the repo root.
+    """Launch ``finetune/run.py --config config overrides...`` on ``nproc`` CPU ranks of this host as DeepSpeed's
+    per-node launcher starts them, from the repo root.
 
-    The command is the one ``deepspeed --num_gpus nproc --master_port P finetune/run.py ...`` builds for a
-    single node and runs (``deepspeed/launcher/runner.py``, DeepSpeed 0.19.8: ``python -u -m
-    deepspeed.launcher.launch --world_info=<base64 JSON {"localhost": [0..nproc-1]}> --master_addr=127.0.0.1
-    --master_port=P --log_level=info``, same environment), so the ranks see exactly what they see under
-    ``deepspeed``; only the runner process in front, which imports DeepSpeed just to build that command
-    (2-2.5 s per launch on 2 cores, start and exit), is left out. The ``deepspeed`` command itself is run by the
-    README test, tests/test_launchers.py, tests/test_run_folder.py's busy-folder test and the benchmark's test.
+    ``deepspeed --num_gpus nproc --master_port P finetune/run.py ...`` on one node runs ``python -u -m
+    deepspeed.launcher.launch --world_info=...``, which starts each rank as ``python -u finetune/run.py
+    --local_rank=<r> ...`` with ``CUDA_VISIBLE_DEVICES=0,..,nproc-1``, ``MASTER_ADDR``, ``MASTER_PORT``,
+    ``WORLD_SIZE``, ``CROSS_RANK=0``, ``CROSS_SIZE=1``, ``LOCAL_SIZE``, ``RANK`` and ``LOCAL_RANK`` added to its own
+    environment, and, when a rank exits non-zero, terminates the others' process trees and exits with that code
+    (``deepspeed/launcher/launch.py``, DeepSpeed 0.19.8). This function does exactly that itself: the ranks see
+    what they see under ``deepspeed``, without the two launcher processes in front, which import torch and
+    DeepSpeed only to build and watch those commands (about 5 s of a core per launch on 2 cores). The
+    ``deepspeed`` command itself is run by the README test, tests/test_launchers.py (SIGTERM and SIGINT through the
+    launcher, ``--hostfile``), tests/test_run_folder.py's busy-folder test and the benchmark's test.
 
     ``script``: the entry point (a test's wrapper around ``finetune/run.py``, e.g. ``tests/grpo_teacher_forced.py``).
 
@@ -146,21 +148,77 @@ def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume
     gather and release every parameter as real models' layers are (a test that passes under DeepSpeed's default
     threshold may keep all of a tiny model resident).
 
-    Returns the completed process (stdout and stderr merged into ``.stdout``); does not raise on failure.
+    Returns the completed process (every rank's stdout and stderr, merged in one file as the launcher's children
+    share its stdout, in ``.stdout``); does not raise on failure. Raises ``subprocess.TimeoutExpired`` (the ranks
+    killed) past ``timeout`` seconds.
     """
+    import psutil
+    import tempfile
+    import time
+
     overrides = list(overrides)
     if _zero3(config, overrides) and not any("stage3_param_persistence_threshold" in o for o in overrides):
         # every parameter partitioned, gathered and released as a real model's layers are (the tiny tensors would
         # stay resident under DeepSpeed's default threshold of 1e5 elements)
         overrides.append("ds.zero_optimization.stage3_param_persistence_threshold=0")
-    world_info = base64.urlsafe_b64encode(json.dumps({"localhost": list(range(nproc))}).encode()).decode()
-    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "--log_level=info",
-           script, "--config", str(config), *overrides, *extra_args]
+    args = ["--config", str(config), *overrides, *extra_args]
     if resume is not None:
-        cmd += ["--resume"] + ([resume] if resume != "latest" else [])
-    return subprocess.run(cmd, cwd=REPO, env=env or cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=timeout)
+        args += ["--resume"] + ([resume] if resume != "latest" else [])
+    base = dict(env or cpu_env())
+    base.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(nproc))), "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc), "CROSS_RANK": "0", "CROSS_SIZE": "1",
+                 "LOCAL_SIZE": str(nproc)})
+    cmd = [sys.executable, "-u", script]
+
+    def stop(procs):  # launch.py's terminate_process_tree: SIGTERM to each tree, SIGKILL after 30 s
+        tree = []
+        for proc in procs:
+            try:
+                parent = psutil.Process(proc.pid)
+                tree += parent.children(recursive=True) + [parent]
+            except psutil.Error:
+                pass
+        for p in tree:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for proc in procs:
+            proc.wait()
+
+    with tempfile.TemporaryFile("w+") as out:
+        procs = [subprocess.Popen([*cmd, f"--local_rank={rank}", *args], cwd=REPO, stdout=out,
+                                  stderr=subprocess.STDOUT, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(nproc)]
+        deadline = time.monotonic() + timeout
+        code = 0
+        try:
+            while True:
+                codes = [proc.poll() for proc in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    code = failed[0] % 256  # sys.exit(returncode) in the launcher: -9 exits as 247
+                    stop([proc for proc in procs if proc.poll() is None])
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    stop(procs)
+                    out.seek(0)
+                    raise subprocess.TimeoutExpired([*cmd, *args], timeout, output=out.read())
+                time.sleep(0.2)
+        except BaseException:
+            stop([proc for proc in procs if proc.poll() is None])
+            raise
+        out.seek(0)
+        text = out.read()
+    return subprocess.CompletedProcess([*cmd, *args], code, stdout=text)
 
 
 def run_python(args: list[str], timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:

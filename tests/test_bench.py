@@ -47,7 +47,7 @@ def test_bench_rewards_score_as_the_builtins_on_text_and_on_trls_messages():
     assert shipped.train.grpo.answer_pattern == bench_rewards.LAST_INTEGER
 
 
-@pytest.mark.extended  # suite budget
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     shm_before = shm_buffers()
     proc = run_python(["scripts/bench.py", "--preset", "gpt_clm", "--steps", "3", "--skip", "1", "--rounds", "1",
@@ -78,7 +78,7 @@ def test_benchmark_prints_every_contender_with_finite_ratios(tmp_path):
     assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
-@pytest.mark.extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_dpo_benchmark_against_trl(tmp_path):
     """The ``dpo_realistic`` preset (its tiny model, the 8,192-token BPE): the toolkit against TRL's ``DPOTrainer``
     (``scripts/bench_trl.py``) with its defaults and at its best (precomputed reference), 1 rank, 3 steps.
@@ -114,7 +114,7 @@ def test_dpo_benchmark_against_trl(tmp_path):
     assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
-@pytest.mark.extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     """``scripts/bench_startup.py`` on a 1 MB corpus, 1 rank, 2 steps, no warm-up launch (the suite's launches
     built DeepSpeed's CPU ops already): every contender's time to its first step;
@@ -143,7 +143,7 @@ def test_startup_benchmark_times_cold_warm_and_prepare_against_hf(tmp_path):
     assert not leftover_shm(shm_before), "a launch left /dev/shm buffers"
 
 
-@pytest.mark.extended  # suite budget: python -m pytest -m extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_reward_benchmark_against_trl_best(tmp_path):
     """The ``reward_prompt_only`` preset (the ``reward`` preset on pairs that share only their prompt): the toolkit's
     reward recipe, with prefix sharing and without (a ``finetune[key=value]`` contender), against TRL's
@@ -188,7 +188,7 @@ def _against_trl_best(preset: str, steps: int, tmp_path) -> tuple:
     return proc, rows
 
 
-@pytest.mark.extended  # suite budget
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_grpo_tools_benchmark_against_trl_best(tmp_path):
     """The ``grpo_tools`` preset (multi-turn GRPO on the guess-the-number environment) against TRL's
     ``GRPOTrainer(environment_factory=...)`` at its best, tiny, 1 rank, 2 steps, no warm-up launch: completions/s,
@@ -207,7 +207,7 @@ def test_grpo_tools_benchmark_against_trl_best(tmp_path):
     assert len(lines) == 1, proc.stdout[-3000:]
 
 
-@pytest.mark.extended  # suite budget
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_vlm_sft_benchmark_against_trl_best(tmp_path):
     """The ``vlm_sft`` preset (the tiny SmolVLM on the digits) against TRL's ``SFTTrainer`` at its best, tiny, 1 rank,
     3 steps, no warm-up launch: samples/s, tokens/s, peak memory and a finite loss on both sides, and the ratio."""

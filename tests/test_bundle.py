@@ -210,7 +210,7 @@ def test_bundle_from_hub_stand_in(tmp_path):
     assert "1 model(s) and 2 dataset(s) load offline" in verify.stdout
 
 
-@pytest.mark.extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_wheels_install_offline_and_train(tmp_path):
     """bundle --wheels, then a fresh venv installs finetune from the bundle alone (no index, no pip config),
     verifies the bundle and trains 2 steps on 2 CPU ranks from run_config.yaml's paths."""

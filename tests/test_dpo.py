@@ -394,7 +394,7 @@ def test_reference_key_follows_the_model_and_the_data(tmp_path):
     assert len(set(changed)) == len(changed) and key not in changed
 
 
-@pytest.mark.extended  # suite budget (about 1.2 minutes): python -m pytest -m extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_shipped_config_learns_to_prefer_the_right_answer(tmp_path):
     """``dpo_gsm8k.yaml`` as shipped but for its length (CI budget: 20 of its 150 steps on the first 320 of its
     2,000 training pairs, which 20 steps of 8 pairs do not exhaust, so the reference pass covers 303 pairs, not

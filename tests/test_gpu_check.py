@@ -32,7 +32,7 @@ def test_refusals_come_before_any_work(tmp_path):
     assert done.returncode == 2 and "unknown option '--gpu-please'" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_cpu_dry_run_runs_every_section(tmp_path):
     out = tmp_path / "out"
     done = _script("--cpu-dry-run", str(out), timeout=1500)

@@ -88,7 +88,7 @@ def held_out(run: Path) -> dict[int, tuple[int, int]]:
     return out
 
 
-@pytest.mark.extended  # two launches, about five minutes on 2 CPU cores
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_shipped_chain_reduced(tmp_path):
     sft_run, grpo_run = tmp_path / "sft", tmp_path / "grpo"
     ok(launch(SFT, [f"output_dir={sft_run}", "train.max_steps=150", "train.eval_every=0", "train.save_every=150",

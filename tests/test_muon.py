@@ -44,7 +44,7 @@ def test_muon_zero3_resumes_exactly(tmp_path, capsys):
     _run_and_resume(tmp_path, MUON, capsys)
 
 
-@pytest.mark.extended
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 @pytest.mark.parametrize("stage", [1])
 def test_muon_zero12_resumes_exactly(tmp_path, stage, capsys):
     """The same at ZeRO 1, DeepSpeedZeroOptimizer's Muon path (ZeRO 2 is the same class and code path in DeepSpeed

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 
 import pyarrow.parquet as pq
+import pytest
 
 from conftest import REPO, cpu_env, read_metrics
 
@@ -47,6 +48,7 @@ def test_readme_main_command_fetches_the_real_model_and_runs_its_config():
     assert train[train.index("--config") + 1] == "finetune/recipes/configs/grpo_smollm2_arithmetic.yaml"
 
 
+@pytest.mark.long  # the long checks: python -m pytest -m long (not in .ci/run)
 def test_readme_from_scratch_command_in_fresh_clone(tmp_path):
     """The README's second example, a model from scratch (this venv stands in for the main command's), run in a
     fresh clone of the committed tree leaves a run folder with logs, TensorBoard events, a checkpoint and an export."""
