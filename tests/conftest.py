@@ -170,26 +170,14 @@ def launch(config: str | Path, overrides: list[str] = (), nproc: int = 2, resume
                  "LOCAL_SIZE": str(nproc)})
     cmd = [sys.executable, "-u", script]
 
-    def stop(procs):  # launch.py's terminate_process_tree: SIGTERM to each tree, SIGKILL after 30 s
-        tree = []
+    def stop(procs):  # as launch.py does: its terminate_process_tree on each rank (SIGTERM, SIGKILL after 30 s)
+        from deepspeed.launcher.launch import terminate_process_tree
+
         for proc in procs:
             try:
-                parent = psutil.Process(proc.pid)
-                tree += parent.children(recursive=True) + [parent]
-            except psutil.Error:
+                terminate_process_tree(proc.pid)
+            except (OSError, psutil.Error):
                 pass
-        for p in tree:
-            try:
-                p.terminate()
-            except psutil.Error:
-                pass
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        for proc in procs:
             proc.wait()
 
     with tempfile.TemporaryFile("w+") as out:

@@ -298,11 +298,10 @@ def resolve_ds_config(cfg: RunConfig, world_size: int, on_cpu: bool, accelerator
         # Page-locked host memory serves copies to a GPU; DeepSpeed's CPU accelerator pins nothing (its pin_memory
         # returns the tensor), yet ZeRO-3's offload set-up is far slower with pin_memory: true. The shipped offload
         # configs (made for GPUs) therefore run on CPU ranks unpinned.
-        zero = ds.get("zero_optimization", {})
-        for key in ("offload_optimizer", "offload_param"):
-            if isinstance(zero.get(key), dict) and zero[key].get("pin_memory"):
-                zero = {**zero, key: {**zero[key], "pin_memory": False}}
-                ds["zero_optimization"] = zero
+        for key in ("offload_optimizer", "offload_param"):  # ds is this call's own copy (JSON + overrides)
+            section = ds.get("zero_optimization", {}).get(key)
+            if isinstance(section, dict) and section.get("pin_memory"):
+                section["pin_memory"] = False
     if ds.get("fp16", {}).get("enabled") is True and on_cpu:
         problems.append(f"deepspeed: fp16 is enabled in {cfg.deepspeed} but the CPU accelerator does not support "
                         f"fp16; use a bf16 or fp32 config (ds.fp16.enabled=false)")
