@@ -93,6 +93,13 @@ Needs the model file (``bash scripts/get_smollm2.sh``); not part of ``--preset a
 
     python scripts/bench.py --preset grpo_smollm2 --steps 10 --skip 2 --rounds 1 --lock /tmp/heavy.lock
 
+``dpo_smollm2``: DPO on the real model's own sampled pairs (``dpo_smollm2_arithmetic.yaml``: LoRA rank 16 on every
+linear layer, sigmoid loss, beta 0.1, 4 conversational pairs per rank and step, lr 5e-5) against TRL's
+``DPOTrainer(peft_config=LoraConfig(...))`` from the same weights; both sides' held-out reward accuracy over the
+test pairs after the last step (not timed). Needs the model file; not part of ``--preset all``::
+
+    python scripts/bench.py --preset dpo_smollm2 --steps 10 --skip 2 --rounds 1 --lock /tmp/heavy.lock
+
 ``vlm_sft``: vision-language SFT (issue 55), the shipped ``vlm_sft_digits.yaml`` (the tiny SmolVLM from scratch, the
 32x32 digits, the loss on the answer digit and its end-of-turn token) against TRL's ``SFTTrainer`` with the model's
 processor on the same rows (``scripts/bench_trl.py``: ``assistant_only_loss=True``, TRL's vision collator processing
@@ -398,6 +405,14 @@ PRESETS: dict[str, dict] = {
                      "heldout": True, "real": True,
                      "overrides": ["train.grpo.rewards=[scripts/bench_rewards.py:last_integer_match]"],
                      "contenders": ["finetune", "trl", "trl_best"], "tiny": []},
+    # DPO on the real SmolLM2-135M-Instruct's own sampled pairs (issue 69; dpo_smollm2_arithmetic.yaml: LoRA rank 16 on
+    # every linear layer, sigmoid loss, beta 0.1, conversational pairs rendered by the model's own ChatML template)
+    # against TRL's DPOTrainer(peft_config=LoraConfig(...)) from the same weights (its reference: the base model with
+    # the adapters off, as ours; trl_best precomputes it). ``heldout``: the held-out reward accuracy over the test
+    # pairs after the last step, on both sides (not timed). ``real``: needs the model file.
+    "dpo_smollm2": {"config": "finetune/recipes/configs/dpo_smollm2_arithmetic.yaml", "epoch": True, "dpo": True,
+                    "heldout": True, "real": True, "overrides": [], "contenders": ["finetune", "trl", "trl_best"],
+                    "tiny": []},
     # On-policy distillation: the shipped distill recipe with every row's response sampled by the student (TRL's
     # DistillationTrainer is always on-policy), the realistic shape from scratch as the student, a teacher of twice
     # its layers and width (TEACHER_SHAPE; written by main with seeded random weights, or --teacher), 4 prompts per
@@ -639,7 +654,9 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     cmd = deepspeed_cmd(args, "finetune/run.py", "--config", preset["config"], *overrides, f"output_dir={out}")
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    held = "eval/reward" if preset.get("grpo") else "eval/accuracy"  # grpo: greedy exact match, the accuracy
+    # grpo: greedy exact match, the accuracy; dpo: the held-out pairs ranked right by the implicit reward
+    held = ("eval/reward" if preset.get("grpo") else "eval/rewards/accuracies" if preset.get("dpo")
+            else "eval/accuracy")
     evals = [r for r in rows if held in r]
     rows = [r for r in rows if "train/loss" in r]
     accuracies = [r.get("train/rewards/accuracies", r.get("train/accuracy")) for r in rows

@@ -62,9 +62,11 @@ defaults otherwise (gradient checkpointing on); ``best`` (``trl_best``): gradien
 run. Not applicable to vision rows in TRL 1.16: packing and ``padding_free`` (refused for vision datasets); length
 grouping gains nothing on rows of one length.
 
-GRPO on a real model (the ``grpo_smollm2`` preset): the spec's ``lora`` (the toolkit's ``model.lora``) becomes
-``GRPOTrainer(peft_config=peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules, use_dora, use_rslora))``, as a
-TRL user adapts a model; the prompts are conversations (one user message), which TRL renders with the model's own
+A real model with LoRA (the ``grpo_smollm2`` and ``dpo_smollm2`` presets): the spec's ``lora`` (the toolkit's
+``model.lora``) becomes ``peft_config=peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules, use_dora,
+use_rslora)`` of ``GRPOTrainer`` / ``DPOTrainer``, as a TRL user adapts a model (``DPOTrainer``'s reference is then the
+base model with the adapters off, as the toolkit's; with ``validation_files`` its ``evaluate()`` after the last step
+gives the held-out ``eval_rewards/accuracies``). For GRPO the prompts are conversations (one user message), which TRL renders with the model's own
 chat template, as the toolkit does. With ``validation_files`` in the spec, the held-out greedy accuracy before the
 first step and after the last (not timed; :func:`greedy_accuracy`): one greedy answer of at most
 ``max_completion_length`` tokens per validation prompt, the prompt rendered as TRL renders it, scored by the first
@@ -289,6 +291,17 @@ def main() -> None:
         # read their own keys only)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")),
                       train_sampling_strategy="group_by_length", remove_unused_columns=False)
+    adapters = {}
+    if spec.get("lora"):  # the toolkit's model.lora as peft's LoraConfig, handed to TRL as its users do
+        from peft import LoraConfig
+
+        lo = spec["lora"]
+        targets = lo["target_modules"]
+        adapters["peft_config"] = LoraConfig(
+            r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo["dropout"], use_dora=lo["use_dora"],
+            use_rslora=lo["use_rslora"], task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+            modules_to_save=lo["modules_to_save"] or None)
     if grpo:
         import importlib.util
 
@@ -326,17 +339,6 @@ def main() -> None:
             if g.get("environment"):
                 agentic["environment_factory"] = load_reward(g["environment"])
         reward_funcs = [load_reward(e) for e in g["rewards"]]
-        adapters = {}
-        if spec.get("lora"):  # the toolkit's model.lora as peft's LoraConfig, handed to TRL as its users do
-            from peft import LoraConfig
-
-            lo = spec["lora"]
-            targets = lo["target_modules"]
-            adapters["peft_config"] = LoraConfig(
-                r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo["dropout"], use_dora=lo["use_dora"],
-                use_rslora=lo["use_rslora"], task_type="CAUSAL_LM",
-                target_modules="all-linear" if targets == ["all-linear"] else targets,
-                modules_to_save=lo["modules_to_save"] or None)
         if spec.get("validation_files"):  # before the first step (not timed): the start of the gain
             held = prompts(spec["validation_files"])
             heldout_start = greedy_accuracy(model, tokenizer, held, reward_funcs[0], g["max_completion_length"],
@@ -395,9 +397,11 @@ def main() -> None:
         # TRL reloads the reference from the model's path when none is given; a model built from a config has none,
         # so the reference is handed over as TRL would load it: a copy of the initial weights (frozen and run by TRL
         # on every batch). With precompute_ref_log_probs, none: TRL runs the policy's initial weights once.
-        reference = None if best else copy.deepcopy(model)
-        trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw,
-                             processing_class=tokenizer, callbacks=[Meter()])
+        # With LoRA (peft_config) TRL's reference is the base model with the adapters off, as the toolkit's.
+        reference = None if best or adapters else copy.deepcopy(model)
+        held = pairs(spec["validation_files"]) if spec.get("validation_files") else None
+        trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw, eval_dataset=held,
+                             processing_class=tokenizer, callbacks=[Meter()], **adapters)
     if grpo or distill:
         compute_loss = trainer.compute_loss
 
@@ -452,7 +456,7 @@ def main() -> None:
         return batch
 
     reference_first = []
-    if not reward and not best and not grpo and not vlm and not distill:
+    if not reward and not best and not grpo and not vlm and not distill and not adapters:
         # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
         # for scripts/bench.py to compare with finetune's cached ones
         first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])
@@ -462,11 +466,11 @@ def main() -> None:
         trainer.data_collator = counting_collate
     trainer.train()
     heldout = None
-    if reward and trainer.eval_dataset is not None:  # after the timed steps
+    if (reward or not (grpo or vlm or distill)) and trainer.eval_dataset is not None:  # after the timed steps
         trainer.data_collator = collate
         metrics = trainer.evaluate()
-        heldout = {"accuracy": metrics.get("eval_accuracy"), "loss": metrics.get("eval_loss"),
-                   "pairs": len(trainer.eval_dataset)}
+        heldout = {"accuracy": metrics.get("eval_accuracy", metrics.get("eval_rewards/accuracies")),
+                   "loss": metrics.get("eval_loss"), "pairs": len(trainer.eval_dataset)}
     if grpo and spec.get("validation_files"):  # after the last step (not timed)
         accuracy, n = greedy_accuracy(trainer.model, tokenizer, held, reward_funcs[0], g["max_completion_length"],
                                       spec["eval_micro_batch_size"], spec["reward_columns"])
