@@ -66,8 +66,8 @@ A real model with LoRA (the ``grpo_smollm2`` and ``dpo_smollm2`` presets): the s
 ``model.lora``) becomes ``peft_config=peft.LoraConfig(r, lora_alpha, lora_dropout, target_modules, use_dora,
 use_rslora)`` of ``GRPOTrainer`` / ``DPOTrainer``, as a TRL user adapts a model (``DPOTrainer``'s reference is then the
 base model with the adapters off, as the toolkit's; with ``validation_files`` its ``evaluate()`` after the last step
-gives the held-out ``eval_rewards/accuracies``). For GRPO the prompts are conversations (one user message), which TRL renders with the model's own
-chat template, as the toolkit does. With ``validation_files`` in the spec, the held-out greedy accuracy before the
+gives the held-out ``eval_rewards/accuracies``). For GRPO the prompts are conversations (one user message), which
+TRL renders with the model's own chat template, as the toolkit does. With ``validation_files`` in the spec, the held-out greedy accuracy before the
 first step and after the last (not timed; :func:`greedy_accuracy`): one greedy answer of at most
 ``max_completion_length`` tokens per validation prompt, the prompt rendered as TRL renders it, scored by the first
 reward function, the mean over the prompts of every rank: what the toolkit's GRPO evaluation logs as

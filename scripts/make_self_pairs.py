@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -36,14 +35,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 MODEL = REPO / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-LAST_INTEGER = re.compile(r"(-?[0-9]+)(?![\s\S]*[0-9])")
+LAST_INTEGER = r"(-?[0-9]+)(?![\s\S]*[0-9])"
 """``grpo_smollm2_arithmetic.yaml``'s ``train.grpo.answer_pattern``: the answer's last integer."""
 
 
 def is_right(text: str, answer: str) -> bool:
-    """The task's check: the last integer of ``text`` equals ``answer`` (``exact_match`` with the pattern above)."""
-    found = LAST_INTEGER.search(text)
-    return found is not None and found.group(1) == answer.strip()
+    """The task's check, ``grpo``'s ``exact_match`` reward with the pattern above: the answers it finds in ``text`` and
+    in ``answer`` (:func:`finetune.recipes.rewards.answer_of`) are equal."""
+    from finetune.recipes.rewards import answer_of
+
+    want = answer_of(answer, LAST_INTEGER)
+    return want is not None and answer_of(text, LAST_INTEGER) == want
 
 
 def load(model_path: str):
