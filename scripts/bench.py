@@ -93,6 +93,13 @@ Needs the model file (``bash scripts/get_smollm2.sh``); not part of ``--preset a
 
     python scripts/bench.py --preset grpo_smollm2 --steps 10 --skip 2 --rounds 1 --lock /tmp/heavy.lock
 
+``grpo_smollm2_tools``: GRPO with the calculator tool on the real model (``grpo_smollm2_calculator.yaml``, from the
+export of ``sft_smollm2_calculator.yaml``: run that first with ``output_dir=runs/sft_smollm2_calculator_for_grpo``)
+against TRL's ``GRPOTrainer(tools=[calculate])`` with the same LoRA; completions/s and each side's mean reward and
+``tools/call_frequency``::
+
+    python scripts/bench.py --preset grpo_smollm2_tools --steps 6 --skip 2 --rounds 1 --contenders finetune,trl_best
+
 ``dpo_smollm2``: DPO on the real model's own sampled pairs (``dpo_smollm2_arithmetic.yaml``: LoRA rank 16 on every
 linear layer, sigmoid loss, beta 0.1, 4 conversational pairs per rank and step, lr 5e-5) against TRL's
 ``DPOTrainer(peft_config=LoraConfig(...))`` from the same weights; both sides' held-out reward accuracy over the
@@ -405,6 +412,16 @@ PRESETS: dict[str, dict] = {
                      "heldout": True, "real": True,
                      "overrides": ["train.grpo.rewards=[scripts/bench_rewards.py:last_integer_match]"],
                      "contenders": ["finetune", "trl", "trl_best"], "tiny": []},
+    # GRPO with a tool on the real SmolLM2-135M-Instruct (issue 69): grpo_smollm2_calculator.yaml (the SFT export of
+    # sft_smollm2_calculator.yaml, LoRA rank 16, 4 prompts x 8 rollouts of at most 96 tokens per rank and step,
+    # data/tools/calculator.py:calculate offered through data/chat_templates/chatml_tools.jinja) against TRL's
+    # GRPOTrainer(tools=[calculate], peft_config=LoraConfig(...)) from the same export, the same prompts, reward
+    # (last_integer_match) and tool budget. No ``heldout``: TRL's greedy evaluator here runs no tool turns, so both
+    # sides' training reward and tools/call_frequency are the figures of the gain. ``real``: needs the export.
+    "grpo_smollm2_tools": {"config": "finetune/recipes/configs/grpo_smollm2_calculator.yaml", "epoch": True,
+                           "grpo": True, "tools": True, "real": True,
+                           "overrides": ["train.grpo.rewards=[scripts/bench_rewards.py:last_integer_match]"],
+                           "contenders": ["finetune", "trl", "trl_best"], "tiny": []},
     # DPO on the real SmolLM2-135M-Instruct's own sampled pairs (issue 69; dpo_smollm2_arithmetic.yaml: LoRA rank 16 on
     # every linear layer, sigmoid loss, beta 0.1, conversational pairs rendered by the model's own ChatML template)
     # against TRL's DPOTrainer(peft_config=LoraConfig(...)) from the same weights (its reference: the base model with

@@ -73,6 +73,8 @@ EXPORT_STAND_INS = {
     "sft_smollm2_gsm8k.yaml": [f"model.path={smollm2_gguf()}"],
     "dpo_smollm2_arithmetic.yaml": [f"model.path={smollm2_gguf()}"],
     "distill_smollm2_gsm8k.yaml": [f"model.path={smollm2_gguf()}", f"train.distill.teacher={smollm2_gguf()}"],
+    "sft_smollm2_calculator.yaml": [f"model.path={smollm2_gguf()}"],
+    "grpo_smollm2_calculator.yaml": [f"model.path={smollm2_gguf()}", "model.tokenizer_path="],  # the SFT's export
     "distill_gsm8k.yaml": [f"train.distill.teacher={distill_teacher_stand_in()}"],
     "grpo_gsm8k.yaml": ["model.path=data/models/tiny-llama", "model.init=scratch",
                         "model.tokenizer_path=data/models/tiny-gpt2"],

@@ -249,6 +249,11 @@ def test_failing_tools_are_counted_and_ranks_with_different_turns_never_hang(run
     assert all(re.search(r"Task \d\. Use [0-3] tools\.$", r["prompt"][-1]["content"]) for r in logged), logged[0]
     turns = {len([t for t in r["turns"] if t["role"] == "tool"]) for r in logged}
     assert len(turns) > 1, turns  # rollouts of 0 to 3 tool turns
+    # the end-of-run evaluation's greedy answers take their tool turns too, and their calls are counted: calls per
+    # answer, and the share of answers with a call (one batch of rows asking for 0-3 tools)
+    final = [r for r in read_metrics(run) if "eval/reward" in r][-1]
+    assert 0 < final["eval/tools/any_call_rate"] < 1, final
+    assert final["eval/tools/call_frequency"] > final["eval/tools/any_call_rate"], final
 
 
 @pytest.mark.slow

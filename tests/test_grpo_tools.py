@@ -265,3 +265,38 @@ def test_inspect_completions_marks_the_recorded_mask_and_refuses_what_it_cannot_
     refused(["--completions", str(run)], "hold no token record (completion_ids, trained)")
     (run / "completions.jsonl").write_text(json.dumps(row) + "\n{not json\n")
     refused(["--completions", str(run / "completions.jsonl")], "completions.jsonl line 2 is not JSON")
+
+
+def test_the_shipped_calculator_data_is_the_scripts_and_every_demonstrated_call_returns_the_answer(tmp_path):
+    """``data/calculator`` (the SmolLM2 tool chain's data) is what ``scripts/make_arithmetic_data.py --task mul
+    --demos 256`` writes; half of its demonstrations call the shipped calculator with the question's expression,
+    whose result is the product, and every demonstration ends with the product; the calculator's schema is the one
+    ``train.grpo.tools`` offers (transformers' ``get_json_schema``)."""
+    import importlib.util
+
+    from finetune.recipes.tools import load_tools
+
+    spec = importlib.util.spec_from_file_location("make_arithmetic_data", REPO / "scripts/make_arithmetic_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    train, test = script.make("mul", 2000, 200)
+    shipped = REPO / "data/calculator"
+    for name, rows in (("train", train), ("test", test)):
+        script.write(rows, tmp_path / f"{name}.parquet")
+        assert pq.read_table(tmp_path / f"{name}.parquet").equals(pq.read_table(shipped / f"{name}.parquet")), name
+    script.write_demos(script.demos(train, 256, 0.5), tmp_path / "train_chat.parquet")
+    demos = pq.read_table(shipped / "train_chat.parquet")
+    assert pq.read_table(tmp_path / "train_chat.parquet").equals(demos)
+    calls = 0
+    for row, question in zip(demos.to_pylist(), train):
+        a, b = (int(x) for x in question["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" * "))
+        turns = row["messages"]
+        assert turns[-1] == {"role": "assistant", "content": f"The answer is {a * b}.", "tool_calls": None,
+                             "name": None}
+        if len(turns) == 4:
+            calls += 1
+            assert json.loads(turns[1]["tool_calls"][0]["function"]["arguments"]) == {"expression": f"{a} * {b}"}
+            assert turns[2] == {"role": "tool", "content": str(a * b), "tool_calls": None, "name": "calculate"}
+    assert calls == 128
+    offered = load_tools([f"{REPO}/data/tools/calculator.py:calculate"])
+    assert json.loads(demos.column("tools")[0].as_py()) == [t.schema for t in offered]

@@ -227,4 +227,4 @@ def test_real_recipe_at_zero3_trains_resumes_exactly_and_exports(name, tmp_path,
     check = json.loads((tmp_path / "run" / "export_check.json").read_text())
     assert check["finite"] and check["max_abs_logit_diff"] <= check["tolerance"], check
     if name == "grpo_tool":  # the tool was offered: the rollouts' tool metrics are logged
-        assert any("tools/call_frequency" in r for r in read_metrics(tmp_path / "run")), read_metrics(tmp_path / "run")
+        assert any("train/tools/call_frequency" in r for r in read_metrics(tmp_path / "run")), read_metrics(tmp_path / "run")

@@ -60,7 +60,8 @@ generation and its training pass); the head runs on the completion positions onl
 
 Evaluation (:func:`forward` on a prompt batch): one greedy completion per validation prompt, scored;
 ``eval/reward`` and ``eval/rewards/<function>/mean`` (``train.keep_best`` can follow ``eval/reward``, mode max);
-``eval/loss`` is 0.
+with tools the greedy answers take their tool turns too, and ``eval/tools/call_frequency`` (tool calls per answer)
+and ``eval/tools/any_call_rate`` (the share of answers with a tool call) are logged; ``eval/loss`` is 0.
 
 Metrics (training, TRL's names): ``reward``, ``reward_std`` (the mean of the groups' standard deviations),
 ``rewards/<function>/mean``, ``frac_reward_zero_std``, ``completions/mean_length``, ``completions/clipped_ratio``

@@ -387,13 +387,17 @@ def _evaluate(model, batch: dict, g: GrpoConfig, cfg: RunConfig | None) -> LossO
         raise ValueError("grpo: evaluation needs the run config (bind it with configure)")
     tok, functions = tokenizer_of(cfg), reward_functions(cfg)
     with sequence.sequence_parallel_off():  # whole sequences: each rank generates its prompts, as without SP
-        texts, ids, cols = greedy_completions(model, batch, g, tok, cfg)
+        texts, ids, cols, calls = greedy_completions(model, batch, g, tok, cfg)
     _, table, r, _ = score_completions(functions, list(batch["prompts"]), texts, ids, cols)
     real = (batch["labels"] != -100).cpu()
     _write_eval_records(model, cfg, batch, texts, table, functions, real)
     m = {"reward": _mean(torch.where(real, r, torch.nan))}
     for j, f in enumerate(functions):
         m[f"rewards/{f.name}/mean"] = _mean(torch.where(real, table[:, j], torch.nan))
+    if calls is not None:  # with tools: the greedy answers' tool calls per completion and the share that call one
+        calls = calls.cpu().double()
+        m["tools/call_frequency"] = ((calls * real).sum(), real.double().sum())
+        m["tools/any_call_rate"] = (((calls > 0) & real).double().sum(), real.double().sum())
     device = batch["labels"].device
     m = {k: (a.to(device), b.to(device)) for k, (a, b) in m.items()}
     zero = torch.zeros((), dtype=torch.float32, device=device)

@@ -107,10 +107,10 @@ def _tool_turns(engine, whole: dict, prompts: dict, cols: dict, cfg: RunConfig, 
 
 
 def greedy_completions(model, batch: dict, g: GrpoConfig, tok, cfg: RunConfig | None = None) \
-        -> tuple[list[str], list[list[int]], dict]:
-    """One greedy completion of each prompt of a prompt batch (evaluation), as text and as token ids, and the
-    reward columns (with an environment, its instances added as ``environments``); with tools (``cfg``), the tool
-    turns too."""
+        -> tuple[list[str], list[list[int]], dict, torch.Tensor | None]:
+    """One greedy completion of each prompt of a prompt batch (evaluation), as text and as token ids, the reward
+    columns (with an environment, its instances added as ``environments``) and, with tools (``cfg``), the tool
+    turns too and each completion's tool calls (``[N]`` float32; None without tools)."""
     cols = dict(batch["reward_columns"])
     agent = agent_of(cfg) if cfg is not None else None
     environments, observed = _environments(agent, cols, list(batch["prompts"]) if agent else [], cfg, tok)
@@ -122,7 +122,7 @@ def greedy_completions(model, batch: dict, g: GrpoConfig, tok, cfg: RunConfig | 
         if agent is not None:
             c, _, cols = _tool_turns(model, c, prompts, cols, cfg, tok, agent, 0, False, environments)
     texts, ids = _texts(tok, c)
-    return texts, ids, cols
+    return texts, ids, cols, c.get("tool_calls")
 
 
 def generate(engine, batch: dict, g: GrpoConfig, tokenizer, n: int, sample: bool, seed: int, synced: bool) -> dict:
