@@ -284,7 +284,7 @@ class GrpoConfig:
     log_completions: int = 4
     """Completions written to ``<run>/completions.jsonl`` at every logged step (prompt, completion, rewards, advantage, with tools the turns, and the completion's token ids with the mask the loss used: ``finetune inspect --completions <run>`` shows them); 0: none."""
     tools: list = field(default_factory=list)
-    """Tools the model may call, ``path/to/file.py:function`` each (TRL's ``tools``): Python functions with type hints and a Google-style docstring, offered through the chat template (``apply_chat_template(tools=...)``; prompts must be conversations). A completion that calls them gets their results and continues (multi-turn; :mod:`finetune.recipes.tools`); the results' tokens are never trained. Example: ``[data/tools/calculator.py:calculate]``."""
+    """Tools the model may call, ``path/to/file.py:function`` each (TRL's ``tools``): Python functions with type hints and a Google-style docstring, offered through the chat template (``apply_chat_template(tools=...)``; prompts must be conversations). A completion that calls them gets their results and continues (multi-turn; :mod:`finetune.recipes.grpo.tools`); the results' tokens are never trained. Example: ``[data/tools/calculator.py:calculate]``."""
     environment: str = ""
     """An environment class or factory, ``path/to/file.py:Factory`` (TRL's ``environment_factory``): one instance per rollout, ``reset(**row)`` with the row's ``data.reward_columns``, its public methods offered as tools, and its ``get_reward()`` (when it has one) a reward of weight 1 named after the class. Example: ``data/environments/guess_number.py:GuessNumber``."""
     max_tool_calling_iterations: int = 4

@@ -422,6 +422,15 @@ PRESETS: dict[str, dict] = {
                            "grpo": True, "tools": True, "real": True,
                            "overrides": ["train.grpo.rewards=[scripts/bench_rewards.py:last_integer_match]"],
                            "contenders": ["finetune", "trl", "trl_best"], "tiny": []},
+    # SFT of the real SmolLM2-135M-Instruct on GSM8K chat (issue 69): sft_smollm2_gsm8k.yaml (LoRA rank 16 on every
+    # linear layer, the model's own ChatML template, answer-only loss, packed rows of 384 tokens, 2 per rank) against
+    # HF Trainer + peft (one conversation per row, padded; ``hf_grouped``: length-grouped) and TRL's SFTTrainer
+    # (prompt-completion rows, completion-only loss; ``trl_best``: packed, padding-free) from the same weights.
+    # ``heldout``: the held-out loss over the 200 test conversations after the last step (finetune and TRL; not
+    # timed), the generated answers off. ``real``: needs the model file.
+    "sft_smollm2": {"config": "finetune/recipes/configs/sft_smollm2_gsm8k.yaml", "heldout": True, "real": True,
+                    "overrides": ["train.eval_generate.prompts=0"],
+                    "contenders": ["finetune", "hf_grouped", "trl", "trl_best"], "tiny": []},
     # DPO on the real SmolLM2-135M-Instruct's own sampled pairs (issue 69; dpo_smollm2_arithmetic.yaml: LoRA rank 16 on
     # every linear layer, sigmoid loss, beta 0.1, conversational pairs rendered by the model's own ChatML template)
     # against TRL's DPOTrainer(peft_config=LoraConfig(...)) from the same weights (its reference: the base model with
@@ -675,6 +684,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     held = ("eval/reward" if preset.get("grpo") else "eval/rewards/accuracies" if preset.get("dpo")
             else "eval/accuracy")
     evals = [r for r in rows if held in r]
+    evals_all = [r for r in rows if any(k.startswith("eval/") for k in r)]
     rows = [r for r in rows if "train/loss" in r]
     accuracies = [r.get("train/rewards/accuracies", r.get("train/accuracy")) for r in rows
                   if "train/rewards/accuracies" in r or "train/accuracy" in r]
@@ -709,6 +719,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             "tool_calls": tool_calls, "completion_lengths": completion_lengths, "phases": phases,
             "heldout_accuracy": evals[-1][held] if evals else None,
             "heldout_start": evals[0][held] if len(evals) > 1 else None,
+            "heldout_loss": losses_held[-1] if (losses_held := [r["eval/loss"] for r in evals_all
+                                                               if "eval/loss" in r]) else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
                                                                     if "train/shared_tokens" in r]) else None}
 
@@ -766,6 +778,7 @@ def trl(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
     rank0 = json.loads((out / "rank0.json").read_text())
     heldout = rank0.get("heldout") or {}
     return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_pairs": heldout.get("pairs"),
+            "heldout_loss": heldout.get("loss"),
             "heldout_start": heldout.get("start"),
             "phases": rank0.get("phases") or {}}
 
@@ -800,7 +813,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
     (grpo: ``num_generations``) adds completions/s and the mean rewards."""
     step_times, tokens, positions, seconds, first, losses, peaks, per_round, medians = [], 0, 0, 0.0, [], [], [], [], []
     mfu, cpu, accuracy, e2e_tokens, e2e_seconds, heldout, rewards, last_rewards = [], [], [], 0, 0.0, [], [], []
-    tool_calls, heldout_start = [], []
+    tool_calls, heldout_start, heldout_loss = [], [], []
     for r in runs:
         ends = r["ends"]
         times = [b - a for a, b in zip(ends, ends[1:])]  # step s + 1's wall time, s = 1..
@@ -829,6 +842,8 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             heldout.append(r["heldout_accuracy"])
         if r.get("heldout_start") is not None:
             heldout_start.append(r["heldout_start"])
+        if r.get("heldout_loss") is not None:
+            heldout_loss.append(r["heldout_loss"])
     q = statistics.quantiles(step_times, n=4) if len(step_times) > 1 else [step_times[0]] * 3
     return {"contender": name, "real_tokens_per_s": tokens / seconds, "positions_per_s": positions / seconds,
             "rows_per_s": rows_per_step * len(step_times) / seconds if rows_per_step else None,
@@ -852,6 +867,7 @@ def summarize(name: str, runs: list[dict], skip: int, last: int = 5, rows_per_st
             "heldout_accuracy": statistics.fmean(heldout) if heldout else None,
             "heldout_start": statistics.fmean(heldout_start) if heldout_start else None,
             "heldout_accuracy_per_round": heldout,
+            "heldout_loss": statistics.fmean(heldout_loss) if heldout_loss else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["shared_tokens"] for r in runs
                                                                     if r.get("shared_tokens") is not None]) else None}
 
@@ -1039,7 +1055,7 @@ def table(preset: str, results: list[dict]) -> str:
             ("by rounds", "{:.2f}", "ratio_ours_over_this_median_of_rounds"), ("MFU", "{:.1%}", "mfu"),
             ("e2e tok/s", "{:.0f}", "e2e_real_tokens_per_s"), ("e2e s", "{:.1f}", "e2e_seconds_per_launch"),
             ("e2e ours/this", "{:.2f}", "e2e_ratio_ours_over_this"), ("held-out 0", "{:.3f}", "heldout_start"),
-            ("held-out acc", "{:.3f}", "heldout_accuracy"),
+            ("held-out acc", "{:.3f}", "heldout_accuracy"), ("held-out loss", "{:.4f}", "heldout_loss"),
             ("shared tok", "{:.2f}", "shared_tokens")]
     lines = [f"{preset}:", f"{'contender':<13}" + "".join(f"{h:>14}" for h, _, _ in cols)]
     for r in results:

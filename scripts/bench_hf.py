@@ -5,7 +5,9 @@ truncates rows and ``DataCollatorForLanguageModeling`` masks and pads (``bert_ml
 into blocks (``gpt_clm``, as ``run_clm.py``), the tokenizer truncates sentences and ``DataCollatorWithPadding`` pads
 them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.py``), or each prompt/response pair
 becomes ``tokens(prompt) + tokens(response) + [EOS]`` with label -100 on the prompt, truncated, one example per row,
-padded by ``DataCollatorForSeq2Seq`` (``sft``); ``Trainer(args=TrainingArguments(deepspeed=<dict>,
+padded by ``DataCollatorForSeq2Seq`` (``sft``; a conversation: rendered by the tokenizer's chat template, the turns
+before the last the prompt, the last answer with its end-of-turn marker the response; a pretrained model with
+``model.lora``: ``from_pretrained`` and peft's ``get_peft_model``); ``Trainer(args=TrainingArguments(deepspeed=<dict>,
 train_sampling_strategy=...))`` trains. Empty texts are dropped first for the LM presets, as the toolkit does, so both
 train on the same rows. The model (``config.json`` + the run config's ``config_overrides``, e.g. a Llama
 architecture built from config), batch layout, ZeRO stage (the DeepSpeed dict, ZeRO-3 included), gradient
@@ -103,11 +105,25 @@ def main() -> None:
             collate = DataCollatorWithPadding(tokenizer)
             model_class = transformers.AutoModelForSequenceClassification
         elif recipe == "sft":  # prompt/response: loss on the response + EOS only, one example per row, padded
+            def split(batch):
+                """(prompt, response) texts: the columns; or a conversation rendered with the tokenizer's chat
+                template, the turns before the last as the prompt (with the generation prompt), the rest (the
+                last answer and its end-of-turn marker) as the response."""
+                if not spec.get("messages_column"):
+                    return [(p, r + tokenizer.eos_token, True)
+                            for p, r in zip(batch[spec["prompt_column"]], batch[spec["response_column"]])]
+                pairs = []
+                for messages in batch[spec["messages_column"]]:
+                    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+                    full = tokenizer.apply_chat_template(messages, tokenize=False)
+                    pairs.append((prompt, full[len(prompt):], False))
+                return pairs
+
             def encode(batch):
                 ids, labels = [], []
-                for prompt, response in zip(batch[spec["prompt_column"]], batch[spec["response_column"]]):
-                    p = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-                    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                for prompt, response, special in split(batch):
+                    p = tokenizer(prompt, add_special_tokens=special)["input_ids"]
+                    r = tokenizer(response, add_special_tokens=False)["input_ids"]
                     ids.append((p + r)[:max_len])
                     labels.append(([-100] * len(p) + r)[:max_len])
                 return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}
@@ -150,7 +166,18 @@ def main() -> None:
 
         _ = targs.device
         deepspeed.init_distributed()
-    model = model_class.from_config(config, dtype=torch.float32)
+    if spec.get("init") == "pretrained":  # a real model: its weights (the converted GGUF folder)
+        model = model_class.from_pretrained(spec["model"], config=config, dtype=torch.float32, local_files_only=True)
+    else:
+        model = model_class.from_config(config, dtype=torch.float32)
+    if spec.get("lora"):  # the toolkit's model.lora as peft adapters, as a Trainer user adds them
+        from peft import LoraConfig, get_peft_model
+
+        lo = spec["lora"]
+        model = get_peft_model(model, LoraConfig(
+            r=lo["r"], lora_alpha=lo["alpha"], lora_dropout=lo["dropout"], use_dora=lo["use_dora"],
+            use_rslora=lo["use_rslora"], task_type="CAUSAL_LM", modules_to_save=lo["modules_to_save"] or None,
+            target_modules="all-linear" if lo["target_modules"] == ["all-linear"] else lo["target_modules"]))
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=counting_collate,

@@ -4,7 +4,7 @@
 
 TRL's signature (``f(prompts, completions, **columns) -> list[float | None]``; ``columns`` holds the dataset's other
 columns, here ``answer``, one value per completion). They equal the ``grpo`` recipe's built-ins
-(``finetune/recipes/rewards.py``) at its defaults:
+(``finetune/recipes/common/rewards.py``) at its defaults:
 
 * :func:`format_reward`: the built-in ``format`` with ``train.grpo.format_pattern`` :data:`FORMAT_PATTERN` (the shipped
   ``grpo_gsm8k.yaml``'s: the completion writes GSM8K's answer marker): 1.0 when the pattern matches the completion

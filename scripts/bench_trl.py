@@ -192,6 +192,7 @@ def main() -> None:
     grpo = spec["recipe"] == "grpo"
     vlm = spec["recipe"] == "vlm_sft"
     distill = spec["recipe"] == "distill"
+    sft = spec["recipe"] == "sft"
     best = spec.get("variant", "defaults") == "best"
     tokenizer = transformers.AutoTokenizer.from_pretrained(spec["tokenizer"], local_files_only=True)
     if tokenizer.pad_token is None:
@@ -226,8 +227,21 @@ def main() -> None:
         ds = ds.select_columns(list(names))
         return ds.rename_columns({k: v for k, v in names.items() if k != v})
 
-    raw = (prompts if grpo or distill else conversations if vlm else pairs)(spec["train_files"],
-                                                                           spec.get("max_train_rows") or 0)
+    def prompt_completions(files: list[str], limit: int = 0):
+        """Text SFT's rows: each conversation as TRL's conversational prompt-completion form (the turns before the
+        last as ``prompt``, the last, the assistant's answer, as ``completion``), so that TRL's
+        ``completion_only_loss`` trains the answer only, as the toolkit's answer-only loss (``assistant_only_loss``
+        needs ``{% generation %}`` markers, which the model's stock ChatML template lacks and TRL 1.16 adds only to
+        the templates it ships)."""
+        ds = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=cache)
+        if limit:
+            ds = ds.select(range(min(limit, len(ds))))
+        name = spec["messages_column"] or "messages"
+        ds = ds.map(lambda r: {"prompt": r[name][:-1], "completion": r[name][-1:]})
+        return ds.select_columns(["prompt", "completion"])
+
+    raw = (prompts if grpo or distill else conversations if vlm else prompt_completions if sft else pairs)(
+        spec["train_files"], spec.get("max_train_rows") or 0)
     config = AutoConfig.from_pretrained(spec["model"], local_files_only=True)
     for k, v in spec["config_overrides"].items():
         setattr(config, k, v)
@@ -285,6 +299,8 @@ def main() -> None:
     if best and (grpo or distill):  # checkpointing as the toolkit's run; dropout off (as the toolkit; module docstring)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")), disable_dropout=True)
     elif best and vlm:  # checkpointing as the toolkit's run (the rows have one length: no length grouping to gain)
+        common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")))
+    elif best and sft:  # checkpointing as the toolkit's run; packing below (TRL's fastest layout)
         common.update(gradient_checkpointing=bool(spec.get("gradient_checkpointing")))
     elif best:  # checkpointing as the toolkit's run; length-grouped batches (on the ``length`` column added below)
         # (remove_unused_columns=False keeps that column, which is no model input, for the sampler; TRL's collators
@@ -374,6 +390,17 @@ def main() -> None:
                                                                     local_files_only=True)
         trainer = DistillationTrainer(model=model, teacher_model=teacher, args=dargs, train_dataset=raw,
                                       processing_class=tokenizer, callbacks=[Meter()])
+    elif sft:
+        from trl import SFTConfig, SFTTrainer
+
+        # best: TRL's best-fit-decreasing packing into rows of max_length, padding-free (position_ids restart per
+        # example: transformers' masks keep examples apart on sdpa and eager too), as the toolkit packs; defaults:
+        # one conversation per row, padded. The held-out conversations are evaluated after the last step.
+        held = prompt_completions(spec["validation_files"]) if spec.get("validation_files") else None
+        trainer = SFTTrainer(model=model, args=SFTConfig(**common, completion_only_loss=True, packing=best,
+                                                         eval_packing=False),
+                             train_dataset=raw, eval_dataset=held, processing_class=tokenizer, callbacks=[Meter()],
+                             **adapters)
     elif vlm:
         from trl import SFTConfig, SFTTrainer
 
@@ -434,7 +461,7 @@ def main() -> None:
         timed("_generate_and_score_completions", "generate_and_score")
         timed("compute_loss", "train_forward")
         timed("training_step", "training_step")  # the above + backward + (DeepSpeed) the optimizer step
-    if best and not grpo and not vlm and not distill:  # what LengthGroupedSampler measures (training and, for
+    if best and not grpo and not vlm and not distill and not sft:  # what LengthGroupedSampler measures (training and, for
         # reward, evaluation): TRL's tokenized rows have no input_ids column
         def with_length(ds):
             if reward:
@@ -451,12 +478,15 @@ def main() -> None:
 
     def counting_collate(rows):
         batch = collate(rows)
-        mask = batch["attention_mask"]  # chosen rows, then rejected rows (both of TRL's collators)
-        counts.append((int(mask.sum()), int(mask.numel())))
+        if "attention_mask" in batch:  # chosen rows, then rejected rows (DPO and reward collators); SFT's rows
+            mask = batch["attention_mask"]
+            counts.append((int(mask.sum()), int(mask.numel())))
+        else:  # SFT padding-free: one flat row of the packed examples, no pad
+            counts.append((int(batch["input_ids"].numel()), int(batch["input_ids"].numel())))
         return batch
 
     reference_first = []
-    if not reward and not best and not grpo and not vlm and not distill and not adapters:
+    if not reward and not best and not grpo and not vlm and not distill and not sft and not adapters:
         # TRL's own reference log-probabilities of the first pairs (its compute_ref_log_probs on its collated batch),
         # for scripts/bench.py to compare with finetune's cached ones
         first = collate([trainer.train_dataset[i] for i in range(min(4, len(trainer.train_dataset)))])

@@ -34,7 +34,7 @@ def main() -> None:
     from finetune.data.dataset import load_splits
     from finetune.engine.model import load_tokenizer
     from finetune.recipes import distill
-    from finetune.recipes.gpt_clm import next_token_targets
+    from finetune.recipes.common.targets import next_token_targets
 
     cfg = load_run_config(args.config, args.overrides)
     if args.student:

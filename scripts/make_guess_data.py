@@ -8,7 +8,7 @@ expert trajectories that play it by bisection, as chat conversations with tool c
 message, then for each guess an assistant turn calling ``guess`` and the ``tool`` result, and a last assistant turn
 stating the number; column ``tools``, the JSON text of the tool schemas that ``grpo`` offers with
 ``train.grpo.environment: data/environments/guess_number.py:GuessNumber`` (built by the same
-:func:`finetune.recipes.tools.environment_tools`), which ``sft`` renders into each conversation
+:func:`finetune.recipes.grpo.tools.environment_tools`), which ``sft`` renders into each conversation
 (``data.tools_column: tools``) so that the SFT model learns the prompt GRPO's rollouts show it.
 """
 
@@ -30,7 +30,7 @@ ENVIRONMENT = "data/environments/guess_number.py:GuessNumber"
 def tool_schemas() -> list[dict]:
     """The schemas ``grpo`` offers for :data:`ENVIRONMENT` (its public methods, one probe instance)."""
     sys.path.insert(0, str(REPO))
-    from finetune.recipes import tools
+    from finetune.recipes.grpo import tools
 
     return [t.schema for t in tools.environment_tools(tools.load_environment(ENVIRONMENT)())]
 

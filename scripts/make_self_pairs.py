@@ -41,8 +41,8 @@ LAST_INTEGER = r"(-?[0-9]+)(?![\s\S]*[0-9])"
 
 def is_right(text: str, answer: str) -> bool:
     """The task's check, ``grpo``'s ``exact_match`` reward with the pattern above: the answers it finds in ``text`` and
-    in ``answer`` (:func:`finetune.recipes.rewards.answer_of`) are equal."""
-    from finetune.recipes.rewards import answer_of
+    in ``answer`` (:func:`finetune.recipes.common.rewards.answer_of`) are equal."""
+    from finetune.recipes.common.rewards import answer_of
 
     want = answer_of(answer, LAST_INTEGER)
     return want is not None and answer_of(text, LAST_INTEGER) == want

@@ -5,7 +5,7 @@ Every turn the toolkit asks for is drawn from a generator seeded with the token 
 (:func:`scripted_turn`), so the turns are the same whatever the rank, micro-batch, accumulation split or ZeRO
 stage, and the one-process reference (:func:`reference_trajectory`) draws the very same ones. A first turn calls
 the calculator or answers; a turn after a tool result answers or calls it again. Everything else, the toolkit's
-tool loop (:mod:`finetune.recipes.tools`), the calculator (``data/tools/calculator.py``) and DeepSpeed included,
+tool loop (:mod:`finetune.recipes.grpo.tools`), the calculator (``data/tools/calculator.py``) and DeepSpeed included,
 runs as in a launch of ``finetune/run.py``.
 """
 

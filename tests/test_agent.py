@@ -262,8 +262,8 @@ def test_an_environment_call_stuck_in_c_code_is_stopped_and_its_process_lost(tmp
     import threading
     import time
 
-    from finetune.recipes import rewards
-    from finetune.recipes import tools as T
+    from finetune.recipes.common import rewards
+    from finetune.recipes.grpo import tools as T
 
     agent, tools_of = _counters(tmp_path)
     assert agent.methods == ("add", "spin")
@@ -323,7 +323,7 @@ def test_an_environment_call_holding_the_gil_returns_within_its_timeout(tmp_path
     import signal
     import time
 
-    from finetune.recipes import tools as T
+    from finetune.recipes.grpo import tools as T
 
     agent, tools_of = _counters(tmp_path)
     read, write = os.pipe()

@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 from finetune.config import GrpoConfig
 from finetune.recipes import dpo, gpt_clm, grpo, reward
+from finetune.recipes.common import masks
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
@@ -148,7 +149,7 @@ def test_reward_shared_prefix_scores_respect_sliding_windows(family):
         config = _config(family)
     config.num_labels = 1
     model = AutoModelForSequenceClassification.from_config(config).eval()
-    assert reward.sliding_layout(model)[0] == 4
+    assert masks.sliding_layout(model)[0] == 4
     prompt = _rows(2, 8, 6)
     chosen = torch.cat([prompt, _rows(2, 5, 7)], 1)
     rejected = torch.cat([prompt, _rows(2, 5, 8)], 1)

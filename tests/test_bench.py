@@ -27,7 +27,7 @@ def test_bench_rewards_score_as_the_builtins_on_text_and_on_trls_messages():
     with the shipped configs' patterns (``####`` and the last integer), on the toolkit's text completions and on
     TRL's conversational ones (one assistant message each)."""
     from finetune.config import load_run_config
-    from finetune.recipes import rewards
+    from finetune.recipes.common import rewards
 
     spec = importlib.util.spec_from_file_location("bench_rewards", REPO / "scripts" / "bench_rewards.py")
     bench_rewards = importlib.util.module_from_spec(spec)

@@ -321,7 +321,7 @@ def _assert_top_k_of_every_row(cache: Path, overrides: list[str], teacher: Path)
     from finetune.data.dataset import load_splits
     from finetune.engine.model import load_tokenizer
     from finetune.recipes import distill, get_recipe
-    from finetune.recipes.gpt_clm import next_token_targets
+    from finetune.recipes.common.targets import next_token_targets
 
     cfg = load_run_config(CONFIG, overrides)
     recipe = get_recipe(cfg.recipe)
@@ -427,7 +427,7 @@ def test_the_cached_top_k_equals_the_teacher_at_the_whole_vocabulary(teacher):
 
     from finetune.config import DistillConfig
     from finetune.recipes import distill
-    from finetune.recipes.gpt_clm import next_token_targets
+    from finetune.recipes.common.targets import next_token_targets
 
     student, t = models(teacher, seed=1)
     ids = torch.randint(1, 8192, (2, 24))

@@ -52,6 +52,8 @@ from finetune.config import load_run_config
 from finetune.data.dataset import load_splits
 from finetune.engine.model import load_tokenizer
 from finetune.recipes import dpo, get_recipe
+from finetune.recipes.common import chat
+from finetune.recipes.common import reference as ref_pass
 
 pytestmark = pytest.mark.slow
 
@@ -383,14 +385,14 @@ def test_reference_key_follows_the_model_and_the_data(tmp_path):
     recipe = get_recipe("dpo")
     tokenizer = load_tokenizer(cfg, recipe)
     split = load_splits(recipe, tokenizer, cfg.data, cfg.train.seed).train
-    key = dpo.reference_key(cfg, split, "fp32")
-    assert dpo.reference_key(_cfg(tmp_path / "cache", ["train.lr=1"]), split, "fp32") == key
+    key = ref_pass.reference_key(cfg, split, "fp32")
+    assert ref_pass.reference_key(_cfg(tmp_path / "cache", ["train.lr=1"]), split, "fp32") == key
     fewer = _cfg(tmp_path / "cache", ["data.max_train_rows=30"])
     fewer_split = load_splits(recipe, tokenizer, fewer.data, fewer.train.seed).train
-    changed = [dpo.reference_key(fewer, fewer_split, "fp32"), dpo.reference_key(cfg, split, "bf16")]
+    changed = [ref_pass.reference_key(fewer, fewer_split, "fp32"), ref_pass.reference_key(cfg, split, "bf16")]
     for override in ("model.config_overrides={num_hidden_layers: 1}", "train.seed=7",
                      "model.attn_implementation=eager"):
-        changed.append(dpo.reference_key(_cfg(tmp_path / "cache", [override]), split, "fp32"))
+        changed.append(ref_pass.reference_key(_cfg(tmp_path / "cache", [override]), split, "fp32"))
     assert len(set(changed)) == len(changed) and key not in changed
 
 
@@ -423,7 +425,7 @@ def _identical_within(tokenizer, n_tokens: int, rows: int = 32) -> dict:
     ``n_tokens`` tokens (they differ only in the final answer, after it)."""
     table = pq.read_table(PREF_TRAIN).slice(0, rows).to_pydict()
     keep = [i for i, (p, c, r) in enumerate(zip(table["prompt"], table["chosen"], table["rejected"]))
-            if dpo.encode_pair(tokenizer, p, c)[0][:n_tokens] == dpo.encode_pair(tokenizer, p, r)[0][:n_tokens]]
+            if chat.encode_pair(tokenizer, p, c)[0][:n_tokens] == chat.encode_pair(tokenizer, p, r)[0][:n_tokens]]
     return {k: [v[i] for i in keep] for k, v in table.items()}
 
 
@@ -503,7 +505,7 @@ def test_reference_key_follows_the_weights_content_and_library_versions(tmp_path
     save_file({"w": torch.zeros(256)}, weights)
     cfg = _cfg(tmp_path / "cache", [f"model.path={model}", "model.init=pretrained"])
     split = datasets.Dataset.from_dict({"input_ids": [[1, 2]]})
-    key = dpo.reference_key(cfg, split, "fp32")
+    key = ref_pass.reference_key(cfg, split, "fp32")
     cached = tmp_path / "cache" / "reference" / f"dpo-train-{key}.npy"
     cached.parent.mkdir(parents=True)
     np.save(cached, np.zeros((1, 2)))
@@ -512,14 +514,14 @@ def test_reference_key_follows_the_weights_content_and_library_versions(tmp_path
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     after = os.stat(weights)
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
-    new = dpo.reference_key(cfg, split, "fp32")
+    new = ref_pass.reference_key(cfg, split, "fp32")
     assert new != key and not (cached.parent / f"dpo-train-{new}.npy").exists()
-    monkeypatch.setattr(dpo, "library_versions", lambda: {"torch": "0.0"}, raising=False)
-    assert dpo.reference_key(cfg, split, "fp32") != new
+    monkeypatch.setattr(ref_pass, "library_versions", lambda: {"torch": "0.0"}, raising=False)
+    assert ref_pass.reference_key(cfg, split, "fp32") != new
     # files above FULL_HASH_BYTES (multi-GB shards) are sampled: header, 256 blocks, the end
     big = {"w": torch.zeros(1 << 20)}  # 4 MiB
-    monkeypatch.setattr(dpo, "FULL_HASH_BYTES", 1 << 20)
+    monkeypatch.setattr(ref_pass, "FULL_HASH_BYTES", 1 << 20)
     save_file(big, weights)
-    sampled = dpo.content_digest(weights)
+    sampled = ref_pass.content_digest(weights)
     save_file({"w": torch.ones(1 << 20)}, weights)
-    assert dpo.content_digest(weights) not in (sampled, dpo.content_digest(model / "config.json"))
+    assert ref_pass.content_digest(weights) not in (sampled, ref_pass.content_digest(model / "config.json"))

@@ -28,6 +28,7 @@ from finetune.data.dataset import FlattenRows
 from finetune.parallel.sequence import shard_batch
 from finetune.preflight import selftest
 from finetune.recipes import get_recipe, gpt_clm
+from finetune.recipes.common import targets
 
 EMULATED = "flash_attention_cpu_emulated"
 
@@ -108,7 +109,7 @@ def test_the_data_pipeline_flattens_packed_rows_for_flash_kernels():
     assert int(flat["num_tokens"]) == int(batch["num_tokens"])
     # no row's last token predicts the next row's first: the labels were shifted row by row before joining
     assert (flat["shift_labels"].view(4, 22)[:, -1] == -100).all()
-    assert torch.equal(flat["shift_labels"].view(4, 22), gpt_clm.shift_labels(batch["labels"]))
+    assert torch.equal(flat["shift_labels"].view(4, 22), targets.shift_labels(batch["labels"]))
     # an unpadded gpt_clm block batch (all-ones mask, no positions): one segment per row
     blocks = {"input_ids": selftest._batch(2, 8), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
     blocks["labels"] = blocks["input_ids"].clone()

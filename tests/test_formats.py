@@ -131,6 +131,7 @@ def test_conversational_prompt_completion_trains_the_completion_only(tmp_path):
     from finetune.config import DataConfig
     from finetune.data import formats
     from finetune.recipes import sft
+    from finetune.recipes.common import chat as sft_data
     from transformers import AutoTokenizer
 
     tok = sft.prepare_tokenizer(AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2", local_files_only=True))
@@ -138,10 +139,10 @@ def test_conversational_prompt_completion_trains_the_completion_only(tmp_path):
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
              {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
     read = formats.Form("prompt_completion", ("prompt", "completion"))
-    messages, first = sft.conversation(read, {"prompt": turns[:3], "completion": turns[3:]})
+    messages, first = sft_data.conversation(read, {"prompt": turns[:3], "completion": turns[3:]})
     assert (messages, first) == (turns, 3)
-    _, labels = sft.encode_messages(tok, messages, template, first=first)
-    _, both = sft.encode_messages(tok, turns, template)
+    _, labels = sft_data.encode_messages(tok, messages, template, first=first)
+    _, both = sft_data.encode_messages(tok, turns, template)
     assert tok.decode([t for t in labels if t != -100]) == "4<|endoftext|>"
     assert tok.decode([t for t in both if t != -100]) == "Hello!<|endoftext|>4<|endoftext|>"
     assert DataConfig().format == "auto"

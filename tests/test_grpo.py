@@ -261,7 +261,7 @@ def test_the_hybrid_engine_backend_is_deepspeeds_rollout_with_generates_completi
 def test_score_names_the_function_for_each_failure():
     """Wrong length, NaN, an infinity and ``SystemExit``: a RewardError naming the function (one line, exit 4 in a
     run); None is 'not scored' (NaN)."""
-    from finetune.recipes import rewards
+    from finetune.recipes.common import rewards
 
     cfg = load_run_config(CONFIG, ["train.grpo.rewards=[tests/grpo_rewards.py:wrong_length]", "train.grpo.reward_weights=[]"])
     args = (["p"] * 2, ["a1", ""], [[1], []], {"answer": ["#### 1", "#### 2"]})
@@ -601,7 +601,7 @@ def test_a_reward_model_folder_scores_as_trl_does(tmp_path):
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from finetune.errors import ConfigError
-    from finetune.recipes import rewards
+    from finetune.recipes.common import rewards
 
     tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2", local_files_only=True)
     for labels in (1, 2):

@@ -274,7 +274,7 @@ def test_the_shipped_calculator_data_is_the_scripts_and_every_demonstrated_call_
     ``train.grpo.tools`` offers (transformers' ``get_json_schema``)."""
     import importlib.util
 
-    from finetune.recipes.tools import load_tools
+    from finetune.recipes.grpo.tools import load_tools
 
     spec = importlib.util.spec_from_file_location("make_arithmetic_data", REPO / "scripts/make_arithmetic_data.py")
     script = importlib.util.module_from_spec(spec)

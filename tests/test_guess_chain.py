@@ -37,29 +37,32 @@ def _in_repo(monkeypatch):
 
 def test_sft_rows_render_grpo_prompts():
     from finetune.config import load_run_config
+    from transformers import AutoTokenizer
+
     from finetune.recipes import sft
+    from finetune.recipes.common import chat
     from finetune.recipes.grpo import prompts as grpo_prompts
     from finetune.recipes.grpo.agent import agent_of
 
     s = load_run_config(SFT)
     g = load_run_config(GRPO, [f"model.tokenizer_path={s.model.tokenizer_path}"])  # the export has the SFT one
-    tok = sft.prepare_tokenizer(sft.AutoTokenizer.from_pretrained(s.model.tokenizer_path))
+    tok = sft.prepare_tokenizer(AutoTokenizer.from_pretrained(s.model.tokenizer_path))
     assert s.data.chat_template == g.data.chat_template and s.data.tools_column
-    template = sft.template_text(s.data)
+    template = chat.template_text(s.data)
     rows = pq.read_table(s.data.train_files[0]).to_pylist()[:8]
     games = pq.read_table(g.data.train_files[0]).to_pylist()[:8]
     schemas = agent_of(g).schemas
     prompts = grpo_prompts.tokenize_function(tok, g.data, tools=schemas)
     for row, game in zip(rows, games):
         assert row["messages"][0]["content"] == game["prompt"][0]["content"]  # the same game
-        assert sft.row_tools(row[s.data.tools_column]) == schemas
+        assert chat.row_tools(row[s.data.tools_column]) == schemas
         prompt = prompts.encode(game["prompt"])
-        ids, labels = sft.encode_messages(tok, row["messages"], template, sft.row_tools(row[s.data.tools_column]))
+        ids, labels = chat.encode_messages(tok, row["messages"], template, chat.row_tools(row[s.data.tools_column]))
         assert ids[:len(prompt)] == prompt, "the SFT row does not begin with the prompt grpo shows the model"
         assert all(x == -100 for x in labels[:len(prompt)]) and labels[len(prompt)] != -100
         first = tok.decode([t for t, x in zip(ids, labels) if x != -100][:40])
         assert first.startswith('<tool_call>\n{"name": "guess", "arguments": {"number":')
-        bare, _ = sft.encode_messages(tok, row["messages"], template)
+        bare, _ = chat.encode_messages(tok, row["messages"], template)
         assert bare[:len(prompt)] != prompt  # without the column: no tools in the system turn
     # and through the recipe's own map function (what training tokenizes)
     out = sft.tokenize_function(tok, s.data)({c: [r[c] for r in rows[:1]] for c in sft.columns(s.data)})

@@ -204,6 +204,7 @@ def test_liger_fused_head_equals_chunked(monkeypatch):
     in fp32 the same loss and gradients as the full head (1e-4 relative: the kernel sums in another order); in bf16
     the same loss and gradients as the chunked path within bf16 rounding. Evaluation keeps the chunked path."""
     from finetune.recipes import gpt_clm, lm_loss
+    from finetune.recipes.common.targets import shift_labels
 
     fused_calls = []
     fused = lm_loss._fused_ce_sum
@@ -224,7 +225,7 @@ def test_liger_fused_head_equals_chunked(monkeypatch):
     assert len(fused_calls) == 1, "evaluation took the fused path"
 
     model = model.to(torch.bfloat16)
-    targets = gpt_clm.shift_labels(batch["labels"])
+    targets = shift_labels(batch["labels"])
     keep = targets != -100
 
     def chunked():

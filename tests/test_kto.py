@@ -27,6 +27,7 @@ from conftest import CONFIGS, REPO, check_files, launch, ok, read_metrics, refer
     simulated_ranks, train_losses, write_parquet
 from finetune.config import load_run_config
 from finetune.recipes import kto
+from finetune.recipes.common.pairs import REFERENCE_COLUMN
 from test_dpo import full_logps, grad_norms, max_rel
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ def kto_reference(cfg, world: int, steps: int, split=None) -> dict:
             o_micro = [next(it) for it in other for _ in range(split.train.gradient_accumulation_steps)]
             with torch.no_grad():
                 for b in o_micro:
-                    b[kto.dpo.REFERENCE_COLUMN] = full_logps(reference, b)
+                    b[REFERENCE_COLUMN] = full_logps(reference, b)
                 z_tool = kto.kl_estimate(sum(kto.kl_sums(model, b) for b in o_micro))
                 out["toolkit"].append(sum(kto.forward(model, {**b, kto.KL_COLUMN: z_tool}, settings=s).loss_sum
                                           for b in o_micro).item() / rows)
@@ -187,7 +188,7 @@ def test_a_mixture_of_experts_policy_adds_its_router_loss():
     cfg = load_run_config(CONFIG, ["model.path=data/models/tiny-qwen3-moe", "model.config_overrides={vocab_size: 50257}"])
     model = scratch_model(cfg).train()
     batch = dict(next(iter(simulated_ranks(cfg, 1)[4][0])))
-    batch[kto.dpo.REFERENCE_COLUMN] = torch.zeros(batch["input_ids"].shape[0])
+    batch[REFERENCE_COLUMN] = torch.zeros(batch["input_ids"].shape[0])
     batch[kto.KL_COLUMN] = torch.tensor(0.0)
     out = kto.forward(model, batch)
     half = batch["input_ids"].shape[0] // 2

@@ -28,7 +28,25 @@ def _module(path: Path) -> str:
 def test_import_layers_are_kept():
     proc = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "1 kept, 0 broken" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "2 kept, 0 broken" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_the_independence_contract_catches_one_recipe_importing_another(tmp_path):
+    """The ``independence`` contract is live: in a copy of the package where ``kto`` imports ``sft`` (through a
+    shared-looking module, so the import is indirect), ``lint-imports`` breaks the contract and names both."""
+    import shutil
+
+    shutil.copytree(PACKAGE, tmp_path / "finetune", ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "finetune" / "recipes" / "common" / "borrowed.py").write_text(
+        "from finetune.recipes.sft import RECIPE  # noqa: F401\n")
+    kto = tmp_path / "finetune" / "recipes" / "kto.py"
+    kto.write_text(kto.read_text() + "\nfrom finetune.recipes.common import borrowed  # noqa: E402,F401\n")
+    proc = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1 and "1 kept, 1 broken" in out, out[-4000:] + proc.stderr[-2000:]
+    assert "finetune.recipes.kto is not allowed to import finetune.recipes.sft" in out, out[-4000:]
 
 
 def test_no_import_cycle():

@@ -92,14 +92,15 @@ def test_every_causal_recipe_trains_on_the_real_models_own_log_probs(smollm2):
     ``log_softmax`` of the plain model's logits on the same tokens."""
     from finetune.config import DistillConfig, GrpoConfig
     from finetune.engine.rollout import stop_token_ids
-    from finetune.recipes import distill, dpo, gpt_clm, grpo, sft
+    from finetune.recipes import distill, dpo, gpt_clm, grpo
+    from finetune.recipes.common import chat
 
     _, tok, model = smollm2
     end = tok.convert_tokens_to_ids("<|im_end|>")
     assert tok.eos_token_id == end and model.generation_config.eos_token_id in (end, [end])
     assert stop_token_ids(model, tok) == [end]
     template = tok.chat_template
-    rows = [sft.encode_messages(tok, m, template) for m in CONVERSATIONS]
+    rows = [chat.encode_messages(tok, m, template) for m in CONVERSATIONS]
     for (ids, labels), messages in zip(rows, CONVERSATIONS):  # answer-only: the reply and the turn's end
         trained = [t for t in labels if t != -100]
         assert tok.decode(trained).startswith(messages[-1]["content"] + "<|im_end|>"), tok.decode(trained)
@@ -123,7 +124,7 @@ def test_every_causal_recipe_trains_on_the_real_models_own_log_probs(smollm2):
     assert abs(stats["kd"].item()) < 1e-3 * int(keep.sum())
     # grpo: two prompts rendered with the template's generation prompt (left-padded), two completions each: one ends
     # with the real end of turn, one is cut without it
-    prompts = [sft.prompt_ids(tok, m[:1], template) for m in CONVERSATIONS]
+    prompts = [chat.prompt_ids(tok, m[:1], template) for m in CONVERSATIONS]
     p = max(len(x) for x in prompts)
     prompt_batch = {"input_ids": torch.tensor([[pad] * (p - len(x)) + x for x in prompts]),
                     "attention_mask": torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])}

@@ -26,7 +26,7 @@ def test_a_reward_model_scores_a_text_the_same_alone_and_batched(tmp_path, confi
     it at a padding position, or raises for a batch of two without a config pad id)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
 
-    from finetune.recipes.rewards import RewardModel
+    from finetune.recipes.common.rewards import RewardModel
 
     tok = AutoTokenizer.from_pretrained(REPO / "data/models/tiny-gpt2", local_files_only=True)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,

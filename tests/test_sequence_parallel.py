@@ -131,7 +131,7 @@ def test_shards_add_up_to_the_batch():
     """Cut in 3 (a length of 7 padded to 9): the slices' inputs, positions and shifted labels joined are the batch's,
     the shift crosses the slice boundaries, the real-token and target counts add up, left padding is refused."""
     from finetune.parallel.sequence import shard_batch
-    from finetune.recipes.gpt_clm import count_targets, shift_labels
+    from finetune.recipes.common.targets import count_targets, shift_labels
 
     ids = torch.arange(1, 15).view(2, 7)
     mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])

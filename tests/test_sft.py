@@ -44,7 +44,7 @@ def _ids(tokenizer, text: str) -> list[int]:
 
 def test_prompt_response_labels_token_by_token(tokenizer):
     """Prompt tokens -100, response tokens kept, EOS appended and kept."""
-    from finetune.recipes.sft import encode_pair
+    from finetune.recipes.common.chat import encode_pair
 
     eos = tokenizer.eos_token_id
     ids, labels = encode_pair(tokenizer, "Q: What is 2+2?\nA:", " 4, since 2+2=4.")
@@ -56,7 +56,7 @@ def test_prompt_response_labels_token_by_token(tokenizer):
 def test_chat_labels_multi_turn_token_by_token(tokenizer):
     """The shipped ChatML template: system/user turns and template text -100, both assistant turns and their EOS
     kept. A template without {% generation %} (prefix rendering) keeps the same tokens plus the turn's newline."""
-    from finetune.recipes.sft import encode_messages
+    from finetune.recipes.common.chat import encode_messages
 
     eos = tokenizer.eos_token_id
     pieces = [("<|im_start|>system\nBe brief.", False), (None, False), ("\n<|im_start|>user\nHi there", False),
@@ -84,7 +84,7 @@ def test_truncation_drop_and_no_answer_counts(tokenizer):
     """truncate cuts long examples (and drops those left without an answer token), drop leaves them out; rows
     without an assistant turn or with an empty response are dropped; all counted in the one summary line."""
     from finetune.config import DataConfig
-    from finetune.recipes.sft import SftExamples
+    from finetune.recipes.common.chat import SftExamples
 
     long_prompt = "word " * 40
     rows = {"q": ["Short?", long_prompt, "Medium question here?", "Empty answer"],
@@ -110,7 +110,7 @@ def test_truncation_drop_and_no_answer_counts(tokenizer):
 
 def test_best_fit_packing():
     """Whole examples, no bin over capacity, every example once; best fit beats greedy concatenation in order."""
-    from finetune.recipes.sft import pack
+    from finetune.recipes.common.chat import pack
 
     lengths = [6, 5, 5, 4, 3, 3, 2, 2]  # 30 tokens: 3 rows of 10 when packed best-fit
     bins = pack(lengths, 10)

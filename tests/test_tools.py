@@ -1,4 +1,4 @@
-"""Tools for multi-turn ``grpo`` (:mod:`finetune.recipes.tools`): loading and their refusals, the template check,
+"""Tools for multi-turn ``grpo`` (:mod:`finetune.recipes.grpo.tools`): loading and their refusals, the template check,
 parsing tool calls, running them (failures are the model's to read, never a crash), and the tokens of a result."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.errors import ConfigError
-from finetune.recipes import tools as T
+from finetune.recipes.grpo import tools as T
 
 REPO = Path(__file__).resolve().parent.parent
 CALCULATOR = f"{REPO}/data/tools/calculator.py:calculate"
@@ -162,7 +162,7 @@ def test_a_result_is_appended_as_the_template_renders_it(tokenizer):
 
 
 def test_the_calculator_computes_and_runs_nothing_else():
-    from finetune.recipes.rewards import import_function
+    from finetune.recipes.common.rewards import import_function
 
     calculate = import_function(CALCULATOR, "train.grpo.tools", "")
     assert [calculate(e) for e in ("(48 / 2) + 48", "2 ** 10", "7 / 2", "1,000 * 3")] == ["72", "1024", "3.5", "3000"]
@@ -403,7 +403,7 @@ def test_a_tool_stuck_in_c_code_is_stopped_by_its_timeout_and_replaced(multiply_
 def test_the_calculator_is_safe_by_construction():
     """Item 12: results too large to compute quickly are refused before they are computed (the exponent check
     alone let ``((((9**64)**64)**64)**64)`` run for 31 s)."""
-    from finetune.recipes.rewards import import_function
+    from finetune.recipes.common.rewards import import_function
 
     calculate = import_function(CALCULATOR, "train.grpo.tools", "")
     for bad in ("(9**64)**64", "((((9**64)**64)**64)**64)", "2**64**64", "(10**300)*(10**300)", "(-8) ** 0.5"):
@@ -432,7 +432,7 @@ def test_a_huge_result_is_not_tokenized_and_a_cut_rollout_is_truncated(multiply_
 def test_a_property_of_an_environment_is_not_a_tool_and_a_text_reward_is_refused(tmp_path):
     """Item 15: an environment's ``@property`` is not read to list its tools (one that needs ``reset()`` crashed
     ``--check``); ``get_reward`` returning the text ``"0.5"`` is refused as every reward function's text is."""
-    from finetune.recipes import rewards
+    from finetune.recipes.common import rewards
     from finetune.recipes.grpo.agent import environment_reward
 
     path = tmp_path / "env.py"

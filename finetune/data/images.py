@@ -11,6 +11,7 @@ conversational vision form: a list of ``{role, content}`` whose content is text 
 
 from __future__ import annotations
 
+import copy
 import contextlib
 import io
 import json
@@ -90,6 +91,38 @@ def load_processor(path: str, tokenizer=None, who: str = "vlm_sft", data_cfg=Non
     if data_cfg is not None:
         set_pixels(processor.image_processor, data_cfg)
     return processor
+
+
+class ProcessorSource:
+    """An image-text model's processor for the map functions, named once when the recipe is configured
+    (``model.tokenizer_path`` or ``model.path``) and loaded at most once per process, on first use
+    (:func:`load_processor`); each map function gets a shallow copy holding its own prepared tokenizer.
+
+    Args:
+        path: the folder with the processor's files.
+        who: the recipe, named in errors.
+        data_cfg: ``data`` (its ``min_pixels`` / ``max_pixels``).
+
+    Raises (on first use):
+        ConfigError: the folder has no processor an image-text model can use.
+    """
+
+    def __init__(self, path: str, who: str, data_cfg=None):
+        self.path, self.who, self.data_cfg = str(path), who, data_cfg
+        self._loaded = None
+
+    def __call__(self, tokenizer):
+        """The processor with ``tokenizer`` (prepared) in place of its own."""
+        if self._loaded is None:
+            self._loaded = load_processor(self.path, None, self.who, self.data_cfg)
+        processor = copy.copy(self._loaded)
+        processor.tokenizer = tokenizer
+        return processor
+
+
+def processor_source(cfg, who: str) -> ProcessorSource:
+    """The run's :class:`ProcessorSource`: ``model.tokenizer_path`` or ``model.path``."""
+    return ProcessorSource(cfg.model.tokenizer_path or cfg.model.path, who, cfg.data)
 
 
 def set_pixels(image_processor, data_cfg) -> None:

@@ -74,15 +74,12 @@ def _problem(missing: list[str], model: torch.nn.Module) -> str:
             f"{type(model).__name__}; use {', '.join(ALIASES)} or a module path such as {', '.join(parts[:6])}")
 
 
-def check(cfg, model_class, config, problems: list[str]) -> None:
-    """``model.freeze`` against a meta-device model built from ``config`` (no memory, no weights): one line naming
-    the keys that match nothing."""
-    if not cfg.model.freeze:
-        return
-    try:
-        with torch.device("meta"):
-            model = model_class.from_config(config)
-    except Exception:  # noqa: BLE001  (a model the class cannot build is reported by the model checks)
+def check(cfg, meta_model, problems: list[str]) -> None:
+    """``model.freeze`` against the model built on the meta device (no memory, no weights:
+    :func:`finetune.engine.model.meta_model`; None when its class cannot build it, which the model checks report):
+    one line naming the keys that match nothing."""
+    model = meta_model
+    if not cfg.model.freeze or model is None:
         return
     missing = unmatched(model, list(cfg.model.freeze))
     if missing:

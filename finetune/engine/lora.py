@@ -234,16 +234,18 @@ def _module_names(model: torch.nn.Module, limit: int = 8) -> str:
     return ", ".join(shown) + (", ..." if len(seen) > limit else "")
 
 
-def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[str]) -> None:
+def check(cfg: RunConfig, model_class, meta_model, where: str, problems: list[str]) -> None:
     """Check ``model.lora`` and ``model.gradient_checkpointing`` against the model, before any model is built.
 
-    The model is built on the meta device from its config (no memory, no weights read) and wrapped by peft
-    there, so every problem peft would raise at start-up is found now.
+    The model, built on the meta device from its config (no memory, no weights read:
+    :func:`finetune.engine.model.meta_model`), is wrapped by peft there (in place), so every problem peft would
+    raise at start-up is found now.
 
     Args:
         cfg: run config.
         model_class: the recipe's ``model_class``.
-        model_config: the transformers config (``model.config_overrides`` applied).
+        meta_model: the model on the meta device (``model.config_overrides`` applied), or None when its class
+            cannot build it (reported by the model checks).
         where: how to name the model in messages (its ``config.json`` and model type).
         problems: one line per problem is appended: ``r``/``alpha``/``dropout`` out of range, empty
             ``target_modules``, target modules that match no module (a few module names are listed),
@@ -268,11 +270,8 @@ def check(cfg: RunConfig, model_class, model_config, where: str, problems: list[
     if lora is None and not cfg.model.gradient_checkpointing:
         return
 
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = model_class.from_config(model_config)
-    except Exception:  # noqa: BLE001  (the model type's own problems are reported by validate)
+    model = meta_model
+    if model is None:  # the model type's own problems are reported by validate
         return
     if cfg.model.gradient_checkpointing and not model.supports_gradient_checkpointing:
         problems.append(f"model.gradient_checkpointing: {type(model).__name__} ({where}) does not support gradient "

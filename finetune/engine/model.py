@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,18 @@ def load_pretrained(model_class, path: str, model_config, attn_implementation: s
     if missing or mismatched:
         logger.info(f"newly initialised (not in {path}): {', '.join(missing + mismatched)}")
     return model
+
+
+def meta_model(model_class, model_config):
+    """The model built on the meta device from ``model_config`` (no memory, no weights read), for the pre-flight
+    checks that need its modules (``model.lora``, ``model.freeze``, ``model.gradient_checkpointing``); None when
+    ``model_class`` cannot build it (the model checks report that)."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model_class.from_config(model_config)
+    except Exception:  # noqa: BLE001  (the model type's own problems are reported by the model checks)
+        return None
 
 
 def scratch_model(model_class, model_config, attn_implementation: str = "sdpa"):

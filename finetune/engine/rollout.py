@@ -30,7 +30,7 @@ is drawn by inverting the cumulative distribution with one uniform number per ro
 ``generate``'s ``torch.multinomial`` draws an exponential variate for every vocabulary entry. What each saves on the
 ``grpo`` bench's model: docs/performance.md, "Against TRL's ``GRPOTrainer``".
 
-Across the turns of a multi-turn rollout (tools, environments: :func:`finetune.recipes.tools.tool_turns`), ``fast``
+Across the turns of a multi-turn rollout (tools, environments: :func:`finetune.recipes.grpo.tools.tool_turns`), ``fast``
 also keeps the KV cache: inside one :meth:`HFGenerateRollout.weights` block, each ``generate`` call's cache is kept
 with the real tokens it covers (:class:`TurnCache`), and a later call whose every row extends one of those rows
 (its previous turn, then the tool result's tokens) starts from the cached keys and values of that row instead of

@@ -20,6 +20,7 @@ from transformers.utils import is_flash_attn_2_available
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
 from finetune.engine import freeze, gguf, lora, moe, muon, quantize
+from finetune.engine.model import meta_model
 from finetune.data import mixture
 from finetune.parallel import checks, expert, layout, sequence, tensor
 from finetune.lifecycle import run_folder
@@ -178,8 +179,11 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]):
                         f"'{cfg.model.attn_implementation}'; use eager")
     else:  # model.lora / model.gradient_checkpointing against a meta-device model built from the config
 
-        lora.check(cfg, recipe.model_class, config, where, problems)
-        freeze.check(cfg, recipe.model_class, config, problems)
+        # one meta-device build for both checks (freezing first: peft's wrapping renames the modules in place)
+        needed = cfg.model.lora is not None or cfg.model.gradient_checkpointing or bool(cfg.model.freeze)
+        built = meta_model(recipe.model_class, config) if needed else None
+        freeze.check(cfg, built, problems)
+        lora.check(cfg, recipe.model_class, built, where, problems)
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if (isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and getattr(config, "head_dim", None) is None
             and hidden % heads):

@@ -76,8 +76,9 @@ from finetune.engine import gguf, rollout
 from finetune.engine.rollout import SamplingConfig
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes import Capabilities, Recipe, sft
-from finetune.recipes.gpt_clm import count_targets, forward as ce_forward, next_token_targets
+from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common import chat
+from finetune.recipes.common.targets import count_targets, forward as ce_forward, next_token_targets
 from finetune.recipes.lm_loss import add_head_gradients, check_head_output, chunk_tokens, find_head, head_output, \
     logits_transform, unwrap
 
@@ -144,7 +145,7 @@ def top_k_key(cfg: RunConfig, split, precision: str, student_vocab: int) -> str:
     """Cache key of a split's teacher top-k (20 hex digits): the tokenized split's files and rows, the teacher
     folder's files (path, size, mtime, content digest), ``k``, ``temperature``, the student's vocabulary size (the
     compared ids), ``precision`` and the library versions."""
-    from finetune.recipes.dpo import content_digest, library_versions
+    from finetune.recipes.common.reference import content_digest, library_versions
 
     folder = Path(cfg.train.distill.teacher)
     files = sorted(str(p) for p in folder.glob("*") if p.is_file())
@@ -741,12 +742,12 @@ class SeededCollator:
 
 def make_collator(tokenizer, data_cfg: DataConfig) -> SeededCollator:
     """:class:`SeededCollator` around ``sft``'s collator."""
-    return SeededCollator(sft.make_collator(tokenizer, data_cfg))
+    return SeededCollator(chat.make_collator(tokenizer, data_cfg))
 
 
 def prepare_tokenizer(tokenizer):
     """``sft``'s (a pad token)."""
-    return sft.prepare_tokenizer(tokenizer)
+    return chat.prepare_tokenizer(tokenizer)
 
 
 def _vocab(path: str):
@@ -832,7 +833,7 @@ def check_teacher(cfg: RunConfig, problems: list[str]) -> None:
 
 def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """``sft``'s checks of the data and the teacher's (:func:`check_teacher`)."""
-    sft.check_labels(cfg, train_files, validation_files, problems)
+    chat.check_labels(cfg, train_files, validation_files, problems)
     check_teacher(cfg, problems)
 
 
@@ -855,8 +856,8 @@ def frozen_models(cfg: RunConfig) -> list[str]:
 RECIPE = Recipe(name="distill", model_class=MODEL_CLASS,
                 capabilities=Capabilities(packs_rows=True, generates_text=True, checks_columns=True, counts_rows=True,
                                           eval_metrics=EVAL_METRICS),
-                prepare_tokenizer=prepare_tokenizer, tokenize_function=sft.tokenize_function,
-                make_collator=make_collator, forward=forward, count_targets=count_targets, columns=sft.columns,
-                cache_key=sft.cache_key, check_data=check_data, prepare_model_config=sft.prepare_model_config,
-                generation_pairs=sft.generation_pairs, configure=configure, before_training=before_training,
+                prepare_tokenizer=prepare_tokenizer, tokenize_function=chat.tokenize_function,
+                make_collator=make_collator, forward=forward, count_targets=count_targets, columns=chat.columns,
+                cache_key=chat.cache_key, check_data=check_data, prepare_model_config=chat.prepare_model_config,
+                generation_pairs=chat.generation_pairs, configure=configure, before_training=before_training,
                 before_step=before_step, rollout=rollout_shape, frozen_models=frozen_models)

@@ -5,25 +5,22 @@ With ``data.packing: true`` (default) texts are tokenized, joined with EOS and c
 position trains (the tail shorter than a block in each map batch of 1,000 rows is dropped).
 With packing off, each text is truncated to ``max_seq_len`` and padded per batch; pad positions get
 label -100. The pad token defaults to EOS when the tokenizer has none (GPT-2 has none).
-Loss: labels shifted by one, then the LM head and the cross-entropy at target positions only, chunked
-(:mod:`finetune.recipes.lm_loss`). Eval metrics: loss and perplexity.
+Loss: the causal-LM loss every causal-LM recipe shares (:mod:`finetune.recipes.common.targets`: labels shifted by
+one, then the LM head and the cross-entropy at target positions only, chunked). Eval metrics: loss and perplexity.
 """
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     DataCollatorForLanguageModeling,
     default_data_collator,
 )
 
-from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
 from finetune.parallel import expert, sequence, tensor
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
-from finetune.recipes.lm_loss import token_loss_sum
+from finetune.recipes.common.targets import count_targets, forward
 
 MODEL_CLASS = AutoModelForCausalLM
 
@@ -77,50 +74,6 @@ def make_collator(tokenizer, data_cfg: DataConfig):
     return DataCollatorForLanguageModeling(tokenizer, mlm=False,
                                            pad_to_multiple_of=data_cfg.pad_to_multiple_of or None,
                                            return_tensors="pt")
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Next-token targets [batch, seq] of ``labels`` [batch, seq]: position ``t`` predicts ``labels[:, t + 1]``; the
-    last position gets -100. Row by row, so packed rows with ``position_ids`` shift the same way."""
-    return F.pad(labels, (0, 1), value=-100)[:, 1:]
-
-
-def forward(model, batch: dict, metrics: bool = False) -> LossOutput:
-    """Next-token loss of one micro-batch: labels are shifted first (:func:`shift_labels`), then the LM head and the
-    cross-entropy run only at positions whose next token is a target, in chunks
-    (:func:`finetune.recipes.lm_loss.token_loss_sum`). Usable as is by any causal-LM recipe whose collator puts
-    -100 where no loss is taken (e.g. prompt tokens).
-
-    Args:
-        model: the engine (or a transformers causal LM, peft-wrapped or not); called with
-            :func:`~finetune.recipes.model_inputs` of ``batch`` (``position_ids`` of packed rows pass through).
-        batch: ``input_ids``, ``attention_mask`` (, ``position_ids``) and ``labels`` (int64, [batch, seq]); or a
-            sequence-parallel slice with ``shift_labels`` instead of ``labels`` (:mod:`finetune.parallel.sequence`).
-        metrics: no extra metrics beyond loss and perplexity (accepted for the contract).
-
-    Returns:
-        :class:`~finetune.recipes.LossOutput` with the cross-entropy summed over targets (0-dim float32, as
-        transformers' ``ForCausalLMLoss`` with a sum).  For a mixture-of-experts model also its router's load-balancing
-        loss term (``aux_loss``) and router statistics as metrics (:func:`finetune.engine.moe.router_terms`).
-    """
-    router: dict = {}  # a mixture of experts: its load-balancing loss term and router statistics
-    loss, _ = token_loss_sum(model, model_inputs(batch), next_token_targets(batch), router=router)
-    return LossOutput(loss, count_targets(batch), router.get("metrics", {}), aux_loss=router.get("aux_loss"))
-
-
-def next_token_targets(batch: dict) -> torch.Tensor:
-    """``[batch, seq]`` int64: what each position predicts: the batch's ``shift_labels`` when it has them (a
-    sequence-parallel slice, shifted before the cut: :mod:`finetune.parallel.sequence`), else :func:`shift_labels` of its
-    ``labels``."""
-    return batch["shift_labels"] if "shift_labels" in batch else shift_labels(batch["labels"])
-
-
-def count_targets(batch: dict) -> torch.Tensor:
-    """Positions predicted after the one-token shift (``labels[:, 1:] != -100``, or ``shift_labels != -100`` in a
-    sequence-parallel slice); 0-dim int64."""
-    if "shift_labels" in batch:
-        return (batch["shift_labels"] != -100).sum()
-    return (batch["labels"][:, 1:] != -100).sum()
 
 
 def cache_key(data_cfg: DataConfig) -> dict:

@@ -5,7 +5,7 @@ undesirable (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
 Data, in TRL's unpaired form: ``data.prompt_column`` (default ``prompt``), ``data.completion_column`` (default
 ``completion``) and ``data.label_column`` (default ``label``: bool, or ints 0/1; true = desirable). Prompt and
 completion are text, or (conversational) a list of ``{role, content}`` messages and a list of assistant messages,
-encoded as ``dpo`` encodes a prompt and a response (:meth:`finetune.recipes.dpo.PairExamples.encode`: the prompt's
+encoded as ``dpo`` encodes a prompt and a response (:meth:`finetune.recipes.common.pairs.PairExamples.encode`: the prompt's
 tokens are no targets; the completion ends with EOS).
 
 The loss of a row (``train.kto``; ``r = log pi(y|x) - log pi_ref(y|x)``, the completion's log-ratio summed over
@@ -32,7 +32,7 @@ micro-batch, over its rows.
 
 A collated micro-batch of ``B`` rows is ``[2B, seq]``: the ``B`` completions (prompt + completion), then the ``B`` KL
 sequences (prompt + mismatched completion), so that the reference pass of ``dpo`` serves both unchanged
-(:func:`finetune.recipes.dpo.attach_reference`: ``reference_logps`` ``[ref of the completion, ref of the KL pair]``
+(:func:`finetune.recipes.common.reference.attach_reference`: ``reference_logps`` ``[ref of the completion, ref of the KL pair]``
 per row, computed once before training with the initial weights and cached; with LoRA the initial adapters are
 zero, so this is the base model). The loss's forward runs the completions only; the KL sequences run under no grad
 in :func:`before_step`.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,39 +58,40 @@ from finetune.data.batch import LossOutput, to_device
 from finetune.data.dataset import TrainData, string_type
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes import Capabilities, Recipe, dpo
-from finetune.recipes.sft import TemplateCheck, count_summary, message_problem, template_text, \
+from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common import pairs, reference
+from finetune.recipes.common.chat import TemplateCheck, count_summary, message_problem, template_text, \
     tokenizer_template_problem
 
-MODEL_CLASS = dpo.MODEL_CLASS
+MODEL_CLASS = pairs.MODEL_CLASS
 KL_COLUMN = "kto_kl"
 """Batch key set by :func:`before_step`: ``z``, the global batch's KL estimate (0-dim float32)."""
 
 
 def columns(data_cfg: DataConfig) -> list[str]:
     """Parquet columns the tokenize function reads: prompt, completion, label."""
-    return [dpo.prompt_column(data_cfg), data_cfg.completion_column, data_cfg.label_column]
+    return [pairs.prompt_column(data_cfg), data_cfg.completion_column, data_cfg.label_column]
 
 
 def cache_key(data_cfg: DataConfig) -> dict:
     """``dpo``'s settings (truncation, chat template) and how the KL pairs are built."""
-    return {**dpo.cache_key(data_cfg), "kl_pairs": "previous row of the tokenization batch"}
+    return {**pairs.cache_key(data_cfg), "kl_pairs": "previous row of the tokenization batch"}
 
 
-prepare_tokenizer = dpo.prepare_tokenizer
-prepare_model_config = dpo.prepare_model_config
+prepare_tokenizer = pairs.prepare_tokenizer
+prepare_model_config = pairs.prepare_model_config
 
 
 def generation_pairs(tokenizer, rows: list[dict], data_cfg: DataConfig) -> list[tuple[list[int], str]]:
     """``train.eval_generate``'s prompts and references: the desirable rows' prompts and completions (as ``dpo``'s
     chosen responses)."""
-    as_pairs = [{dpo.prompt_column(data_cfg): r.get(dpo.prompt_column(data_cfg)),
+    as_pairs = [{pairs.prompt_column(data_cfg): r.get(pairs.prompt_column(data_cfg)),
                  data_cfg.chosen_column: r.get(data_cfg.completion_column)}
                 for r in rows if r.get(data_cfg.label_column) in (True, 1)]
-    return dpo.generation_pairs(tokenizer, as_pairs, data_cfg)
+    return pairs.generation_pairs(tokenizer, as_pairs, data_cfg)
 
 
-class UnpairedExamples(dpo.PairExamples):
+class UnpairedExamples(pairs.PairExamples):
     """Batched map function: rows -> tokenized rows with their KL pair; counts what it drops.
 
     Output columns: ``input_ids``, ``attention_mask``, ``labels`` (prompt + completion, labels -100 on the prompt),
@@ -107,7 +107,7 @@ class UnpairedExamples(dpo.PairExamples):
     def __call__(self, batch: dict) -> dict:
         d, c = self.d, self.counts
         kept = []
-        for prompt, completion, label in zip(batch[dpo.prompt_column(d)], batch[d.completion_column],
+        for prompt, completion, label in zip(batch[pairs.prompt_column(d)], batch[d.completion_column],
                                              batch[d.label_column]):
             c["rows"] += 1
             if prompt is None or label is None or not completion or (isinstance(completion, str)
@@ -166,8 +166,8 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> UnpairedExamples:
     return UnpairedExamples(tokenizer, data_cfg)
 
 
-class KtoCollator(dpo.PairCollator):
-    """Rows -> one ``[2B, longest]`` batch (``dpo``'s :class:`~finetune.recipes.dpo.PairCollator`): the ``B``
+class KtoCollator(pairs.PairCollator):
+    """Rows -> one ``[2B, longest]`` batch (``dpo``'s :class:`~finetune.recipes.common.pairs.PairCollator`): the ``B``
     completions, then the ``B`` KL sequences; ``desirable`` ``[B]`` bool (the rows' ``label``) and, when the rows have it,
     ``reference_logps`` ``[2B]`` float32."""
 
@@ -183,7 +183,7 @@ def make_collator(tokenizer, data_cfg: DataConfig) -> KtoCollator:
     return KtoCollator(tokenizer.pad_token_id, data_cfg.pad_to_multiple_of)
 
 
-count_targets = dpo.count_targets
+count_targets = pairs.count_targets
 """Rows with a completion target (the first half of the ``[2B, seq]`` batch; eval filler rows have none)."""
 
 
@@ -207,7 +207,7 @@ def _reference(batch: dict, second: bool) -> torch.Tensor:
     Raises:
         ValueError: the batch has no ``reference_logps`` (the reference pass, :func:`before_training`, did not run).
     """
-    ref = batch.get(dpo.REFERENCE_COLUMN)
+    ref = batch.get(pairs.REFERENCE_COLUMN)
     if ref is None:
         raise ValueError("kto: the batch has no reference_logps; run the reference pass (before_training) first")
     b = ref.shape[0] // 2
@@ -218,7 +218,7 @@ def _reference(batch: dict, second: bool) -> torch.Tensor:
 def kl_sums(model, batch: dict) -> torch.Tensor:
     """``[2]`` float64: the sum over the batch's rows with a completion target of ``log pi(y'|x) - log pi_ref(y'|x)``
     (their KL pairs, no gradient), and their number."""
-    logps, _ = dpo.sequence_logps(model, _half(batch, second=True))
+    logps, _ = pairs.sequence_logps(model, _half(batch, second=True))
     valid = valid_rows(batch)
     ratio = (logps - _reference(batch, second=True).to(logps.dtype)).double()
     return torch.stack([(ratio * valid).sum(), valid.sum().double()])
@@ -287,7 +287,7 @@ def forward(model, batch: dict, metrics: bool = False, settings: KtoConfig | Non
     if z is None:
         z = kl_estimate(kl_sums(model, batch))
     router: dict = {}  # a mixture of experts: its load-balancing loss term and router statistics
-    logps, _ = dpo.sequence_logps(model, _half(batch, second=False), router)
+    logps, _ = pairs.sequence_logps(model, _half(batch, second=False), router)
     ref = _reference(batch, second=False).to(logps.dtype)
     desirable = batch["desirable"].bool()
     losses, rewards = row_losses(logps, ref, desirable, z.to(logps.device), s)
@@ -309,11 +309,11 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
 
 def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     """The reference log-probabilities of every row's completion and KL pair as the ``reference_logps`` column of both
-    splits, computed once with the initial weights and cached (``dpo``'s :func:`~finetune.recipes.dpo.attach_reference`).
+    splits, computed once with the initial weights and cached (``dpo``'s :func:`~finetune.recipes.common.reference.attach_reference`).
     Must run before a checkpoint is restored."""
     if cfg.model.lora is not None:
         logger.info("kto: reference = the initial model, whose LoRA adapters are zero: the base model")
-    return dpo.attach_reference(engine, data, cfg, "kto", "rows")
+    return reference.attach_reference(engine, data, cfg, "kto", "rows")
 
 
 def _text_or_messages(typ) -> bool:
@@ -389,7 +389,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
                 if isinstance(prompt, str) or prompt is None or completion is None:
                     continue
                 conversational = True
-                messages = dpo.as_messages(completion)
+                messages = pairs.as_messages(completion)
                 problem, col = message_problem(prompt), p_col
                 if problem is None and messages is not None:
                     problem, col = message_problem(messages), c_col
@@ -401,7 +401,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
                                     f"(completion)")
                     break
             if len(problems) == file_start and any(isinstance(p, list) for p in prompts):
-                templates.check(key, f, columns(d), ((i, c_col, list(p) + dpo.as_messages(completions[i]))
+                templates.check(key, f, columns(d), ((i, c_col, list(p) + pairs.as_messages(completions[i]))
                                                      for i, p in enumerate(prompts) if isinstance(p, list)
                                                      and completions[i]), problems)
         if files and readable and rows < 2:

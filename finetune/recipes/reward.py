@@ -1,9 +1,9 @@
 """Reward-model training of any ``AutoModelForSequenceClassification`` (one output) on chosen/rejected pairs.
 
-Data: TRL's preference columns, as ``dpo`` reads them (:mod:`finetune.recipes.dpo`): ``data.prompt_column``
+Data: TRL's preference columns, as ``dpo`` reads them (:mod:`finetune.recipes.common.pairs`): ``data.prompt_column``
 (default ``prompt``), ``data.chosen_column``, ``data.rejected_column``, text or conversational, and optionally
 ``data.margin_column`` (TRL's ``margin``: a number per pair). A row becomes two whole sequences, prompt + chosen
-and prompt + rejected, tokenized as ``dpo`` tokenizes them (:class:`finetune.recipes.dpo.PairExamples`: text is
+and prompt + rejected, tokenized as ``dpo`` tokenizes them (:class:`finetune.recipes.pairs.PairExamples`: text is
 ``tokens(prompt) + tokens(response) + [EOS]``; a conversation is rendered with the chat template), with its drops
 and counts (identical pairs, pairs identical after truncation, null responses, ``data.truncation``). No label mask:
 the model reads its score at the last token that is not ``config.pad_token_id`` (transformers' sequence
@@ -48,11 +48,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-from finetune.config import DataConfig, RewardConfig, RunConfig
+from finetune.config import DataConfig, DpoConfig, RewardConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes import Capabilities, Recipe, dpo
+from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common import pairs
+from finetune.recipes.common.masks import block_mask, sharing_problem
 
 MODEL_CLASS = AutoModelForSequenceClassification
 MARGIN = "margin"
@@ -63,12 +65,12 @@ LABEL = "reward"
 
 def columns(data_cfg: DataConfig) -> list[str]:
     """Parquet columns the tokenize function reads: prompt, chosen, rejected (and the margin column when set)."""
-    return dpo.columns(data_cfg) + ([data_cfg.margin_column] if data_cfg.margin_column else [])
+    return pairs.columns(data_cfg) + ([data_cfg.margin_column] if data_cfg.margin_column else [])
 
 
 def cache_key(data_cfg: DataConfig) -> dict:
     """``dpo``'s settings (truncation, chat template); the margin column is one of :func:`columns`."""
-    return dpo.cache_key(data_cfg)
+    return pairs.cache_key(data_cfg)
 
 
 def prepare_tokenizer(tokenizer):
@@ -77,13 +79,13 @@ def prepare_tokenizer(tokenizer):
     Raises:
         ConfigError: the tokenizer has no EOS token.
     """
-    return dpo.prepare_tokenizer(tokenizer)
+    return pairs.prepare_tokenizer(tokenizer)
 
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
     """One output (``num_labels: 1``, label ``reward``, ``problem_type: regression``: the pipeline returns the raw
     score) and dropout off (``dpo``'s: every ``*dropout``/``*pdrop`` probability set to 0)."""
-    model_config = dpo.prepare_model_config(model_config, data_cfg)
+    model_config = pairs.prepare_model_config(model_config, data_cfg)
     model_config.num_labels = 1
     model_config.id2label = {0: LABEL}
     model_config.label2id = {LABEL: 0}
@@ -91,8 +93,8 @@ def prepare_model_config(model_config, data_cfg: DataConfig):
     return model_config
 
 
-class RewardPairs(dpo.PairExamples):
-    """Batched map function: rows -> tokenized pairs (``dpo``'s :class:`~finetune.recipes.dpo.PairExamples`, row by
+class RewardPairs(pairs.PairExamples):
+    """Batched map function: rows -> tokenized pairs (``dpo``'s :class:`~finetune.recipes.pairs.PairExamples`, row by
     row, so that each kept pair keeps its margin); counts what it drops.
 
     Output columns: ``input_ids``, ``attention_mask`` (the prompt + chosen sequence), ``rejected_input_ids``, and
@@ -102,7 +104,7 @@ class RewardPairs(dpo.PairExamples):
 
     def __call__(self, batch: dict) -> dict:
         d, c = self.d, self.counts
-        names = dpo.columns(d)
+        names = pairs.columns(d)
         out: dict[str, list] = {"input_ids": [], "attention_mask": [], "rejected_input_ids": []}
         if d.margin_column:
             out[MARGIN] = []
@@ -175,71 +177,6 @@ def _valid_pairs(batch: dict) -> torch.Tensor:
 def count_targets(batch: dict) -> torch.Tensor:
     """Pairs in the batch (eval filler rows not counted); 0-dim int64."""
     return _valid_pairs(batch).sum()
-
-
-SHARING_KERNELS = ("sdpa", "eager")
-"""Attention implementations that take a shared-prefix row's block mask (a 4D mask, which transformers' mask
-functions pass through as it is); the flash-attention kernels take no such mask."""
-
-
-SHARED_LAYER_TYPES = ("full_attention", "sliding_attention")
-"""Attention layer types (``config.layer_types``) a shared-prefix row's mask is built for; a model with another
-(chunked attention, linear attention, ...) runs its sequences as separate rows."""
-
-
-def sliding_layout(module) -> tuple[int | None, list[str] | None]:
-    """``(window, layer types)`` of ``module``'s sliding-window attention: ``(None, None)`` without one; ``(w,
-    None)`` when every layer slides (Mistral, Phi-3, Starcoder2: ``config.sliding_window`` and no ``layer_types``);
-    ``(w, types)`` when ``config.layer_types`` names the sliding layers (Qwen2/Qwen3 with ``use_sliding_window``,
-    Gemma-2/3, Cohere2: their forwards take a ``{layer type: mask}`` dict)."""
-    config = getattr(module, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if not window or (types is not None and "sliding_attention" not in types):
-        return None, None
-    return int(window), (list(dict.fromkeys(types)) if types is not None else None)
-
-
-def sharing_problem(module) -> str | None:
-    """Why ``module`` cannot run shared-prefix rows (a block mask per row), or None when it can: its attention
-    implementation takes no 4D mask (:data:`SHARING_KERNELS`), or it has layer types other than
-    :data:`SHARED_LAYER_TYPES`."""
-    config = getattr(module, "config", None)
-    kernel = getattr(config, "_attn_implementation", None)
-    if kernel not in SHARING_KERNELS:
-        return f"it runs {kernel} attention, which takes no block mask (only {' or '.join(SHARING_KERNELS)} do)"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    other = sorted(set(getattr(text, "layer_types", None) or []) - set(SHARED_LAYER_TYPES))
-    if other:
-        return f"it has {', '.join(other)} layers (config.layer_types), for which no block mask is built"
-    return None
-
-
-def _as_kernel_mask(module, allowed: torch.Tensor) -> torch.Tensor:
-    if getattr(getattr(module, "config", None), "_attn_implementation", None) != "eager":
-        return allowed
-    dtype = getattr(module, "dtype", torch.float32)
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-def block_mask(module, allowed: torch.Tensor, position_ids: torch.Tensor):
-    """A ``[B, 1, W, W]`` bool block mask (query ``q`` may attend key ``k``) as ``module``'s attention takes a 4D mask:
-    as it is for sdpa, additive (0 / the dtype's minimum) for eager, which adds the mask to the scores.
-
-    A 4D mask reaches every layer as it is, so a sliding-window model's window is applied here
-    (:func:`sliding_layout`): a key is kept for a sliding layer only when ``position(q) - position(k) < window``
-    (``position_ids`` ``[B, W]``: each token's place in its own sequence, which is what transformers'
-    ``sliding_window_overlay`` compares in an unshared row). Every layer sliding: that mask alone; mixed layers: a
-    ``{layer type: mask}`` dict, the form the forwards of such models take (``causal_mask_mapping``)."""
-    window, types = sliding_layout(module)
-    if window is None:
-        return _as_kernel_mask(module, allowed)
-    near = (position_ids[:, :, None] - position_ids[:, None, :]) < window
-    sliding = allowed & near[:, None].to(allowed.device)
-    if types is None:
-        return _as_kernel_mask(module, sliding)
-    return {t: _as_kernel_mask(module, sliding if t == "sliding_attention" else allowed) for t in types}
 
 
 def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> dict:
@@ -376,12 +313,12 @@ def forward(model, batch: dict, metrics: bool = False, settings: RewardConfig | 
     b = r.shape[0] // 2
     losses = pair_losses(r[:b], r[b:], batch.get(MARGIN), s.center_rewards_coefficient)
     valid = _valid_pairs(batch)
-    pairs = valid.sum().to(losses.dtype)
+    n_pairs = valid.sum().to(losses.dtype)
     rc, rr = r[:b].detach(), r[b:].detach()
     zero = torch.zeros_like(rc)
     tokens = batch["attention_mask"].sum(1)
-    sums = {"accuracy": ((rc > rr).to(rc.dtype), pairs), "margin": (rc - rr, pairs),
-            "mean_reward": (rc + rr, 2 * pairs),
+    sums = {"accuracy": ((rc > rr).to(rc.dtype), n_pairs), "margin": (rc - rr, n_pairs),
+            "mean_reward": (rc + rr, 2 * n_pairs),
             "shared_tokens": (shared.to(rc), torch.where(valid, tokens[:b] + tokens[b:], 0).sum().to(rc))}
     return LossOutput(torch.where(valid, losses, torch.zeros_like(losses)).sum(), count_targets(batch),
                       metrics={k: (torch.where(valid, v, zero).sum(), n) for k, (v, n) in sums.items()})
@@ -399,7 +336,7 @@ def _numeric(typ) -> bool:
 def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
     """Check the reward settings and data before any model is built; append one line per problem.
 
-    The pairs are checked as ``dpo`` checks them (:func:`finetune.recipes.dpo.check_pairs`: missing columns, null or
+    The pairs are checked as ``dpo`` checks them (:func:`finetune.recipes.pairs.check_pairs`: missing columns, null or
     empty responses, malformed conversations, chat templates that raise, a split with no pair left after
     truncation). Besides: ``train.reward.center_rewards_coefficient`` below 0; ``model.config_overrides.num_labels``
     other than 1; a margin column that is missing, not numeric, or has null or non-finite values (the first such
@@ -415,7 +352,7 @@ def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[st
         problems.append(f"model.config_overrides.num_labels: {labels}, but a reward model has one output; remove it "
                         f"(reward sets num_labels: 1)")
     found: list[str] = []
-    dpo.check_pairs(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dpo=dpo.DpoConfig())),
+    pairs.check_pairs(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dpo=DpoConfig())),
                     train_files, validation_files, found)
     problems += [p.replace("; dpo reads", "; reward reads") for p in found]
     unread = []
@@ -467,9 +404,9 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 
 
 def doctor_rows(cfg: RunConfig) -> list[tuple[str, str, str]]:
-    """``finetune doctor``'s rows: ``dpo``'s (:func:`finetune.recipes.dpo.doctor_rows`, the same tokenization), the
+    """``finetune doctor``'s rows: ``dpo``'s (:func:`finetune.recipes.pairs.doctor_rows`, the same tokenization), the
     share of pairs per split dropped because chosen and rejected are identical after truncation."""
-    return [("reward", status, text) for _, status, text in dpo.doctor_rows(cfg)]
+    return [("reward", status, text) for _, status, text in pairs.doctor_rows(cfg)]
 
 
 RECIPE = Recipe(name="reward", model_class=MODEL_CLASS,

@@ -38,6 +38,8 @@ paths, and a recipe's capabilities are constants.
 
 from __future__ import annotations
 
+import functools
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -50,10 +52,11 @@ from finetune.data.batch import padded_length
 from finetune.data.dataset import default_cache_dir, file_columns
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
-from finetune.recipes.gpt_clm import count_targets, forward  # noqa: F401  (one loss path)
-from finetune.recipes.sft import count_summary, template_text
+from finetune.recipes.common.targets import count_targets, forward  # noqa: F401  (one loss path)
+from finetune.recipes.common.chat import count_summary, template_text
 
 MODEL_CLASS = AutoModelForImageTextToText
+
 
 def messages_column(data_cfg: DataConfig) -> str:
     """``data.messages_column``, ``messages`` when empty."""
@@ -112,9 +115,10 @@ class VlmExamples:
             number (one line naming the column and what was wrong).
     """
 
-    def __init__(self, tokenizer, data_cfg: DataConfig):
+    def __init__(self, tokenizer, data_cfg: DataConfig, processor: images.ProcessorSource | None = None):
         self.tokenizer, self.d = tokenizer, data_cfg
-        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, data_cfg=data_cfg)
+        source = processor or images.ProcessorSource(tokenizer.name_or_path, "vlm_sft", data_cfg)
+        self.processor = source(tokenizer)
         self.template = template_text(data_cfg)
         self.reset()
 
@@ -166,9 +170,17 @@ class VlmExamples:
         return count_summary("vlm_sft", c, "examples", why, self.d.max_seq_len, "answer") + f"; {c['images']:,} images"
 
 
-def tokenize_function(tokenizer, data_cfg: DataConfig) -> VlmExamples:
-    """The batched map function (:class:`VlmExamples`)."""
-    return VlmExamples(tokenizer, data_cfg)
+def tokenize_function(tokenizer, data_cfg: DataConfig, processor: images.ProcessorSource | None = None) -> VlmExamples:
+    """The batched map function (:class:`VlmExamples`); ``processor``: the model's (bound by :func:`configure`; the
+    tokenizer's folder when called unconfigured)."""
+    return VlmExamples(tokenizer, data_cfg, processor)
+
+
+def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
+    """The recipe with the model's processor (:func:`finetune.data.images.processor_source`: named here, loaded once
+    per process on first use) bound into ``tokenize_function``."""
+    return dataclasses.replace(recipe, tokenize_function=functools.partial(
+        tokenize_function, processor=images.processor_source(cfg, "vlm_sft")))
 
 
 class ImageCollator:
@@ -225,4 +237,4 @@ RECIPE = Recipe(name="vlm_sft", model_class=MODEL_CLASS,
                                           mixes_sources=False, evaluates_exports=False),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, columns=columns, cache_key=cache_key,
-                check_data=check_data)
+                check_data=check_data, configure=configure)

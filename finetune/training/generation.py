@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from finetune.engine.rollout import stop_token_ids
 from finetune.lifecycle.export import plain_model_construction
-from finetune.recipes.rewards import answer_of  # noqa: F401  (the answer extraction is the reward's too)
+from finetune.recipes.common.rewards import answer_of  # noqa: F401  (the answer extraction is the reward's too)
 
 
 def sample_text(export_dir: Path, prompt: str, new_tokens: int = 120, temperature: float = 0.0, top_k: int = 0,

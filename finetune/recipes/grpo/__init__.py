@@ -5,7 +5,7 @@
 
 Data: ``data.prompt_column`` (default ``prompt``: text, used verbatim, or a list of ``{role, content}`` messages
 rendered with the chat template and the assistant's turn opened) and ``data.reward_columns`` (default
-``[answer]``), which reach the reward functions (:mod:`finetune.recipes.rewards`). A row is one prompt, cut to its
+``[answer]``), which reach the reward functions (:mod:`finetune.recipes.common.rewards`). A row is one prompt, cut to its
 last ``data.max_seq_len`` tokens (``data.truncation: drop`` leaves longer prompts out). A micro-batch of ``B``
 prompts trains on ``B x G`` completions (``G`` = ``train.grpo.num_generations``; TRL's
 ``per_device_train_batch_size`` counts completions instead).
@@ -19,7 +19,7 @@ Per optimizer step (:func:`before_step`, every rank, before the step's collectiv
    generates in lockstep with ``synced_gpus``. Sampling is seeded from the rows' seeds and the step, not from the
    RNG state, so a resumed run draws the same completions.
 2. **Score** them (every reward function on every completion; one failing function on one rank stops every rank
-   with one line naming it, :class:`finetune.recipes.rewards.RewardError`), weight and sum
+   with one line naming it, :class:`finetune.recipes.common.rewards.RewardError`), weight and sum
    (``reward_weights``; a completion no function scores is NaN and gets advantage 0).
 3. **Advantages**, group-relative: ``A = r - mean(r of the prompt's G completions)``, divided by the group's
    standard deviation (``scale_rewards: group``), the global batch's (``batch``: all ranks and micro-batches), or
@@ -92,7 +92,8 @@ from finetune.engine.auto import AutoModelForCausalOrImageTextLM
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
-from finetune.recipes import Capabilities, Recipe, dpo
+from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common.reference import adapters_off
 from finetune.recipes.grpo import rollout, scoring
 from finetune.recipes.grpo.agent import agent_of, inspect_sample
 from finetune.recipes.grpo.checks import check_rows
@@ -207,7 +208,7 @@ def _generate_and_score(engine, micro: list[dict], cfg: RunConfig, step: int) ->
                 if g.num_iterations > 1:  # the policy that generated: pi_old of the batch's later steps
                     b["old_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
                 if g.beta > 0:
-                    with dpo.adapters_off(engine):
+                    with adapters_off(engine):
                         b["ref_logps"] = completion_logps(engine, on_device, g.temperature, g.share_prompt)[0].cpu()
         module.train()
     _log_sample(cfg, step + 1, done.prompts, texts, mine, tables, functions, done.transcripts, out)
@@ -336,7 +337,7 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
     tools = {} if agent is None else {"tokenize_function": functools.partial(tokenize_function, tools=agent.schemas),
                                       "cache_key": functools.partial(cache_key, tools=agent.schemas)}
     if images.in_prompts(cfg):  # no tools with images (checks.check_rows)
-        tools = {"tokenize_function": functools.partial(tokenize_function, with_images=True),
+        tools = {"tokenize_function": functools.partial(tokenize_function, processor=images.processor_source(cfg, "grpo")),
                  "cache_key": functools.partial(cache_key, with_images=True),
                  "columns": functools.partial(columns, with_images=True)}
     return dataclasses.replace(recipe, forward=functools.partial(forward, settings=g, functions=reward_functions(cfg),

@@ -1,7 +1,7 @@
 """Step 1b of a GRPO step with tools (``train.grpo.tools``) or an environment (``train.grpo.environment``): the
 multi-turn rollout. After the step's one batched generation of every first turn, the completions that call tools
 get the results and continue, every such rollout of the rank together, turn by turn
-(:func:`finetune.recipes.tools.tool_turns`), inside the same gathered weights (ZeRO-3: still one gather per step;
+(:func:`finetune.recipes.grpo.tools.tool_turns`), inside the same gathered weights (ZeRO-3: still one gather per step;
 each rank generates locally, so ranks whose rollouts take different numbers of turns never wait for each other).
 
 Token in, token out: each turn is sampled from ``[prompt | the completion so far]`` with the positions the training
@@ -15,7 +15,7 @@ observation) is appended to the prompt's last message, as TRL does, and the roll
 rendered by the chat template: prompt tokens, never trained (:func:`observed_prompts`); its public methods are the
 rollout's tools, and the reward functions receive the instances as ``environments`` (its ``get_reward`` is the
 reward named after its class, weight 1: :func:`environment_reward`). The instances live in the rank's environment
-process, not in the rank (:func:`finetune.recipes.tools.new_environment`): a call of one past
+process, not in the rank (:func:`finetune.recipes.grpo.tools.new_environment`): a call of one past
 ``train.grpo.tool_timeout_s`` is stopped, even in C code that holds the GIL, and the instances lost with that
 process answer their tool calls with an error and their reads with None; every rank goes on.
 """
@@ -31,7 +31,7 @@ import torch
 
 from finetune.config import GrpoConfig, RunConfig
 from finetune.errors import RunFailure
-from finetune.recipes import tools as tool_utils
+from finetune.recipes.grpo import tools as tool_utils
 
 
 @dataclasses.dataclass
@@ -87,8 +87,8 @@ def agent_of(cfg: RunConfig) -> Agent | None:
 
 def environment_reward(prompts, completions, environments=None, **columns) -> list[float | None]:
     """The environment's own reward (TRL's ``get_reward``): one per rollout, read when it ends, as it returns it
-    (:func:`finetune.recipes.rewards.score` refuses what is no number, text included, as for any reward function);
-    None for an instance lost with its process (:class:`~finetune.recipes.tools.RemoteEnvironment`)."""
+    (:func:`finetune.recipes.common.rewards.score` refuses what is no number, text included, as for any reward function);
+    None for an instance lost with its process (:class:`~finetune.recipes.grpo.tools.RemoteEnvironment`)."""
     return [e.get_reward() if e is not None and hasattr(e, "get_reward") else None for e in environments]
 
 
@@ -97,9 +97,9 @@ def start_environments(agent: Agent, columns: dict[str, list], n: int, timeout_s
     """One fresh instance per rollout, reset with its row's columns (TRL 1.16's ``environment_factory``:
     ``reset(**row)`` returns None or the first observation); ``n`` rollouts. Called before the rollouts' first turn,
     since an observation belongs to the prompt (:func:`observed_prompts`). The instances live in the rank's
-    environment process (:func:`finetune.recipes.tools.new_environment`), so that a call past ``timeout_s``
+    environment process (:func:`finetune.recipes.grpo.tools.new_environment`), so that a call past ``timeout_s``
     (``train.grpo.tool_timeout_s``; ``reset`` included) can be stopped; each is a
-    :class:`~finetune.recipes.tools.RemoteEnvironment` here. The instances of the batch before are dropped first
+    :class:`~finetune.recipes.grpo.tools.RemoteEnvironment` here. The instances of the batch before are dropped first
     (its rollouts were scored), so that process does not grow.
 
     Returns:
@@ -259,7 +259,7 @@ def sample_rollout(agent: Agent, tok, prompt: list[dict], columns: dict, g: Grpo
     prompt (with the environment's first observation, :func:`observed_prompts`), an assistant turn calling the first
     offered tool with :func:`sample_arguments` (as the chat template renders such a turn), the tool run for real
     (an environment's method on an instance reset with the row's ``columns``) and its result rendered by the
-    template, then a second assistant turn (:data:`REPLY`): :func:`finetune.recipes.tools.tool_turns`, the training
+    template, then a second assistant turn (:data:`REPLY`): :func:`finetune.recipes.grpo.tools.tool_turns`, the training
     loop's own, with these two turns in place of the model's.
 
     Args:
@@ -315,7 +315,7 @@ def inspect_sample(cfg: RunConfig, tok, row: dict) -> tuple[list[int], list[bool
     """
     from finetune.errors import ConfigError
     from finetune.recipes.grpo.prompts import COLUMN_PREFIX, PROMPT_COLUMN, PromptRows
-    from finetune.recipes.sft import template_text
+    from finetune.recipes.common.chat import template_text
 
     agent = agent_of(cfg)
     if agent is None or not agent.schemas:

@@ -14,8 +14,8 @@ from finetune.errors import ConfigError
 from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
 from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.scoring import reward_functions
-from finetune.recipes.tools import template_problem
-from finetune.recipes.sft import TemplateCheck, message_problem, template_text, tokenizer_template_problem
+from finetune.recipes.grpo.tools import template_problem
+from finetune.recipes.common.chat import TemplateCheck, message_problem, template_text, tokenizer_template_problem
 
 
 def _text_or_messages(typ) -> bool:
@@ -78,7 +78,7 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     """Check the grpo settings, reward functions and data before any model is built; one line per problem.
 
     Problems: ``train.grpo`` values out of range or unsupported (``beta`` > 0 without LoRA);
-    reward functions that cannot load (:func:`finetune.recipes.rewards.load`: path, import, name, signature, weights);
+    reward functions that cannot load (:func:`finetune.recipes.common.rewards.load`: path, import, name, signature, weights);
     a file without the prompt or a reward column; a prompt column neither text nor messages; null or empty prompts
     (the first row and their number); a malformed conversational prompt or one the chat template fails on. With an
     image-text model (:func:`_image_problems`): what does not go with images, a file without the image column, the

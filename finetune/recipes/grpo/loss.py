@@ -18,7 +18,7 @@ from finetune.engine.rollout import own_positions
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import sequence
-from finetune.recipes import reward
+from finetune.recipes.common.masks import block_mask, sharing_problem
 from finetune.recipes.grpo.agent import agent_of
 from finetune.recipes.grpo.prompts import tokenizer_of
 from finetune.recipes.grpo.rollout import greedy_completions
@@ -113,7 +113,7 @@ def shares_prompts(model, batch: dict, share: bool) -> bool:
     """Whether :func:`completion_logps` runs :func:`prompt_shared_rows`: asked for (``train.grpo.share_prompt``), more
     than one completion per prompt, the same prompt for a group's completions (an environment's observations may
     make them differ: ``prompts_differ``), no images, and a model that takes a block mask per row
-    (:func:`finetune.recipes.reward.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
+    (:func:`finetune.recipes.common.masks.sharing_problem`: sdpa or eager attention, full or sliding-window layers; the
     flash-attention kernels take none). When it cannot, a line says why, once per process."""
     if not share or int(batch.get("group_size", 1)) <= 1 or bool(batch.get("prompts_differ", False)) \
             or batch.get("image_keys"):
@@ -122,7 +122,7 @@ def shares_prompts(model, batch: dict, share: bool) -> bool:
     if sequence.sequence_group() is not None:  # Ulysses attends causally with no mask (sequence_slice)
         problem = "sequence parallelism (parallel.sequence_parallel_size > 1) attends with no mask"
     else:
-        problem = reward.sharing_problem(unwrap(model))
+        problem = sharing_problem(unwrap(model))
     if problem is not None and problem not in _SHARING_OFF:
         _SHARING_OFF.add(problem)
         if dist_utils.is_main():
@@ -259,7 +259,7 @@ def completion_logps(model, batch: dict, temperature: float, share: bool = False
                         **pictures)
         else:
             out = model(input_ids=shared["input_ids"], position_ids=shared["position_ids"],
-                        attention_mask=reward.block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))
+                        attention_mask=block_mask(unwrap(model), shared["allowed"], shared["position_ids"]))
     logps = check_head_output(model, head, out.logits, seen, transform)
     if sliced is not None:  # each slice's tokens, 0 elsewhere: the whole grid on every rank of the group
         return sequence.sum_over_sequence(logps), sequence.sum_over_sequence(state["entropy"])

@@ -12,8 +12,8 @@ import torch
 from finetune.config import DataConfig, RunConfig
 from finetune.data import images
 from finetune.errors import ConfigError
-from finetune.recipes import dpo
-from finetune.recipes.sft import count_summary, message_problem, prompt_ids, template_text
+from finetune.recipes.common import pairs
+from finetune.recipes.common.chat import count_summary, message_problem, prompt_ids, template_text
 
 PROMPT_COLUMN = "prompt_raw"
 """Tokenized-row column: the prompt as the data holds it (text or messages), for the reward functions."""
@@ -41,8 +41,8 @@ def cache_key(data_cfg: DataConfig, tools: list[dict] | None = None, with_images
             **({"tools": tools} if tools else {}), **({"images": data_cfg.image_column, **images.pixel_key(data_cfg)} if with_images else {})}
 
 
-prepare_tokenizer = dpo.prepare_tokenizer
-prepare_model_config = dpo.prepare_model_config
+prepare_tokenizer = pairs.prepare_tokenizer
+prepare_model_config = pairs.prepare_model_config
 
 
 class PromptRows:
@@ -53,7 +53,7 @@ class PromptRows:
     ``max_seq_len`` tokens, or dropped with ``data.truncation: drop``), :data:`PROMPT_COLUMN` and one
     ``reward_column:<name>`` per reward column. Rows with a null or empty prompt are dropped and counted.
 
-    With ``with_images`` (an image-text model), each prompt is a conversation whose ``{"type": "image"}`` parts take
+    With a ``processor`` (an image-text model's), each prompt is a conversation whose ``{"type": "image"}`` parts take
     the row's ``data.image_column`` images in order: the model's processor renders it (the assistant's turn opened)
     and its image tensors are stored with the row (:func:`finetune.data.images.store`); a prompt longer than
     ``data.max_seq_len`` is dropped and counted, never cut (an image's tokens stay whole).
@@ -62,11 +62,11 @@ class PromptRows:
         ConfigError: a conversational prompt is malformed (checked before training by :func:`check_rows`).
     """
 
-    def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None, with_images: bool = False):
+    def __init__(self, tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None,
+                 processor: images.ProcessorSource | None = None):
         self.tokenizer, self.d, self.tools = tokenizer, data_cfg, tools or None
         self.template = template_text(data_cfg) or None
-        self.processor = images.load_processor(tokenizer.name_or_path, tokenizer, "grpo", data_cfg) \
-            if with_images else None
+        self.processor = processor(tokenizer) if processor is not None else None
         self.reset()
 
     def reset(self) -> None:
@@ -77,15 +77,15 @@ class PromptRows:
         """The prompt's token ids (uncut)."""
         if isinstance(prompt, str):
             if self.tools:
-                raise ConfigError(f"data.prompt_column: a row's prompt is text, and train.grpo.tools (or "
-                                  f"environment) offers tools through the chat template; make the prompts "
-                                  f"conversations ([{{role: user, content: ...}}])")
+                raise ConfigError("data.prompt_column: a row's prompt is text, and train.grpo.tools (or "
+                                  "environment) offers tools through the chat template; make the prompts "
+                                  "conversations ([{role: user, content: ...}])")
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         problem = message_problem(prompt)
         if problem:
             raise ConfigError(f"data.prompt_column: a row's prompt is {problem}")
         if self.template is None:
-            from finetune.recipes.sft import chat_template
+            from finetune.recipes.common.chat import chat_template
             self.template = chat_template(self.d, self.tokenizer)
         return prompt_ids(self.tokenizer, list(prompt), self.template, self.tools)
 
@@ -157,11 +157,11 @@ class PromptRows:
 
 
 def tokenize_function(tokenizer, data_cfg: DataConfig, tools: list[dict] | None = None,
-                      with_images: bool = False) -> PromptRows:
+                      processor: images.ProcessorSource | None = None) -> PromptRows:
     """The batched map function (:class:`PromptRows`); ``tools``: the JSON schemas the prompts offer
-    (``train.grpo.tools`` and the environment's methods), ``with_images``: an image-text model's prompts with their
-    images (both bound by :func:`finetune.recipes.grpo.configure`)."""
-    return PromptRows(tokenizer, data_cfg, tools, with_images)
+    (``train.grpo.tools`` and the environment's methods), ``processor``: an image-text model's, whose prompts hold
+    their images (both bound by :func:`finetune.recipes.grpo.configure`)."""
+    return PromptRows(tokenizer, data_cfg, tools, processor)
 
 
 class PromptCollator:

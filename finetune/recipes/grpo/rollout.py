@@ -15,7 +15,7 @@ from finetune.data import images
 from finetune.engine.rollout import HFGenerateRollout, SamplingConfig, complete, lockstep, make_rollout, sampling_seed
 from finetune.recipes.grpo.agent import agent_of, multi_turn, observed_prompts, start_environments
 from finetune.recipes.grpo.prompts import PromptRows
-from finetune.recipes.sft import template_text
+from finetune.recipes.common.chat import template_text
 
 
 @dataclass

@@ -11,13 +11,13 @@ import torch
 from finetune.config import RunConfig
 from finetune.errors import ConfigError, RunFailure
 from finetune.parallel import distributed as dist_utils
-from finetune.recipes import rewards
+from finetune.recipes.common import rewards
 
 _LOADED: dict[str, list] = {}
 
 
 def reward_functions(cfg: RunConfig) -> list[rewards.RewardFunction]:
-    """The run's reward functions (:func:`finetune.recipes.rewards.load`), loaded once per process and settings."""
+    """The run's reward functions (:func:`finetune.recipes.common.rewards.load`), loaded once per process and settings."""
     g = cfg.train.grpo
     key = json.dumps([g.rewards, g.reward_weights, cfg.data.reward_columns, g.answer_pattern, g.format_pattern,
                       g.max_completion_length, g.length_cache, g.environment], default=str)

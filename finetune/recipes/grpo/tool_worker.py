@@ -2,8 +2,8 @@
 stopped: the rank kills the process and the next call starts another. A thread cannot be stopped, and one running C
 code that holds the GIL (a huge ``**``) blocks the rank's own thread, its timeout and its signal handlers with it
 (a preemption's SIGTERM could not checkpoint). Each rank runs this script twice: one process for its
-``train.grpo.tools`` functions (:class:`finetune.recipes.tools.ToolProcess`) and one holding its
-``train.grpo.environment`` instances (:class:`finetune.recipes.tools.RemoteEnvironment`), so that a tool that hangs
+``train.grpo.tools`` functions (:class:`finetune.recipes.grpo.tools.ToolProcess`) and one holding its
+``train.grpo.environment`` instances (:class:`finetune.recipes.grpo.tools.RemoteEnvironment`), so that a tool that hangs
 never takes the environments' state with it.
 
 Run as a script (``python tool_worker.py``; standard library only, so it starts without the training stack). It
@@ -163,7 +163,7 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the user's prints go to stderr, never into an answer
     sys.stdout = sys.stderr
-    # run as a script, Python put this file's folder (finetune/recipes) first on sys.path, where a user's
+    # run as a script, Python put this file's folder (finetune/recipes/grpo) first on sys.path, where a user's
     # `import tools` or `import rewards` would find finetune's modules instead of theirs (finetune/run.py does
     # the same for the rank)
     here = os.path.dirname(os.path.abspath(__file__))

@@ -19,7 +19,7 @@ object returns ``{"error": ...}`` (JSON) to the model (as TRL does) and is count
 result that is not a string is sent as TRL 1.16 sends it, ``str(result)`` (a list of text content blocks: their
 texts), and counted as ``non_text`` (not a failure).
 No tool call ever stops a rank. Tools and environments run in the rank's worker processes
-(:mod:`finetune.recipes.tool_worker`), so that a call past the timeout is stopped by killing its process, and the
+(:mod:`finetune.recipes.grpo.tool_worker`), so that a call past the timeout is stopped by killing its process, and the
 next call starts another: a thread cannot be stopped, and one in C code holding the GIL (``(9**64)**64**64``) blocks
 the rank, its timeout and its signal handlers (a preemption's SIGTERM could not checkpoint). A
 ``train.grpo.tools`` function runs in the rank's tool process (:class:`ToolProcess`). An environment's instances
@@ -35,7 +35,7 @@ brackets nested :data:`MAX_NESTING` deep at most (deeper is an error the model r
 fit from its length before it is tokenized.
 
 The user's file is imported when the run starts and by ``--check``: the run config names it, so running it is what
-the user asked for (as for reward functions, :mod:`finetune.recipes.rewards`).
+the user asked for (as for reward functions, :mod:`finetune.recipes.common.rewards`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.recipes import tool_worker
+from finetune.recipes.grpo import tool_worker
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 """The Hermes / Qwen2.5 / Qwen3 tool-call block: a JSON object ``{"name": ..., "arguments": {...}}`` (or a list
@@ -129,7 +129,7 @@ def load_tools(specs: list[str], key: str = "train.grpo.tools") -> list[Tool]:
     """
     from transformers.utils import get_json_schema
 
-    from finetune.recipes.rewards import import_function
+    from finetune.recipes.common.rewards import import_function
 
     tools: list[Tool] = []
     for spec in specs:
@@ -205,7 +205,7 @@ def load_environment(spec: str, key: str = "train.grpo.environment") -> Callable
     Raises:
         ConfigError: one line naming ``key`` (as :func:`load_tools`, or an instance that cannot be made).
     """
-    from finetune.recipes.rewards import import_function
+    from finetune.recipes.common.rewards import import_function
 
     factory = import_function(spec, key, "not path/to/file.py:Factory (an environment)")
     try:
@@ -380,7 +380,7 @@ def _call(name, arguments) -> dict:
 
 
 class _Worker:
-    """One of the rank's worker processes (:mod:`finetune.recipes.tool_worker`): started on the first request,
+    """One of the rank's worker processes (:mod:`finetune.recipes.grpo.tool_worker`): started on the first request,
     killed and replaced when a request runs past its timeout, killed when the rank exits; a process forked from the
     rank starts its own. ``what`` names it in messages (``"tool"``, ``"environment"``).
 
