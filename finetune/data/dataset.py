@@ -107,17 +107,33 @@ def _no_text_in_statistics(pf, column: str) -> bool:
     return True
 
 
-def file_columns(train_files: list[str], validation_files: list[str]):
-    """``(key, file, column names)`` of every readable training and validation file (``key``: ``data.train_files``
-    or ``data.validation_files``), for a recipe's column checks; an unreadable file is left out
+def file_schemas(train_files: list[str], validation_files: list[str]):
+    """``(key, file, arrow schema)`` of every readable training and validation file (``key``: ``data.train_files``
+    or ``data.validation_files``), for a recipe's checks of columns and their types; an unreadable file is left out
     (:func:`check_parquet_files` reports it)."""
     for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
         for f in files:
             try:
-                names = pq.ParquetFile(f).schema_arrow.names
+                schema = pq.ParquetFile(f).schema_arrow
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 continue
-            yield key, f, names
+            yield key, f, schema
+
+
+def missing_columns(key: str, f: str, schema, wanted: list[str], reads: str) -> str | None:
+    """The one line naming the columns of ``wanted`` that file ``f`` (``key``: its setting) lacks, with the columns it
+    has and ``reads`` (what the recipe reads, e.g. "dpo reads data.prompt_column ..."); None when it has them all."""
+    missing = [c for c in wanted if c not in schema.names]
+    if not missing:
+        return None
+    return (f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: {', '.join(schema.names)}); "
+            f"{reads}")
+
+
+def file_columns(train_files: list[str], validation_files: list[str]):
+    """``(key, file, column names)`` of every readable training and validation file (:func:`file_schemas`)."""
+    for key, f, schema in file_schemas(train_files, validation_files):
+        yield key, f, schema.names
 
 
 def check_parquet_files(files: list[str], key: str, text_column: str | None, problems: list[str]) -> int:

@@ -5,8 +5,8 @@ undesirable (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic
 Data, in TRL's unpaired form: ``data.prompt_column`` (default ``prompt``), ``data.completion_column`` (default
 ``completion``) and ``data.label_column`` (default ``label``: bool, or ints 0/1; true = desirable). Prompt and
 completion are text, or (conversational) a list of ``{role, content}`` messages and a list of assistant messages,
-encoded as ``dpo`` encodes a prompt and a response (:meth:`finetune.recipes.common.pairs.PairExamples.encode`: the prompt's
-tokens are no targets; the completion ends with EOS).
+encoded as ``dpo`` encodes a prompt and a response (:meth:`finetune.recipes.common.pairs.PairExamples.encode`:
+the prompt's tokens are no targets; the completion ends with EOS).
 
 The loss of a row (``train.kto``; ``r = log pi(y|x) - log pi_ref(y|x)``, the completion's log-ratio summed over
 its tokens; ``sigma`` the logistic function)::
@@ -32,8 +32,8 @@ micro-batch, over its rows.
 
 A collated micro-batch of ``B`` rows is ``[2B, seq]``: the ``B`` completions (prompt + completion), then the ``B`` KL
 sequences (prompt + mismatched completion), so that the reference pass of ``dpo`` serves both unchanged
-(:func:`finetune.recipes.common.reference.attach_reference`: ``reference_logps`` ``[ref of the completion, ref of the KL pair]``
-per row, computed once before training with the initial weights and cached; with LoRA the initial adapters are
+(:func:`finetune.recipes.common.reference.attach_reference`: ``reference_logps`` ``[ref of the completion, ref of
+the KL pair]`` per row, computed once before training with the initial weights and cached; with LoRA the initial adapters are
 zero, so this is the base model). The loss's forward runs the completions only; the KL sequences run under no grad
 in :func:`before_step`.
 
@@ -55,7 +55,7 @@ import torch
 
 from finetune.config import DataConfig, KtoConfig, RunConfig
 from finetune.data.batch import LossOutput, to_device
-from finetune.data.dataset import TrainData, string_type
+from finetune.data.dataset import TrainData, missing_columns, string_type
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe
@@ -309,7 +309,8 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
 
 def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     """The reference log-probabilities of every row's completion and KL pair as the ``reference_logps`` column of both
-    splits, computed once with the initial weights and cached (``dpo``'s :func:`~finetune.recipes.common.reference.attach_reference`).
+    splits, computed once with the initial weights and cached
+    (:func:`~finetune.recipes.common.reference.attach_reference`, as ``dpo``'s).
     Must run before a checkpoint is restored."""
     if cfg.model.lora is not None:
         logger.info("kto: reference = the initial model, whose LoRA adapters are zero: the base model")
@@ -346,13 +347,11 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
             except Exception:  # noqa: BLE001  (reported by check_parquet_files)
                 readable = False
                 continue
-            missing = [c for c in columns(d) if c not in schema.names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(schema.names)}); kto reads data.prompt_column (default 'prompt'), "
-                                f"data.completion_column (default 'completion') and data.label_column (default "
-                                f"'label')")
-                readable = False
+            reads = ("kto reads data.prompt_column (default 'prompt'), data.completion_column (default "
+                     "'completion') and data.label_column (default 'label')")
+            problem = missing_columns(key, f, schema, columns(d), reads)
+            if problem:
+                problems.append(problem)
                 continue
             bad = [c for c in (p_col, c_col) if not _text_or_messages(schema.field(c).type)]
             if bad:

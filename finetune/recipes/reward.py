@@ -50,6 +50,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from finetune.config import DataConfig, DpoConfig, RewardConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs
+from finetune.data.dataset import file_schemas
 from finetune.logs import logger
 from finetune.parallel import distributed as dist_utils
 from finetune.recipes import Capabilities, Recipe
@@ -356,30 +357,25 @@ def check_data(cfg: RunConfig, train_files: list[str], validation_files: list[st
                     train_files, validation_files, found)
     problems += [p.replace("; dpo reads", "; reward reads") for p in found]
     unread = []
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                schema = pq.ParquetFile(f).schema_arrow
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            if not d.margin_column:
-                if MARGIN in schema.names:
-                    unread.append(f)
-                continue
-            if d.margin_column not in schema.names:
-                problems.append(f"{key}: '{f}' has no margin column '{d.margin_column}' (columns: "
-                                f"{', '.join(schema.names)}); set data.margin_column='' for no margin")
-                continue
-            typ = schema.field(d.margin_column).type
-            if not _numeric(typ):
-                problems.append(f"{key}: '{f}' column '{d.margin_column}' has type {typ}; a margin is a number "
-                                f"per pair (int or float)")
-                continue
-            values = pq.read_table(f, columns=[d.margin_column]).column(d.margin_column).to_pylist()
-            bad = [i for i, v in enumerate(values) if v is None or not math.isfinite(v)]
-            if bad:
-                problems.append(f"{key}: '{f}' row {bad[0]} of column '{d.margin_column}' is {values[bad[0]]!r} "
-                                f"({len(bad):,} such rows); every pair needs a finite margin")
+    for key, f, schema in file_schemas(train_files, validation_files):
+        if not d.margin_column:
+            if MARGIN in schema.names:
+                unread.append(f)
+            continue
+        if d.margin_column not in schema.names:
+            problems.append(f"{key}: '{f}' has no margin column '{d.margin_column}' (columns: "
+                            f"{', '.join(schema.names)}); set data.margin_column='' for no margin")
+            continue
+        typ = schema.field(d.margin_column).type
+        if not _numeric(typ):
+            problems.append(f"{key}: '{f}' column '{d.margin_column}' has type {typ}; a margin is a number "
+                            f"per pair (int or float)")
+            continue
+        values = pq.read_table(f, columns=[d.margin_column]).column(d.margin_column).to_pylist()
+        bad = [i for i, v in enumerate(values) if v is None or not math.isfinite(v)]
+        if bad:
+            problems.append(f"{key}: '{f}' row {bad[0]} of column '{d.margin_column}' is {values[bad[0]]!r} "
+                            f"({len(bad):,} such rows); every pair needs a finite margin")
     if unread:
         logger.warning(f"reward: {', '.join(repr(f) for f in unread[:3])} {'has' if len(unread) == 1 else 'have'} a "
                        f"'{MARGIN}' column that this run does not read (TRL would); set data.margin_column={MARGIN} "

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 from finetune.config import DataConfig, RunConfig
 from finetune.data import formats
 from finetune.data.batch import padded_length
-from finetune.data.dataset import default_cache_dir, file_id, fingerprint, string_type
+from finetune.data.dataset import default_cache_dir, file_id, file_schemas, fingerprint, string_type
 from finetune.errors import ConfigError
 from finetune.recipes import pad_with_eos
 
@@ -572,68 +572,63 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             "sharegpt": ("messages_column", "format")}.get(read.name, ("format",) * len(read.columns))
     answers = read_files = 0  # conversations with an answer; training files read without a problem
     templates = TemplateCheck(cfg)
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                schema = pq.ParquetFile(f).schema_arrow
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            needed = list(zip(read.columns, keys)) + ([(d.tools_column, "tools_column")] if d.tools_column else [])
-            missing = False
-            absent = [col for col, what in needed if col not in schema.names and what != "tools_column"]
-            recognised = formats.detect(schema) if absent and d.format == "auto" else None
-            recognised = recognised if recognised != read.name else None  # a misnamed column of the same form
-            if recognised:  # the column keys name columns of another form: say which form the file is in
-                named = " and ".join(f"data.{k}" for k in ("messages_column", "prompt_column", "response_column")
-                                     if getattr(d, k))
-                problems.append(f"{key}: '{f}' has no column {' nor '.join(repr(c) for c in absent)} (columns: "
-                                f"{', '.join(schema.names)}); the file is in the {formats.NAMES[recognised]} form "
-                                f"(recognised from its columns): set data.format: {recognised}, or clear {named} "
-                                f"(sft then recognises the form)")
+    for key, f, schema in file_schemas(train_files, validation_files):
+        needed = list(zip(read.columns, keys)) + ([(d.tools_column, "tools_column")] if d.tools_column else [])
+        missing = False
+        absent = [col for col, what in needed if col not in schema.names and what != "tools_column"]
+        recognised = formats.detect(schema) if absent and d.format == "auto" else None
+        recognised = recognised if recognised != read.name else None  # a misnamed column of the same form
+        if recognised:  # the column keys name columns of another form: say which form the file is in
+            named = " and ".join(f"data.{k}" for k in ("messages_column", "prompt_column", "response_column")
+                                 if getattr(d, k))
+            problems.append(f"{key}: '{f}' has no column {' nor '.join(repr(c) for c in absent)} (columns: "
+                            f"{', '.join(schema.names)}); the file is in the {formats.NAMES[recognised]} form "
+                            f"(recognised from its columns): set data.format: {recognised}, or clear {named} "
+                            f"(sft then recognises the form)")
+            missing = True
+        for col, what in needed:
+            if col not in schema.names:
+                if not (recognised and col in absent):  # else said above
+                    problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); "
+                                    f"set data.{what}")
                 missing = True
-            for col, what in needed:
-                if col not in schema.names:
-                    if not (recognised and col in absent):  # else said above
-                        problems.append(f"{key}: '{f}' has no column '{col}' (columns: {', '.join(schema.names)}); "
-                                        f"set data.{what}")
-                    missing = True
-                elif not read.chat and what != "tools_column" and not string_type(schema.field(col).type):
-                    problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
-                                    f"(string); set data.{what} to a text column")
-            if not read.chat or missing:
-                continue
-            table = pq.read_table(f, columns=list(read.columns)).to_pylist()
-            tools = [None] * len(table)
-            if d.tools_column:
-                values = pq.read_table(f, columns=[d.tools_column]).column(d.tools_column).to_pylist()
-                for i, value in enumerate(values):
-                    try:
-                        tools[i] = row_tools(value)
-                    except ValueError as e:
-                        problems.append(f"{key}: '{f}' row {i} of column '{d.tools_column}' is {e}; set "
-                                        f"data.tools_column to a column of tool schema lists (or their JSON text)")
-                        break
-            rows = []
-            for i, row in enumerate(table):
+            elif not read.chat and what != "tools_column" and not string_type(schema.field(col).type):
+                problems.append(f"{key}: '{f}' column '{col}' has type {schema.field(col).type}, not text "
+                                f"(string); set data.{what} to a text column")
+        if not read.chat or missing:
+            continue
+        table = pq.read_table(f, columns=list(read.columns)).to_pylist()
+        tools = [None] * len(table)
+        if d.tools_column:
+            values = pq.read_table(f, columns=[d.tools_column]).column(d.tools_column).to_pylist()
+            for i, value in enumerate(values):
                 try:
-                    messages, first = conversation(read, row)
+                    tools[i] = row_tools(value)
                 except ValueError as e:
-                    problems.append(f"{key}: '{f}' row {i} of the {formats.NAMES[read.name]} form has {e}; fix the "
-                                    f"row or set data.format")
+                    problems.append(f"{key}: '{f}' row {i} of column '{d.tools_column}' is {e}; set "
+                                    f"data.tools_column to a column of tool schema lists (or their JSON text)")
                     break
-                problem = message_problem(messages)
-                if problem:
-                    problems.append(f"{key}: '{f}' row {i} of column '{read.columns[0]}' is {problem}; every "
-                                    f"row must be a list of {{role, content}} messages")
-                    break
-                rows.append((messages, first))
-            else:
-                if key == "data.train_files":
-                    answers += sum(has_answer(m[k:]) for m, k in rows)
-                    read_files += 1
-                col = read.columns[0]
-                templates.check(key, f, columns(d), ((i, col, m, tools[i]) for i, (m, _) in enumerate(rows)),
-                                problems)
+        rows = []
+        for i, row in enumerate(table):
+            try:
+                messages, first = conversation(read, row)
+            except ValueError as e:
+                problems.append(f"{key}: '{f}' row {i} of the {formats.NAMES[read.name]} form has {e}; fix the "
+                                f"row or set data.format")
+                break
+            problem = message_problem(messages)
+            if problem:
+                problems.append(f"{key}: '{f}' row {i} of column '{read.columns[0]}' is {problem}; every "
+                                f"row must be a list of {{role, content}} messages")
+                break
+            rows.append((messages, first))
+        else:
+            if key == "data.train_files":
+                answers += sum(has_answer(m[k:]) for m, k in rows)
+                read_files += 1
+            col = read.columns[0]
+            templates.check(key, f, columns(d), ((i, col, m, tools[i]) for i, (m, _) in enumerate(rows)),
+                            problems)
     if read.chat and train_files and read_files == len(train_files) and not answers:
         problems.append(f"data.train_files: no conversation in column '{read.columns[0]}' has an assistant turn, "
                         f"so there is nothing to train on (sft trains on assistant turns only)")

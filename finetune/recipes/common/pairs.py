@@ -20,6 +20,7 @@ from finetune.engine.auto import AutoModelForCausalOrImageTextLM
 from finetune.config import DataConfig, RunConfig
 from finetune.data.dataset import (
     expand_files,
+    missing_columns,
     string_type,
 )
 from finetune.errors import ConfigError
@@ -43,7 +44,8 @@ MODEL_CLASS = AutoModelForCausalOrImageTextLM
 """Any ``AutoModelForCausalLM``, or an ``AutoModelForImageTextToText`` (a config with a ``vision_config``): its
 pairs' prompts then hold images (``dpo``'s ``configure``)."""
 REFERENCE_COLUMN = "reference_logps"
-"""Column added by the reference pass (:func:`finetune.recipes.common.reference.attach_reference`): ``[ref_c, ref_r]`` per pair (float64 values of float32 sums)."""
+"""Column added by the reference pass (:func:`finetune.recipes.common.reference.attach_reference`): ``[ref_c,
+ref_r]`` per pair (float64 values of float32 sums)."""
 
 
 def prompt_column(data_cfg: DataConfig) -> str:
@@ -411,11 +413,10 @@ def check_pairs(cfg: RunConfig, train_files: list[str], validation_files: list[s
                 split_start = -1
                 continue
             file_start = len(problems)
-            missing = [c for c in columns(d) if c not in schema.names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(schema.names)}); dpo reads data.prompt_column (default 'prompt'), "
-                                f"data.chosen_column and data.rejected_column")
+            reads = "dpo reads data.prompt_column (default 'prompt'), data.chosen_column and data.rejected_column"
+            problem = missing_columns(key, f, schema, columns(d), reads)
+            if problem:
+                problems.append(problem)
                 continue
             bad = [c for c in columns(d) if not _text_or_messages(schema.field(c).type)]
             if bad:

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from finetune.config import RunConfig
 from finetune.data import images
-from finetune.data.dataset import string_type
+from finetune.data.dataset import file_schemas, missing_columns, string_type
 from finetune.errors import ConfigError
 from finetune.recipes.grpo.prompts import PromptRows, columns, prepare_tokenizer, prompt_column, tokenizer_of
 from finetune.recipes.grpo.agent import agent_of
@@ -78,7 +78,8 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     """Check the grpo settings, reward functions and data before any model is built; one line per problem.
 
     Problems: ``train.grpo`` values out of range or unsupported (``beta`` > 0 without LoRA);
-    reward functions that cannot load (:func:`finetune.recipes.common.rewards.load`: path, import, name, signature, weights);
+    reward functions that cannot load (:func:`finetune.recipes.common.rewards.load`: path, import, name, signature,
+    weights);
     a file without the prompt or a reward column; a prompt column neither text nor messages; null or empty prompts
     (the first row and their number); a malformed conversational prompt or one the chat template fails on. With an
     image-text model (:func:`_image_problems`): what does not go with images, a file without the image column, the
@@ -127,49 +128,43 @@ def check_rows(cfg: RunConfig, train_files: list[str], validation_files: list[st
     p_col = prompt_column(d)
     conversational = False
     templates = TemplateCheck(cfg, prepare_tokenizer)
-    for key, files in (("data.train_files", train_files), ("data.validation_files", validation_files)):
-        for f in files:
-            try:
-                schema = pq.ParquetFile(f).schema_arrow
-            except Exception:  # noqa: BLE001  (reported by check_parquet_files)
-                continue
-            missing = [c for c in columns(d) if c not in schema.names]
-            if missing:
-                problems.append(f"{key}: '{f}' has no column {', '.join(repr(c) for c in missing)} (columns: "
-                                f"{', '.join(schema.names)}); grpo reads data.prompt_column (default 'prompt') and "
-                                f"data.reward_columns (default ['answer'])")
-                continue
-            if not _text_or_messages(schema.field(p_col).type):
-                problems.append(f"{key}: '{f}' column '{p_col}' has type {schema.field(p_col).type}, neither text "
-                                f"nor a list of {{role, content}} messages")
-                continue
-            prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
-            empty = [i for i, v in enumerate(prompts) if v is None or not v or (isinstance(v, str) and not v.strip())]
-            if empty:
-                problems.append(f"{key}: '{f}' row {empty[0]} of column '{p_col}' is null or empty ({len(empty):,} "
-                                f"such rows); fix or remove them")
-            start = len(problems)
-            answered = []
-            for i, prompt in enumerate(prompts):
-                if isinstance(prompt, list):
-                    conversational = True
-                    problem = message_problem(prompt)
-                    if problem:
-                        problems.append(f"{key}: '{f}' row {i} of column '{p_col}' is {problem}; a conversational "
-                                        f"prompt is a list of {{role, content}} messages")
-                        break
-                    if prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
-                        answered.append(i)
-            if answered and len(problems) == start:
-                problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
-                                f"({len(answered):,} such rows): grpo would render the answer into the prompt and "
-                                f"open a new assistant turn after it; give the conversations up to the turn the "
-                                f"model completes (drop the last assistant message of a chat SFT file)")
-            if d.truncation == "drop" and len(problems) == start and prompts and not empty:
-                _all_dropped(cfg, key, f, p_col, prompts, problems)
-            if len(problems) == start and conversational:
-                templates.check(key, f, [p_col], ((i, p_col, list(p)) for i, p in enumerate(prompts)
-                                                  if isinstance(p, list)), problems)
+    for key, f, schema in file_schemas(train_files, validation_files):
+        reads = "grpo reads data.prompt_column (default 'prompt') and data.reward_columns (default ['answer'])"
+        problem = missing_columns(key, f, schema, columns(d), reads)
+        if problem:
+            problems.append(problem)
+            continue
+        if not _text_or_messages(schema.field(p_col).type):
+            problems.append(f"{key}: '{f}' column '{p_col}' has type {schema.field(p_col).type}, neither text "
+                            f"nor a list of {{role, content}} messages")
+            continue
+        prompts = pq.read_table(f, columns=[p_col]).column(p_col).to_pylist()
+        empty = [i for i, v in enumerate(prompts) if v is None or not v or (isinstance(v, str) and not v.strip())]
+        if empty:
+            problems.append(f"{key}: '{f}' row {empty[0]} of column '{p_col}' is null or empty ({len(empty):,} "
+                            f"such rows); fix or remove them")
+        start = len(problems)
+        answered = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list):
+                conversational = True
+                problem = message_problem(prompt)
+                if problem:
+                    problems.append(f"{key}: '{f}' row {i} of column '{p_col}' is {problem}; a conversational "
+                                    f"prompt is a list of {{role, content}} messages")
+                    break
+                if prompt and isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+                    answered.append(i)
+        if answered and len(problems) == start:
+            problems.append(f"{key}: '{f}' row {answered[0]} of column '{p_col}' ends with an assistant message "
+                            f"({len(answered):,} such rows): grpo would render the answer into the prompt and "
+                            f"open a new assistant turn after it; give the conversations up to the turn the "
+                            f"model completes (drop the last assistant message of a chat SFT file)")
+        if d.truncation == "drop" and len(problems) == start and prompts and not empty:
+            _all_dropped(cfg, key, f, p_col, prompts, problems)
+        if len(problems) == start and conversational:
+            templates.check(key, f, [p_col], ((i, p_col, list(p)) for i, p in enumerate(prompts)
+                                              if isinstance(p, list)), problems)
     if conversational and not template_text(d):
         tokenizer_template_problem(cfg, problems)
 
