@@ -109,8 +109,8 @@ def main() -> None:
                 """(prompt, response) texts: the columns; or a conversation rendered with the tokenizer's chat
                 template, the turns before the last as the prompt (with the generation prompt), the rest (the
                 last answer and its end-of-turn marker) as the response."""
-                if not spec.get("messages_column"):
-                    return [(p, r + tokenizer.eos_token, True)
+                if not spec.get("messages_column"):  # the prompt with special tokens, EOS id after the response
+                    return [(p, r, True)
                             for p, r in zip(batch[spec["prompt_column"]], batch[spec["response_column"]])]
                 pairs = []
                 for messages in batch[spec["messages_column"]]:
@@ -123,7 +123,7 @@ def main() -> None:
                 ids, labels = [], []
                 for prompt, response, special in split(batch):
                     p = tokenizer(prompt, add_special_tokens=special)["input_ids"]
-                    r = tokenizer(response, add_special_tokens=False)["input_ids"]
+                    r = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * special
                     ids.append((p + r)[:max_len])
                     labels.append(([-100] * len(p) + r)[:max_len])
                 return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids], "labels": labels}

@@ -170,7 +170,8 @@ class VlmExamples:
         return count_summary("vlm_sft", c, "examples", why, self.d.max_seq_len, "answer") + f"; {c['images']:,} images"
 
 
-def tokenize_function(tokenizer, data_cfg: DataConfig, processor: images.ProcessorSource | None = None) -> VlmExamples:
+def tokenize_function(tokenizer, data_cfg: DataConfig,
+                      processor: images.ProcessorSource | None = None) -> VlmExamples:
     """The batched map function (:class:`VlmExamples`); ``processor``: the model's (bound by :func:`configure`; the
     tokenizer's folder when called unconfigured)."""
     return VlmExamples(tokenizer, data_cfg, processor)
