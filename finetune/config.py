@@ -137,7 +137,15 @@ class DataConfig:
     label_column: str = "label"
     """seq_cls: class label column (ints or strings; the sorted training labels become the model's id2label); kto: the desirability column (bool, or ints 0/1: true = desirable)."""
     max_seq_len: int = 128
-    """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM)."""
+    """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM); token_cls: the window length of longer rows."""
+    tokens_column: str = "tokens"
+    """token_cls only: a column of word lists (one sentence per row)."""
+    tags_column: str = "ner_tags"
+    """token_cls only: a column of tag lists, one tag per word (strings in the BIO/IOB2/BIOES scheme, read as they are, or int class ids; the sorted training tags become the model's id2label)."""
+    label_all_tokens: bool = False
+    """token_cls only: every sub-token of a word is labelled (its ``B-`` tag turned into ``I-``), not only the first (transformers' ``run_ner.py`` flag of the same name)."""
+    doc_stride: int = 32
+    """token_cls only: tokens each window of a row longer than ``max_seq_len`` shares with the previous window (``run_qa.py``'s ``doc_stride``); below ``max_seq_len`` minus the special tokens."""
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
@@ -492,7 +500,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``sft``, ``dpo``, ``kto``, ``reward``, ``grpo``, ``vlm_sft`` or ``distill`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``token_cls``, ``sft``, ``dpo``, ``kto``, ``reward``, ``grpo``, ``vlm_sft`` or ``distill`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

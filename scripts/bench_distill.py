@@ -20,7 +20,14 @@ Trained tokens are completion tokens, EOS included (``train/completions/mean_len
 ``completions/mean_length`` x rows); tokens/s is their sum over the timed steps over the timed steps' wall time.
 Peak memory: each rank's peak resident set (VmHWM). Prints a table and the ratios finetune / each TRL contender.
 
+``--real``: the teacher is the real SmolLM2-135M-Instruct (from its GGUF file, ``bash scripts/get_smollm2.sh``,
+converted once as a run converts it), the student a seeded 4-layer, hidden-128 model of its config and tokenizer
+(``distill_smollm2_gsm8k.yaml``'s), the prompts GSM8K questions as a user turn rendered by the model's own ChatML
+template on both sides (ours: ``data/gsm8k/train_chat.parquet``'s conversations up to the answer; TRL: the same
+question as a conversational ``prompt``).
+
     python scripts/bench_distill.py --steps 10 --skip 2 --rounds 2 --lock /tmp/heavy.lock
+    python scripts/bench_distill.py --real --steps 10 --skip 2 --rounds 2 --contenders finetune,trl_best
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BPE = REPO / "data" / "models" / "gsm8k-bpe-8k"
 CONFIG = "finetune/recipes/configs/distill_gsm8k.yaml"
+REAL_GGUF = "models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_CONFIG = "finetune/recipes/configs/distill_smollm2_gsm8k.yaml"
+REAL_STUDENT = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=32)
 SHAPES = {"student": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=256, head_dim=16),
           "teacher": dict(num_hidden_layers=4, hidden_size=128, intermediate_size=512, head_dim=32)}
 
@@ -62,19 +73,42 @@ def write_models(out: Path) -> dict[str, Path]:
     return folders
 
 
+def write_real_models(out: Path, bench) -> dict[str, Path]:
+    """``--real``: the converted SmolLM2 folder as the teacher and a seeded student of its config (the
+    :data:`REAL_STUDENT` shape), tokenizer, chat template and generation config, written once under ``out``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from finetune.config import DataConfig
+
+    teacher = bench.converted(REAL_GGUF, DataConfig())
+    student = out / "real-student"
+    if not (student / "model.safetensors").is_file():
+        config = AutoConfig.from_pretrained(teacher)
+        config.update(REAL_STUDENT)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(student)
+        AutoTokenizer.from_pretrained(teacher).save_pretrained(student)
+        GenerationConfig.from_pretrained(teacher).save_pretrained(student)
+    return {"student": student, "teacher": teacher}
+
+
 def ours(args, models: dict, out: Path, env: dict, bench) -> dict:
     """One launch of the toolkit; the timed steps' trained tokens and wall time from its ``metrics.jsonl``."""
     overrides = [f"model.path={models['student']}", "model.tokenizer_path=", "model.init=pretrained",
                  f"train.distill.teacher={models['teacher']}", "train.distill.loss=jsd", "train.distill.beta=0.5",
                  "train.distill.temperature=1.0", "train.distill.alpha=1.0", "train.distill.on_policy_fraction=1",
                  f"train.distill.max_completion_length={args.completion}", "train.distill.top_p=1.0",
-                 "train.distill.top_k=0", "data.packing=false", "data.max_seq_len=128",
+                 "train.distill.top_k=0", "data.packing=false", f"data.max_seq_len={384 if args.real else 128}",
                  f"train.micro_batch_size={args.micro}", "train.gradient_accumulation_steps=1",
                  f"train.max_steps={args.steps}", "train.lr=1e-5", "train.lr_scheduler=constant",
                  "train.warmup_steps=0", "train.weight_decay=0.0", "train.eval_every=0", "train.eval_on_start=false",
                  "train.save_every=0", "train.log_every=1", "export=false", "train.sample_prompt=",
                  "deepspeed=ds_configs/zero2.json", f"output_dir={out}"]
-    cmd = bench.deepspeed_cmd(args, "finetune/run.py", "--config", CONFIG, *overrides)
+    if args.real:
+        overrides += ["model.config_overrides={}", "train.eval_max_batches=1"]
+    cmd = bench.deepspeed_cmd(args, "finetune/run.py", "--config", REAL_CONFIG if args.real else CONFIG,
+                              *overrides)
     _, peaks = bench.run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train/loss" in r]
@@ -89,7 +123,7 @@ def trl(args, models: dict, variant: str, out: Path, env: dict, bench) -> dict:
     """One launch of this script's TRL side (:func:`trl_rank`) under ``deepspeed``."""
     out.mkdir(parents=True)
     spec = {"out": str(out), "variant": variant, "steps": args.steps, "micro": args.micro,
-            "completion": args.completion, "student": str(models["student"]), "teacher": str(models["teacher"])}
+            "completion": args.completion, "real": args.real, "student": str(models["student"]), "teacher": str(models["teacher"])}
     (out / "spec.json").write_text(json.dumps(spec))
     cmd = bench.deepspeed_cmd(args, "scripts/bench_distill.py", "--trl-spec", str(out / "spec.json"))
     _, peaks = bench.run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
@@ -118,6 +152,8 @@ def trl_rank(spec_path: str) -> None:
     rows = datasets.load_dataset("parquet", data_files=[str(REPO / "data" / "gsm8k" / "train.parquet")],
                                  split="train", cache_dir=str(out / "hf-datasets"))
     rows = rows.select_columns(["question"]).rename_column("question", "prompt")
+    if spec.get("real"):  # a user turn, rendered by the model's own chat template
+        rows = rows.map(lambda r: {"prompt": [{"role": "user", "content": r["prompt"]}]})
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
           "zero_optimization": {"stage": 2}, "bf16": {"enabled": False}, "fp16": {"enabled": False}}
@@ -162,6 +198,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--micro", type=int, default=4, help="prompts per rank per step")
     p.add_argument("--completion", type=int, default=64, help="max_completion_length")
+    p.add_argument("--real", action="store_true", help="the real SmolLM2-135M-Instruct as the teacher")
     p.add_argument("--contenders", default="finetune,trl_best,trl")
     p.add_argument("--out", default="runs/bench_distill")
     p.add_argument("--lock", default="")
@@ -178,7 +215,7 @@ def main() -> int:
 
     out = (REPO / args.out).resolve() / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True)
-    models = write_models(out.parent)
+    models = write_real_models(out.parent, bench) if args.real else write_models(out.parent)
     env = bench.environment(False)
     results: dict[str, list[dict]] = {c: [] for c in args.contenders.split(",")}
     for r in range(args.rounds):

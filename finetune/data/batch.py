@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "row_targets", "num_tokens", "reference_logps", "margin", "desirable",
-                    "kto_kl")
+                    "kto_kl", "word_starts", "window_prefix", "window_suffix")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
 sequence-parallel slice, and ``row_targets``: the whole rows' target counts, :mod:`finetune.parallel.sequence`), the
 real-token count of packed rows, the reference model's log-probabilities of preference pairs, the pairs' margins

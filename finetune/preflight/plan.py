@@ -295,7 +295,8 @@ def model_shape(cfg: RunConfig) -> ModelShape:
     return ModelShape(**frozen, model_type=config.model_type, params=params, largest_layer=largest,
                       layers=config.num_hidden_layers, hidden=hidden, intermediate=intermediate,
                       heads=config.num_attention_heads,
-                      head_outputs=getattr(config, "num_labels", 2) if per_row else config.vocab_size,
+                      head_outputs=getattr(config, "num_labels", 2) if per_row or recipe.capabilities.label_head
+                      else config.vocab_size,
                       head_positions_per_row=not per_row, gated_mlp=gated, eager_attention=attn == "eager",
                       dropout=dropout,
                       target_fraction=recipe.target_fraction(cfg.data),

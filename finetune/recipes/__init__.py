@@ -50,6 +50,7 @@ RECIPES: dict[str, str] = {
     "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
+    "token_cls": "finetune.recipes.token_cls",
     "vlm_sft": "finetune.recipes.vlm_sft",
 }
 """Recipe name (the run config's ``recipe:``) -> the module that defines its ``RECIPE``."""
@@ -181,6 +182,9 @@ class Capabilities:
     checks_columns: bool = False
     """The ``check_data`` hook checks every column the recipe reads, so the generic parquet check does not
     require ``data.text_column`` (``sft``, ``dpo``, ``reward``)."""
+    label_head: bool = False
+    """The head gives the config's ``num_labels`` logits at every position, not the vocabulary's (``token_cls``):
+    the planner counts those per token."""
     mixes_sources: bool = True
     """The recipe trains on a weighted mixture of datasets (``data.sources``); false for ``seq_cls``, whose classes
     come from one dataset's label column."""
