@@ -322,7 +322,8 @@ def make_collator(tokenizer, data_cfg: DataConfig):
 
 def window_starts(inner: int, width: int, stride: int) -> list[int]:
     """Starts of the windows of ``width`` tokens that cover ``inner`` tokens, each overlapping the previous one by
-    ``stride`` tokens (the last one may be shorter)."""
+    ``stride`` tokens (the last one may be shorter): the windows of a fast tokenizer's
+    ``return_overflowing_tokens=True, stride=stride``."""
     step = max(width - stride, 1)
     starts = [0]
     while starts[-1] + width < inner:
@@ -330,50 +331,63 @@ def window_starts(inner: int, width: int, stride: int) -> list[int]:
     return starts
 
 
+def row_windows(ids: list[int], prefix: list[int], suffix: list[int], max_len: int,
+                stride: int) -> list[tuple[int, list[int]]]:
+    """The windows of one row ``ids`` (its special tokens included, no padding) longer than ``max_len``:
+    ``(start, window ids)`` per window, ``start`` counted in the tokens between the special ones, each window the
+    special tokens around at most ``max_len - len(prefix) - len(suffix)`` of those tokens."""
+    p, s = len(prefix), len(suffix)
+    inner = ids[p:len(ids) - s]
+    width = max_len - p - s
+    return [(start, prefix + inner[start:start + width] + suffix)
+            for start in window_starts(len(inner), width, stride)]
+
+
+def max_context_score(start: int, count: int, position: int) -> float:
+    """How well a window of ``count`` tokens from ``start`` sees token ``position`` (both counted between the
+    special tokens): the smaller of its context on the left and on the right plus 0.01 x the window's length (BERT's
+    ``_check_is_max_context``); each token takes the window with the highest score, the first one on a tie."""
+    return min(position - start, start + count - 1 - position) + 0.01 * count
+
+
 def windowed_logits(model, batch: dict, max_len: int, stride: int) -> torch.Tensor:
     """Per-token logits ``[B, T, labels]`` (float32) of a micro-batch whose rows may exceed ``max_len`` tokens.
 
-    A batch whose rows fit runs as it is. Otherwise each row's tokens between its special tokens are cut into
-    windows of ``max_len - P - S`` tokens overlapping by ``stride`` (:func:`window_starts`), each window run with the
-    special tokens around it, all windows of the micro-batch in one forward, and every token takes the logits of the
-    window where it is farthest from an edge (the larger of the smaller distance to either end; BERT's max-context
-    rule). Positions outside a row's tokens keep the first window's logits (their labels are -100)."""
-    inputs = model_inputs(batch)
+    A batch whose rows fit runs as it is. Otherwise every row is cut into :func:`row_windows` (its tokens between the
+    special ones, in windows of ``max_len`` tokens with the special tokens around each, overlapping by ``stride``),
+    all windows of the micro-batch run in one forward, and every token takes the logits of the window with the best
+    :func:`max_context_score`. The special and pad positions keep the first window's logits at the same offset or
+    zeros (their labels are -100)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
     if ids.shape[1] <= max_len:
-        return model(**inputs).logits.float()
-    prefix, suffix = batch["window_prefix"][0], batch["window_suffix"][0]
-    p, s = prefix.numel(), suffix.numel()
-    width = max_len - p - s
-    lengths = mask.sum(dim=1).tolist()
-    pieces, owners = [], []  # (row, start, count) per window
-    for row, n in enumerate(lengths):
-        inner = n - p - s
-        for start in window_starts(inner, width, stride):
-            count = min(width, inner - start)
-            pieces.append(torch.cat([prefix, ids[row, p + start:p + start + count], suffix]))
-            owners.append((row, start, count))
+        return model(**model_inputs(batch)).logits.float()
+    prefix, suffix = batch["window_prefix"][0].tolist(), batch["window_suffix"][0].tolist()
+    p = len(prefix)
+    pieces, owners = [], []  # window ids; (row, start, count of tokens between the special ones)
+    for row, n in enumerate(mask.sum(dim=1).tolist()):
+        for start, window in row_windows(ids[row, :n].tolist(), prefix, suffix, max_len, stride):
+            pieces.append(window)
+            owners.append((row, start, len(window) - len(prefix) - len(suffix)))
     longest = max(len(x) for x in pieces)
     win_ids = ids.new_zeros((len(pieces), longest))
     win_mask = torch.zeros_like(win_ids)
     for k, x in enumerate(pieces):
-        win_ids[k, :len(x)] = x
+        win_ids[k, :len(x)] = torch.tensor(x, dtype=ids.dtype)
         win_mask[k, :len(x)] = 1
-    extra = {"token_type_ids": torch.zeros_like(win_ids)} if "token_type_ids" in inputs else {}
-    logits = model(input_ids=win_ids, attention_mask=win_mask, **extra).logits.float()
+    extra = {"token_type_ids": torch.zeros_like(win_ids)} if "token_type_ids" in batch else {}
+    logits = model(input_ids=win_ids.to(ids.device), attention_mask=win_mask.to(ids.device), **extra).logits.float()
     out = logits.new_zeros(ids.shape[0], ids.shape[1], logits.shape[-1])
-    best = torch.full(ids.shape, -1, dtype=torch.long)
+    best = torch.full(ids.shape, -1.0, dtype=torch.float64)
     source = torch.full(ids.shape, -1, dtype=torch.long)
     for k, (row, start, count) in enumerate(owners):
-        positions = torch.arange(count)
-        context = torch.minimum(positions, count - 1 - positions)
-        at = p + start + positions
-        better = context > best[row, at]
-        best[row, at[better]] = context[better]
-        source[row, at[better]] = k
+        positions = torch.arange(start, start + count)
+        score = torch.minimum(positions - start, start + count - 1 - positions).double() + 0.01 * count
+        better = score > best[row, p + positions]
+        best[row, p + positions[better]] = score[better]
+        source[row, p + positions[better]] = k
     for k, (row, start, count) in enumerate(owners):
         at = (source[row] == k).nonzero().flatten()
-        out[row, at] = logits[k, at - start]
+        out[row, at.to(out.device)] = logits[k, (at - start).to(out.device)]
     return out
 
 
