@@ -297,6 +297,14 @@ PRESETS: dict[str, dict] = {
                               "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2"],
                 "contenders": ["finetune", "bare", "hf", "hf_grouped"],
                 "tiny": ["train.micro_batch_size=4"]},
+    # NER on the real all-MiniLM-L6-v2 (issue 71): token_cls_wnut17.yaml (WNUT-17, micro 16 sentences per rank) against
+    # HF Trainer with run_ner.py's tokenization, alignment and DataCollatorForTokenClassification (``hf_grouped``:
+    # length-grouped) from the same weights; ``heldout``: the entity F1 (seqeval) of the 500 held-out sentences after
+    # the last step (ours: eval/f1; HF: run_ner.py's compute_metrics on trainer.predict; neither timed). ``real``:
+    # the weights come from ../shared/models/all-minilm-l6-v2 (or model.path=...), so not part of ``--preset all``.
+    "token_cls": {"config": "finetune/recipes/configs/token_cls_wnut17.yaml", "heldout": True, "real": True,
+                  "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
+                  "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
     # trains one example per row, padded per batch (answer-only labels in both).
     "sft": {"config": "finetune/recipes/configs/sft_gsm8k.yaml",
@@ -681,8 +689,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # grpo: greedy exact match, the accuracy; dpo: the held-out pairs ranked right by the implicit reward
-    held = ("eval/reward" if preset.get("grpo") else "eval/rewards/accuracies" if preset.get("dpo")
-            else "eval/accuracy")
+    held = preset.get("heldout_key") or ("eval/reward" if preset.get("grpo") else "eval/rewards/accuracies"
+                                         if preset.get("dpo") else "eval/accuracy")
     evals = [r for r in rows if held in r]
     evals_all = [r for r in rows if any(k.startswith("eval/") for k in r)]
     rows = [r for r in rows if "train/loss" in r]
@@ -760,7 +768,9 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     (out / "spec.json").write_text(json.dumps(spec))
     cmd = deepspeed_cmd(args, "scripts/bench_hf.py", "--spec", str(out / "spec.json"))
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
-    return rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+    records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+    heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
+    return {**records, "heldout_accuracy": heldout.get("accuracy")}
 
 
 TRL_VARIANTS = {"trl": "defaults", "trl_best": "best"}
@@ -962,6 +972,7 @@ def lm_head_share(cfg, seq_len: int | None = None) -> str:
     for k, v in (cfg.model.config_overrides or {}).items():
         setattr(config, k, v)
     auto = {"bert_mlm": transformers.AutoModelForMaskedLM, "seq_cls": transformers.AutoModelForSequenceClassification,
+            "token_cls": transformers.AutoModelForTokenClassification,
             "reward": transformers.AutoModelForSequenceClassification,
             "vlm_sft": transformers.AutoModelForImageTextToText}.get(cfg.recipe,
                                                                            transformers.AutoModelForCausalLM)
@@ -1005,6 +1016,7 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "lora": dataclasses.asdict(m.lora) if m.lora is not None and m.lora.r else None,
             "eval_micro_batch_size": t.eval_micro_batch_size or t.micro_batch_size,
             "messages_column": d.messages_column, "image_column": d.image_column,
+            "tokens_column": d.tokens_column, "tags_column": d.tags_column, "label_all_tokens": d.label_all_tokens,
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
 

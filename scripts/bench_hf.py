@@ -3,7 +3,9 @@
 Written as a user of transformers writes it: ``datasets`` reads the parquet files; per recipe, the tokenizer
 truncates rows and ``DataCollatorForLanguageModeling`` masks and pads (``bert_mlm``), ``group_texts`` packs the texts
 into blocks (``gpt_clm``, as ``run_clm.py``), the tokenizer truncates sentences and ``DataCollatorWithPadding`` pads
-them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.py``), or each prompt/response pair
+them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.py``), words tokenized and their tags
+aligned to the first word pieces, truncated and padded by ``DataCollatorForTokenClassification``, the held-out entity
+F1 of ``seqeval`` after training (``token_cls``, as ``run_ner.py``), or each prompt/response pair
 becomes ``tokens(prompt) + tokens(response) + [EOS]`` with label -100 on the prompt, truncated, one example per row,
 padded by ``DataCollatorForSeq2Seq`` (``sft``; a conversation: rendered by the tokenizer's chat template, the turns
 before the last the prompt, the last answer with its end-of-turn marker the response; a pretrained model with
@@ -40,7 +42,7 @@ def main() -> None:
     import torch
     import transformers
     from transformers import (AutoConfig, DataCollatorForLanguageModeling, DataCollatorForSeq2Seq,
-                              DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments,
+                              DataCollatorForTokenClassification, DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments,
                               default_data_collator)
 
     transformers.logging.set_verbosity_error()
@@ -132,6 +134,43 @@ def main() -> None:
             train = train.filter(lambda b: [any(v != -100 for v in lab) for lab in b["labels"]], batched=True)
             collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
             model_class = transformers.AutoModelForCausalLM
+        elif recipe == "token_cls":  # transformers examples/pytorch/token-classification/run_ner.py
+            words_col, tags_col = spec["tokens_column"], spec["tags_column"]
+            label_list = sorted({t for tags in raw[tags_col] for t in tags})  # run_ner.py's get_label_list
+            label_to_id = {label: i for i, label in enumerate(label_list)}
+            b_to_i_label = [label_list.index(label.replace("B-", "I-"))
+                            if label.startswith("B-") and label.replace("B-", "I-") in label_list else i
+                            for i, label in enumerate(label_list)]
+            config.num_labels = len(label_list)
+            config.id2label = dict(enumerate(label_list))
+            config.label2id = label_to_id
+
+            def tokenize_and_align_labels(examples):  # run_ner.py's, padding left to the collator
+                tokenized = tokenizer(examples[words_col], truncation=True, max_length=max_len,
+                                      is_split_into_words=True)
+                labels = []
+                for i, label in enumerate(examples[tags_col]):
+                    previous, label_ids = None, []
+                    for word_idx in tokenized.word_ids(batch_index=i):
+                        if word_idx is None:
+                            label_ids.append(-100)
+                        elif word_idx != previous:
+                            label_ids.append(label_to_id[label[word_idx]])
+                        else:
+                            label_ids.append(b_to_i_label[label_to_id[label[word_idx]]]
+                                             if spec["label_all_tokens"] else -100)
+                        previous = word_idx
+                    labels.append(label_ids)
+                tokenized["labels"] = labels
+                return tokenized
+
+            train = raw.map(tokenize_and_align_labels, batched=True, remove_columns=raw.column_names)
+            if spec.get("validation_files"):
+                held = datasets.load_dataset("parquet", data_files=spec["validation_files"], split="train",
+                                             cache_dir=spec.get("hf_cache") or str(out.parent / "hf-datasets"))
+                held = held.map(tokenize_and_align_labels, batched=True, remove_columns=held.column_names)
+            collate = DataCollatorForTokenClassification(tokenizer)
+            model_class = transformers.AutoModelForTokenClassification
         else:
             raise SystemExit(f"bench_hf.py: no Hugging Face contender for recipe {recipe!r}")
 
@@ -184,8 +223,20 @@ def main() -> None:
                       processing_class=tokenizer, callbacks=[Meter()])
     trainer.train()
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    heldout = None
+    if recipe == "token_cls" and spec.get("validation_files"):  # run_ner.py's compute_metrics (seqeval), not timed
+        from seqeval.metrics import f1_score
+
+        trainer.data_collator = collate
+        predictions, labels, _ = trainer.predict(held)
+        predictions = predictions.argmax(-1)
+        names = model.config.id2label
+        y_true = [[names[int(t)] for t in row if t != -100] for row in labels]
+        y_pred = [[names[int(p)] for p, t in zip(prow, row) if t != -100] for prow, row in zip(predictions, labels)]
+        heldout = {"accuracy": f1_score(y_true, y_pred)}
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu,
+                                                      "heldout": heldout,
                                                       "data_seconds": data_seconds}))
     # Leave without the interpreter's teardown: with Trainer's process group still up, gloo's threads torn down at
     # exit aborted a finished launch ("terminate called without an active exception", 1 launch in ~30), and

@@ -110,6 +110,9 @@ class Shown:
     starts: list[int] = field(default_factory=lambda: [0])
     changed: int = 0
     label: str | None = None
+    tags: list[str | None] | None = None
+    """Per-token class recipes (``Capabilities.label_head``: ``token_cls``): each token's tag name (None where it
+    is not trained); ``ids`` are then the inputs."""
 
     def examples(self) -> list[tuple[int, int]]:
         """``[start, end)`` of each example."""
@@ -173,6 +176,15 @@ def collated_sequences(recipe: Recipe, tokenizer, cfg: RunConfig, rows: list[dic
             continue
         lab = labels[k][pos].tolist()
         trained = [v != -100 for v in lab]
+        if recipe.capabilities.label_head:  # a class per token: the input tokens with their tags
+            if not id2label:
+                try:
+                    id2label = getattr(load_model_config(cfg, recipe), "id2label", None) or {}
+                except Exception:  # noqa: BLE001  (no config.json: the label ids alone)
+                    id2label = {}
+            tags = [str(id2label.get(v, id2label.get(str(v), v))) if t else None for v, t in zip(lab, trained)]
+            out.append(Shown(r, which, inputs, trained, tags=tags))
+            continue
         ids = [v if t else i for i, v, t in zip(inputs, lab, trained)]
         if "position_ids" in batch:
             position = batch["position_ids"][k][pos].tolist()
@@ -208,7 +220,12 @@ def decoded_runs(tokenizer, ids: list[int], marks: list[bool]) -> list[tuple[str
 
 
 def render(tokenizer, seq: Shown, color: bool) -> str:
-    """The text of ``seq``: trained runs in ``[[...]]`` (or green with ``color``), `` ‖ `` between examples."""
+    """The text of ``seq``: trained runs in ``[[...]]`` (or green with ``color``), `` ‖ `` between examples; with
+    per-token tags, the word pieces separated by spaces, each trained one as ``[[piece/TAG]]``."""
+    if seq.tags is not None:
+        pieces = tokenizer.convert_ids_to_tokens(seq.ids)
+        return " ".join(piece if tag is None else (f"{_GREEN}{piece}/{tag}{_RESET}" if color else f"[[{piece}/{tag}]]")
+                        for piece, tag in zip(pieces, seq.tags))
     parts = []
     for j, (a, b) in enumerate(seq.examples()):
         if j:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -245,13 +246,13 @@ class Tokenize:
 
     def reset(self) -> None:
         """Zero the counts (one split at a time)."""
-        self.rows = self.kept = self.longer = 0
+        self.counts: Counter = Counter()
 
     def __call__(self, batch: dict) -> dict:
         words_col, tags_col = self.d.tokens_column, self.d.tags_column
-        self.rows += len(batch[words_col])
+        self.counts["rows"] += len(batch[words_col])
         keep = [i for i, w in enumerate(batch[words_col]) if w]
-        self.kept += len(keep)
+        self.counts["kept"] += len(keep)
         if not keep:
             return {"input_ids": [], "attention_mask": [], "labels": [], "word_starts": []}
         enc = self.tokenizer([[str(w) for w in batch[words_col][i]] for i in keep], is_split_into_words=True,
@@ -272,15 +273,16 @@ class Tokenize:
                     labels.append(self.as_inside[self.class_id[tags[w]]] if self.d.label_all_tokens else -100)
                     starts.append(0)
                 previous = w
-            self.longer += len(labels) > self.d.max_seq_len
+            self.counts["longer"] += len(labels) > self.d.max_seq_len
             out["labels"].append(labels)
             out["word_starts"].append(starts)
         return out
 
     def summary(self) -> str:
         """One line: rows read, sentences kept, those without words, those that run as windows."""
-        return (f"token_cls: {self.rows} rows, {self.kept} sentences kept ({self.rows - self.kept} without words "
-                f"left out); {self.longer} longer than data.max_seq_len={self.d.max_seq_len} tokens run as "
+        c = self.counts
+        return (f"token_cls: {c['rows']:,} rows, {c['kept']:,} sentences kept ({c['rows'] - c['kept']:,} without "
+                f"words left out); {c['longer']:,} longer than data.max_seq_len={self.d.max_seq_len} tokens run as "
                 f"windows overlapping by data.doc_stride={self.d.doc_stride}")
 
 
