@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import json
@@ -105,6 +106,36 @@ def _no_text_in_statistics(pf, column: str) -> bool:
         if not (all_null or all_empty):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=16)
+def _read_column(path: str, column: str, mtime_ns: int):
+    return pq.read_table(path, columns=[column]).column(column)
+
+
+def read_column(path: str, column: str):
+    """The ``column`` of parquet file ``path`` as a ``pyarrow.ChunkedArray``, read once per file version (a recipe's
+    label set and its checks read the same column)."""
+    return _read_column(os.path.abspath(path), column, os.stat(path).st_mtime_ns)
+
+
+def sorted_values(patterns: list, key: str, column: str, flatten: bool = False) -> list:
+    """The sorted distinct non-null values of ``column`` over the files ``patterns`` match (``key``: their setting);
+    ``flatten``: a list column's elements (a tag per word).
+
+    Raises:
+        ConfigError: a pattern matches no file.
+    """
+    problems: list[str] = []
+    files = expand_files(patterns, key, problems)
+    if problems:
+        raise ConfigError(problems)
+    values: set = set()
+    for f in files:
+        col = read_column(f, column)
+        values |= set((pc.list_flatten(col) if flatten else col).unique().to_pylist())
+    values.discard(None)
+    return sorted(values)
 
 
 def file_schemas(train_files: list[str], validation_files: list[str]):

@@ -19,22 +19,19 @@ TensorBoard at each evaluation.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig, RunConfig
-from finetune.data.dataset import expand_files, file_columns
-from finetune.errors import ConfigError
+from finetune.data.dataset import file_columns, read_column, sorted_values
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
+from finetune.recipes.common.labels import name_classes
 
 MODEL_CLASS = AutoModelForSequenceClassification
 
@@ -64,31 +61,13 @@ def _label_kind(arrow_type) -> str:
     return str(arrow_type)
 
 
-@functools.lru_cache(maxsize=8)
-def _read_labels(path: str, column: str, mtime_ns: int):
-    return pq.read_table(path, columns=[column]).column(column)
-
-
-def read_labels(path: str, column: str):
-    """The ``column`` of parquet file ``path`` as a ``pyarrow.ChunkedArray`` (cached per file version)."""
-    return _read_labels(os.path.abspath(path), column, os.stat(path).st_mtime_ns)
-
-
 def label_names(data_cfg: DataConfig) -> list:
     """Sorted distinct labels (int or str) of the training files: class id ``i`` is ``label_names[i]``.
 
     Raises:
         ConfigError: no training file matches (checked earlier by :func:`check_labels` in a normal run).
     """
-    problems: list[str] = []
-    files = expand_files(data_cfg.train_files, "data.train_files", problems)
-    if problems:
-        raise ConfigError(problems)
-    labels: set = set()
-    for f in files:
-        labels |= set(read_labels(f, data_cfg.label_column).unique().to_pylist())
-    labels.discard(None)
-    return sorted(labels)
+    return sorted_values(data_cfg.train_files, "data.train_files", data_cfg.label_column)
 
 
 def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[str], problems: list[str]) -> None:
@@ -111,7 +90,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
             problems.append(f"{key}: '{f}' has no label column '{cfg.data.label_column}' (columns: {', '.join(names)}); "
                             f"set data.label_column")
             continue
-        col = read_labels(f, cfg.data.label_column)
+        col = read_column(f, cfg.data.label_column)
         kind = _label_kind(col.type)
         if kind not in ("int", "str"):
             example = next((v for v in col.to_pylist() if v is not None), None)
@@ -164,10 +143,7 @@ def check_labels(cfg: RunConfig, train_files: list[str], validation_files: list[
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
     """Set ``num_labels``, ``id2label`` (id -> label as str) and ``label2id`` from the training labels."""
-    names = label_names(data_cfg)
-    model_config.num_labels = len(names)
-    model_config.id2label = {i: str(name) for i, name in enumerate(names)}
-    model_config.label2id = {str(name): i for i, name in enumerate(names)}
+    name_classes(model_config, label_names(data_cfg))
     model_config.problem_type = "single_label_classification"
     return model_config
 

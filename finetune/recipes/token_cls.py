@@ -28,7 +28,6 @@ definition, ``seqeval``'s default mode) and counted per batch, so the sums over 
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter
 
 import pyarrow as pa
@@ -40,9 +39,10 @@ from transformers import AutoModelForTokenClassification
 
 from finetune.config import DataConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs
-from finetune.data.dataset import expand_files, file_schemas, missing_columns
+from finetune.data.dataset import file_schemas, missing_columns, sorted_values
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common.labels import name_classes
 
 MODEL_CLASS = AutoModelForTokenClassification
 
@@ -106,31 +106,13 @@ def cache_key(data_cfg: DataConfig) -> dict:
     return {"label_all_tokens": data_cfg.label_all_tokens, "tags": [str(t) for t in tag_names(data_cfg)]}
 
 
-@functools.lru_cache(maxsize=16)
-def _read_tags(path: str, column: str, mtime_ns: int):
-    return pq.read_table(path, columns=[column]).column(column)
-
-
-def read_tags(path: str, column: str):
-    """The list column ``column`` of parquet file ``path`` (a ``pyarrow.ChunkedArray``, cached per file version)."""
-    return _read_tags(os.path.abspath(path), column, os.stat(path).st_mtime_ns)
-
-
 def tag_names(data_cfg: DataConfig) -> list:
     """Sorted distinct tags (str or int) of the training files: class id ``i`` is ``tag_names[i]``.
 
     Raises:
         ConfigError: no training file matches (checked earlier by :func:`check_tags` in a normal run).
     """
-    problems: list[str] = []
-    files = expand_files(data_cfg.train_files, "data.train_files", problems)
-    if problems:
-        raise ConfigError(problems)
-    tags: set = set()
-    for f in files:
-        tags |= set(pc.list_flatten(read_tags(f, data_cfg.tags_column)).unique().to_pylist())
-    tags.discard(None)
-    return sorted(tags)
+    return sorted_values(data_cfg.train_files, "data.train_files", data_cfg.tags_column, flatten=True)
 
 
 def entity_types(id2label: dict) -> list[str]:
@@ -223,11 +205,7 @@ def check_window(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 
 def prepare_model_config(model_config, data_cfg: DataConfig):
     """Set ``num_labels``, ``id2label`` (id -> tag as str) and ``label2id`` from the training tags."""
-    names = tag_names(data_cfg)
-    model_config.num_labels = len(names)
-    model_config.id2label = {i: str(name) for i, name in enumerate(names)}
-    model_config.label2id = {str(name): i for i, name in enumerate(names)}
-    return model_config
+    return name_classes(model_config, tag_names(data_cfg))
 
 
 class Tokenize:
