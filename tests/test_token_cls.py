@@ -312,3 +312,12 @@ def test_entity_metrics_are_seqevals_and_resume_and_export(runs, tmp_path):
     found = tagger("Empire State Building is in New York")
     assert isinstance(found, list) and all({"entity_group", "word", "start", "end"} <= set(e) for e in found)
     assert set(tagger.model.config.id2label.values()) == set(id2label.values())
+
+
+def test_bundle_starts_a_token_cls_config_for_tag_columns(tmp_path):
+    """``finetune bundle``'s starting run config: a dataset with Hugging Face's ``tokens``/``ner_tags`` columns
+    (conll2003, wnut_17, wikiann) starts a ``token_cls`` run on them."""
+    from finetune.airgap.bundle import Source, _recipe_guess
+
+    data = Source("dataset", "wnut17", "wnut17", splits={"train": {"rows": 3, "columns": ["id", "tokens", "ner_tags"]}})
+    assert _recipe_guess([], [data], tmp_path) == ("token_cls", {"tokens_column": "tokens", "tags_column": "ner_tags"})

@@ -627,6 +627,8 @@ def _recipe_guess(models: list[Source], datasets: list[Source], out: Path) -> tu
             return "sft", {"prompt_column": p, "response_column": r}
     if {"text", "label"} <= cols:
         return "seq_cls", {"text_column": "text", "label_column": "label"}
+    if {"tokens", "ner_tags"} <= cols:  # Hugging Face's token-classification sets (conll2003, wnut_17, wikiann)
+        return "token_cls", {"tokens_column": "tokens", "tags_column": "ner_tags"}
     return ("bert_mlm" if masked else "gpt_clm"), {"text_column": "text"}
 
 
