@@ -323,11 +323,13 @@ def row_windows(ids: list[int], prefix: list[int], suffix: list[int], max_len: i
             for start in window_starts(len(inner), width, stride)]
 
 
-def max_context_score(start: int, count: int, position: int) -> float:
+def max_context_score(start: int, count: int, position):
     """How well a window of ``count`` tokens from ``start`` sees token ``position`` (both counted between the
     special tokens): the smaller of its context on the left and on the right plus 0.01 x the window's length (BERT's
-    ``_check_is_max_context``); each token takes the window with the highest score, the first one on a tie."""
-    return min(position - start, start + count - 1 - position) + 0.01 * count
+    ``_check_is_max_context``); each token takes the window with the highest score, the first one on a tie.
+    ``position``: an int, or a float tensor of positions (a score each)."""
+    left, right = position - start, start + count - 1 - position
+    return (left + right - abs(left - right)) / 2 + 0.01 * count  # min(left, right), for ints and tensors alike
 
 
 def windowed_logits(model, batch: dict, max_len: int, stride: int) -> torch.Tensor:
@@ -361,7 +363,7 @@ def windowed_logits(model, batch: dict, max_len: int, stride: int) -> torch.Tens
     source = torch.full(ids.shape, -1, dtype=torch.long)
     for k, (row, start, count) in enumerate(owners):
         positions = torch.arange(start, start + count)
-        score = torch.minimum(positions - start, start + count - 1 - positions).double() + 0.01 * count
+        score = max_context_score(start, count, positions.double())
         better = score > best[row, p + positions]
         best[row, p + positions[better]] = score[better]
         source[row, p + positions[better]] = k
