@@ -145,7 +145,21 @@ class DataConfig:
     label_all_tokens: bool = False
     """token_cls only: every sub-token of a word is labelled (its ``B-`` tag turned into ``I-``), not only the first (transformers' ``run_ner.py`` flag of the same name)."""
     doc_stride: int = 32
-    """token_cls only: tokens each window of a row longer than ``max_seq_len`` shares with the previous window (``run_qa.py``'s ``doc_stride``); below ``max_seq_len`` minus the special tokens."""
+    """token_cls and qa: tokens each window of a row longer than ``max_seq_len`` shares with the previous window (``run_qa.py``'s ``doc_stride``); below ``max_seq_len`` minus the special tokens (qa: minus the question too)."""
+    question_column: str = "question"
+    """qa only: the question column (text)."""
+    context_column: str = "context"
+    """qa only: the context column (text the answer is a span of)."""
+    answers_column: str = "answers"
+    """qa only: the answers column, SQuAD's form: ``{text: [str], answer_start: [int]}`` (character offsets into the context; empty lists for an unanswerable question)."""
+    version_2_with_negative: bool = False
+    """qa only: questions may have no answer (SQuAD 2.0): evaluation may predict the null answer, chosen when its score beats the best span's by more than ``null_score_diff_threshold`` (``run_qa.py``'s flag of the same name)."""
+    max_answer_length: int = 30
+    """qa only: longest answer span, in tokens, that evaluation predicts (``run_qa.py``'s)."""
+    n_best_size: int = 20
+    """qa only: start and end positions evaluation pairs per window, the best of each (``run_qa.py``'s)."""
+    null_score_diff_threshold: float = 0.0
+    """qa with ``version_2_with_negative``: the null answer is predicted when its score minus the best span's exceeds this (``run_qa.py``'s)."""
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
@@ -500,7 +514,7 @@ class RunConfig:
     """One training run: recipe, model, data, DeepSpeed config, training schedule and run folder."""
 
     recipe: str = ""
-    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``token_cls``, ``sft``, ``dpo``, ``kto``, ``reward``, ``grpo``, ``vlm_sft`` or ``distill`` (see ``finetune/recipes``)."""
+    """Task recipe: ``bert_mlm``, ``gpt_clm``, ``seq_cls``, ``token_cls``, ``qa``, ``sft``, ``dpo``, ``kto``, ``reward``, ``grpo``, ``vlm_sft`` or ``distill`` (see ``finetune/recipes``)."""
     output_dir: str = ""
     """Run folder: logs, TensorBoard events, checkpoints, export and the resolved configs. Exactly this folder; a folder that already holds a run is refused unless ``--resume``. Wins over ``output_root``."""
     output_root: str = ""

@@ -305,6 +305,13 @@ PRESETS: dict[str, dict] = {
     "token_cls": {"config": "finetune/recipes/configs/token_cls_wnut17.yaml", "heldout": True, "real": True,
                   "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
                   "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
+    # Question answering on the real all-MiniLM-L6-v2 (issue 71): qa_squad_v2.yaml (three SQuAD 2.0 articles, micro 16
+    # questions per rank) against HF Trainer with run_qa.py's windows and labels and DataCollatorWithPadding
+    # (``hf_grouped``: length-grouped) from the same weights; ``heldout``: the SQuAD F1 of the 208 held-out questions
+    # after the last step (ours: eval/f1; HF: run_qa.py's post-processing on trainer.predict; neither timed).
+    "qa": {"config": "finetune/recipes/configs/qa_squad_v2.yaml", "heldout": True, "real": True,
+           "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
+           "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
     # trains one example per row, padded per batch (answer-only labels in both).
     "sft": {"config": "finetune/recipes/configs/sft_gsm8k.yaml",
@@ -973,6 +980,7 @@ def lm_head_share(cfg, seq_len: int | None = None) -> str:
         setattr(config, k, v)
     auto = {"bert_mlm": transformers.AutoModelForMaskedLM, "seq_cls": transformers.AutoModelForSequenceClassification,
             "token_cls": transformers.AutoModelForTokenClassification,
+            "qa": transformers.AutoModelForQuestionAnswering,
             "reward": transformers.AutoModelForSequenceClassification,
             "vlm_sft": transformers.AutoModelForImageTextToText}.get(cfg.recipe,
                                                                            transformers.AutoModelForCausalLM)
@@ -1017,6 +1025,10 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "eval_micro_batch_size": t.eval_micro_batch_size or t.micro_batch_size,
             "messages_column": d.messages_column, "image_column": d.image_column,
             "tokens_column": d.tokens_column, "tags_column": d.tags_column, "label_all_tokens": d.label_all_tokens,
+            "question_column": d.question_column, "context_column": d.context_column,
+            "answers_column": d.answers_column, "doc_stride": d.doc_stride, "n_best_size": d.n_best_size,
+            "max_answer_length": d.max_answer_length, "version_2_with_negative": d.version_2_with_negative,
+            "null_score_diff_threshold": d.null_score_diff_threshold,
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
 

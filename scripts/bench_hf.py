@@ -5,7 +5,9 @@ truncates rows and ``DataCollatorForLanguageModeling`` masks and pads (``bert_ml
 into blocks (``gpt_clm``, as ``run_clm.py``), the tokenizer truncates sentences and ``DataCollatorWithPadding`` pads
 them, labels being indices of the sorted label set (``seq_cls``, as ``run_glue.py``), words tokenized and their tags
 aligned to the first word pieces, truncated and padded by ``DataCollatorForTokenClassification``, the held-out entity
-F1 of ``seqeval`` after training (``token_cls``, as ``run_ner.py``), or each prompt/response pair
+F1 of ``seqeval`` after training (``token_cls``, as ``run_ner.py``), question and context tokenized into
+overlapping windows labelled with the answer's tokens, padded by ``DataCollatorWithPadding``, the held-out SQuAD F1
+after ``run_qa.py``'s post-processing (``qa``), or each prompt/response pair
 becomes ``tokens(prompt) + tokens(response) + [EOS]`` with label -100 on the prompt, truncated, one example per row,
 padded by ``DataCollatorForSeq2Seq`` (``sft``; a conversation: rendered by the tokenizer's chat template, the turns
 before the last the prompt, the last answer with its end-of-turn marker the response; a pretrained model with
@@ -171,6 +173,50 @@ def main() -> None:
                 held = held.map(tokenize_and_align_labels, batched=True, remove_columns=held.column_names)
             collate = DataCollatorForTokenClassification(tokenizer)
             model_class = transformers.AutoModelForTokenClassification
+        elif recipe == "qa":  # transformers examples/pytorch/question-answering/run_qa.py, dynamic padding
+            q_col, c_col, a_col = spec["question_column"], spec["context_column"], spec["answers_column"]
+            stride = spec["doc_stride"]
+
+            def features(examples, train_split: bool):  # prepare_train_features / prepare_validation_features
+                questions = [q.lstrip() for q in examples[q_col]]
+                tokenized = tokenizer(questions, examples[c_col], truncation="only_second", max_length=max_len,
+                                      stride=stride, return_overflowing_tokens=True, return_offsets_mapping=True)
+                sample_mapping = tokenized.pop("overflow_to_sample_mapping")
+                offset_mapping = tokenized.pop("offset_mapping")
+                if not train_split:
+                    tokenized["example"] = list(sample_mapping)
+                    tokenized["offsets"] = [[o if s == 1 else (-1, -1) for o, s in zip(offs, tokenized.sequence_ids(i))]
+                                            for i, offs in enumerate(offset_mapping)]
+                    return tokenized
+                tokenized["start_positions"], tokenized["end_positions"] = [], []
+                for i, offsets in enumerate(offset_mapping):
+                    input_ids = tokenized["input_ids"][i]
+                    cls_index = input_ids.index(tokenizer.cls_token_id)
+                    sequence_ids = tokenized.sequence_ids(i)
+                    answers = examples[a_col][sample_mapping[i]]
+                    start = end = cls_index
+                    if len(answers["answer_start"]):
+                        start_char = answers["answer_start"][0]
+                        end_char = start_char + len(answers["text"][0])
+                        first = sequence_ids.index(1)
+                        last = len(sequence_ids) - 1 - sequence_ids[::-1].index(1)
+                        if offsets[first][0] <= start_char and offsets[last][1] >= end_char:
+                            while first < len(offsets) and offsets[first][0] <= start_char:
+                                first += 1
+                            while offsets[last][1] >= end_char:
+                                last -= 1
+                            start, end = first - 1, last + 1
+                    tokenized["start_positions"].append(start)
+                    tokenized["end_positions"].append(end)
+                return tokenized
+
+            train = raw.map(lambda b: features(b, True), batched=True, remove_columns=raw.column_names)
+            if spec.get("validation_files"):
+                held_raw = datasets.load_dataset("parquet", data_files=spec["validation_files"], split="train",
+                                                 cache_dir=spec.get("hf_cache") or str(out.parent / "hf-datasets"))
+                held = held_raw.map(lambda b: features(b, False), batched=True, remove_columns=held_raw.column_names)
+            collate = DataCollatorWithPadding(tokenizer)
+            model_class = transformers.AutoModelForQuestionAnswering
         else:
             raise SystemExit(f"bench_hf.py: no Hugging Face contender for recipe {recipe!r}")
 
@@ -234,6 +280,25 @@ def main() -> None:
         y_true = [[names[int(t)] for t in row if t != -100] for row in labels]
         y_pred = [[names[int(p)] for p, t in zip(prow, row) if t != -100] for prow, row in zip(predictions, labels)]
         heldout = {"accuracy": f1_score(y_true, y_pred)}
+    if recipe == "qa" and spec.get("validation_files"):  # run_qa.py's post-processing and SQuAD 2.0 F1, not timed
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from finetune.recipes.qa import predict, scores  # tested equal to utils_qa.postprocess_qa_predictions
+
+        trainer.data_collator = collate
+        (starts, ends), _, _ = trainer.predict(held.remove_columns(["example", "offsets"]))
+        by_example: dict[int, list[int]] = {}
+        for i, e in enumerate(held["example"]):
+            by_example.setdefault(e, []).append(i)
+        f1s = []
+        for e, feats in sorted(by_example.items()):
+            offs = torch.full((len(feats), starts.shape[1], 2), -1, dtype=torch.long)
+            for k, i in enumerate(feats):
+                offs[k, :len(held[i]["offsets"])] = torch.tensor(held[i]["offsets"])
+            pred = predict(torch.as_tensor(starts[feats]), torch.as_tensor(ends[feats]), offs, held_raw[e][c_col],
+                           spec["n_best_size"], spec["max_answer_length"], spec["version_2_with_negative"],
+                           spec["null_score_diff_threshold"])
+            f1s.append(scores(held_raw[e][a_col]["text"], pred)[1])
+        heldout = {"accuracy": sum(f1s) / len(f1s)}
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu,
                                                       "heldout": heldout,

@@ -622,6 +622,8 @@ def _recipe_guess(models: list[Source], datasets: list[Source], out: Path) -> tu
                         ("prompt_completion", {"prompt", "completion"})):
         if needs <= cols:
             return "sft", {"format": form}
+    if {"question", "context", "answers"} <= cols:  # SQuAD's form (squad, squad_v2 and the sets shaped like them)
+        return "qa", {"question_column": "question", "context_column": "context", "answers_column": "answers"}
     for p, r in (("prompt", "response"), ("question", "answer")):
         if {p, r} <= cols:
             return "sft", {"prompt_column": p, "response_column": r}

@@ -157,6 +157,17 @@ def collated_sequences(recipe: Recipe, tokenizer, cfg: RunConfig, rows: list[dic
             id2label = {}
     eos = tokenizer.eos_token_id
     out = []
+    if "window_row" in batch:  # rows of several windows (qa): each window, its answer span as the trained tokens
+        seen: dict[int, int] = {}
+        for k, r in enumerate(batch["window_row"].tolist()):
+            seen[r] = seen.get(r, -1) + 1
+            pos = batch["attention_mask"][k].nonzero().flatten()
+            inputs = batch["input_ids"][k][pos].tolist()
+            s, e = int(batch["start_positions"][k]), int(batch["end_positions"][k])
+            trained = [0 < s <= t <= e for t in range(len(inputs))]
+            out.append(Shown(r, f"window {seen[r]}", inputs, trained,
+                             label=None if any(trained) else "no answer in this window ([CLS])"))
+        return batch, out
     for r, j in ((r, j) for r in range(n) for j in range(per_row)):
         k, which = j * n + r, (names[j] if per_row > 1 else "")
         if "attention_mask" in batch:

@@ -349,8 +349,16 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
             base = peft_model.unload()
         adapted = PeftModel.from_pretrained(base, export / lora.ADAPTER_DIR).eval()
     with torch.no_grad():
-        got = adapted(**inputs).logits.float()
+        got = output_logits(adapted(**inputs))
     return (got - ref).abs().max().item()
+
+
+def output_logits(out) -> torch.Tensor:
+    """A model output's logits as float32: ``logits``, or for a question-answering head its start and end logits
+    stacked on a last axis of 2 (``[batch, seq, 2]``)."""
+    if getattr(out, "logits", None) is None and getattr(out, "start_logits", None) is not None:
+        return torch.stack([out.start_logits, out.end_logits], dim=-1).float()
+    return out.logits.float()
 
 
 def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe, provenance: dict | None = None) -> None:
@@ -372,10 +380,11 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
     with torch.random.fork_rng():
         torch.manual_seed(0)
         batch = collator(rows)
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}  # sft packs
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+              if k in batch}  # sft packs
     engine.eval()
     with torch.no_grad():
-        ref = engine(**{k: v.to(engine.device) for k, v in inputs.items()}).logits.float().cpu()
+        ref = output_logits(engine(**{k: v.to(engine.device) for k, v in inputs.items()})).cpu()
     engine.train()
     verdict = None
     if dist_utils.is_main():
@@ -384,7 +393,7 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
                                                           dtype=torch.float32).eval()
         exported.config.use_cache = False  # one forward as training ran it (packed rows' masks need no KV cache)
         with torch.no_grad():
-            got = exported(**inputs).logits.float()
+            got = output_logits(exported(**inputs))
         diff = (got - ref).abs().max().item()
         adapter_diff = _adapter_diff(run_dir, recipe, inputs, ref)
 

@@ -47,6 +47,7 @@ RECIPES: dict[str, str] = {
     "gpt_clm": "finetune.recipes.gpt_clm",
     "grpo": "finetune.recipes.grpo",
     "kto": "finetune.recipes.kto",
+    "qa": "finetune.recipes.qa",
     "reward": "finetune.recipes.reward",
     "seq_cls": "finetune.recipes.seq_cls",
     "sft": "finetune.recipes.sft",
