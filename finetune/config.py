@@ -137,7 +137,7 @@ class DataConfig:
     label_column: str = "label"
     """seq_cls: class label column (ints or strings; the sorted training labels become the model's id2label); kto: the desirability column (bool, or ints 0/1: true = desirable)."""
     max_seq_len: int = 128
-    """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM); token_cls: the window length of longer rows."""
+    """Tokens per row: truncation length (MLM, unpacked CLM) or block length (packed CLM); token_cls: the window length of longer rows; qa: the length of each window of question and context."""
     tokens_column: str = "tokens"
     """token_cls only: a column of word lists (one sentence per row)."""
     tags_column: str = "ner_tags"

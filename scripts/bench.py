@@ -305,11 +305,11 @@ PRESETS: dict[str, dict] = {
     "token_cls": {"config": "finetune/recipes/configs/token_cls_wnut17.yaml", "heldout": True, "real": True,
                   "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
                   "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
-    # Question answering on the real all-MiniLM-L6-v2 (issue 71): qa_squad_v2.yaml (three SQuAD 2.0 articles, micro 16
+    # Question answering on the real all-MiniLM-L6-v2 (issue 71): qa_squad.yaml (SQuAD-form questions, micro 16
     # questions per rank) against HF Trainer with run_qa.py's windows and labels and DataCollatorWithPadding
-    # (``hf_grouped``: length-grouped) from the same weights; ``heldout``: the SQuAD F1 of the 208 held-out questions
+    # (``hf_grouped``: length-grouped) from the same weights; ``heldout``: the SQuAD F1 of the 96 held-out questions
     # after the last step (ours: eval/f1; HF: run_qa.py's post-processing on trainer.predict; neither timed).
-    "qa": {"config": "finetune/recipes/configs/qa_squad_v2.yaml", "heldout": True, "real": True,
+    "qa": {"config": "finetune/recipes/configs/qa_squad.yaml", "heldout": True, "real": True,
            "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
            "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer

@@ -1,4 +1,5 @@
-"""Write ``data/squad_v2/{train,validation}.parquet`` (SQuAD's columns as Hugging Face ``datasets`` has them:
+"""Write ``data/squad_v2/{train,validation}.parquet`` and, with the answerable questions alone (SQuAD 1.1's form),
+``data/squad/{train,validation}.parquet`` (SQuAD's columns as Hugging Face ``datasets`` has them:
 ``id``, ``title``, ``context``, ``question``, ``answers`` = ``{text: [str], answer_start: [int]}``, empty lists for
 an unanswerable question) from SQuAD 2.0 JSON files (Rajpurkar et al. 2018, "Know What You Don't Know: Unanswerable
 Questions for SQuAD", CC BY-SA 4.0).
@@ -45,17 +46,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", nargs="+", required=True, help="SQuAD 2.0 JSON files")
     p.add_argument("--out", default=str(REPO / "data" / "squad_v2"))
+    p.add_argument("--answerable-out", default=str(REPO / "data" / "squad"))
     p.add_argument("--validation", nargs="+", default=["Normans"], help="titles of the held-out articles")
     args = p.parse_args()
     rows = squad_rows(args.json)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, part in (("train", [r for r in rows if r["title"] not in args.validation]),
-                       ("validation", [r for r in rows if r["title"] in args.validation])):
-        pq.write_table(pa.Table.from_pylist(part), out / f"{name}.parquet")
-        answerable = sum(bool(r["answers"]["text"]) for r in part)
-        print(f"{out / name}.parquet: {len(part)} questions ({answerable} answerable) from "
-              f"{', '.join(sorted({r['title'] for r in part}))}")
+    for out, keep in ((Path(args.out), rows), (Path(args.answerable_out), [r for r in rows if r["answers"]["text"]])):
+        out.mkdir(parents=True, exist_ok=True)
+        for name, part in (("train", [r for r in keep if r["title"] not in args.validation]),
+                           ("validation", [r for r in keep if r["title"] in args.validation])):
+            pq.write_table(pa.Table.from_pylist(part), out / f"{name}.parquet")
+            answerable = sum(bool(r["answers"]["text"]) for r in part)
+            print(f"{out / name}.parquet: {len(part)} questions ({answerable} answerable) from "
+                  f"{', '.join(sorted({r['title'] for r in part}))}")
     return 0
 
 

@@ -184,8 +184,8 @@ class Capabilities:
     """The ``check_data`` hook checks every column the recipe reads, so the generic parquet check does not
     require ``data.text_column`` (``sft``, ``dpo``, ``reward``)."""
     label_head: bool = False
-    """The head gives the config's ``num_labels`` logits at every position, not the vocabulary's (``token_cls``):
-    the planner counts those per token."""
+    """The head gives the config's ``num_labels`` logits at every position, not the vocabulary's (``token_cls``;
+    ``qa``: 2, the start and end logits): the planner counts those per token."""
     mixes_sources: bool = True
     """The recipe trains on a weighted mixture of datasets (``data.sources``); false for ``seq_cls``, whose classes
     come from one dataset's label column."""
