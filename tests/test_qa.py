@@ -9,9 +9,10 @@ and column; ``finetune bundle``'s guess.
 Launched (extended: 3 launches of ``tests/configs/parity_qa.yaml``, 2 CPU ranks, micro-batch 4 x accumulation 2,
 windows of 64 tokens overlapping by 16): ZeRO 0 and ZeRO 3 against one device on the whole global batch, the
 reference running every window alone through the plain model with transformers' own QA loss (losses 1e-5, grad norms
-1e-4 at ZeRO 0 and 1e-5 at ZeRO 3, exported weights 1e-5); the step-0 exact match and F1 summed over both ranks equal
+1e-4 at ZeRO 0 and 1e-5 at ZeRO 3, exported weights 1e-5 but for the two biases whose gradient is 0); the step-0 exact match and F1 summed over both ranks equal
 to the transcribed ``run_qa.py`` pipeline (features, post-processing, SQuAD 2.0 scores) on the whole validation split;
-a resume from step 3 that repeats steps 4-6; the export through ``pipeline("question-answering")``.
+a resume from step 3 that repeats steps 4-6; the export through ``AutoModelForQuestionAnswering`` and the same
+post-processing (transformers 5 removed ``pipeline("question-answering")``).
 """
 
 from __future__ import annotations
@@ -351,16 +352,21 @@ def test_qa_matches_one_device(runs, reference, stage):
         got = load_file(run / "export" / "model.safetensors")
         assert "qa_outputs.weight" in got
         for name, tensor in got.items():
-            assert torch.allclose(tensor.float(), reference.state_dict[name], rtol=1e-5, atol=1e-5), name
+            # a bias that shifts every position's start (end) logit alike has a gradient of exactly 0 (the softmax
+            # over positions is shift-invariant): the head's bias and the last layer's output LayerNorm bias, which
+            # reaches the logits only through the head. Adam turns their rounding-level gradients into steps of
+            # about the learning rate, so they carry no information; every other weight agrees to 1e-5
+            if name in ("qa_outputs.bias", "bert.encoder.layer.1.output.LayerNorm.bias"):
+                continue
+            want = reference.state_dict[name]
+            assert torch.allclose(tensor.float(), want, rtol=1e-5, atol=1e-5), (name, (tensor.float() - want).abs().max())
 
 
 @pytest.mark.extended
 def test_squad_metrics_are_run_qas_and_resume_and_export(runs, tmp_path):
     """The step-0 evaluation (both ranks' shards summed) equals ``run_qa.py``'s pipeline (its validation features,
     each alone through the same initial weights, its post-processing, the SQuAD 2.0 scores) on the whole validation
-    split; a resume from step 3 repeats steps 4-6; the export loads in ``pipeline("question-answering")``."""
-    from transformers import pipeline
-
+    split; a resume from step 3 repeats steps 4-6; the export answers through ``AutoModelForQuestionAnswering``."""
     from conftest import scratch_model
     from finetune.config import load_run_config
     from finetune.recipes.qa import scores
@@ -398,7 +404,19 @@ def test_squad_metrics_are_run_qas_and_resume_and_export(runs, tmp_path):
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], rel=1e-6), step
 
-    reader = pipeline("question-answering", model=str(run / "export"))
-    found = reader(question="Who led the Norse?", context="The Norse, under their leader Rollo, settled Normandy.")
-    assert {"answer", "score", "start", "end"} <= set(found)
-    assert found["answer"] == "The Norse, under their leader Rollo, settled Normandy."[found["start"]:found["end"]]
+    # transformers 5 removed pipeline("question-answering"); the export is what AutoModelForQuestionAnswering loads
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer
+
+    from finetune.recipes.qa import predict
+
+    model = AutoModelForQuestionAnswering.from_pretrained(run / "export", local_files_only=True).eval()
+    tok = AutoTokenizer.from_pretrained(run / "export", local_files_only=True)
+    context = "The Norse, under their leader Rollo, settled Normandy."
+    enc = tok("Who led the Norse?", context, return_offsets_mapping=True, return_tensors="pt")
+    offsets = enc.pop("offset_mapping")[0]
+    offsets[torch.tensor([s != 1 for s in enc.sequence_ids(0)])] = -1
+    with torch.no_grad():
+        out = model(**enc)
+    answer = predict(out.start_logits, out.end_logits, offsets[None], context)
+    assert answer and answer in context
+    assert model.config.architectures == ["BertForQuestionAnswering"]
