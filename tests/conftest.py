@@ -418,6 +418,37 @@ def launch_problems(config: str | Path, overrides: list[str]) -> list[str]:
     return []
 
 
+def refusals(config: str | Path, *overrides: str) -> list[str]:
+    """In process, the problem lines a 2-rank CPU launch of ``config`` with ``overrides`` is refused with
+    (``validate_run``; ``output_dir`` a folder that does not exist); fails the test when it is not refused."""
+    from finetune.config import load_run_config
+    from finetune.errors import ConfigError
+    from finetune.preflight.validate import validate_run
+
+    cfg = load_run_config(config, ["output_dir=/nonexistent/run", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate_run(cfg, None, world_size=2, on_cpu=True)
+    return err.value.problems
+
+
+def one_refusal(config: str | Path, *overrides: str) -> str:
+    """The one problem line of :func:`refusals` (fails the test when there are more)."""
+    problems = refusals(config, *overrides)
+    assert len(problems) == 1, problems
+    return problems[0]
+
+
+def logged(run: Path, key: str) -> list[float]:
+    """The values of ``key`` in a run's ``metrics.jsonl`` at steps 1, 2, ..., in step order."""
+    values = {r["step"]: r[key] for r in read_metrics(run) if key in r and r["step"] > 0}
+    return [values[s] for s in sorted(values)]
+
+
+def max_rel(got: list[float], want: list[float]) -> float:
+    """The largest relative difference of two equally long series."""
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert a launch succeeded, showing its output tail when not."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"

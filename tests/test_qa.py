@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, cpu_env, launch, ok, read_metrics, train_losses
+from conftest import REPO, cpu_env, launch, logged, max_rel, ok, one_refusal, read_metrics, refusals, train_losses
 
 CONFIG = REPO / "tests" / "configs" / "parity_qa.yaml"
 TRAIN, DEV = REPO / "data" / "squad_v2" / "train.parquet", REPO / "data" / "squad_v2" / "validation.parquet"
@@ -219,23 +219,6 @@ def test_squad_answer_comparison():
     assert scores(["Rollo"], "") == (0, 0.0)
 
 
-def _problems(*overrides: str) -> list[str]:
-    from finetune.config import load_run_config
-    from finetune.errors import ConfigError
-    from finetune.preflight.validate import validate_run
-
-    cfg = load_run_config(CONFIG, ["output_dir=/nonexistent/run", *overrides])
-    with pytest.raises(ConfigError) as err:
-        validate_run(cfg, None, world_size=2, on_cpu=True)
-    return err.value.problems
-
-
-def _one_problem(*overrides: str) -> str:
-    problems = _problems(*overrides)
-    assert len(problems) == 1, problems
-    return problems[0]
-
-
 def test_bad_rows_are_one_line_errors(tmp_path):
     ctx = ["Rollo led the Norse.", "The Rhine flows north.", "Cologne is big."]
     q = ["Who led?", "Where?", "What is big?"]
@@ -249,30 +232,30 @@ def test_bad_rows_are_one_line_errors(tmp_path):
                         type=pa.struct([("text", pa.list_(pa.string())), ("answer_start", pa.list_(pa.int64()))]))
 
     moved = write("moved.parquet", answers=answers((["Rollo"], [0]), (["north"], [3]), (["Cologne"], [0])))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {moved}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {moved}]")
     assert str(moved) in err and "row 1 column 'answers'" in err and "'north' at answer_start 3" in err
 
     counts = write("counts.parquet", answers=answers((["Rollo"], [0]), (["Rhine"], []), (["Cologne"], [0])))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {counts}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {counts}]")
     assert "row 1 column 'answers' has 1 answer texts and 0 answer_start" in err
 
     none = write("none.parquet", answers=answers((["Rollo"], [0]), ([], []), (["Cologne"], [0])))
-    err = _one_problem(f"data.train_files=[{none}]", "data.validation_files=[]", "data.version_2_with_negative=false")
+    err = one_refusal(CONFIG, f"data.train_files=[{none}]", "data.validation_files=[]", "data.version_2_with_negative=false")
     assert str(none) in err and "row 1" in err and "version_2_with_negative" in err
 
     flat = write("flat.parquet", answers=pa.array(["Rollo", "north", "Cologne"]))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {flat}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {flat}]")
     assert "'answers' holds string" in err and "SQuAD's form" in err
 
     pq.write_table(pa.table({"question": ["Who led?", " ", "x"], "context": ctx,
                              "answers": answers((["Rollo"], [0]), ([], []), ([], []))}), tmp_path / "blank.parquet")
-    err = _one_problem(f"data.train_files=[{TRAIN}, {tmp_path / 'blank.parquet'}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {tmp_path / 'blank.parquet'}]")
     assert "row 1 column 'question' is empty" in err
 
-    errs = _problems("data.context_column=passage")  # one line per file
+    errs = refusals(CONFIG, "data.context_column=passage")  # one line per file
     assert len(errs) == 2 and all("has no column 'passage'" in e and "data.context_column" in e for e in errs)
 
-    err = _one_problem("data.doc_stride=61")
+    err = one_refusal(CONFIG, "data.doc_stride=61")
     assert "data.doc_stride: 61" in err and "hold 61 tokens" in err
 
 
@@ -309,15 +292,6 @@ def runs(tmp_path_factory):
     return get
 
 
-def _logged(run: Path, key: str) -> list[float]:
-    values = {r["step"]: r[key] for r in read_metrics(run) if key in r and r["step"] > 0}
-    return [values[s] for s in sorted(values)]
-
-
-def _max_rel(got: list[float], want: list[float]) -> float:
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-
-
 @pytest.fixture(scope="module")
 def reference():
     from finetune.config import load_run_config
@@ -344,8 +318,8 @@ def test_qa_matches_one_device(runs, reference, stage):
     micro-batches hold different numbers of windows), grad norms and, at ZeRO 3, exported weights."""
     run = runs(stage)
     assert max(abs(a - b) / b for a, b in zip(reference.micro_batch_losses, reference.token_losses)) > 1e-4
-    assert _max_rel(_logged(run, "train/loss"), reference.losses) <= 1e-5
-    assert _max_rel(_logged(run, "train/grad_norm"), reference.grad_norms) <= (1e-4 if stage == "z0" else 1e-5)
+    assert max_rel(logged(run, "train/loss"), reference.losses) <= 1e-5
+    assert max_rel(logged(run, "train/grad_norm"), reference.grad_norms) <= (1e-4 if stage == "z0" else 1e-5)
     if stage == "z3":
         from safetensors.torch import load_file
 

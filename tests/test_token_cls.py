@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, cpu_env, launch, ok, read_metrics, train_losses
+from conftest import REPO, cpu_env, launch, logged, max_rel, ok, one_refusal, read_metrics, refusals, train_losses
 
 CONFIG = REPO / "tests" / "configs" / "parity_token_cls.yaml"
 SHIPPED = REPO / "finetune" / "recipes" / "configs" / "token_cls_wnut17.yaml"
@@ -151,23 +151,6 @@ def test_read_conll(tmp_path):
         read_conll(str(path))
 
 
-def _problems(*overrides: str) -> list[str]:
-    from finetune.config import load_run_config
-    from finetune.errors import ConfigError
-    from finetune.preflight.validate import validate_run
-
-    cfg = load_run_config(CONFIG, ["output_dir=/nonexistent/run", *overrides])
-    with pytest.raises(ConfigError) as err:
-        validate_run(cfg, None, world_size=2, on_cpu=True)
-    return err.value.problems
-
-
-def _one_problem(*overrides: str) -> str:
-    problems = _problems(*overrides)
-    assert len(problems) == 1, problems
-    return problems[0]
-
-
 def test_bad_rows_are_one_line_errors(tmp_path):
     words = pa.array([["a", "b"], ["c"], ["d", "e"]])
 
@@ -176,26 +159,26 @@ def test_bad_rows_are_one_line_errors(tmp_path):
         return tmp_path / name
 
     short = write("short.parquet", tokens=words, ner_tags=pa.array([["O", "B-x"], ["O"], ["O"]]))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {short}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {short}]")
     assert str(short) in err and "row 2" in err and "'ner_tags' has 1 tags for 2 words in 'tokens'" in err
 
     unseen = write("unseen.parquet", tokens=words, ner_tags=pa.array([["O", "O"], ["B-new"], ["O", "O"]]))
-    err = _one_problem(f"data.validation_files=[{unseen}]")
+    err = one_refusal(CONFIG, f"data.validation_files=[{unseen}]")
     assert str(unseen) in err and "'B-new'" in err and "no training file has" in err
 
     null = write("null.parquet", tokens=words, ner_tags=pa.array([["O", "O"], None, ["O", "O"]]))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {null}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {null}]")
     assert str(null) in err and "row 1" in err and "is null" in err
 
     text = write("text.parquet", tokens=pa.array(["a b", "c", "d e"]), ner_tags=pa.array([["O", "O"], ["O"], ["O"] * 2]))
-    err = _one_problem(f"data.train_files=[{TRAIN}, {text}]")
+    err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {text}]")
     assert str(text) in err and "'tokens' holds string values" in err and "a list per row" in err
 
-    errs = _problems("data.tags_column=tags")  # one line per file
+    errs = refusals(CONFIG, "data.tags_column=tags")  # one line per file
     assert len(errs) == 2 and all("has no column 'tags'" in e and "data.tags_column" in e for e in errs)
     assert "data/wnut17/train.parquet" in errs[0] and "data/wnut17/validation.parquet" in errs[1]
 
-    err = _one_problem("data.max_seq_len=24", "data.doc_stride=22")
+    err = one_refusal(CONFIG, "data.max_seq_len=24", "data.doc_stride=22")
     assert "data.doc_stride: 22" in err and "hold 22 tokens" in err
 
 
@@ -222,15 +205,6 @@ def runs(tmp_path_factory):
     return get
 
 
-def _logged(run: Path, key: str) -> list[float]:
-    values = {r["step"]: r[key] for r in read_metrics(run) if key in r and r["step"] > 0}
-    return [values[s] for s in sorted(values)]
-
-
-def _max_rel(got: list[float], want: list[float]) -> float:
-    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
-
-
 @pytest.fixture(scope="module")
 def reference():
     from finetune.config import load_run_config
@@ -253,8 +227,8 @@ def test_token_cls_matches_one_device(runs, reference, stage):
     count of labelled tokens, which differs between micro-batches), grad norms and, at ZeRO 3, exported weights."""
     run = runs(stage)
     assert max(abs(a - b) / b for a, b in zip(reference.micro_batch_losses, reference.token_losses)) > 1e-4
-    assert _max_rel(_logged(run, "train/loss"), reference.losses) <= 1e-5
-    assert _max_rel(_logged(run, "train/grad_norm"), reference.grad_norms) <= (1e-4 if stage == "z0" else 1e-5)
+    assert max_rel(logged(run, "train/loss"), reference.losses) <= 1e-5
+    assert max_rel(logged(run, "train/grad_norm"), reference.grad_norms) <= (1e-4 if stage == "z0" else 1e-5)
     if stage == "z3":
         from safetensors.torch import load_file
 

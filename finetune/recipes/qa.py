@@ -45,8 +45,8 @@ from transformers import AutoModelForQuestionAnswering
 from finetune.config import DataConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.data.dataset import file_schemas, missing_columns
-from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common.fast_tokenizer import require_fast
 
 MODEL_CLASS = AutoModelForQuestionAnswering
 
@@ -87,18 +87,13 @@ def scores(golds: list[str], pred: str) -> tuple[int, float]:
 # -- data ------------------------------------------------------------------------------------------------------------
 
 def prepare_tokenizer(tokenizer):
-    """Check the tokenizer is a fast one (character offsets and overflowing windows) that can pad.
+    """The tokenizer, checked to be a fast one (character offsets map answers to tokens; overflowing windows) that
+    can pad.
 
     Raises:
         ConfigError: a slow (Python) tokenizer, or one without a pad token.
     """
-    if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"model.tokenizer_path: '{tokenizer.name_or_path}' is a slow tokenizer; qa maps answers to "
-                          f"tokens with a fast tokenizer's character offsets (a folder with tokenizer.json)")
-    if tokenizer.pad_token is None:
-        raise ConfigError(f"model.tokenizer_path: '{tokenizer.name_or_path}' has no pad token; set one in the "
-                          f"tokenizer folder")
-    return tokenizer
+    return require_fast(tokenizer, "qa", "character offsets to map answers to tokens")
 
 
 def columns(data_cfg: DataConfig) -> list[str]:

@@ -42,6 +42,7 @@ from finetune.data.batch import LossOutput, model_inputs
 from finetune.data.dataset import file_schemas, missing_columns, sorted_values
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe
+from finetune.recipes.common.fast_tokenizer import require_fast
 from finetune.recipes.common.labels import name_classes
 
 MODEL_CLASS = AutoModelForTokenClassification
@@ -82,18 +83,12 @@ def read_conll(path: str, tag_field: int = -1) -> list[dict]:
 
 
 def prepare_tokenizer(tokenizer):
-    """Check the tokenizer is a fast one (word ids for the label alignment) that can pad.
+    """The tokenizer, checked to be a fast one (its word ids align the tags) that can pad.
 
     Raises:
         ConfigError: a slow (Python) tokenizer, or one without a pad token.
     """
-    if not getattr(tokenizer, "is_fast", False):
-        raise ConfigError(f"model.tokenizer_path: '{tokenizer.name_or_path}' is a slow tokenizer; token_cls aligns "
-                          f"tags to word pieces with a fast tokenizer's word ids (a folder with tokenizer.json)")
-    if tokenizer.pad_token is None:
-        raise ConfigError(f"model.tokenizer_path: '{tokenizer.name_or_path}' has no pad token; set one in the "
-                          f"tokenizer folder")
-    return tokenizer
+    return require_fast(tokenizer, "token_cls", "word ids to align tags to word pieces")
 
 
 def columns(data_cfg: DataConfig) -> list[str]:

@@ -13,6 +13,8 @@ through a borrowed helper, and a reader of a recipe opens only the recipe and th
 * :mod:`~finetune.recipes.common.rewards`: loading reward functions from ``path/to/file.py:function`` entries and
   the built-in checks (``exact_match``, ...), shared by ``grpo`` and the generating evaluation.
 * :mod:`~finetune.recipes.common.labels`: class names in the model config (``seq_cls``, ``token_cls``).
+* :mod:`~finetune.recipes.common.fast_tokenizer`: the fast tokenizer the tag and span recipes need (``token_cls``,
+  ``qa``).
 
 The chunked LM head itself is :mod:`finetune.recipes.lm_loss`, beside this package.
 """
