@@ -449,6 +449,43 @@ def max_rel(got: list[float], want: list[float]) -> float:
     return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
 
 
+def lazy_runs(root: Path, config: str | Path, variants: dict[str, list[str]], common: list[str] = ()):
+    """``get(name) -> run folder``: the 2-rank launch of ``config`` with ``common`` and ``variants[name]`` into
+    ``root/name``, made on the first call for that name (for module-scoped fixtures whose tests share runs), in the
+    session's tokenized-data cache."""
+    done: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in done:
+            out = Path(root) / name
+            ok(launch(config, [*common, *variants[name], f"output_dir={out}",
+                               f"data.cache_dir={cpu_env()['FINETUNE_CACHE']}"]))
+            done[name] = out
+        return done[name]
+
+    return get
+
+
+def assert_one_device(run: Path, reference, zero3: bool, head: str, skip: tuple[str, ...] = ()) -> None:
+    """A 2-rank x accumulation run equals :func:`parity_reference.reference_run`'s one device on the whole global
+    batch: the micro-batches' own means differ from the global weighting (so the weighting is tested), the logged
+    losses agree to 1e-5, the grad norms to 1e-4 (ZeRO 0) or 1e-5 (ZeRO 3), and at ZeRO 3 every exported weight
+    (``head`` among them) but those in ``skip`` to 1e-5."""
+    import torch
+    from safetensors.torch import load_file
+
+    assert max(abs(a - b) / b for a, b in zip(reference.micro_batch_losses, reference.token_losses)) > 1e-4
+    assert max_rel(logged(run, "train/loss"), reference.losses) <= 1e-5
+    assert max_rel(logged(run, "train/grad_norm"), reference.grad_norms) <= (1e-5 if zero3 else 1e-4)
+    if zero3:
+        got = load_file(run / "export" / "model.safetensors")
+        assert head in got
+        for name, tensor in got.items():
+            want = reference.state_dict[name]
+            assert name in skip or torch.allclose(tensor.float(), want, rtol=1e-5, atol=1e-5), \
+                (name, (tensor.float() - want).abs().max())
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert a launch succeeded, showing its output tail when not."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"
