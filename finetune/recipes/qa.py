@@ -29,11 +29,10 @@ not percentages), with ``data.version_2_with_negative`` also ``eval/has_answer_f
 
 from __future__ import annotations
 
-import collections
 import functools
 import re
 import string
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,9 +52,13 @@ MODEL_CLASS = AutoModelForQuestionAnswering
 
 # -- the official SQuAD 2.0 evaluation script's answer comparison (Rajpurkar et al. 2018, evaluate-v2.0.py) --------
 
+PUNCTUATION = frozenset(string.punctuation)
+"""What SQuAD's ``normalize_answer`` removes besides articles."""
+
+
 def normalize_answer(s: str) -> str:
     """Lower case, punctuation and the articles a/an/the removed, whitespace collapsed (SQuAD's ``normalize_answer``)."""
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = "".join(ch for ch in s.lower() if ch not in PUNCTUATION)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s, flags=re.UNICODE).split())
 
 
@@ -402,7 +405,7 @@ def forward(model, batch: dict, metrics: bool = False, *, n_best: int = 20, max_
     n = real.sum()
     if not metrics:
         return LossOutput(loss, n)
-    sums = collections.defaultdict(float)
+    sums = defaultdict(float)
     starts, ends = start.cpu(), end.cpu()
     offsets, rows = batch["offsets"].cpu(), batch["window_row"].cpu()
     labels = batch["labels"].cpu()
