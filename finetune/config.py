@@ -39,6 +39,7 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 Optimizer = Literal["adamw", "muon"]
 PreferenceLoss = Literal["sigmoid", "ipo", "simpo", "orpo"]
 GrpoLoss = Literal["dapo", "grpo", "dr_grpo", "bnpo"]
+Pooling = Literal["auto", "mean", "cls", "max", "lasttoken"]
 ScaleRewards = Literal["group", "batch", "none"]
 SamplingLevel = Literal["token", "sequence"]
 GenerationBackend = Literal["hf_generate", "hybrid_engine"]
@@ -160,6 +161,14 @@ class DataConfig:
     """qa only: start and end positions evaluation pairs per window, the best of each (``run_qa.py``'s)."""
     null_score_diff_threshold: float = 0.0
     """qa with ``version_2_with_negative``: the null answer is predicted when its score minus the best span's exceeds this (``run_qa.py``'s)."""
+    anchor_column: str = "anchor"
+    """embed only: the anchor (query) column (text)."""
+    positive_column: str = "positive"
+    """embed only: the positive column (text that the anchor should be close to: a paraphrase, an answering passage)."""
+    negative_column: str = ""
+    """embed only: a hard-negative column (text close in form but not in meaning to the anchor; triplets); empty: pairs, the other rows' positives the only negatives."""
+    score_column: str = ""
+    """embed only: a column of pair similarity scores in [0, 1] (STS-B's 0-5 over 5): evaluation reports the Spearman correlation of the cosine similarity with it (``eval/spearman``), and a pair scored below ``train.embed.relevant_score`` is no positive pair (no loss term of its own; its texts stay in-batch negatives); empty: every pair is positive."""
     packing: bool = True
     """gpt_clm: concatenate texts (EOS between) and cut into full ``max_seq_len`` blocks, so no pad tokens; sft: best-fit pack whole examples into rows of ``max_seq_len`` (position ids restart, attention never crosses examples)."""
     prompt_column: str = ""
@@ -345,6 +354,27 @@ class DistillConfig:
 
 
 @dataclass
+class EmbedConfig:
+    """Sentence-embedding training (recipe ``embed``): pooling and the multiple-negatives ranking loss
+    (docs/encoders.md)."""
+
+    scale: float = 20.0
+    """The similarity scale: the loss is the cross-entropy of ``scale x cosine similarity`` (sentence-transformers' ``MultipleNegativesRankingLoss`` ``scale``, the inverse temperature of InfoNCE); > 0."""
+    symmetric: bool = False
+    """Also the loss of each positive retrieving its anchor among the batch's anchors, the two averaged (sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``; CLIP's symmetric loss)."""
+    gather_across_ranks: bool = True
+    """The in-batch negatives of every anchor are the positives (and hard negatives) of every data-parallel rank's micro-batch, gathered with their gradient (``torch.distributed.nn.all_gather``; sentence-transformers' ``gather_across_devices``): 8 ranks give 8x the negatives. false: each rank's micro-batch alone."""
+    cached: bool = False
+    """Gradient cache (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"; sentence-transformers' ``CachedMultipleNegativesRankingLoss``): the negatives are the whole global batch (every micro-batch of the step on every rank), at the memory of one micro-batch: a first pass without gradients embeds every micro-batch, the loss's gradient with respect to each embedding is computed once, then each micro-batch runs again with its gradient. Costs one more forward per micro-batch; dropout draws the same masks in both passes."""
+    pooling: Pooling = "auto"
+    """How token states become one embedding: ``mean`` over real tokens, ``cls`` (the first token), ``max``, ``lasttoken`` (the last real token, for decoders); ``auto``: the sentence-transformers folder's ``1_Pooling/config.json`` when ``model.path`` is one, else ``mean``."""
+    normalize: bool = False
+    """The export's embeddings are unit length (a sentence-transformers ``Normalize`` module); a sentence-transformers ``model.path`` that has one keeps it. The loss and the evaluation use the cosine similarity either way."""
+    relevant_score: float = 0.8
+    """With ``data.score_column``: pairs scored at least this are positive pairs (trained on; the queries of the retrieval evaluation)."""
+
+
+@dataclass
 class EvalGenerateConfig:
     """Generation during evaluation (causal-LM recipes): answers to validation prompts, scored (docs/evaluation.md)."""
 
@@ -473,6 +503,8 @@ class TrainConfig:
     """Loss of the ``reward`` recipe (a reward model trained on chosen/rejected pairs)."""
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
     """Generation, rewards and loss of the ``grpo`` recipe (online RL)."""
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
+    """Pooling and loss of the ``embed`` recipe (sentence embeddings)."""
     distill: DistillConfig = field(default_factory=DistillConfig)
     """Teacher, divergence and on-policy share of the ``distill`` recipe (knowledge distillation)."""
     eval_generate: EvalGenerateConfig = field(default_factory=EvalGenerateConfig)

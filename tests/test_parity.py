@@ -255,7 +255,7 @@ def test_mlm_masks_depend_only_on_seed_epoch_and_row():
         out = {}
         for rank in range(world):
             shard = data_utils._EvalShard(splits.validation, rank, world)
-            batch = data_utils._eval_collate(collate.collator, 0)([shard[i] for i in range(6)])
+            batch = data_utils._eval_collate(collate.collator, 0, len(shard.dataset))([shard[i] for i in range(6)])
             for i, row in enumerate(per_row(batch)):
                 out[shard.indices[i]] = row
         return out

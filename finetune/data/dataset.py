@@ -823,11 +823,18 @@ class _EvalShard(Dataset):
         return row
 
 
-def _eval_collate(collator, seed: int):
+def _eval_collate(collator, seed: int, split_rows: int):
+    """Collate function of validation batches: filler rows' ``labels`` set to -100; a collator that declares
+    ``row_indexed = True`` (``embed``'s, which places each row's embeddings at its index) also gets ``"_row"`` (the
+    row's index in the validation split) and ``"_rows"`` (``split_rows``) in every row."""
     seeded = RowSeededCollate(collator, seed, epoch=0)
+    indexed = getattr(collator, "row_indexed", False)
 
     def collate(rows):
         filler = torch.tensor([r.pop("_filler") for r in rows])
+        if indexed:
+            for r in rows:
+                r["_row"], r["_rows"] = r["_index"], split_rows
         batch = seeded(rows)
         per_row = batch["labels"].shape[0] // len(rows)  # sequences per row (dpo: chosen, then rejected)
         batch["labels"][filler.repeat(per_row)] = -100
@@ -890,7 +897,7 @@ def eval_loader(dataset, collator, data_cfg: DataConfig, micro_batch: int, seed:
     """
     lay = lay or layout.Layout(dist_utils.world_size(), 1, dist_utils.rank())
     shard = _EvalShard(dataset, lay.dp_rank, lay.dp, micro_batch if lay.sp > 1 else 1)
-    collate = _eval_collate(collator, seed)
+    collate = _eval_collate(collator, seed, len(dataset))
     return DataLoader(shard, batch_size=micro_batch, shuffle=False,
                       collate_fn=sequence.SequenceShard(collate, lay) if lay.sp > 1 else collate,
                       num_workers=data_cfg.num_workers, pin_memory=torch.cuda.is_available())

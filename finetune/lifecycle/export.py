@@ -301,6 +301,7 @@ def export_checkpoint(ckpt: str | Path, out_dir: str | Path, run_dir: str | Path
         AutoTokenizer.from_pretrained(meta, local_files_only=True).save_pretrained(tmp)
         copy_processor_files(Path(meta), tmp)  # a multimodal model's processor, as the run began with it
         (tmp / PROVENANCE).write_text(json.dumps({"checkpoint": str(ckpt.resolve()), "step": _step_of(ckpt)}))
+        recipe.export_files(run_cfg, tmp)  # embed: the sentence-transformers modules
         write_card(tmp, ckpt, run_dir, run_cfg, chosen_by)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed export leaves no folder behind
@@ -354,10 +355,13 @@ def _adapter_diff(run_dir: Path, recipe, inputs: dict, ref: torch.Tensor) -> flo
 
 
 def output_logits(out) -> torch.Tensor:
-    """A model output's logits as float32: ``logits``, or for a question-answering head its start and end logits
-    stacked on a last axis of 2 (``[batch, seq, 2]``)."""
+    """A model output's logits as float32: ``logits``, for a question-answering head its start and end logits
+    stacked on a last axis of 2 (``[batch, seq, 2]``), for a model without a head (``AutoModel``: ``embed``) its last
+    hidden states."""
     if getattr(out, "logits", None) is None and getattr(out, "start_logits", None) is not None:
         return torch.stack([out.start_logits, out.end_logits], dim=-1).float()
+    if getattr(out, "logits", None) is None and getattr(out, "last_hidden_state", None) is not None:
+        return out.last_hidden_state.float()
     return out.logits.float()
 
 

@@ -55,7 +55,7 @@ CARD = REPOCARD_NAME
 PIPELINE_TAGS = {"AutoModelForCausalLM": "text-generation", "AutoModelForMaskedLM": "fill-mask",
                  "AutoModelForSequenceClassification": "text-classification",
                  "AutoModelForTokenClassification": "token-classification",
-                 "AutoModelForQuestionAnswering": "question-answering",
+                 "AutoModelForQuestionAnswering": "question-answering", "AutoModel": "sentence-similarity",
                  "AutoModelForImageTextToText": "image-text-to-text"}
 """A recipe's model class -> the Hub's ``pipeline_tag`` (the task widget and filter); a class not listed gets none."""
 

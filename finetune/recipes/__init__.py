@@ -44,6 +44,7 @@ RECIPES: dict[str, str] = {
     "bert_mlm": "finetune.recipes.bert_mlm",
     "distill": "finetune.recipes.distill",
     "dpo": "finetune.recipes.dpo",
+    "embed": "finetune.recipes.embed",
     "gpt_clm": "finetune.recipes.gpt_clm",
     "grpo": "finetune.recipes.grpo",
     "kto": "finetune.recipes.kto",
@@ -128,6 +129,10 @@ def ignore_state(state) -> None:
 def no_models(cfg: RunConfig) -> list[str]:
     """Default ``frozen_models``: the recipe runs no model besides the trained one."""
     return []
+
+
+def no_files(cfg: RunConfig, out) -> None:
+    """Default ``export_files``: the export is the transformers folder alone."""
 
 
 def every_target(data_cfg: DataConfig) -> float:
@@ -326,6 +331,11 @@ class Recipe:
     """``(cfg) -> [model folder]``: models the recipe runs beside the trained one in every step without training
     them (``distill``: the teacher), for the planner, which counts their weights (partitioned under ZeRO-3) and a
     forward without gradients. Default: none."""
+    export_files: Callable[[Any, Any], None] = no_files
+    """``(run config, export folder: Path) -> None``: write the files beside the transformers model and tokenizer
+    that the task's own library loads the export with (``embed``: sentence-transformers' ``modules.json`` and pooling
+    config), called by :func:`finetune.lifecycle.export.export_checkpoint` before the folder is complete. Default:
+    nothing."""
     target_fraction: Callable[[DataConfig], float] = every_target
     """``(data_cfg) -> float``: share of the positions that are loss targets, for the planner's logits memory
     (``bert_mlm``: ``data.mlm_probability``).
