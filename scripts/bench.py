@@ -312,6 +312,14 @@ PRESETS: dict[str, dict] = {
     "qa": {"config": "finetune/recipes/configs/qa_squad.yaml", "heldout": True, "real": True,
            "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
            "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
+    # Sentence embeddings on the real all-MiniLM-L6-v2 (issue 71): embed_stsb.yaml (STS-B pairs, micro 32 pairs per
+    # rank, each anchor against every positive of both ranks) against sentence-transformers' SentenceTransformerTrainer
+    # with MultipleNegativesRankingLoss from the same folder (``st``: its defaults, each rank's own negatives; ``st_gather``:
+    # gather_across_devices, the same negatives as ours); ``heldout``: retrieval NDCG@10 on the STS-B dev pairs after
+    # the last step (both scored by finetune.recipes.embed.retrieval; not timed).
+    "embed": {"config": "finetune/recipes/configs/embed_stsb.yaml", "heldout": True, "real": True,
+              "heldout_key": "eval/ndcg_at_10", "overrides": ["deepspeed=ds_configs/zero2.json"],
+              "contenders": ["finetune", "st", "st_gather"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
     # trains one example per row, padded per batch (answer-only labels in both).
     "sft": {"config": "finetune/recipes/configs/sft_gsm8k.yaml",
@@ -734,6 +742,7 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             "tool_calls": tool_calls, "completion_lengths": completion_lengths, "phases": phases,
             "heldout_accuracy": evals[-1][held] if evals else None,
             "heldout_start": evals[0][held] if len(evals) > 1 else None,
+            "heldout_metrics": {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {},
             "heldout_loss": losses_held[-1] if (losses_held := [r["eval/loss"] for r in evals_all
                                                                if "eval/loss" in r]) else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
@@ -778,6 +787,23 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
     heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
     return {**records, "heldout_accuracy": heldout.get("accuracy")}
+
+
+ST_VARIANTS = {"st": "defaults", "st_gather": "gather"}
+"""Contender -> ``scripts/bench_st.py``'s ``variant`` (sentence-transformers' defaults, or its negatives gathered
+across ranks)."""
+
+
+def st(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_st.py`` (``SentenceTransformerTrainer``); the same records as :func:`hf`."""
+    out.mkdir(parents=True)
+    spec = {**spec, "variant": variant, "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    cmd = deepspeed_cmd(args, "scripts/bench_st.py", "--spec", str(out / "spec.json"))
+    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
+    records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
+    heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
+    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_metrics": heldout}
 
 
 TRL_VARIANTS = {"trl": "defaults", "trl_best": "best"}
@@ -980,7 +1006,7 @@ def lm_head_share(cfg, seq_len: int | None = None) -> str:
         setattr(config, k, v)
     auto = {"bert_mlm": transformers.AutoModelForMaskedLM, "seq_cls": transformers.AutoModelForSequenceClassification,
             "token_cls": transformers.AutoModelForTokenClassification,
-            "qa": transformers.AutoModelForQuestionAnswering,
+            "qa": transformers.AutoModelForQuestionAnswering, "embed": transformers.AutoModel,
             "reward": transformers.AutoModelForSequenceClassification,
             "vlm_sft": transformers.AutoModelForImageTextToText}.get(cfg.recipe,
                                                                            transformers.AutoModelForCausalLM)
@@ -1029,6 +1055,8 @@ def hf_spec(cfg, steps: int, precision: str) -> dict:
             "answers_column": d.answers_column, "doc_stride": d.doc_stride, "n_best_size": d.n_best_size,
             "max_answer_length": d.max_answer_length, "version_2_with_negative": d.version_2_with_negative,
             "null_score_diff_threshold": d.null_score_diff_threshold,
+            "anchor_column": d.anchor_column, "positive_column": d.positive_column,
+            "negative_column": d.negative_column, "score_column": d.score_column, "embed": dataclasses.asdict(t.embed),
             "chat_template": d.chat_template if d.chat_template and Path(d.chat_template).is_file() else ""}
 
 
@@ -1411,6 +1439,8 @@ def main(argv: list[str] | None = None) -> int:
                         elif c.startswith("finetune["):
                             setting = c[9:-1] if "=" in c else f"train.optimizer={c[9:-1]}"
                             runs[c].append(ours(preset, [*overrides, setting], args, out, env))
+                        elif c in ST_VARIANTS:
+                            runs[c].append(st(spec, ST_VARIANTS[c], args, out, env))
                         elif c in TRL_VARIANTS:
                             runs[c].append(trl(spec, TRL_VARIANTS[c], args, out, env))
                         elif c == "bare":
@@ -1451,6 +1481,13 @@ def main(argv: list[str] | None = None) -> int:
             if preset.get("distill") and base:
                 print(distill_summary(name, results, {c: phase_medians(r, args.skip, args.steps)
                                                       for c, r in runs.items()}))
+            if preset.get("heldout"):  # every held-out metric of each launch (embed: spearman, MRR@10, ...)
+                for c, launches in runs.items():
+                    for i, r in enumerate(launches):
+                        if r.get("heldout_metrics"):
+                            print(f"{name}: {c} round {i} held-out " + ", ".join(
+                                f"{k} {v:.4f}" for k, v in sorted(r["heldout_metrics"].items())
+                                if isinstance(v, float)), flush=True)
             for r in results:
                 print(json.dumps({"bench": name, **r}))
     return status
