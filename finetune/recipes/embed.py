@@ -55,7 +55,7 @@ from finetune.config import DataConfig, EmbedConfig, RunConfig
 from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.data.dataset import file_schemas, missing_columns
 from finetune.errors import ConfigError
-from finetune.recipes import Capabilities, Recipe
+from finetune.recipes import Capabilities, Recipe, pad_with_eos
 
 MODEL_CLASS = AutoModel
 
@@ -152,12 +152,7 @@ def prepare_tokenizer(tokenizer):
     Raises:
         ConfigError: no pad and no EOS token.
     """
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ConfigError(f"model.tokenizer_path: tokenizer '{tokenizer.name_or_path}' has no pad and no EOS "
-                              f"token; embed needs one of them to pad batches")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(tokenizer, "embed")
 
 
 def sides(data_cfg: DataConfig) -> list[str]:
