@@ -170,6 +170,26 @@ def test_bad_rows_are_one_line_errors(tmp_path):
     assert "loss_weighting: token" in one_refusal(CONFIG, "train.embed.cached=true", "train.loss_weighting=micro_batch")
 
 
+def test_bundle_starts_an_embed_config_for_sentence_transformers_columns(tmp_path):
+    """``finetune bundle``'s starting run config: a dataset with sentence-transformers' ``anchor``/``positive``
+    (``negative``) columns starts an ``embed`` run on them."""
+    from finetune.airgap.bundle import Source, _recipe_guess
+
+    data = Source("dataset", "all-nli", "all-nli",
+                  splits={"train": {"rows": 3, "columns": ["anchor", "positive", "negative"]}})
+    assert _recipe_guess([], [data], tmp_path) == (
+        "embed", {"anchor_column": "anchor", "positive_column": "positive", "negative_column": "negative"})
+
+
+def test_inspect_shows_each_side_of_a_pair(capsys):
+    """``finetune inspect`` shows each row's anchor and positive as texts, the row's label with the anchor."""
+    from finetune.commands.inspect import main
+
+    assert main([str(CONFIG), "--rows", "1", "--split", "validation"]) == 0
+    shown = capsys.readouterr().out
+    assert "row 0 anchor" in shown and "row 0 positive" in shown and "hard hat is dancing" in shown and "label 1" in shown
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Launched: parity with one device (gathered negatives at ZeRO 0 and 3, the gradient cache), metrics, resume, export
 # ---------------------------------------------------------------------------------------------------------------

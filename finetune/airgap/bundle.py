@@ -631,6 +631,10 @@ def _recipe_guess(models: list[Source], datasets: list[Source], out: Path) -> tu
         return "seq_cls", {"text_column": "text", "label_column": "label"}
     if {"tokens", "ner_tags"} <= cols:  # Hugging Face's token-classification sets (conll2003, wnut_17, wikiann)
         return "token_cls", {"tokens_column": "tokens", "tags_column": "ner_tags"}
+    if {"anchor", "positive"} <= cols:  # sentence-transformers' pair and triplet sets (all-nli, msmarco, ...)
+        keys = {"anchor_column": "anchor", "positive_column": "positive"}
+        return "embed", {**keys, **({"negative_column": "negative"} if "negative" in cols else {}),
+                         **({"score_column": "score"} if "score" in cols else {})}
     return ("bert_mlm" if masked else "gpt_clm"), {"text_column": "text"}
 
 

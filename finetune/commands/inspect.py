@@ -179,6 +179,11 @@ def collated_sequences(recipe: Recipe, tokenizer, cfg: RunConfig, rows: list[dic
         if labels.dim() == 1 and recipe.rollout(cfg) is not None:  # a prompt; training generates its completions
             out.append(Shown(r, which, inputs, [False] * len(inputs), label=PROMPT_ONLY))
             continue
+        if labels.dim() == 1 and labels.shape[0] == n < batch["input_ids"].shape[0]:  # a label per row (embed's
+            # 1: a positive pair, 0: scored below train.embed.relevant_score), shown with the row's first text
+            out.append(Shown(r, which, inputs, [False] * len(inputs),
+                             label=str(int(labels[r])) if j == 0 else None))
+            continue
         if labels.dim() == 1:
             value = int(labels[k])
             name = id2label.get(value, id2label.get(str(value)))
