@@ -33,7 +33,8 @@ ADAPTER_DIR = "adapter"
 # peft task type by the recipe's transformers auto class; None (plain PeftModel) for the others, e.g. masked LM.
 _TASK_TYPES = {"AutoModelForCausalLM": "CAUSAL_LM", "AutoModelForCausalOrImageTextLM": "CAUSAL_LM",
                "AutoModelForSequenceClassification": "SEQ_CLS",
-               "AutoModelForTokenClassification": "TOKEN_CLS", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM"}
+               "AutoModelForTokenClassification": "TOKEN_CLS", "AutoModelForSeq2SeqLM": "SEQ_2_SEQ_LM",
+               "AutoModel": "FEATURE_EXTRACTION"}
 
 
 def peft_config(lora: LoraConfig, model_class):

@@ -483,13 +483,18 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((rx * ry).sum()) / den if den > 0 else float("nan")
 
 
+TIE = 1e-5
+"""Cosine similarities this close count as equal in retrieval: the same text in two batches of different padding
+width embeds a float32 rounding apart, and must not rank above (or below) the relevant passage by chance."""
+
+
 def retrieval(queries: torch.Tensor, corpus: torch.Tensor, relevant: torch.Tensor, k: int = 10) -> dict[str, float]:
     """MRR@k, NDCG@k and accuracy@1 of queries ``[Q, H]`` each with one relevant passage (``relevant`` ``[Q]``: its
-    index into ``corpus`` ``[C, H]``), passages ranked by cosine similarity; a passage as close as the relevant one
-    (the same text again) does not rank above it."""
+    index into ``corpus`` ``[C, H]``), passages ranked by cosine similarity; a passage within :data:`TIE` of the
+    relevant one's similarity (the same text again) does not rank above it."""
     sim = F.normalize(queries.double(), dim=-1) @ F.normalize(corpus.double(), dim=-1).T
     own = sim[torch.arange(len(relevant)), relevant]
-    rank = 1.0 + (sim > own[:, None]).sum(1).double()
+    rank = 1.0 + (sim > own[:, None] + TIE).sum(1).double()
     hit = rank <= k
     return {f"mrr_at_{k}": float(torch.where(hit, 1.0 / rank, 0.0).mean()),
             f"ndcg_at_{k}": float(torch.where(hit, 1.0 / torch.log2(rank + 1), 0.0).mean()),
