@@ -36,7 +36,8 @@ def main() -> None:
     import datasets
     import torch
     import transformers
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
+                                       SentenceTransformerTrainingArguments)
     from sentence_transformers.sentence_transformer.losses import (MultipleNegativesRankingLoss,
                                                                    MultipleNegativesSymmetricRankingLoss)
     from transformers import TrainerCallback

@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, assert_one_device, cpu_env, launch, lazy_runs, ok, one_refusal, read_metrics, refusals, train_losses
+from conftest import (REPO, assert_one_device, cpu_env, launch, lazy_runs, ok, one_refusal, read_metrics, refusals,
+                      train_losses)
 
 CONFIG = REPO / "tests" / "configs" / "parity_embed.yaml"
 TRAIN, DEV = REPO / "data" / "stsb" / "train.parquet", REPO / "data" / "stsb" / "validation.parquet"
@@ -64,7 +65,8 @@ def test_pooling_and_loss_are_sentence_transformers():
     sentence-transformers does, and its loss is ``MultipleNegativesRankingLoss`` (and the symmetric one) with a hard
     negative per row."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss, MultipleNegativesSymmetricRankingLoss
+    from sentence_transformers.sentence_transformer.losses import (MultipleNegativesRankingLoss,
+                                                                   MultipleNegativesSymmetricRankingLoss)
 
     from finetune.config import EmbedConfig
     from finetune.recipes.embed import embed, folder_pooling, pair_losses
@@ -82,11 +84,13 @@ def test_pooling_and_loss_are_sentence_transformers():
         theirs = st.encode([r[k] for k in ("anchor", "positive", "negative") for r in rows], convert_to_tensor=True)
         assert torch.allclose(F.normalize(ours, dim=-1), theirs, atol=1e-5)  # the folder's Normalize module
         b = len(rows)
-        want = MultipleNegativesRankingLoss(st).compute_loss_from_embeddings([theirs[:b], theirs[b:2 * b], theirs[2 * b:]], None)
+        want = MultipleNegativesRankingLoss(st).compute_loss_from_embeddings(
+            [theirs[:b], theirs[b:2 * b], theirs[2 * b:]], None)
         # the loss on the same embeddings (the pooling was compared above)
         assert pair_losses(theirs, b, EmbedConfig(), gather=False).mean().item() == pytest.approx(want.item(), abs=2e-6)
         # sentence-transformers' symmetric loss takes pairs only
-        want = MultipleNegativesSymmetricRankingLoss(st).compute_loss_from_embeddings([theirs[:b], theirs[b:2 * b]], None)
+        want = MultipleNegativesSymmetricRankingLoss(st).compute_loss_from_embeddings(
+            [theirs[:b], theirs[b:2 * b]], None)
         got = pair_losses(theirs[:2 * b], b, EmbedConfig(symmetric=True), gather=False).mean()
         assert got.item() == pytest.approx(want.item(), abs=2e-6)  # float32 logits of about 20: 1e-6 apart
 
@@ -153,7 +157,8 @@ def test_bad_rows_are_one_line_errors(tmp_path):
         pq.write_table(pa.table(cols), tmp_path / name)
         return tmp_path / name
 
-    blank = write("blank.parquet", anchor=["a cat", "a dog", "x"], positive=["a kitten", " ", "y"], score=[1.0, 0.9, 0.8])
+    blank = write("blank.parquet", anchor=["a cat", "a dog", "x"], positive=["a kitten", " ", "y"],
+                  score=[1.0, 0.9, 0.8])
     err = one_refusal(CONFIG, f"data.train_files=[{TRAIN}, {blank}]")
     assert str(blank) in err and "row 1 column 'positive' is empty" in err
 
@@ -189,7 +194,8 @@ def test_inspect_shows_each_side_of_a_pair(capsys):
 
     assert main([str(CONFIG), "--rows", "1", "--split", "validation"]) == 0
     shown = capsys.readouterr().out
-    assert "row 0 anchor" in shown and "row 0 positive" in shown and "hard hat is dancing" in shown and "label 1" in shown
+    assert "row 0 anchor" in shown and "row 0 positive" in shown
+    assert "hard hat is dancing" in shown and "label 1" in shown
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,7 +241,8 @@ def _reference(cached: bool):
         h = model(input_ids=ids, attention_mask=mask).last_hidden_state
         emb = (h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         n = len(anchors)
-        own = torch.tensor([i for i, pos in enumerate(torch.cat([m["labels"] for m in group]).tolist()) if pos == 1], dtype=torch.long)
+        labels = torch.cat([m["labels"] for m in group]).tolist()
+        own = torch.tensor([i for i, pos in enumerate(labels) if pos == 1], dtype=torch.long)
         return F.cross_entropy(20.0 * cos_sim(emb[:n], emb[n:]), own, reduction="sum")
 
     return reference_run(cfg, 2, cfg.train.max_steps, loss_fn=loss_sum, before_step=tag)

@@ -537,7 +537,8 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
 
 RECIPE = Recipe(name="embed", model_class=MODEL_CLASS,
                 capabilities=Capabilities(eval_metrics=("mrr_at_10", "ndcg_at_10", "accuracy_at_1", "spearman"),
-                                          sequence_names=("anchor", "positive", "negative"), reports_perplexity=False, mixes_sources=False, checks_columns=True,
+                                          sequence_names=("anchor", "positive", "negative"),
+                                          reports_perplexity=False, mixes_sources=False, checks_columns=True,
                                           counts_rows=True, sequences_per_row=2, one_target_per_row=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, columns=columns,
