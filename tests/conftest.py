@@ -486,6 +486,16 @@ def assert_one_device(run: Path, reference, zero3: bool, head: str, skip: tuple[
                 (name, (tensor.float() - want).abs().max())
 
 
+def assert_resume_repeats(config: str | Path, overrides: list[str], run: Path, out: Path, step: int = 3) -> None:
+    """A 2-rank launch of ``config`` with ``overrides`` into ``out``, resumed from ``run``'s checkpoint ``step<step>``,
+    trains the steps after it with ``run``'s losses (relative 1e-6)."""
+    ok(launch(config, [*overrides, "export=false", f"output_dir={out}"], resume=str(run / "checkpoints" / f"step{step}")))
+    resumed, full = train_losses(out), train_losses(run)
+    assert sorted(resumed) == list(range(step + 1, max(full) + 1))
+    for s, loss in resumed.items():
+        assert loss == pytest.approx(full[s], rel=1e-6), s
+
+
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """Assert a launch succeeded, showing its output tail when not."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}"

@@ -26,7 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, assert_one_device, cpu_env, launch, lazy_runs, ok, one_refusal, read_metrics, refusals, train_losses
+from conftest import (REPO, assert_one_device, assert_resume_repeats, cpu_env, lazy_runs, one_refusal, read_metrics,
+                      refusals)
 
 CONFIG = REPO / "tests" / "configs" / "parity_qa.yaml"
 TRAIN, DEV = REPO / "data" / "squad_v2" / "train.parquet", REPO / "data" / "squad_v2" / "validation.parquet"
@@ -349,12 +350,7 @@ def test_squad_metrics_are_run_qas_and_resume_and_export(runs, tmp_path):
     has = [bool(a["text"]) for a in rows["answers"]]
     assert step0["eval/has_answer_f1"] == pytest.approx(np.mean([f for (_, f), h in zip(em_f1, has) if h]), rel=1e-9)
 
-    out = tmp_path / "resumed"
-    ok(launch(CONFIG, [*RUNS["z3"], "export=false", f"output_dir={out}"], resume=str(run / "checkpoints" / "step3")))
-    resumed, full = train_losses(out), train_losses(run)
-    assert sorted(resumed) == [4, 5, 6]
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(full[step], rel=1e-6), step
+    assert_resume_repeats(CONFIG, RUNS["z3"], run, tmp_path / "resumed")
 
     # transformers 5 removed pipeline("question-answering"); the export is what AutoModelForQuestionAnswering loads
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer

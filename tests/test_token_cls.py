@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, assert_one_device, cpu_env, launch, lazy_runs, ok, one_refusal, read_metrics, refusals, train_losses
+from conftest import (REPO, assert_one_device, assert_resume_repeats, cpu_env, lazy_runs, one_refusal, read_metrics,
+                      refusals)
 
 CONFIG = REPO / "tests" / "configs" / "parity_token_cls.yaml"
 SHIPPED = REPO / "finetune" / "recipes" / "configs" / "token_cls_wnut17.yaml"
@@ -253,13 +254,7 @@ def test_entity_metrics_are_seqevals_and_resume_and_export(runs, tmp_path):
     assert step0["eval/f1"] == pytest.approx(f1_score(y_true, y_pred), rel=1e-9)
     assert (run / "eval" / "step0_entities.json").is_file()
 
-    out = tmp_path / "resumed"
-    ok(launch(CONFIG, [*WINDOWS, *RUNS["z3"], "export=false", f"output_dir={out}"],
-              resume=str(run / "checkpoints" / "step3")))
-    resumed, full = train_losses(out), train_losses(run)
-    assert sorted(resumed) == [4, 5, 6]
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(full[step], rel=1e-6), step
+    assert_resume_repeats(CONFIG, [*WINDOWS, *RUNS["z3"]], run, tmp_path / "resumed")
 
     tagger = pipeline("token-classification", model=str(run / "export"), aggregation_strategy="simple")
     found = tagger("Empire State Building is in New York")
