@@ -363,8 +363,9 @@ def forward(model, batch: dict, metrics: bool = False, *, settings: EmbedConfig 
         model: the engine (or a transformers ``AutoModel``).
         batch: :func:`make_collator`'s keys; in training with ``train.embed.cached`` also :func:`before_step`'s
             ``embed_grad``, ``embed_loss`` and ``_rng``.
-        metrics: also return ``counts``: float64 ``[rows, 2H + 2]``, at each real row's ``eval_row`` its anchor
-            and positive embeddings, its score and 1 (for :func:`eval_report`).
+        metrics: also return ``counts``: float64 ``[rows, 2H + 2]`` (``rows``: the validation split's), at each
+            real row's ``eval_row`` its anchor and positive embeddings, its score and 1 (for :func:`eval_report`);
+            the table is made for every batch and summed, so it suits validation splits of thousands of rows.
         settings, mode, gather: ``train.embed``, the pooling mode, and whether to gather over ranks (bound by
             :func:`configure`).
     """
