@@ -3,7 +3,7 @@
 
 Written as a user of sentence-transformers writes it: ``datasets`` reads the parquet pairs, ``SentenceTransformer``
 loads the model folder (its ``modules.json``: Transformer, Pooling, Normalize), ``MultipleNegativesRankingLoss``
-(``MultipleNegativesSymmetricRankingLoss`` when the spec says symmetric) with ``gather_across_devices`` as the
+(with both directions, sentence-transformers 6's symmetric form, when the spec says symmetric) with ``gather_across_devices`` as the
 variant says (``defaults``: off, sentence-transformers' default; ``gather``: on, every rank's positives as
 negatives, the toolkit's default), and ``SentenceTransformerTrainer(args=SentenceTransformerTrainingArguments(
 deepspeed=<dict>))`` trains with the spec's batch layout, ZeRO stage, optimizer (torch AdamW), schedule, seed and
@@ -38,8 +38,7 @@ def main() -> None:
     import transformers
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
-    from sentence_transformers.sentence_transformer.losses import (MultipleNegativesRankingLoss,
-                                                                   MultipleNegativesSymmetricRankingLoss)
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from transformers import TrainerCallback
 
     transformers.logging.set_verbosity_error()
@@ -70,8 +69,10 @@ def main() -> None:
     model = SentenceTransformer(spec["model"], device="cuda" if torch.cuda.is_available() else "cpu",
                                 model_kwargs={"dtype": torch.float32}, local_files_only=True)
     model.max_seq_length = spec["max_seq_len"]
-    loss_class = MultipleNegativesSymmetricRankingLoss if spec["embed"]["symmetric"] else MultipleNegativesRankingLoss
-    loss = loss_class(model, scale=spec["embed"]["scale"], gather_across_devices=spec["variant"] == "gather")
+    symmetric = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"} \
+        if spec["embed"]["symmetric"] else {}  # sentence-transformers 6's form of MultipleNegativesSymmetricRankingLoss
+    loss = MultipleNegativesRankingLoss(model, scale=spec["embed"]["scale"],
+                                        gather_across_devices=spec["variant"] == "gather", **symmetric)
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
     step_ends: list[float] = []

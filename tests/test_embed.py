@@ -2,7 +2,7 @@
 
 In process (default suite): pooling equals sentence-transformers' ``Pooling`` on the shared all-MiniLM-L6-v2 folder
 (mean, normalized, read from its ``modules.json``) and the recipe's loss equals sentence-transformers'
-``MultipleNegativesRankingLoss`` and its symmetric variant on the same embeddings; the gradient cache
+``MultipleNegativesRankingLoss`` and its symmetric form on the same embeddings; the gradient cache
 (``train.embed.cached``) gives the plain loss and gradients with dropout on (its second pass draws the first pass's
 masks); Spearman and retrieval metrics against SciPy and a direct count; every bad input as one line naming file, row
 and column.
@@ -62,11 +62,10 @@ def _tiny_bert(dropout: float):
 @pytest.mark.skipif(not MINILM.is_dir(), reason="needs ../shared/models/all-minilm-l6-v2")
 def test_pooling_and_loss_are_sentence_transformers():
     """On the real MiniLM folder: the recipe reads mean pooling and normalization from ``modules.json``, pools as
-    sentence-transformers does, and its loss is ``MultipleNegativesRankingLoss`` (and the symmetric one) with a hard
-    negative per row."""
+    sentence-transformers does, and its loss is ``MultipleNegativesRankingLoss`` with a hard negative per row, and its
+    symmetric form (both directions) on pairs."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.losses import (MultipleNegativesRankingLoss,
-                                                                   MultipleNegativesSymmetricRankingLoss)
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from finetune.config import EmbedConfig
     from finetune.recipes.embed import embed, folder_pooling, pair_losses
@@ -88,9 +87,11 @@ def test_pooling_and_loss_are_sentence_transformers():
             [theirs[:b], theirs[b:2 * b], theirs[2 * b:]], None)
         # the loss on the same embeddings (the pooling was compared above)
         assert pair_losses(theirs, b, EmbedConfig(), gather=False).mean().item() == pytest.approx(want.item(), abs=2e-6)
-        # sentence-transformers' symmetric loss takes pairs only
-        want = MultipleNegativesSymmetricRankingLoss(st).compute_loss_from_embeddings(
-            [theirs[:b], theirs[b:2 * b]], None)
+        # the symmetric loss (sentence-transformers 6: MultipleNegativesRankingLoss with both directions, each its own
+        # softmax, in place of the deprecated MultipleNegativesSymmetricRankingLoss) on pairs
+        symmetric = MultipleNegativesRankingLoss(st, directions=("query_to_doc", "doc_to_query"),
+                                                 partition_mode="per_direction")
+        want = symmetric.compute_loss_from_embeddings([theirs[:b], theirs[b:2 * b]], None)
         got = pair_losses(theirs[:2 * b], b, EmbedConfig(symmetric=True), gather=False).mean()
         assert got.item() == pytest.approx(want.item(), abs=2e-6)  # float32 logits of about 20: 1e-6 apart
 
