@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_records import leave, step_meter
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,7 +46,7 @@ def main() -> None:
     import torch
     import transformers
     from transformers import (AutoConfig, DataCollatorForLanguageModeling, DataCollatorForSeq2Seq,
-                              DataCollatorForTokenClassification, DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments,
+                              DataCollatorForTokenClassification, DataCollatorWithPadding, Trainer, TrainingArguments,
                               default_data_collator)
 
     transformers.logging.set_verbosity_error()
@@ -234,15 +236,6 @@ def main() -> None:
     step_cpu: list[float] = []
     losses: dict[int, float] = {}
 
-    class Meter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append(time.time())
-            step_cpu.append(time.process_time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses[state.global_step] = float(logs["loss"])
-
     torch.manual_seed(spec["seed"])
     if spec["hf_deepspeed"].get("zero_optimization", {}).get("stage") == 3:
         # from_config builds the model under deepspeed.zero.Init (partitioned as it is built), whose config needs
@@ -266,7 +259,8 @@ def main() -> None:
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds the last real token
     trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=counting_collate,
-                      processing_class=tokenizer, callbacks=[Meter()])
+                      processing_class=tokenizer,
+                      callbacks=[step_meter(step_ends, step_cpu, losses)])
     trainer.train()
     peak_gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     heldout = None
@@ -303,15 +297,7 @@ def main() -> None:
                                                       "losses": losses, "gpu_max_allocated": peak_gpu,
                                                       "heldout": heldout,
                                                       "data_seconds": data_seconds}))
-    # Leave without the interpreter's teardown: with Trainer's process group still up, gloo's threads torn down at
-    # exit aborted a finished launch ("terminate called without an active exception", 1 launch in ~30), and
-    # destroy_process_group() first did not prevent it. Every rank is past its last collective after the barrier.
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    leave()
 
 if __name__ == "__main__":
     main()

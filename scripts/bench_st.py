@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_records import leave, step_meter
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -39,7 +41,6 @@ def main() -> None:
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-    from transformers import TrainerCallback
 
     transformers.logging.set_verbosity_error()
     datasets.disable_progress_bars()
@@ -79,16 +80,8 @@ def main() -> None:
     step_cpu: list[float] = []
     losses: dict[int, float] = {}
 
-    class Meter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append(time.time())
-            step_cpu.append(time.process_time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses[state.global_step] = float(logs["loss"])
-
-    trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=train, loss=loss, callbacks=[Meter()])
+    trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=train, loss=loss,
+                                         callbacks=[step_meter(step_ends, step_cpu, losses)])
 
     class Counting:  # sentence-transformers' collator, counting what it collates (its attributes read through)
         def __init__(self, inner):
@@ -130,13 +123,7 @@ def main() -> None:
     (out / f"rank{rank}.json").write_text(json.dumps({"step_ends": step_ends, "step_cpu": step_cpu, "counts": counts,
                                                       "losses": losses, "gpu_max_allocated": peak_gpu,
                                                       "heldout": heldout, "data_seconds": data_seconds}))
-    # as bench_hf.py: leave without the interpreter's teardown once every rank is past its last collective
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    leave()
 
 if __name__ == "__main__":
     main()

@@ -129,9 +129,10 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 from pathlib import Path
+
+from bench_records import leave
 
 
 def greedy_accuracy(net, tokenizer, rows, reward, max_new_tokens: int, batch: int, columns: list[str]) -> tuple:
@@ -512,13 +513,7 @@ def main() -> None:
                                                       "phases": phases,
                                                       "reference_logps_first": reference_first,
                                                       "heldout": heldout, "gpu_max_allocated": peak_gpu}))
-    # as scripts/bench_hf.py: leave without the interpreter's teardown of gloo's threads, after a last barrier
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    leave()
 
 if __name__ == "__main__":
     main()
