@@ -777,16 +777,22 @@ def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, ste
             "gpu_peak": max((r["gpu_max_allocated"] or 0) for r in ranks) or None}
 
 
-def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
-    """One launch of ``scripts/bench_hf.py``; per-step times and the counts of its collated micro-batches."""
+def trainer_launch(script: str, spec: dict, args, out: Path, env: dict) -> dict:
+    """One launch of a Trainer-based contender ``script`` (``scripts/bench_hf.py``, ``scripts/bench_st.py``) on
+    ``spec``; per-step times, the counts of its collated micro-batches and its held-out figures (rank 0's)."""
     out.mkdir(parents=True)
-    spec = {**spec, "sampling": sampling, "out": str(out)}
+    spec = {**spec, "out": str(out)}
     (out / "spec.json").write_text(json.dumps(spec))
-    cmd = deepspeed_cmd(args, "scripts/bench_hf.py", "--spec", str(out / "spec.json"))
+    cmd = deepspeed_cmd(args, script, "--spec", str(out / "spec.json"))
     start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
     records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
     heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
-    return {**records, "heldout_accuracy": heldout.get("accuracy")}
+    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_metrics": heldout}
+
+
+def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
+    """One launch of ``scripts/bench_hf.py`` (HF ``Trainer``) with its train ``sampling`` strategy."""
+    return trainer_launch("scripts/bench_hf.py", {**spec, "sampling": sampling}, args, out, env)
 
 
 ST_VARIANTS = {"st": "defaults", "st_gather": "gather"}
@@ -795,15 +801,8 @@ across ranks)."""
 
 
 def st(spec: dict, variant: str, args, out: Path, env: dict) -> dict:
-    """One launch of ``scripts/bench_st.py`` (``SentenceTransformerTrainer``); the same records as :func:`hf`."""
-    out.mkdir(parents=True)
-    spec = {**spec, "variant": variant, "out": str(out)}
-    (out / "spec.json").write_text(json.dumps(spec))
-    cmd = deepspeed_cmd(args, "scripts/bench_st.py", "--spec", str(out / "spec.json"))
-    start, peaks = run_launch(cmd, env, out.with_suffix(".log"), args.timeout)
-    records = rank_records(out, start, peaks, args.nproc, spec["gradient_accumulation_steps"], spec["steps"])
-    heldout = json.loads((out / "rank0.json").read_text()).get("heldout") or {}
-    return {**records, "heldout_accuracy": heldout.get("accuracy"), "heldout_metrics": heldout}
+    """One launch of ``scripts/bench_st.py`` (``SentenceTransformerTrainer``) with its ``variant``."""
+    return trainer_launch("scripts/bench_st.py", {**spec, "variant": variant}, args, out, env)
 
 
 TRL_VARIANTS = {"trl": "defaults", "trl_best": "best"}

@@ -258,11 +258,6 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> Tokenize:
     return Tokenize(tokenizer, data_cfg)
 
 
-def cache_key(data_cfg: DataConfig) -> dict:
-    """The sides' order decides the rows (columns are in the key already; the order is made explicit)."""
-    return {"sides": sides(data_cfg)}
-
-
 def make_collator(tokenizer, data_cfg: DataConfig, relevant_score: float = 0.8):
     """Collates ``B`` rows into one batch of all their texts, anchors first, then positives, then hard negatives,
     padded to the longest (``data.pad_to_multiple_of``): ``input_ids``, ``attention_mask`` int64 ``[S x B, T]``
@@ -410,14 +405,6 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
-def _gather_plain(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
-    if _world(gather) == 1:
-        return x, 0
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts), dist.get_rank() * x.shape[0]
-
-
 def before_step(engine, micro: list[dict], cfg: RunConfig, *, settings: EmbedConfig | None = None,
                 mode: str = "mean", gather: bool = True) -> list[dict]:
     """The gradient cache (``train.embed.cached``; Gao et al. 2021, sentence-transformers'
@@ -444,10 +431,11 @@ def before_step(engine, micro: list[dict], cfg: RunConfig, *, settings: EmbedCon
     split = [(emb[:b], emb[b:2 * b], emb[2 * b:]) for emb, b in zip(parts, sizes)]
     a, p, n = (torch.cat([s[k] for s in split]) for k in range(3))
     labels = torch.cat([batch["labels"] for batch in micro]).to(device)
-    a_all, offset = _gather_plain(a, gather)
-    p_all = _gather_plain(p, gather)[0]
-    n_all = _gather_plain(n, gather)[0] if n.shape[0] else n
-    labels_all = _gather_plain(labels, gather)[0]
+    with torch.no_grad():  # the same gather as the plain loss's, its gradient not needed here
+        a_all, offset = gather_with_grad(a, gather)
+        p_all = gather_with_grad(p, gather)[0]
+        n_all = gather_with_grad(n, gather)[0] if n.shape[0] else n
+        labels_all = gather_with_grad(labels, gather)[0]
     leaves = [t.detach().requires_grad_(True) for t in (a_all, p_all, n_all)]
     with torch.enable_grad():
         per_anchor = ranking_losses(leaves[0], leaves[1], leaves[2], 0, e.scale)
@@ -543,5 +531,5 @@ RECIPE = Recipe(name="embed", model_class=MODEL_CLASS,
                                           counts_rows=True, sequences_per_row=2, one_target_per_row=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, configure=configure, columns=columns,
-                cache_key=cache_key, check_data=check_pairs, check_tokenizer=check_settings,
+                check_data=check_pairs, check_tokenizer=check_settings,
                 eval_report=eval_report, export_files=export_files)
