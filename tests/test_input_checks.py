@@ -189,7 +189,7 @@ def test_slow_first_tokenization_outlasts_dist_timeout_and_a_killed_one_leaves_n
     micro batch larger than the data), before any model: rank 0 reaches that error only when nothing timed
     out. (Rank 1 may be killed by the launcher before it logs, so its log is only checked for failures.)"""
     big = tmp_path / "big.parquet"
-    pq.write_table(pa.table({"text": pa.array(wiki_texts() * 6, pa.string())}), big)
+    pq.write_table(pa.table({"text": pa.array(wiki_texts() * 15, pa.string())}), big)
     cache = tmp_path / "cache"
     tokenized = cache / "tokenized"
     run = tmp_path / "run"
