@@ -457,7 +457,8 @@ PRESETS: dict[str, dict] = {
     # DPO on the real SmolLM2-135M-Instruct's own sampled pairs (issue 69; dpo_smollm2_arithmetic.yaml: LoRA rank 16 on
     # every linear layer, sigmoid loss, beta 0.1, conversational pairs rendered by the model's own ChatML template)
     # against TRL's DPOTrainer(peft_config=LoraConfig(...)) from the same weights (its reference: the base model with
-    # the adapters off, as ours; trl_best precomputes it). ``heldout``: the held-out reward accuracy over the test
+    # the adapters off, as ours; trl_best precomputes it before training, as ours; trl, its default, forwards it in
+    # every step). ``heldout``: the held-out reward accuracy over the test
     # pairs after the last step, on both sides (not timed). ``real``: needs the model file.
     "dpo_smollm2": {"config": "finetune/recipes/configs/dpo_smollm2_arithmetic.yaml", "epoch": True, "dpo": True,
                     "heldout": True, "real": True, "overrides": [], "contenders": ["finetune", "trl", "trl_best"],

@@ -14,8 +14,9 @@ exercised), all sharing one fresh tokenization/reference cache:
   the initial model at 1e-6.
 * A resume of the ZeRO-0 run from its step-2 checkpoint repeats steps 3-4 exactly and reuses the reference.
 * LoRA at ZeRO-2 (data-parallel) and ZeRO-3 with sequence parallelism 2 (RPO off, no warmup): the reference is
-  the base model (adapters off), so step 1's loss is exactly ``log 2`` and step 2's is not (the adapters moved,
-  the reference did not); step 2 is the same under both (SP + LoRA = data parallelism, 1e-5).
+  the base model (adapters off), computed once and cached under the full fine-tune's key (the ZeRO-3 run reuses the
+  ZeRO-2 run's), so step 1's loss is ``log 2`` (1e-5) and step 2's is not (the adapters moved, the reference did
+  not); step 2 is the same under both (SP + LoRA = data parallelism, 1e-5).
 
 ORPO (reference-free) at ZeRO-3 and, extended, at ZeRO-0, 2 ranks x accumulation 2: per-step loss and grad norm equal
 :func:`orpo_pair_loss` in one process.
@@ -243,12 +244,15 @@ def test_lora_reference_is_the_base_model_at_zero2_and_zero3_sequence_parallel(t
     for stage, over in ((2, ["ds.zero_optimization.stage=2"]), (3, SP)):
         run = tmp_path / f"z{stage}"
         proc = ok(launch(CONFIG, [f"output_dir={run}", *over, *lora]))
-        assert "reference = the base model (LoRA adapters off)" in proc.stdout
+        assert "reference = the base model (LoRA adapters off), computed once" in proc.stdout
+        assert stage == 2 or "train pairs reused" in proc.stdout  # the ZeRO-2 run's reference, the same base
         assert (run / "export" / "adapter" / "adapter_config.json").is_file()
         first[stage] = train_losses(run)
-    # step 1: the adapters are zero (peft's B = 0), so policy = reference and every pair's loss is log 2
+    # step 1: the adapters are zero (peft's B = 0), so policy = reference and every pair's loss is log 2, up to the
+    # float32 rounding of sums over a sequence: the ZeRO-2 run computes the reference (whole sequences) and the
+    # sequence-parallel run reuses it (the same base model and data) while its policy sums two slices
     for stage, losses in first.items():
-        assert abs(losses[1] - math.log(2)) <= 1e-6, (stage, losses)
+        assert abs(losses[1] - math.log(2)) <= 1e-5, (stage, losses)
         assert abs(losses[2] - math.log(2)) > 1e-4, (stage, losses)  # the adapters moved, the reference did not
     assert abs(first[2][2] - first[3][2]) <= 1e-5 * first[2][2]
 

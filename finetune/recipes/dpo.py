@@ -60,8 +60,10 @@ splits once, with the engine's initial weights (no grad, every rank its shard, i
 them in ``<cache>/reference/`` under a key of the tokenized split, the model (files and a hash of their content,
 overrides, init, seed, attention, precision) and the library versions (:func:`reference_key`) so that a resume or
 another run reuses them, and adds them as the ``reference_logps`` column.
-With LoRA the reference is the base model: each step runs a no-grad forward with the adapters disabled (peft's
-``disable_adapter``), no pass. SimPO needs no reference.
+With LoRA the reference is the base model: the same pass and cache with the adapters disabled (peft's
+``disable_adapter``; TRL's ``precompute_ref_log_probs``), so training runs no reference forward either. A batch
+without the column (``finetune evaluate`` of a LoRA run) gets a no-grad forward with the adapters off instead.
+SimPO needs no reference.
 
 Pair weighting: ``count_targets`` counts pairs (rows with a target; eval filler rows have none) and ``forward``
 returns the loss summed over pairs, so the loop's token weighting is pair weighting: the loss is the exact mean
@@ -265,8 +267,8 @@ def configure(recipe: Recipe, cfg: RunConfig) -> Recipe:
 
 
 def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
-    """Attach the reference log-probabilities of every pair to both splits (``reference_logps``, :func:`attach_reference`);
-    the data as it is for SimPO and LoRA.
+    """Attach the reference log-probabilities of every pair to both splits (``reference_logps``, :func:`attach_reference`;
+    with LoRA the base model's, adapters off); the data as it is for the reference-free losses.
 
     Must run before a checkpoint is restored (the reference is the model's initial weights).
     """
@@ -274,8 +276,7 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
         logger.info(f"dpo: {cfg.train.dpo.loss_type} is reference-free; no reference log-probabilities")
         return data
     if cfg.model.lora is not None:
-        logger.info("dpo: reference = the base model (LoRA adapters off), a no-grad forward in each step")
-        return data
+        logger.info("dpo: reference = the base model (LoRA adapters off), computed once before training")
     return attach_reference(engine, data, cfg, "dpo", "pairs")
 
 

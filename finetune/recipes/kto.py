@@ -313,7 +313,7 @@ def before_training(engine, data: TrainData, cfg: RunConfig) -> TrainData:
     (:func:`~finetune.recipes.common.reference.attach_reference`, as ``dpo``'s).
     Must run before a checkpoint is restored."""
     if cfg.model.lora is not None:
-        logger.info("kto: reference = the initial model, whose LoRA adapters are zero: the base model")
+        logger.info("kto: reference = the base model (LoRA adapters off), computed once before training")
     return reference.attach_reference(engine, data, cfg, "kto", "rows")
 
 

@@ -2,7 +2,8 @@
 on (``distill``'s teacher): the reference log-probabilities of every row computed once with the initial weights, in
 lockstep on every rank (:func:`reference_logps`), cached by the tokenized split, the model's files and their content
 (:func:`content_digest`), precision and library versions (:func:`reference_key`), and attached as a column
-(:func:`attach_reference`); with LoRA the reference is the base model with the adapters off (:func:`adapters_off`).
+(:func:`attach_reference`); with LoRA the reference is the base model with the adapters off (:func:`adapters_off`),
+as TRL's ``precompute_ref_log_probs`` with a peft model.
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def library_versions() -> dict[str, str]:
 def reference_key(cfg: RunConfig, split, precision: str) -> str:
     """Cache key of a split's reference log-probabilities (20 hex digits): the tokenized split's file(s) and rows,
     the initial model (each file of its folder: path, size, mtime and :func:`content_digest`; ``init``, the seed of a
-    scratch model, ``config_overrides``, attention, fused kernels), ``precision`` (``fp32``, ``bf16``, ``fp16``) and
-    :func:`library_versions`; a change of any gives a new key.
+    scratch model, ``config_overrides``, attention, fused kernels, a QLoRA base's quantization), ``precision``
+    (``fp32``, ``bf16``, ``fp16``) and :func:`library_versions`; a change of any gives a new key. LoRA's rank and
+    targets are not in it: the reference is the base model, adapters off, which a full fine-tune's initial weights
+    equal.
 
     Raises:
         OSError: a model file cannot be read.
@@ -126,12 +129,15 @@ def reference_key(cfg: RunConfig, split, precision: str) -> str:
                         "seed": cfg.train.seed if cfg.model.init == "scratch" else None,
                         "overrides": cfg.model.config_overrides, "attention": cfg.model.attn_implementation,
                         "fused_kernels": cfg.model.fused_kernels, "precision": precision,
-                        "libraries": library_versions(), "version": 2})
+                        "quantization": (dataclasses.asdict(cfg.model.quantization)
+                                         if cfg.model.quantization is not None else None),
+                        "libraries": library_versions(), "version": 3})
 
 
 @torch.no_grad()
 def reference_logps(engine, split, collator, cfg: RunConfig) -> np.ndarray:
-    """``(ref_c, ref_r)`` of every pair of ``split`` with the engine's current weights; all ranks call it.
+    """``(ref_c, ref_r)`` of every pair of ``split`` with the engine's current weights (with LoRA, the base model's:
+    the adapters off); all ranks call it.
 
     Every data-parallel rank runs its shard of the rows (``dp_rank::dp``, topped up with filler rows so that all
     ranks run the same number of forwards, as ZeRO-3 needs) in eval mode, the ranks of an SP group a slice of each
@@ -146,12 +152,13 @@ def reference_logps(engine, split, collator, cfg: RunConfig) -> np.ndarray:
     values = torch.zeros((len(split), 2), dtype=torch.float64, device=engine.device)
     engine.eval()
     done = 0
-    for batch in loader:
-        logps, _ = sequence_logps(engine, to_device(batch, engine.device))
-        b = logps.shape[0] // 2
-        for j in range(max(0, min(b, len(mine) - done))):
-            values[mine[done + j]] = torch.stack([logps[j], logps[b + j]]).double()
-        done += b
+    with adapters_off(engine) if peft_model_of(engine) is not None else contextlib.nullcontext():
+        for batch in loader:
+            logps, _ = sequence_logps(engine, to_device(batch, engine.device))
+            b = logps.shape[0] // 2
+            for j in range(max(0, min(b, len(mine) - done))):
+                values[mine[done + j]] = torch.stack([logps[j], logps[b + j]]).double()
+            done += b
     engine.train()
     return dist_utils.all_reduce_sum(values).cpu().numpy()
 
