@@ -494,9 +494,14 @@ def test_a_chat_template_that_raises_is_one_line_before_any_model(tmp_path, caps
     assert "Traceback" not in err
 
 
+def cfg_overrides(model: Path) -> list[str]:
+    return [f"model.path={model}", "model.init=pretrained"]
+
+
 def test_reference_key_follows_the_weights_content_and_library_versions(tmp_path, monkeypatch):
     """A weight file replaced by one of the same size with the old mtime (``rsync -a`` of a re-export) gives a new
-    key, so the cached reference is not reused; so does another library version."""
+    key, so the cached reference is not reused; so does another library version. LoRA keeps a full fine-tune's key
+    (its reference is the base model, adapters off); a QLoRA base, quantized, gets another."""
     import datasets
     import shutil
 
@@ -507,9 +512,14 @@ def test_reference_key_follows_the_weights_content_and_library_versions(tmp_path
     shutil.copy(REPO / "data/models/tiny-llama/config.json", model / "config.json")
     weights = model / "model.safetensors"
     save_file({"w": torch.zeros(256)}, weights)
-    cfg = _cfg(tmp_path / "cache", [f"model.path={model}", "model.init=pretrained"])
+    cfg = _cfg(tmp_path / "cache", cfg_overrides(model))
     split = datasets.Dataset.from_dict({"input_ids": [[1, 2]]})
     key = ref_pass.reference_key(cfg, split, "fp32")
+    # LoRA's reference is the base model with the adapters off: a full fine-tune's key; a quantized base is another
+    lora = ["model.lora.r=4", "model.lora.alpha=8"]
+    assert ref_pass.reference_key(_cfg(tmp_path / "cache", [*cfg_overrides(model), *lora]), split, "fp32") == key
+    qlora = _cfg(tmp_path / "cache", [*cfg_overrides(model), *lora, "model.quantization.bits=4"])
+    assert ref_pass.reference_key(qlora, split, "fp32") != key
     cached = tmp_path / "cache" / "reference" / f"dpo-train-{key}.npy"
     cached.parent.mkdir(parents=True)
     np.save(cached, np.zeros((1, 2)))
