@@ -9,10 +9,14 @@ import sys
 import time
 
 
-def step_meter(step_ends: list[float], step_cpu: list[float], losses: dict[int, float]):
+def step_meter(step_ends: list[float], step_cpu: list[float], losses: dict[int, float],
+               logged: dict[str, dict[int, float]] | None = None):
     """A ``transformers.TrainerCallback`` appending the wall time (Unix seconds) and the process CPU time at the end
-    of each optimizer step to ``step_ends`` and ``step_cpu``, and each logged loss to ``losses`` by step."""
+    of each optimizer step to ``step_ends`` and ``step_cpu``, each logged loss to ``losses`` by step, and each
+    value logged under a key of ``logged`` (e.g. ``{"reward": rewards}``) to that key's dict by step."""
     from transformers import TrainerCallback
+
+    records = {"loss": losses, **(logged or {})}
 
     class Meter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -20,8 +24,9 @@ def step_meter(step_ends: list[float], step_cpu: list[float], losses: dict[int, 
             step_cpu.append(time.process_time())
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses[state.global_step] = float(logs["loss"])
+            for key, values in records.items():
+                if logs and key in logs:
+                    values[state.global_step] = float(logs[key])
 
     return Meter()
 

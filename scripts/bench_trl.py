@@ -132,7 +132,7 @@ import os
 import time
 from pathlib import Path
 
-from bench_records import leave
+from bench_records import leave, step_meter
 
 
 def greedy_accuracy(net, tokenizer, rows, reward, max_new_tokens: int, batch: int, columns: list[str]) -> tuple:
@@ -182,7 +182,7 @@ def main() -> None:
     import datasets
     import torch
     import transformers
-    from transformers import AutoConfig, TrainerCallback
+    from transformers import AutoConfig
     from transformers.initialization import no_init_weights
 
     transformers.logging.set_verbosity_error()
@@ -270,20 +270,8 @@ def main() -> None:
     tool_calls: dict[int, float] = {}  # GRPO with tools: the logged tools/call_frequency of each step
     phases: dict[str, list[float]] = {}  # GRPO: wall seconds of each call of the timed parts (per rank)
 
-    class Meter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            step_ends.append(time.time())
-            step_cpu.append(time.process_time())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                losses[state.global_step] = float(logs["loss"])
-            if logs and accuracy_key in logs:
-                accuracies[state.global_step] = float(logs[accuracy_key])
-            if logs and grpo and "reward" in logs:
-                rewards[state.global_step] = float(logs["reward"])
-            if logs and grpo and "tools/call_frequency" in logs:
-                tool_calls[state.global_step] = float(logs["tools/call_frequency"])
+    logged = {accuracy_key: accuracies, **({"reward": rewards, "tools/call_frequency": tool_calls} if grpo else {})}
+    meter = step_meter(step_ends, step_cpu, losses, logged)
 
     half = spec["precision"]
     common = dict(
@@ -372,7 +360,7 @@ def main() -> None:
                            use_vllm=False,
                            **({"max_tool_calling_iterations": g["max_tool_calling_iterations"]} if agentic else {}))
         trainer = GRPOTrainer(model=model, reward_funcs=reward_funcs, args=gargs,
-                              train_dataset=raw, processing_class=tokenizer, callbacks=[Meter()], **agentic,
+                              train_dataset=raw, processing_class=tokenizer, callbacks=[meter], **agentic,
                               **adapters)
     elif distill:
         from trl import DistillationConfig, DistillationTrainer
@@ -390,7 +378,7 @@ def main() -> None:
         teacher = transformers.AutoModelForCausalLM.from_pretrained(d["teacher"], dtype=torch.float32,
                                                                     local_files_only=True)
         trainer = DistillationTrainer(model=model, teacher_model=teacher, args=dargs, train_dataset=raw,
-                                      processing_class=tokenizer, callbacks=[Meter()])
+                                      processing_class=tokenizer, callbacks=[meter])
     elif sft:
         from trl import SFTConfig, SFTTrainer
 
@@ -400,7 +388,7 @@ def main() -> None:
         held = prompt_completions(spec["validation_files"]) if spec.get("validation_files") else None
         trainer = SFTTrainer(model=model, args=SFTConfig(**common, completion_only_loss=True, packing=best,
                                                          eval_packing=False),
-                             train_dataset=raw, eval_dataset=held, processing_class=tokenizer, callbacks=[Meter()],
+                             train_dataset=raw, eval_dataset=held, processing_class=tokenizer, callbacks=[meter],
                              **adapters)
     elif vlm:
         from trl import SFTConfig, SFTTrainer
@@ -410,14 +398,14 @@ def main() -> None:
         processor = transformers.AutoProcessor.from_pretrained(spec["tokenizer"], local_files_only=True)
         processor.tokenizer = tokenizer
         trainer = SFTTrainer(model=model, args=SFTConfig(**common, assistant_only_loss=True, packing=False),
-                             train_dataset=raw, processing_class=processor, callbacks=[Meter()])
+                             train_dataset=raw, processing_class=processor, callbacks=[meter])
     elif reward:
         from trl import RewardConfig, RewardTrainer
 
         # the held-out pairs are tokenized (and filtered by length) with the training pairs, evaluated after training
         held = pairs(spec["validation_files"]) if spec.get("validation_files") else None
         trainer = RewardTrainer(model=model, args=RewardConfig(**common), train_dataset=raw, eval_dataset=held,
-                                processing_class=tokenizer, callbacks=[Meter()])
+                                processing_class=tokenizer, callbacks=[meter])
     else:
         from trl import DPOConfig, DPOTrainer
 
@@ -429,7 +417,7 @@ def main() -> None:
         reference = None if best or adapters else copy.deepcopy(model)
         held = pairs(spec["validation_files"]) if spec.get("validation_files") else None
         trainer = DPOTrainer(model=model, ref_model=reference, args=dargs, train_dataset=raw, eval_dataset=held,
-                             processing_class=tokenizer, callbacks=[Meter()], **adapters)
+                             processing_class=tokenizer, callbacks=[meter], **adapters)
     if grpo or distill:
         compute_loss = trainer.compute_loss
 
