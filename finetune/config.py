@@ -534,6 +534,16 @@ class ParallelConfig:
     ``experts / size`` of them and tokens travel to their experts by all-to-all; everything else, and the rows, stay
     data-parallel over all ranks); recipe ``gpt_clm`` on models with an AutoEP preset (Qwen3-MoE, Mixtral, ...),
     without LoRA, Muon, sequence or tensor parallelism; 1: off. The data-parallel size stays the world size."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (DeepSpeed's ``PipelineModule``/``PipelineEngine``, 1F1B schedule): each stage holds a
+    contiguous slice of the layers and the micro-batches of a step flow through them
+    (:mod:`finetune.parallel.pipeline`); recipes ``gpt_clm``, ``sft`` (LoRA too) and ``bert_mlm`` on Llama, Qwen2,
+    Qwen3, Mistral, GPT-2 and BERT, ZeRO 0-1, without sequence, tensor or expert parallelism; 1: off. Data-parallel
+    size = world size / this."""
+    pipeline_partition_method: str = "parameters"
+    """How the layers are split into stages (DeepSpeed's ``partition_method``): ``parameters`` (balanced parameter
+    counts), ``uniform`` (balanced layer counts) or ``type:<regex>`` (balanced counts of the layers whose class name
+    matches, e.g. ``type:Decoder``)."""
     tiled_mlp: bool = False
     """Compute each layer's MLP (modules named ``*.mlp``: Llama, Qwen, Mistral, GPT-2) in tiles of about
     ``hidden_size`` tokens along the sequence, recomputed in backward (DeepSpeed's ``TiledMLP``, from ALST): its

@@ -117,7 +117,7 @@ def export_step(engine, run_dir, state, cfg, ds: dict) -> tuple[int, dict]:
     now = (lay.world, engine.zero_optimization_stage(), lay.sp, lay.tp)
     universal = why is None and ckpt_utils.saved_layout(ckpt) != now
     if universal:
-        problems, _, _ = ckpt_utils.resume_layout(ckpt, lay.world, ds)
+        problems, _, _ = ckpt_utils.resume_layout(ckpt, lay.world, ds, lay.pp)
         why = problems[0].replace("--resume: ", "") if problems else None
         universal = ckpt_utils.is_sharded(ckpt)  # a ZeRO-0 fp32 checkpoint loads on any layout as it is
     if why:

@@ -45,7 +45,7 @@ from transformers.utils import logging as hf_logging
 
 from finetune.engine import kernels
 
-from finetune.engine import freeze, gguf, lora, moe, muon, neftune, quantize
+from finetune.engine import freeze, gguf, lora, moe, muon, neftune, pipeline, quantize
 
 from finetune.parallel import expert, layout, sequence
 from finetune.config import RunConfig
@@ -266,12 +266,21 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
     if cfg.train.optimizer == "muon":  # use_muon on every parameter, by module type; DeepSpeed's by-name tagging off
         logger.info(muon.tag(model))
         keep.append(muon.keep_tags())
+    if lay.pp > 1:  # the stages' layers, built from this model's modules (finetune.engine.pipeline)
+        model = pipeline.to_pipeline(model, cfg, lay.world)
+        if zero_stage(ds) == 0:  # the norm, the clipping and the skip of non-finite steps over all stages: ours
+            ds = {**ds, "gradient_clipping": 0.0}
+        logger.info(f"pipeline parallelism: {lay.pp} stages x {lay.dp} data-parallel; this rank holds layers "
+                    f"{model._local_start}-{model._local_stop - 1} of {model._num_layers} "
+                    f"({sum(p.numel() for p in model.parameters()):,} parameters); {lay.describe()}")
     with patches.applied(*keep):
         groups = optimizer_groups(model, cfg)
         if "expert_parallel" in ds:  # DeepSpeed splits each named group into its dense and expert parameters
             groups = expert.name_groups(groups)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
                                                config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
+    if lay.pp > 1 and zero_stage(ds) == 0:
+        pipeline.install_step_guard(engine, cfg.train.max_grad_norm)
     if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
                     "(finetune.parallel.sequence.fix_zero3_average)")

@@ -59,6 +59,7 @@ from finetune import patches
 from finetune.lifecycle import safe_load
 from finetune.parallel import distributed as dist_utils
 from finetune.config import dump_yaml
+from finetune.engine import pipeline
 from finetune.engine.ds_config import engine_precision, zero_stage
 from finetune.errors import ConfigError, RunFailure, TrainingDiverged
 from finetune.logs import logger
@@ -506,6 +507,8 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
             torch.save(rank_state, ckdir / tag / RECIPE_STATE.format(rank=dist_utils.rank()))
         if dist_utils.is_main() and config is not None:
             (ckdir / tag / CONFIG_FILE).write_text(dump_yaml(config))
+        if dist_utils.is_main() and pipeline.is_pipeline(engine):  # how the layer files join into one model
+            pipeline.write_layers_file(engine, ckdir / tag)
     except (OSError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "unexpected pos" not in str(e) and "write" not in str(e).lower():
             raise
@@ -522,7 +525,9 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
             "step": state.step, "world_size": dist_utils.world_size(), "zero_stage": engine.zero_optimization_stage(),
             "sequence_parallel_size": par.get("sequence_parallel_size", 1),
             "tensor_parallel_size": par.get("tensor_parallel_size", 1),
-            "expert_parallel_size": par.get("expert_parallel_size", 1), "time": time.time(), "manifest": manifest}))
+            "expert_parallel_size": par.get("expert_parallel_size", 1),
+            "pipeline_parallel_size": par.get("pipeline_parallel_size", 1), "time": time.time(),
+            "manifest": manifest}))
         if keep_last > 0:
             try:
                 prune(ckdir, keep_last, protect)
@@ -536,7 +541,8 @@ def save(engine, output_dir: str | Path, state: TrainState, config: dict | None 
 
 def marker(ckpt: Path) -> dict:
     """The ``COMPLETE`` marker's contents: ``step``, ``world_size``, ``zero_stage``, ``sequence_parallel_size``,
-    ``tensor_parallel_size``, ``expert_parallel_size`` (absent from older checkpoints: 1), ``time`` and ``manifest``
+    ``tensor_parallel_size``, ``expert_parallel_size``, ``pipeline_parallel_size`` (absent from older checkpoints: 1),
+    ``time`` and ``manifest``
     (:data:`MANIFEST`'s ``file``, ``sha256``, ``files``, ``bytes`` and hashing ``seconds``; absent from checkpoints
     saved before manifests existed)."""
     return json.loads((ckpt / MARKER).read_text())
@@ -589,7 +595,7 @@ def is_sharded(ckpt: Path) -> bool:
     return any(ckpt.glob("*optim_states.pt"))
 
 
-def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], list[str], bool]:
+def resume_layout(ckpt: Path, world_size: int, ds: dict, pp: int = 1) -> tuple[list[str], list[str], bool]:
     """Can ``ckpt`` be resumed on this launch's layout (world size, ZeRO stage, offload), and how.
 
     Read from the ``COMPLETE`` marker and the file names, before any model is built.
@@ -600,6 +606,9 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], lis
       universal copy (:func:`to_universal`); exact (the continuation's losses equal the uninterrupted run's;
       :func:`load` repairs two things DeepSpeed 0.19.8's ZeRO-3 universal load gets wrong).
     * Expert parallelism (AutoEP) on either side: only the same world size, ZeRO stage and expert-parallel size.
+    * Pipeline parallelism (``pp``: this launch's ``parallel.pipeline_parallel_size``) on either side: only the same
+      world size, ZeRO stage and number of stages (the weights are one file per pipeline layer, which DeepSpeed's
+      ``ds_to_universal`` does not convert).
     * Refused: between ZeRO-3 and ZeRO 0-2 (the universal copy keeps the model-state files of its
       source stage, which the other stages do not read), from ZeRO 0 to ZeRO 1-3 (nothing to convert:
       ``ds_to_universal`` reads ZeRO shards), from shards to ZeRO 0 (DeepSpeed loads universal
@@ -621,6 +630,13 @@ def resume_layout(ckpt: Path, world_size: int, ds: dict) -> tuple[list[str], lis
                 f"layout (DeepSpeed's ds_to_universal expert conversion is not checked here); resume with "
                 f"{old_world} ranks, ZeRO stage {old_stage} and parallel.expert_parallel_size={old_ep}, or export it "
                 f"(the end-of-run export gathers the experts) and start a new run from the export"], [], False
+    old_pp = meta.get("pipeline_parallel_size", 1)
+    if max(old_pp, pp) > 1 and (old_world, old_stage, old_pp) != (world_size, stage, pp):
+        return [f"--resume: '{ckpt}' was saved with world size {old_world}, ZeRO stage {old_stage} and "
+                f"{old_pp} pipeline stage(s), this launch has {world_size}, {stage} and {pp}: a pipeline checkpoint "
+                f"holds one file per pipeline layer, which DeepSpeed's universal checkpoint does not convert; resume "
+                f"with {old_world} ranks, ZeRO stage {old_stage} and parallel.pipeline_parallel_size={old_pp}, or "
+                f"export it (finetune export {ckpt} <dir>) and start a new run from the export"], [], False
     if (old_world, old_stage) == (world_size, stage):
         return [], [], False
     change = (f"'{ckpt}' was saved with world size {old_world} and ZeRO stage {old_stage}, this launch has world "

@@ -33,7 +33,8 @@ from transformers.integrations import deepspeed as hf_ds
 
 from finetune.parallel import distributed as dist_utils
 from finetune.parallel import expert
-from finetune.engine import lora, quantize
+from finetune.parallel.pipeline import LAYERS_FILE, is_pipeline_checkpoint
+from finetune.engine import lora, pipeline, quantize
 from finetune.engine.ds_config import precision_of
 from finetune.lifecycle import safe_load
 from finetune.lifecycle.checkpoint import checkpoints_dir, is_complete, verify
@@ -68,6 +69,8 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
     Raises:
         ConfigError: ``ckpt`` holds no DeepSpeed model states.
     """
+    if is_pipeline_checkpoint(ckpt):  # one file per pipeline layer: joined under the Hugging Face names
+        return pipeline_state_dict(ckpt)
     if (ckpt / "mp_rank_01_model_states.pt").is_file():
         raise ConfigError(f"export: '{ckpt}' is a tensor-parallel checkpoint (one file per tensor-parallel rank); the "
                           f"training launch exports it at its end; to export this step, resume it for 0 more steps "
@@ -83,6 +86,27 @@ def consolidated_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"export: '{ckpt}' is not a DeepSpeed checkpoint folder (no model states)")
     module = safe_load.load(states, map_location="cpu")["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+
+
+def pipeline_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The Hugging Face state dict of a pipeline checkpoint (fp32 CPU tensors): every ``layer_XX-model_states.pt``
+    (DeepSpeed's ``PipelineModule.save_state_dict``, one file per pipeline layer) renamed through the
+    :data:`~finetune.parallel.pipeline.LAYERS_FILE` the save wrote (each layer's submodules' Hugging Face prefixes);
+    a tied embedding saved by the first and the last stage is taken once.
+
+    Raises:
+        ConfigError: a layer file that the record lists is missing.
+    """
+    record = json.loads((ckpt / LAYERS_FILE).read_text())
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(record["layers"]):
+        path = ckpt / f"layer_{i:02d}-model_states.pt"
+        if not path.is_file():
+            raise ConfigError(f"export: '{ckpt}' has no {path.name}, which its {LAYERS_FILE} lists; export another "
+                              f"checkpoint")
+        for k, v in pipeline.renamed(safe_load.load(path, map_location="cpu"), layer["names"]).items():
+            out.setdefault(k, v)
+    return out
 
 
 def verified_state_dict(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -388,7 +412,10 @@ def verify_export(engine, validation, collator, run_dir: Path, ds: dict, recipe,
               if k in batch}  # sft packs
     engine.eval()
     with torch.no_grad():
-        ref = output_logits(engine(**{k: v.to(engine.device) for k, v in inputs.items()})).cpu()
+        if pipeline.is_pipeline(engine):  # through every stage; the last one's logits, on every rank
+            ref = pipeline.logits(engine, inputs)
+        else:
+            ref = output_logits(engine(**{k: v.to(engine.device) for k, v in inputs.items()})).cpu()
     engine.train()
     verdict = None
     if dist_utils.is_main():
@@ -494,6 +521,8 @@ def engine_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """
     if expert.uses_autoep(engine):  # AutoEP: each rank holds experts / ep; gathered back into the HF layout
         return expert.hf_state_dict(engine)
+    if pipeline.is_pipeline(engine):  # each stage's layers, under their Hugging Face names
+        return pipeline.hf_state_dict(engine)
     if getattr(engine, "autotp_size", lambda: 0)() <= 1:
         return None
     gather = getattr(engine, "_consolidated_16bit_state_dict", None)

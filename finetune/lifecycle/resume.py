@@ -295,7 +295,9 @@ def _same_origin(a: Path, b: Path) -> bool:
     their run configs differ at most in keys that a resume applies (:func:`review`'s notes: the schedule, the
     cadence, ...), never in one it refuses or that decides the global batch or the layout."""
     def layout(c: Path) -> tuple:
-        return ckpt_utils.saved_layout(c), ckpt_utils.marker(c).get("expert_parallel_size", 1), ckpt_utils.is_sharded(c)
+        meta = ckpt_utils.marker(c)
+        return (ckpt_utils.saved_layout(c), meta.get("expert_parallel_size", 1), meta.get("pipeline_parallel_size", 1),
+                ckpt_utils.is_sharded(c))
 
     if layout(a) != layout(b):
         return False

@@ -1,7 +1,8 @@
 """Every check of the parallel layout of a run, in one entry point, before any model is built.
 
 :func:`check` runs the size rules of :mod:`finetune.parallel.layout` once, then each dimension's own rules
-(:mod:`finetune.parallel.sequence`, :mod:`finetune.parallel.tensor`, :mod:`finetune.parallel.expert`);
+(:mod:`finetune.parallel.sequence`, :mod:`finetune.parallel.tensor`, :mod:`finetune.parallel.expert`,
+:mod:`finetune.parallel.pipeline`);
 :func:`check_zero_stage` those that need
 the resolved DeepSpeed config. A new dimension adds its module's ``check`` here and its name to the recipes'
 ``Capabilities.parallel``.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 from finetune.config import RunConfig
-from finetune.parallel import expert, sequence, tensor
+from finetune.parallel import expert, pipeline, sequence, tensor
 from finetune.parallel.layout import size_problems
 
 
@@ -31,11 +32,13 @@ def check(cfg: RunConfig, model_config, world: int | None, supported: Collection
     """
     if world is not None:
         problems += size_problems(world, max(1, cfg.parallel.sequence_parallel_size),
-                                  max(1, cfg.parallel.tensor_parallel_size), max(1, cfg.parallel.expert_parallel_size))
+                                  max(1, cfg.parallel.tensor_parallel_size), max(1, cfg.parallel.expert_parallel_size),
+                                  max(1, cfg.parallel.pipeline_parallel_size))
     offered = offered or {}
     sequence.check(cfg, model_config, supported, problems, offered.get(sequence.DIMENSION, ""))
     tensor.check(cfg, model_config, supported, problems, offered.get(tensor.DIMENSION, ""))
     expert.check(cfg, model_config, supported, problems, offered.get(expert.DIMENSION, ""))
+    pipeline.check(cfg, model_config, supported, problems, offered.get(pipeline.DIMENSION, ""))
 
 
 def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:
@@ -43,6 +46,7 @@ def check_zero_stage(cfg: RunConfig, stage: int, problems: list[str]) -> None:
     each: tensor parallelism at ZeRO 1-2 (:func:`finetune.parallel.tensor.check_zero_stage`), ZeRO-3 under sequence
     parallelism on a checked DeepSpeed (:func:`finetune.parallel.sequence.check_zero3_average`)."""
     tensor.check_zero_stage(cfg, stage, problems)
+    pipeline.check_zero_stage(cfg, stage, problems)
     problem = sequence.check_zero3_average(stage, cfg.parallel.sequence_parallel_size)
     if problem:
         problems.append(problem)

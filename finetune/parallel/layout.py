@@ -36,6 +36,10 @@ class Layout:
     """Global rank."""
     tp: int = 1
     """Tensor-parallel size (``parallel.tensor_parallel_size``)."""
+    pp: int = 1
+    """Pipeline-parallel size (``parallel.pipeline_parallel_size``): stages, each a slice of the layers. Ranks are
+    ``pp x dp`` with the data-parallel index inner (DeepSpeed's ``PipeDataParallelTopology``): stage ``s`` holds
+    ranks ``[s x dp, (s + 1) x dp)``, and the ranks of one pipeline (one per stage) read the same rows."""
     ep: int = 1
     """Expert-parallel size (``parallel.expert_parallel_size``): ranks that share the experts of each MoE layer
     (DeepSpeed AutoEP). It does not cut the rows: every rank of an expert-parallel group reads its own, so ``dp`` is
@@ -43,13 +47,21 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: ``world / (sp x tp)`` (ranks that see different rows; :func:`data_parallel_size`)."""
-        return data_parallel_size(self.world, self.sp, self.tp)
+        """Data-parallel size: ``world / (sp x tp x pp)`` (ranks that see different rows; :func:`data_parallel_size`)."""
+        return data_parallel_size(self.world, self.sp, self.tp, self.pp)
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank: the index of its SP or TP group (``rank // (sp x tp)``)."""
+        """This rank's data-parallel rank: the index of its SP or TP group (``rank // (sp x tp)``); under pipeline
+        parallelism its place within its stage (``rank % dp``)."""
+        if self.pp > 1:
+            return self.rank % self.dp
         return self.rank // (self.sp * self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (``rank // dp``)."""
+        return self.rank // self.dp if self.pp > 1 else 0
 
     @property
     def sp_rank(self) -> int:
@@ -70,12 +82,16 @@ class Layout:
 
     @property
     def replicas(self) -> int:
-        """Ranks that hold the same rows and so compute the same sums (target counts, losses, tokens): ``tp``. Sums
-        all-reduced over every rank are divided by it; SP ranks hold disjoint slices and count once each."""
-        return self.tp
+        """Ranks that hold the same rows and so compute the same sums (target counts, losses, tokens): ``tp x pp``
+        (every stage of a pipeline reads the same rows). Sums all-reduced over every rank are divided by it; SP ranks
+        hold disjoint slices and count once each."""
+        return self.tp * self.pp
 
     def describe(self) -> str:
         """``layout: world 4 = data-parallel 2 x sequence-parallel 2 x tensor-parallel 1; this rank ...`` (logs)."""
+        if self.pp > 1:
+            return (f"layout: world {self.world} = pipeline stages {self.pp} x data-parallel {self.dp}; this rank "
+                    f"(global {self.rank}): stage {self.pp_rank}, data-parallel rank {self.dp_rank}")
         return (f"layout: world {self.world} = data-parallel {self.dp} x sequence-parallel {self.sp} x tensor-parallel "
                 f"{self.tp}{f' (experts over {self.ep}-rank groups)' if self.ep > 1 else ''}; this rank (global "
                 f"{self.rank}): data-parallel rank {self.dp_rank}, sequence-parallel rank {self.sp_rank}, "
@@ -83,16 +99,16 @@ class Layout:
 
 
 SIZE_KEYS = {"sp": "parallel.sequence_parallel_size", "tp": "parallel.tensor_parallel_size",
-             "ep": "parallel.expert_parallel_size"}
+             "ep": "parallel.expert_parallel_size", "pp": "parallel.pipeline_parallel_size"}
 """The run-config key of each parallel size but data parallelism (which is what is left of the world size)."""
 
 
-def size_problems(world: int, sp: int, tp: int, ep: int = 1) -> list[str]:
+def size_problems(world: int, sp: int, tp: int, ep: int = 1, pp: int = 1) -> list[str]:
     """One line per parallel size above 1 that does not divide ``world`` (sizes below 1 are
     :func:`finetune.parallel.checks.check`'s). ``ep``: DeepSpeed's AutoEP builds expert-parallel groups of ``ep``
     consecutive ranks (``build_folding_spec``: the stage size must be a multiple of ``ep``)."""
     out = []
-    for size, key in ((sp, SIZE_KEYS["sp"]), (tp, SIZE_KEYS["tp"]), (ep, SIZE_KEYS["ep"])):
+    for size, key in ((sp, SIZE_KEYS["sp"]), (tp, SIZE_KEYS["tp"]), (ep, SIZE_KEYS["ep"]), (pp, SIZE_KEYS["pp"])):
         if size > 1 and world % size:
             out.append(f"{key}: {size} does not divide the world size {world}; launch a multiple of {size} ranks or "
                        f"choose a divisor of {world}")
@@ -102,10 +118,10 @@ def size_problems(world: int, sp: int, tp: int, ep: int = 1) -> list[str]:
     return out
 
 
-def data_parallel_size(world: int, sp: int = 1, tp: int = 1) -> int:
-    """Ranks that see different rows: ``world / (sp x tp)``; ``world`` itself when the split does not divide it
+def data_parallel_size(world: int, sp: int = 1, tp: int = 1, pp: int = 1) -> int:
+    """Ranks that see different rows: ``world / (sp x tp x pp)``; ``world`` itself when the split does not divide it
     (the caller reports that through :func:`size_problems`), and at least 1."""
-    split = sp * tp if sp > 0 and tp > 0 and world % (sp * tp) == 0 else 1
+    split = sp * tp * pp if min(sp, tp, pp) > 0 and world % (sp * tp * pp) == 0 else 1
     return max(1, world // split)
 
 
@@ -148,10 +164,11 @@ def layout(cfg: RunConfig, world: int | None = None, rank: int | None = None) ->
     """
     world = dist_utils.world_size() if world is None else world
     rank = dist_utils.rank() if rank is None else rank
-    sp, tp, ep = (cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size,
-                  cfg.parallel.expert_parallel_size)
-    problems = size_problems(world, sp, tp, ep) + [f"{SIZE_KEYS[k]}: {v} must be 1 (off) or more"
-                                                   for k, v in (("sp", sp), ("tp", tp), ("ep", ep)) if v < 1]
+    sp, tp, ep, pp = (cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size,
+                      cfg.parallel.expert_parallel_size, cfg.parallel.pipeline_parallel_size)
+    problems = size_problems(world, sp, tp, ep, pp) + [f"{SIZE_KEYS[k]}: {v} must be 1 (off) or more"
+                                                       for k, v in (("sp", sp), ("tp", tp), ("ep", ep), ("pp", pp))
+                                                       if v < 1]
     if problems:
         raise ConfigError(problems[0])
-    return Layout(world=world, sp=sp, rank=rank, tp=tp, ep=ep)
+    return Layout(world=world, sp=sp, rank=rank, tp=tp, ep=ep, pp=pp)

@@ -22,7 +22,7 @@ from finetune.parallel import distributed as dist_utils
 from finetune.engine import freeze, gguf, lora, moe, muon, quantize
 from finetune.engine.model import meta_model
 from finetune.data import mixture
-from finetune.parallel import checks, expert, layout, sequence, tensor
+from finetune.parallel import checks, expert, layout, pipeline, sequence, tensor
 from finetune.lifecycle import run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
@@ -207,9 +207,9 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]):
                             f"{f', {usable} usable' if usable != positions else ''}); set data.max_seq_len="
                             f"{usable // sp * sp} or lower")
     asked = (cfg.parallel.sequence_parallel_size > 1 or cfg.parallel.tensor_parallel_size > 1 or cfg.parallel.tiled_mlp
-             or cfg.parallel.expert_parallel_size > 1)
+             or cfg.parallel.expert_parallel_size > 1 or cfg.parallel.pipeline_parallel_size > 1)
     offered = ({d: said(offering(lambda c, d=d: d in c.parallel))
-                for d in (sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION)}
+                for d in (sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION, pipeline.DIMENSION)}
                if asked else None)  # only for the lines of a refusal: it imports every recipe
     checks.check(cfg, config, None, recipe.capabilities.parallel, problems, offered)
     shape = moe.moe_shape(config)
@@ -600,9 +600,10 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
     if not cfg.output_dir and not cfg.output_root:  # listed where it always was: after an unknown recipe
         problems.insert(int(cfg.recipe not in RECIPES), "output_dir: not set (the run folder for logs, checkpoints and the export; or set "
                         "output_root, a parent folder in which every launch gets a new run folder)")
-    sp, tp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size
-    problems += layout.size_problems(world_size, sp, tp, cfg.parallel.expert_parallel_size)
-    dp = layout.data_parallel_size(world_size, sp, tp)  # global batch = micro x accumulation x dp
+    sp, tp, pp = cfg.parallel.sequence_parallel_size, cfg.parallel.tensor_parallel_size, \
+        cfg.parallel.pipeline_parallel_size
+    problems += layout.size_problems(world_size, sp, tp, cfg.parallel.expert_parallel_size, pp)
+    dp = layout.data_parallel_size(world_size, sp, tp, pp)  # global batch = micro x accumulation x dp
     resume_ckpt, resume_problem, notes = None, None, []
     if cfg.output_dir and resume is not None:
         resume_ckpt, resume_problem, notes = ckpt_utils.resolve_resume(resume, cfg.output_dir)
@@ -631,7 +632,7 @@ def validate_run(cfg: RunConfig, resume: str | None, world_size: int, on_cpu: bo
             if resume_problem:
                 problems.append(resume_problem)
             elif ds:
-                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds)
+                layout_problems, layout_notes, universal = ckpt_utils.resume_layout(resume_ckpt, world_size, ds, pp)
                 old = ckpt_utils.saved_config(resume_ckpt)
                 saved_optimizer = (old.get("train") or {}).get("optimizer", "adamw") if old else cfg.train.optimizer
                 if universal and saved_optimizer == "muon":  # Muon's momentum has no universal form
@@ -670,7 +671,8 @@ def _old_dp(old: dict, ckpt: Path, default_world: int) -> int:
     world = ckpt_utils.marker(ckpt).get("world_size", default_world)
     split = old.get("parallel") or {}
     return layout.data_parallel_size(world, int(split.get("sequence_parallel_size", 1)),
-                                     int(split.get("tensor_parallel_size", 1)))
+                                     int(split.get("tensor_parallel_size", 1)),
+                                     int(split.get("pipeline_parallel_size", 1)))
 
 
 def _unless_about(problems: list[str], load_problems: list[str]) -> list[str]:

@@ -157,8 +157,12 @@ class Capabilities:
     no ``attention_mask``; :mod:`finetune.parallel.sequence`) and their sums over the SP group equal those of the
     whole batch. ``"tensor"`` (:mod:`finetune.parallel.tensor`): tested under DeepSpeed's AutoTP (the head loss runs
     on the gathered lm_head output). ``"expert"`` (:mod:`finetune.parallel.expert`): tested under DeepSpeed's AutoEP
-    (the MoE blocks replaced, the losses equal to EP=1). :func:`finetune.parallel.checks.check` takes this set and
-    refuses a size above 1 of any dimension not in it. ``gpt_clm``: all three; ``sft``: sequence and tensor;
+    (the MoE blocks replaced, the losses equal to EP=1). ``"pipeline"`` (:mod:`finetune.parallel.pipeline`): the
+    recipe's loss is a token cross-entropy of the model's LM head that the pipeline's last stage computes itself
+    (next-token targets for causal LMs, the labels for a masked LM); its ``forward`` is not called in training or
+    evaluation. :func:`finetune.parallel.checks.check` takes this set and
+    refuses a size above 1 of any dimension not in it. ``gpt_clm``: all four; ``sft``: sequence, tensor and
+    pipeline; ``bert_mlm``: pipeline;
     ``dpo``: ``"sequence"`` (a pair's log-probabilities are summed over the SP group,
     :func:`finetune.parallel.sequence.sum_over_sequence`)."""
     generates_text: bool = False

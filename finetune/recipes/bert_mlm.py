@@ -20,6 +20,7 @@ from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 from finetune.data.batch import LossOutput, model_inputs
 from finetune.config import DataConfig
 from finetune.errors import ConfigError
+from finetune.parallel import pipeline
 from finetune.recipes import Capabilities, Recipe
 from finetune.recipes.lm_loss import token_loss_sum
 
@@ -136,6 +137,6 @@ def target_fraction(data_cfg: DataConfig) -> float:
 
 
 RECIPE = Recipe(name="bert_mlm", model_class=MODEL_CLASS,
-                capabilities=Capabilities(eval_metrics=("masked_accuracy",)),
+                capabilities=Capabilities(parallel=frozenset({pipeline.DIMENSION}), eval_metrics=("masked_accuracy",)),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,
                 forward=forward, count_targets=count_targets, target_fraction=target_fraction)

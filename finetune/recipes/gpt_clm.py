@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from finetune.config import DataConfig, RunConfig
-from finetune.parallel import expert, sequence, tensor
+from finetune.parallel import expert, pipeline, sequence, tensor
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
 from finetune.recipes.common.targets import count_targets, forward
 
@@ -90,7 +90,8 @@ def check_tokenizer(tokenizer, cfg: RunConfig, problems: list[str]) -> None:
 
 
 RECIPE = Recipe(name="gpt_clm", model_class=MODEL_CLASS,
-                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION}),
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION, expert.DIMENSION,
+                                                              pipeline.DIMENSION}),
                                           packs_rows=True,
                                           generates_text=True, noisy_embeddings=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,

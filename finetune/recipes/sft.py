@@ -43,7 +43,7 @@ answer tokens; eval loss and perplexity are per answer token.
 """
 from __future__ import annotations
 
-from finetune.parallel import sequence, tensor
+from finetune.parallel import pipeline, sequence, tensor
 from finetune.recipes import Capabilities, Recipe
 from finetune.recipes.common.chat import (
     MODEL_CLASS,
@@ -59,7 +59,7 @@ from finetune.recipes.common.chat import (
 from finetune.recipes.common.targets import count_targets, forward
 
 RECIPE = Recipe(name="sft", model_class=MODEL_CLASS,
-                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION}), packs_rows=True,
+                capabilities=Capabilities(parallel=frozenset({sequence.DIMENSION, tensor.DIMENSION, pipeline.DIMENSION}), packs_rows=True,
                                           generates_text=True, checks_columns=True, counts_rows=True,
                                           noisy_embeddings=True),
                 prepare_tokenizer=prepare_tokenizer, tokenize_function=tokenize_function, make_collator=make_collator,

@@ -78,6 +78,7 @@ from finetune.config import RunConfig, config_to_dict
 from finetune.errors import ConfigError, TrainingDiverged
 from finetune.logs import MetricsSink, logger
 from finetune.training.meter import StepMeter
+from finetune.engine import pipeline
 from finetune.engine.ds_config import engine_precision
 
 
@@ -92,12 +93,22 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
     recipe's ``counts`` (or None)."""
     device = engine.device
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64, device=device))
-    counts = None
+    counts, pipe = None, pipeline.is_pipeline(engine)
     with _rng_fork(device):
         torch.manual_seed(cfg.train.seed)
         for i, batch in enumerate(loader):
             if cfg.train.eval_max_batches and i >= cfg.train.eval_max_batches:
                 break
+            if pipe:  # the last stage's loss sum and correct argmaxes, sent to every stage of the pipeline
+                loss_sum, correct = pipeline.eval_sums(engine, batch)
+                n = recipe.count_targets(batch).to(device)
+                sums["loss"] += loss_sum
+                sums["targets"] += n
+                for name in recipe.capabilities.eval_metrics:  # top-1 accuracy at the targets (masked_accuracy)
+                    if name.endswith("accuracy"):
+                        sums[f"{name}/num"] += correct
+                        sums[f"{name}/den"] += n
+                continue
             out = recipe.forward(engine, to_device(batch, device), metrics=True)
             sums["loss"] += out.loss_sum.double()
             sums["targets"] += out.targets
@@ -107,7 +118,7 @@ def _eval_totals(engine, loader, recipe, cfg: RunConfig) -> tuple[dict[str, floa
             if out.counts is not None:
                 counts = out.counts.double() if counts is None else counts + out.counts.double()
     names = sorted(sums)
-    replicas = layout.layout(cfg).replicas  # tensor-parallel ranks evaluate the same rows
+    replicas = layout.layout(cfg).replicas  # tensor-parallel ranks and a pipeline's stages evaluate the same rows
     totals = (dist_utils.all_reduce_sum(torch.stack([sums[n] for n in names])) / replicas).tolist()
     return dict(zip(names, totals)), (dist_utils.all_reduce_sum(counts).cpu() / replicas if counts is not None else None)
 
@@ -388,6 +399,12 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
     """
     gas, device = len(micro), engine.device
     stage0 = engine.zero_optimization_stage() == 0
+    if pipeline.is_pipeline(engine):  # DeepSpeed's 1F1B schedule runs the micro-batches, the backward and the step
+        loss = pipeline.train_step(engine, micro, targets)
+        meter.lap("forward")
+        for batch in micro:
+            meter.count(batch)
+        return loss, pipeline.grad_norm(engine) if stage0 else None, {}
     denom = (targets.clamp(min=1.0) / (dp * gas)).float()  # the exact count, then the loss's float32 as before
     grad_norm = None
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
