@@ -309,6 +309,10 @@ def to_pipeline(model: nn.Module, cfg: RunConfig, world: int):
     loss = StageLoss(cfg.train.gradient_accumulation_steps, dp)
     pipe = PipelineModule(layers=specs, loss_fn=loss, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                           partition_method=cfg.parallel.pipeline_partition_method, dynamic_shape=True)
+    for key, tied in pipe.tied_modules.items():  # DeepSpeed marks every parameter of a tied module's second copy
+        for name, p in tied.named_parameters():    # as replicated; only the tied weight is (BERT's head bias is not)
+            if name not in pipe.tied_weight_attrs[key]:
+                p.ds_pipe_replicated = False
     pipe.finetune_shared, pipe.finetune_loss, pipe.finetune_layers = shared, loss, records
     pipe.finetune_config = base.config
     return pipe
