@@ -149,14 +149,25 @@ def _num_layers(config) -> int:
     return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0)
 
 
-def stage_memory(model_config, stages: int, bytes_per_param: float) -> list[float]:
-    """Bytes of weights, gradients and optimizer state on each of ``stages`` stages when the layers are split by
-    parameter count as :func:`to_pipeline` splits them (an estimate from the config's shapes: embedding, equal
-    layers, head), for ``finetune plan``."""
+def stage_parameters(model_config, stages: int) -> list[int]:
+    """Parameters on each of ``stages`` stages when the layers are split by parameter count as
+    :func:`finetune.engine.pipeline.to_pipeline` splits them (DeepSpeed's ``partition_balanced`` over an estimate of
+    each pipeline layer's parameters from the config's shapes: embedding, equal layers, final norm, head), for
+    ``finetune plan``."""
     from deepspeed.runtime.utils import partition_balanced
     counts = _layer_param_counts(model_config)
     parts = partition_balanced(weights=counts, num_parts=stages)
-    return [sum(counts[parts[s]:parts[s + 1]]) * bytes_per_param for s in range(stages)]
+    return [sum(counts[parts[s]:parts[s + 1]]) for s in range(stages)]
+
+
+def stage_layers(model_config, stages: int) -> list[int]:
+    """Transformer layers on each of ``stages`` stages under the same split as :func:`stage_parameters`."""
+    from deepspeed.runtime.utils import partition_balanced
+    counts = _layer_param_counts(model_config)
+    parts = partition_balanced(weights=counts, num_parts=stages)
+    first = 2 if (model_config.get_text_config().model_type in LEARNED_POSITIONS + ENCODERS) else 1
+    last = len(counts) - 2
+    return [sum(1 for i in range(parts[s], parts[s + 1]) if first <= i < last) for s in range(stages)]
 
 
 def _layer_param_counts(config) -> list[int]:

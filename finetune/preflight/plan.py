@@ -87,7 +87,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from finetune.parallel import layout
+from finetune.parallel import layout, pipeline
 from finetune.config import RunConfig, deep_merge
 from finetune.engine.ds_config import (
     choose_precision,
@@ -592,6 +592,28 @@ def image_tokens_per_image(cfg: RunConfig, config) -> tuple[int, str]:
         return 0, ""
 
 
+def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int) -> list[str]:
+    """The plan's pipeline section (``parallel.pipeline_parallel_size`` > 1): each stage's parameters as DeepSpeed's
+    ``partition_method="parameters"`` balances them (:func:`finetune.parallel.pipeline.stage_parameters`), its model
+    states at ZeRO 0 (weights, gradients and AdamW's fp32 state: 16 bytes a parameter, 4 + 4 + 8 in fp32 and
+    2 + 2 + 12 with bf16/fp16 master weights), its activations (1F1B keeps at most ``P - s`` micro-batches in flight on
+    stage ``s``, each its layers' share of :func:`activation_bytes`), and the bubble fraction
+    (:func:`finetune.parallel.pipeline.bubble_fraction`)."""
+    pp, m = cfg.parallel.pipeline_parallel_size, cfg.train.gradient_accumulation_steps
+    config = load_model_config(cfg, get_recipe(cfg.recipe))
+    counts = pipeline.stage_parameters(config, pp)
+    act = activation_bytes(shape, cfg.train.micro_batch_size, seq, 4 if precision == "fp32" else 2,
+                           cfg.model.gradient_checkpointing)["activations"] / max(shape.layers, 1)
+    layers = pipeline.stage_layers(config, pp)
+    stages = [f"stage {s}: {n:,} parameters, {_fmt(16 * n)} model states + {_fmt(act * k * min(pp - s, m))} "
+              f"activations ({k} layer(s), {min(pp - s, m)} micro batch(es) in flight)"
+              for s, (n, k) in enumerate(zip(counts, layers))]
+    return [f"pipeline parallelism {pp} (DeepSpeed's 1F1B schedule, {m} micro batches a step): bubble (P - 1) / "
+            f"(m + P - 1) = {pipeline.bubble_fraction(pp, m):.3f} of each stage's time idle; per rank at ZeRO 0:",
+            *[f"  {line}" for line in stages],
+            "  (the table below is for the whole model on one rank; a stage holds its share of it)"]
+
+
 def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate], precision: str, gpus_per_node: int,
            nodes: int, gpu_bytes: float, cpu_bytes: float | None, best: tuple[Estimate, int] | None,
            seq: int | None = None) -> str:
@@ -639,6 +661,8 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                      f"{shape.kv_heads} key-value heads x {shape.head_dim} x {held} x {tokens} tokens), prefill "
                      f"{_fmt(gen['forward'])} (one layer at a time, no gradients), plus the whole model gathered under "
                      f"ZeRO 3 (train.grpo.gather_for_generation); 'activ.' holds the larger of training and generation")
+    if cfg.parallel.pipeline_parallel_size > 1:
+        lines += pipeline_lines(cfg, shape, precision, seq)
     if tp > 1:
         lines.append(f"tensor parallelism {tp}: not modelled; the table is for tensor-parallel size 1 (AutoTP splits "
                      f"the layers' weights and most activations by about {tp})")
