@@ -16,7 +16,7 @@ from torch import nn
 from finetune.config import RunConfig
 from finetune.data.batch import to_device
 from finetune.parallel.layout import SIZE_KEYS
-from finetune.parallel.pipeline import ENCODERS, LAYERS_FILE, LEARNED_POSITIONS, ROTARY, SUPPORTED, _num_layers
+from finetune.parallel.pipeline import ENCODERS, LAYERS_FILE, LEARNED_POSITIONS, ROTARY, SUPPORTED, num_layers
 from finetune.recipes.common.targets import next_token_targets
 from finetune.recipes.lm_loss import chunk_tokens, chunked_cross_entropy
 
@@ -233,7 +233,7 @@ def layer_specs(model: nn.Module, shared: _Shared) -> tuple[list, list[dict]]:
             add(Positions, inner.wpe, inner.drop, names)
         rotary = getattr(inner, "rotary_emb", None)
         blocks = inner.layers if mtype in ROTARY else inner.h
-        for i, block in enumerate(blocks[:_num_layers(config)]):
+        for i, block in enumerate(blocks[:num_layers(config)]):
             add(Decoder, block, i, config, rotary, names)
         add(Final, inner.norm if mtype in ROTARY else inner.ln_f, names)
         if tied:

@@ -125,7 +125,7 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
             problems.append(f"{key}: model type '{mtype}' is not split into pipeline stages here (supported: "
                             f"{', '.join(SUPPORTED)}); set {key}=1")
         else:
-            n = _num_layers(model_config)
+            n = num_layers(model_config)
             if n + 2 < pp:
                 problems.append(f"{key}: {pp} stages for a model of {n} layers (with the embedding and the head "
                                 f"{n + 2} pipeline layers); choose at most {n + 2}")
@@ -145,7 +145,8 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1) if stages > 1 else 0.0
 
 
-def _num_layers(config) -> int:
+def num_layers(config) -> int:
+    """Transformer layers of a transformers config (``num_hidden_layers``, GPT-2's ``n_layer``)."""
     return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0)
 
 
@@ -183,7 +184,7 @@ def _layer_param_counts(config) -> list[int]:
         layer = h * head_dim * (heads * 2 + kv * 2) + 3 * h * inter + 2 * h
     else:
         layer = 4 * h * h + 2 * h * inter + 9 * h + inter
-    n = _num_layers(text)
+    n = num_layers(text)
     extra = [h * 1024] if mtype in LEARNED_POSITIONS else [h * 512] if mtype in ENCODERS else []
     return [v * h, *extra, *([layer] * n), 2 * h if mtype not in ENCODERS else h * h + 3 * h, v * h]
 
