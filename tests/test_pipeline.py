@@ -152,3 +152,76 @@ def test_two_stages_by_two_data_parallel_equal_one_device(tmp_path):
     proc = ok(launch(CONFIG, [*over, f"output_dir={run}"], nproc=4))
     assert "layout: world 4 = pipeline stages 2 x data-parallel 2" in proc.stdout
     _assert_equal(run, _reference(over, 2, 3), 3)
+
+
+def _chain(model, batch: dict, shift: bool, mode: str = "loss"):
+    """The pipeline's layers of ``model`` run one after another in this process (no DeepSpeed): what the stages
+    compute together."""
+    from finetune.engine.pipeline import _Shared, layer_specs, stage_batch
+    shared = _Shared(shift=shift, chunk=7)  # several chunks of the head's cross-entropy
+    shared.mode, shared.count_correct = mode, True  # as in evaluation (finetune.engine.pipeline.eval_sums)
+    specs, records = layer_specs(model, shared)
+    x = stage_batch(batch, shift)[0]
+    for spec in specs:
+        x = spec.build()(x)
+    return x, records
+
+
+def _rows(vocab: int, packed: bool) -> dict:
+    """Two rows of 12 tokens: padded (the second has 5 pad positions) or packed (three examples, positions
+    restarting), labels -100 on pads and on each packed example's first token."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (2, 12), generator=g)
+    labels = ids.clone()
+    if packed:
+        pos = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4]])
+        labels[pos == 0] = -100
+        return {"input_ids": ids, "position_ids": pos, "labels": labels}
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family, packed", [(f, p) for f in ("llama3", "qwen2.5", "qwen3", "mistral-sliding", "gpt2")
+                                             for p in (False, True)] + [("bert", False)])  # bert_mlm does not pack
+def test_stage_layers_equal_the_plain_forward(family, packed):
+    """The conformance matrix's tiny configs of the supported families (Llama 3's rope scaling, Qwen2.5's tied
+    embeddings, Qwen3's q/k norms, Mistral's 4-token sliding window on 12-token rows), GPT-2 and BERT's masked LM,
+    split into pipeline layers and run in a chain: the loss sum at the targets equals the plain model's
+    cross-entropy, padded and packed (positions restarting: packed examples never attend to each other), and the
+    logits equal the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    from finetune.recipes.common.targets import shift_labels
+    from test_architectures import FAMILIES, _config
+    torch.manual_seed(0)
+    if family in FAMILIES:
+        model = AutoModelForCausalLM.from_config(_config(family)).eval()
+    elif family == "gpt2":
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            "gpt2", vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0)).eval()
+    else:
+        model = AutoModelForMaskedLM.from_config(AutoConfig.for_model(
+            "bert", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)).eval()
+    shift = family != "bert"
+    batch = _rows(96, packed)
+    if family == "gpt2" and packed:  # GPT-2 packs run_clm's blocks: positions run on, the mask is causal
+        batch["position_ids"] = torch.arange(12).expand(2, 12)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits.float()  # with a cache transformers ignores packing
+        targets = shift_labels(batch["labels"]) if shift else batch["labels"]
+        pick = targets != -100
+        want = torch.nn.functional.cross_entropy(logits[pick], targets[pick], reduction="sum")
+        (loss, correct), records = _chain(model, batch, shift)
+        got_logits, _ = _chain(model, batch, shift, mode="logits")
+    assert torch.allclose(loss, want, rtol=1e-5), (loss, want)
+    assert correct == (logits[pick].argmax(-1) == targets[pick]).sum()
+    mask = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+    assert torch.allclose(got_logits[mask], logits[mask], atol=1e-5)
+    prefixes = {p for r in records for p in r["names"].values()}  # what the export's renaming covers: every weight
+    missing = [n for n, _ in model.named_parameters() if not any(n == p or n.startswith(p + ".") for p in prefixes)]
+    assert not missing, missing

@@ -217,7 +217,8 @@ def layer_specs(model: nn.Module, shared: _Shared) -> tuple[list, list[dict]]:
     config = base.config
     mtype = config.model_type
     names = {id(m): n for n, m in model.named_modules()}
-    names.update({id(p): n for n, p in model.named_parameters(remove_duplicate=False)})
+    for n, p in model.named_parameters():  # a shared parameter under its first name (BERT: cls.predictions.bias)
+        names.setdefault(id(p), n)
     tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
     specs: list = []
 
