@@ -512,6 +512,21 @@ PRESETS: dict[str, dict] = {
                               "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-4"],
                 "contenders": ["finetune", "hf"],
                 "tiny": [f"model.config_overrides={LLAMA_TINY}", "data.max_seq_len=128", "train.micro_batch_size=2"]},
+    # Pipeline parallelism (issue 72): two stages against ZeRO-3 on the same model, global batch and steps. A Llama
+    # architecture from config (8 layers, hidden 256, GQA), WikiText-2 packed into 256-token rows, micro batch 4 and 32
+    # rows a step on 2 ranks: the pipeline (one data-parallel rank) accumulates 8 micro batches, ZeRO-3 (two) 4. The
+    # bubble measured on every step (train/pipeline_idle) is printed against (P - 1) / (m + P - 1).
+    "pipeline": {"config": "finetune/recipes/configs/gpt_clm_wikitext2.yaml", "pipeline": True,
+                 "overrides": ["model.path=data/models/tiny-llama", "model.tokenizer_path=data/models/tiny-gpt2",
+                               "model.init=scratch", "model.config_overrides={num_hidden_layers: 8, hidden_size: 256, "
+                               "intermediate_size: 1024, num_attention_heads: 4, num_key_value_heads: 2, "
+                               "head_dim: 64}", "data.max_seq_len=256", "train.micro_batch_size=4",
+                               "deepspeed=ds_configs/zero2.json", "train.warmup_steps=2", "train.lr=1e-3"],
+                 "contenders": {"finetune_p2": ["parallel.pipeline_parallel_size=2", "ds.zero_optimization.stage=0",
+                                                "train.gradient_accumulation_steps=8"],
+                                "finetune_z3": ["ds.zero_optimization.stage=3", "train.gradient_accumulation_steps=4"]},
+                 "tiny": ["model.config_overrides={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+                          "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}", "data.max_seq_len=64"]},
     # The longest packed sequence that trains within a per-rank memory budget (its own flow: long_context()). A
     # Llama architecture from config (GQA: 4 query / 2 key-value heads), GPT-2 tokenizer, WikiText-2 test articles
     # packed into blocks of the length tried, ZeRO-3, micro batch 1, one validation batch at the end (finetune).
@@ -747,7 +762,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             "heldout_loss": losses_held[-1] if (losses_held := [r["eval/loss"] for r in evals_all
                                                                if "eval/loss" in r]) else None,
             "shared_tokens": statistics.fmean(shared) if (shared := [r["train/shared_tokens"] for r in rows
-                                                                    if "train/shared_tokens" in r]) else None}
+                                                                    if "train/shared_tokens" in r]) else None,
+            "pipeline_idle": [r["train/pipeline_idle"] for r in rows if "train/pipeline_idle" in r]}
 
 
 HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
@@ -1436,6 +1452,8 @@ def main(argv: list[str] | None = None) -> int:
                                 for f in (Path(env["FINETUNE_CACHE"]) / "reference").glob("dpo-*.npy"):
                                     f.unlink()
                             runs[c].append(ours(preset, overrides, args, out, env))
+                        elif isinstance(preset["contenders"], dict) and c in preset["contenders"]:
+                            runs[c].append(ours(preset, [*overrides, *preset["contenders"][c]], args, out, env))
                         elif c.startswith("finetune["):
                             setting = c[9:-1] if "=" in c else f"train.optimizer={c[9:-1]}"
                             runs[c].append(ours(preset, [*overrides, setting], args, out, env))
@@ -1481,6 +1499,17 @@ def main(argv: list[str] | None = None) -> int:
             if preset.get("distill") and base:
                 print(distill_summary(name, results, {c: phase_medians(r, args.skip, args.steps)
                                                       for c, r in runs.items()}))
+            if preset.get("pipeline"):  # the measured bubble against the schedule's formula
+                for c, launches in runs.items():
+                    idle = [x for r in launches for x in r.get("pipeline_idle", [])[args.skip:]]
+                    over = [*overrides, *preset["contenders"][c]]
+                    if idle:
+                        stages = int(next(o for o in over if "pipeline_parallel_size" in o).split("=")[1])
+                        m = int(next(o for o in reversed(over) if "gradient_accumulation_steps" in o).split("=")[1])
+                        print(f"{name}: {c} measured bubble (train/pipeline_idle: each rank's share of the pipeline "
+                              f"schedule outside its forward and backward passes, median over ranks' means and timed "
+                              f"steps) {statistics.median(idle):.3f}; (P - 1) / (m + P - 1) = "
+                              f"{(stages - 1) / (m + stages - 1):.3f} for P = {stages}, m = {m}", flush=True)
             if preset.get("heldout"):  # every held-out metric of each launch (embed: spearman, MRR@10, ...)
                 for c, launches in runs.items():
                     for i, r in enumerate(launches):

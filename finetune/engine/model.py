@@ -279,8 +279,10 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
             groups = expert.name_groups(groups)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
                                                config=ds, lr_scheduler=scheduler, dist_init_required=False, mpu=mpu)
-    if lay.pp > 1 and zero_stage(ds) == 0:
-        pipeline.install_step_guard(engine, cfg.train.max_grad_norm)
+    if lay.pp > 1:
+        pipeline.install_timing(engine)  # the measured bubble (train/pipeline_idle) of logged steps
+        if zero_stage(ds) == 0:
+            pipeline.install_step_guard(engine, cfg.train.max_grad_norm)
     if sequence.fix_zero3_average(engine, lay):
         logger.info("sequence parallelism: ZeRO-3's reduce-scatter averages over the data-parallel ranks "
                     "(finetune.parallel.sequence.fix_zero3_average)")

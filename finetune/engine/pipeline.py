@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -350,21 +351,71 @@ def stage_batch(batch: dict, shift: bool) -> tuple[tuple, torch.Tensor]:
     return first, torch.zeros(1, device=ids.device)
 
 
-def train_step(engine, micro: list[dict], targets: torch.Tensor) -> torch.Tensor:
+def train_step(engine, micro: list[dict], targets: torch.Tensor, timed: bool = False) -> tuple[torch.Tensor,
+                                                                                              float | None]:
     """One optimizer step of the pipeline engine over the step's micro-batches (``engine.train_batch``).
 
     Args:
         engine: the ``PipelineEngine``.
         micro: this pipeline's ``gas`` micro-batches (every stage of the pipeline draws the same rows).
         targets: the step's global target count (0-dim float64, the loop's all-reduce).
+        timed: measure this rank's idle share of the schedule (:func:`install_timing`).
 
     Returns:
-        The step's loss (0-dim float64): the mean over the global batch's targets, the same on every rank.
+        ``(loss, idle)``: the step's loss (0-dim float64; the mean over the global batch's targets, the same on
+        every rank) and, when ``timed``, the share of this stage's pipeline-schedule time not spent in its forward and
+        backward passes (the measured bubble, waits for the neighbouring stages' sends included; the optimizer step
+        and the gradient all-reduces are outside it), else None.
     """
     module = engine.module
     module.finetune_loss.targets = float(targets)
     items = [stage_batch(to_device(b, engine.device), module.finetune_shared.shift) for b in micro]
-    return engine.train_batch(iter(items)).detach().double()  # already averaged over the data-parallel ranks
+    timing = getattr(engine, "finetune_timing", None)
+    if timed and timing is not None:
+        timing.update(on=True, compute=0.0, outside=0.0)
+        _sync(engine)
+        t0 = time.perf_counter()
+    loss = engine.train_batch(iter(items)).detach().double()  # already averaged over the data-parallel ranks
+    if not (timed and timing is not None):
+        return loss, None
+    _sync(engine)
+    wall = time.perf_counter() - t0 - timing["outside"]
+    timing["on"] = False
+    return loss, max(0.0, 1.0 - timing["compute"] / wall) if wall > 0 else None
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+
+
+def install_timing(engine) -> None:
+    """Time this engine's pipeline instructions when :func:`train_step` asks: forward and backward passes as compute,
+    the optimizer step and the gradient all-reduces as outside the schedule (synchronising the device around each on
+    a GPU, timed steps only). DeepSpeed looks each instruction up in ``self._INSTRUCTION_MAP`` per call, so an
+    instance attribute of the same name wraps them for this engine alone."""
+    from deepspeed.runtime.pipe import schedule
+    timing = {"on": False, "compute": 0.0, "outside": 0.0}
+    table = dict(type(engine)._INSTRUCTION_MAP)
+
+    def wrap(fn, bucket):
+        def run(self, *args, **kwargs):
+            if not timing["on"]:
+                return fn(self, *args, **kwargs)
+            _sync(self)
+            t0 = time.perf_counter()
+            out = fn(self, *args, **kwargs)
+            _sync(self)
+            timing[bucket] += time.perf_counter() - t0
+            return out
+        return run
+
+    for kind, bucket in ((schedule.ForwardPass, "compute"), (schedule.BackwardPass, "compute"),
+                         (schedule.OptimizerStep, "outside"), (schedule.ReduceGrads, "outside"),
+                         (schedule.ReduceTiedGrads, "outside")):
+        table[kind] = wrap(table[kind], bucket)
+    engine._INSTRUCTION_MAP = table
+    engine.finetune_timing = timing
 
 
 @torch.no_grad()

@@ -400,11 +400,13 @@ def train_step(engine, recipe, micro: list[dict], targets: torch.Tensor, token_w
     gas, device = len(micro), engine.device
     stage0 = engine.zero_optimization_stage() == 0
     if pipeline.is_pipeline(engine):  # DeepSpeed's 1F1B schedule runs the micro-batches, the backward and the step
-        loss = pipeline.train_step(engine, micro, targets)
+        loss, idle = pipeline.train_step(engine, micro, targets, timed=meter.sampling)
         meter.lap("forward")
         for batch in micro:
             meter.count(batch)
-        return loss, pipeline.grad_norm(engine) if stage0 else None, {}
+        shares = {"pipeline_idle": torch.tensor([idle, 1.0], dtype=torch.float64, device=device)} \
+            if idle is not None else {}  # train/pipeline_idle: the measured bubble, mean over ranks
+        return loss, pipeline.grad_norm(engine) if stage0 else None, shares
     denom = (targets.clamp(min=1.0) / (dp * gas)).float()  # the exact count, then the loss's float32 as before
     grad_norm = None
     step_loss = torch.zeros((), dtype=torch.float64, device=device)
