@@ -44,6 +44,29 @@ finetune_hostfile() {
     finetune_log "hostfile $FINETUNE_HOSTFILE: $(tr '\n' ';' < "$FINETUNE_HOSTFILE")"
 }
 
+finetune_pipeline_placement() {
+    # With parallel.pipeline_parallel_size=P among the overrides: log which nodes hold each stage (stage s holds
+    # ranks [s x world/P, (s + 1) x world/P), ranks numbered node by node), and warn when a stage straddles a node
+    # boundary while another shares a node (its data-parallel all-reduce then crosses nodes).
+    local gpus=$1 nodes=$2 pp=1 arg
+    shift 2
+    for arg in "$@"; do
+        case $arg in parallel.pipeline_parallel_size=*) pp=${arg#*=} ;; esac
+    done
+    [ "$pp" -gt 1 ] 2>/dev/null || return 0
+    local world=$((gpus * nodes)) hosts s first last
+    mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    local per=$((world / pp))
+    for ((s = 0; s < pp; s++)); do
+        first=$((s * per / gpus)) last=$(((s + 1) * per / gpus - ((s + 1) * per % gpus == 0 ? 1 : 0)))
+        finetune_log "pipeline stage $s: ranks $((s * per))-$(((s + 1) * per - 1)) on ${hosts[*]:first:last-first+1}"
+    done
+    if [ $((per % gpus)) -ne 0 ] && [ $((gpus % per)) -ne 0 ]; then
+        finetune_log "warning: $per ranks a stage neither fill whole nodes of $gpus nor divide one: a stage's" \
+            "data-parallel all-reduce crosses nodes; choose parallel.pipeline_parallel_size dividing $nodes nodes"
+    fi
+}
+
 _finetune_forward() {
     local sig=$1
     [ "$sig" = USR1 ] && _FINETUNE_GOT_USR1=1

@@ -593,6 +593,41 @@ def check_expert_parallel(steps: int = 3, lr: float = 1e-2) -> Check:
                   f"transformers' MoE in one process: losses {', '.join(f'{x:.6f}' for x in got)}")
 
 
+def check_pipeline(steps: int = 3, lr: float = 1e-3) -> Check:
+    """Two pipeline stages over all ranks (``world / 2`` data-parallel, DeepSpeed's ``PipelineEngine`` and 1F1B, 2
+    micro-batches a step, finetune's layers, loss scaling and gradient guard: :mod:`finetune.engine.pipeline`) against
+    the tiny Llama on the whole batch in one process: the per-step losses. On GPUs this runs the stages' sends and
+    receives over NCCL. Skipped on an odd number of ranks."""
+    from finetune.engine import pipeline
+
+    w, r = dist_utils.world_size(), dist_utils.rank()
+    tol = 1e-5 if _device().type == "cpu" else 1e-4
+    if w < 2 or w % 2:
+        return Check("pipeline", "skip", None, tol, f"needs an even number of ranks (2 stages x data-parallel), "
+                                                     f"{w} here: run it under a launcher")
+    import deepspeed
+
+    ids, dp, gas = _batch(), w // 2, 2
+    ref = _plain_losses(steps, lr, tiny_llama(), ids)
+    cfg = RunConfig()
+    cfg.parallel.pipeline_parallel_size, cfg.train.gradient_accumulation_steps = 2, gas
+    pipe = pipeline.to_pipeline(tiny_llama(), cfg, w)
+    mine = ids.chunk(dp)[r % dp]  # the data-parallel index is inner: stage r // dp
+    micro = [{"input_ids": m, "labels": m} for m in mine.chunk(gas)]
+    ds = {"train_micro_batch_size_per_gpu": micro[0]["input_ids"].shape[0], "gradient_accumulation_steps": gas,
+          "zero_optimization": {"stage": 0}, "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+          "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters()], config=ds)
+    pipeline.install_step_guard(engine, 0.0)
+    targets = torch.tensor(float(ids.shape[0] * (ids.shape[1] - 1)), dtype=torch.float64)
+    got = [float(pipeline.train_step(engine, micro, targets)[0]) for _ in range(steps)]
+    engine.destroy()
+    diff = max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref))
+    return _judge("pipeline", diff, tol, f"DeepSpeed's pipeline engine, 2 stages x {dp} data-parallel, 1F1B over "
+                                         f"{gas} micro-batches, vs one process: losses {', '.join(f'{x:.6f}' for x in got)}")
+
+
 CHECKS = {
     "collectives": check_collectives,
     "chunked_head": check_chunked_head,
@@ -607,6 +642,7 @@ CHECKS = {
     "sequence_parallel": check_sequence_parallel,
     "hybrid_rollout": check_hybrid_rollout,
     "expert_parallel": check_expert_parallel,
+    "pipeline": check_pipeline,
 }
 """Check name -> function returning a :class:`Check`; run in this order, on every rank in lockstep."""
 

@@ -17,6 +17,11 @@ One small all-reduce per step (the target count and the stop signal together; no
 ``loss_weighting: micro_batch`` and no stop signal to watch), plus one on logged steps for the log totals:
 each is a synchronisation point of all ranks, and on GPUs a wait of the host for the device.
 
+Under pipeline parallelism (:mod:`finetune.engine.pipeline`) DeepSpeed's ``train_batch`` runs the step's
+micro-batches through the stages (1F1B), the backward passes and the optimizer step; its last stage takes each
+micro-batch's loss sum times the same ``D x G / N``, and evaluation sums come from ``eval_batch``. The rest of the
+loop is this one.
+
 Token-weighted loss (``train.loss_weighting: token``, default). DeepSpeed averages gradients with equal
 weight per micro-batch and per rank, which is not the gradient of the mean over all target tokens when
 micro-batches hold different numbers of targets (padding, MLM masking): the gradient-accumulation loss
