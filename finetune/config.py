@@ -540,10 +540,11 @@ class ParallelConfig:
     (:mod:`finetune.parallel.pipeline`); recipes ``gpt_clm``, ``sft`` (LoRA too) and ``bert_mlm`` on Llama, Qwen2,
     Qwen3, Mistral, GPT-2 and BERT, ZeRO 0-1, without sequence, tensor or expert parallelism; 1: off. Data-parallel
     size = world size / this."""
-    pipeline_partition_method: str = "parameters"
-    """How the layers are split into stages (DeepSpeed's ``partition_method``): ``parameters`` (balanced parameter
-    counts), ``uniform`` (balanced layer counts) or ``type:<regex>`` (balanced counts of the layers whose class name
-    matches, e.g. ``type:Decoder``)."""
+    pipeline_partition_method: str = "compute"
+    """How the layers are split into stages: ``compute`` (balanced matrix-multiply work per token: the layers' and
+    the head's weights, the embedding lookups free), or DeepSpeed's ``partition_method`` ``parameters`` (balanced
+    parameter counts: the embedding weighs as much as the head), ``uniform`` (balanced layer counts) or
+    ``type:<regex>`` (balanced counts of the layers whose class name matches, e.g. ``type:Decoder``)."""
     tiled_mlp: bool = False
     """Compute each layer's MLP (modules named ``*.mlp``: Llama, Qwen, Mistral, GPT-2) in tiles of about
     ``hidden_size`` tokens along the sequence, recomputed in backward (DeepSpeed's ``TiledMLP``, from ALST): its

@@ -19,7 +19,8 @@ from finetune.data.batch import to_device
 from finetune.parallel.layout import SIZE_KEYS
 from finetune.parallel.pipeline import ENCODERS, LAYERS_FILE, LEARNED_POSITIONS, ROTARY, SUPPORTED, num_layers
 from finetune.recipes.common.targets import next_token_targets
-from finetune.recipes.lm_loss import chunk_tokens, chunked_cross_entropy
+from finetune.recipes.lm_loss import (FUSED_HEAD_MAX_ELEMENTS, LinearCrossEntropy, chunk_tokens,
+                                      chunked_cross_entropy)
 
 
 # ------------------------------------------------------------------------------------------------------------ layers
@@ -84,7 +85,10 @@ class Head(_Named):
 
 def _head_forward(shared: _Shared, inputs, weight, bias):
     """The last layer: ``(hidden [b, s, h], targets [b, s]) -> (loss_sum, correct)`` (0-dim float32 and int64) at the
-    target positions, or the full logits ``[b, s, vocab]`` in ``"logits"`` mode (the export check)."""
+    target positions, or the full logits ``[b, s, vocab]`` in ``"logits"`` mode (the export check). In training the
+    head and its cross-entropy run as :class:`finetune.recipes.lm_loss.LinearCrossEntropy` (each chunk's gradients in
+    the forward pass) where the recipes' loss takes that path (a head of at most ``FUSED_HEAD_MAX_ELEMENTS``, more than
+    one chunk of targets), else as :func:`finetune.recipes.lm_loss.chunked_cross_entropy`."""
     hidden, targets = inputs[0], inputs[-1]
 
     def head_fn(x):
@@ -93,8 +97,12 @@ def _head_forward(shared: _Shared, inputs, weight, bias):
     if shared.mode == "logits":
         return head_fn(hidden).float()
     pick = targets != -100
-    loss, correct = chunked_cross_entropy(head_fn, hidden[pick], targets[pick], shared.chunk,
-                                          count_correct=shared.count_correct)
+    h, y = hidden[pick], targets[pick]
+    if (torch.is_grad_enabled() and not shared.count_correct and h.shape[0] > shared.chunk
+            and weight.numel() <= FUSED_HEAD_MAX_ELEMENTS):  # gradients in the forward pass, nothing recomputed
+        return (LinearCrossEntropy.apply(h, weight, bias, y, shared.chunk),
+                torch.zeros((), dtype=torch.long, device=hidden.device))
+    loss, correct = chunked_cross_entropy(head_fn, h, y, shared.chunk, count_correct=shared.count_correct)
     if correct is None:
         correct = torch.zeros((), dtype=torch.long, device=hidden.device)
     return loss.float(), correct
@@ -290,16 +298,55 @@ class StageLoss:
         return loss_sum * (self.gas * self.dp / max(float(self.targets), 1.0))
 
 
+def _pipe_class():
+    from deepspeed.pipe import PipelineModule
+
+    class Pipe(PipelineModule):
+        """``PipelineModule`` whose ``parameters`` partition can weigh each layer by given numbers
+        (:func:`compute_weights`) instead of its parameter count."""
+
+        def __init__(self, *args, weights=None, **kwargs):
+            self._finetune_weights = weights
+            super().__init__(*args, **kwargs)
+
+        def _count_layer_params(self):
+            if self._finetune_weights is None:
+                return super()._count_layer_params()
+            return list(self._finetune_weights)
+
+    return Pipe
+
+
+def compute_weights(specs: list, target_share: float) -> list[float]:
+    """Each pipeline layer's matrix-multiply work per token, for the ``compute`` partition: a transformer layer's
+    parameters, the head's ``vocab x hidden`` times the share of positions that are targets (1 for a causal LM,
+    ``data.mlm_probability`` for a masked LM: the head runs at the targets only), the final norm's parameters; 0 for
+    the embeddings (lookups). Balancing parameters instead puts the embedding's ``vocab x hidden`` on the first stage
+    as if it cost a head's work."""
+    out = []
+    for spec in specs:
+        kind, args, kwargs = spec.typename, spec.module_args, spec.module_kwargs
+        if kind is Embedding and kwargs.get("head"):
+            out.append(args[0].weight.numel() * target_share)
+        elif kind is Head:
+            out.append(args[0].weight.numel() * target_share)
+        elif kind in (Embedding, Positions, EncoderEmbeddings):
+            out.append(0.0)
+        else:
+            out.append(float(sum(p.numel() for p in args[0].parameters())))
+    return out
+
+
 def to_pipeline(model: nn.Module, cfg: RunConfig, world: int):
     """The ``PipelineModule`` of ``model`` for ``parallel.pipeline_parallel_size`` stages over ``world`` ranks
-    (``PipeDataParallelTopology``: data-parallel index inner), partitioned by parameter count (DeepSpeed's
-    ``partition_method="parameters"``), ``dynamic_shape`` on (padded micro-batches differ in length).
+    (``PipeDataParallelTopology``: data-parallel index inner), partitioned by ``parallel.pipeline_partition_method``
+    (``compute``: :func:`compute_weights` balanced by DeepSpeed's ``partition_balanced``; or DeepSpeed's own
+    ``parameters``, ``uniform``, ``type:<regex>``), ``dynamic_shape`` on (padded micro-batches differ in length).
 
     Returns:
         The ``PipelineModule``, with ``finetune_shared`` (:class:`_Shared`), ``finetune_loss`` (:class:`StageLoss`) and
         ``finetune_layers`` (the :data:`LAYERS_FILE` records) attached.
     """
-    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     pp = cfg.parallel.pipeline_parallel_size
@@ -309,8 +356,12 @@ def to_pipeline(model: nn.Module, cfg: RunConfig, world: int):
                      chunk=chunk_tokens(base.config.get_text_config().vocab_size))
     specs, records = layer_specs(model, shared)
     loss = StageLoss(cfg.train.gradient_accumulation_steps, dp)
-    pipe = PipelineModule(layers=specs, loss_fn=loss, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
-                          partition_method=cfg.parallel.pipeline_partition_method, dynamic_shape=True)
+    method = cfg.parallel.pipeline_partition_method
+    weights = compute_weights(specs, 1.0 if shared.shift else cfg.data.mlm_probability) if method == "compute" \
+        else None
+    pipe = _pipe_class()(layers=specs, loss_fn=loss, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+                         partition_method="parameters" if method == "compute" else method, dynamic_shape=True,
+                         weights=weights)
     for key, tied in pipe.tied_modules.items():  # DeepSpeed marks every parameter of a tied module's second copy
         for name, p in tied.named_parameters():    # as replicated; only the tied weight is (BERT's head bias is not)
             if name not in pipe.tied_weight_attrs[key]:
@@ -492,6 +543,7 @@ def install_step_guard(engine, max_norm: float) -> None:
                         p.grad.mul_(coef)
         return step(*args, **kwargs)
 
+    guarded._wrapped_by_lr_sched = True  # the step still runs before the LR schedule's (torch's order check)
     optimizer.step = guarded
     optimizer.overflow = False
     engine.finetune_grad_norm = None

@@ -91,6 +91,10 @@ def check(cfg: RunConfig, model_config, supported: Collection[str], problems: li
     if pp == 1:
         return
     par = cfg.parallel
+    method = par.pipeline_partition_method
+    if method not in ("compute", "parameters", "uniform") and not method.startswith("type:"):
+        problems.append(f"parallel.pipeline_partition_method: '{method}' is not one of compute, parameters, uniform "
+                        f"or type:<regex>")
     for size, other in ((par.sequence_parallel_size, "sequence_parallel_size"),
                         (par.tensor_parallel_size, "tensor_parallel_size"),
                         (par.expert_parallel_size, "expert_parallel_size")):
@@ -150,25 +154,45 @@ def num_layers(config) -> int:
     return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0)
 
 
-def stage_parameters(model_config, stages: int) -> list[int]:
-    """Parameters on each of ``stages`` stages when the layers are split by parameter count as
-    :func:`finetune.engine.pipeline.to_pipeline` splits them (DeepSpeed's ``partition_balanced`` over an estimate of
-    each pipeline layer's parameters from the config's shapes: embedding, equal layers, final norm, head), for
-    ``finetune plan``."""
-    from deepspeed.runtime.utils import partition_balanced
-    counts = _layer_param_counts(model_config)
-    parts = partition_balanced(weights=counts, num_parts=stages)
-    return [sum(counts[parts[s]:parts[s + 1]]) for s in range(stages)]
+def _split(model_config, stages: int, method: str, target_share: float) -> list[int]:
+    """DeepSpeed's ``partition_balanced`` boundaries of the estimated pipeline layers (:func:`_layer_estimates`) for
+    ``method`` (``compute``, ``parameters`` or ``uniform``; ``type:`` methods as ``uniform``)."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    params, work = _layer_estimates(model_config, target_share)
+    if method == "compute":
+        return partition_balanced(weights=work, num_parts=stages)
+    if method == "parameters":
+        return partition_balanced(weights=params, num_parts=stages)
+    return partition_uniform(num_items=len(params), num_parts=stages)
 
 
-def stage_layers(model_config, stages: int) -> list[int]:
+def stage_parameters(model_config, stages: int, method: str = "compute", target_share: float = 1.0) -> list[int]:
+    """Parameters on each of ``stages`` stages when the layers are split as
+    :func:`finetune.engine.pipeline.to_pipeline` splits them (an estimate from the config's shapes: embedding, equal
+    layers, final norm, head), for ``finetune plan``. ``target_share``: the share of positions the head runs at."""
+    params, _ = _layer_estimates(model_config, target_share)
+    parts = _split(model_config, stages, method, target_share)
+    return [sum(params[parts[s]:parts[s + 1]]) for s in range(stages)]
+
+
+def stage_layers(model_config, stages: int, method: str = "compute", target_share: float = 1.0) -> list[int]:
     """Transformer layers on each of ``stages`` stages under the same split as :func:`stage_parameters`."""
-    from deepspeed.runtime.utils import partition_balanced
-    counts = _layer_param_counts(model_config)
-    parts = partition_balanced(weights=counts, num_parts=stages)
-    first = 2 if (model_config.get_text_config().model_type in LEARNED_POSITIONS + ENCODERS) else 1
-    last = len(counts) - 2
+    parts = _split(model_config, stages, method, target_share)
+    params, _ = _layer_estimates(model_config, target_share)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    first = 2 if text.model_type in LEARNED_POSITIONS + ENCODERS else 1
+    last = len(params) - 2
     return [sum(1 for i in range(parts[s], parts[s + 1]) if first <= i < last) for s in range(stages)]
+
+
+def _layer_estimates(config, target_share: float) -> tuple[list[int], list[float]]:
+    """Per pipeline layer: its parameters (a tied head counts the embedding again, as DeepSpeed counts its copy) and
+    its matrix-multiply work per token as :func:`finetune.engine.pipeline.compute_weights` weighs it."""
+    params = _layer_param_counts(config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    lookups = 2 if text.model_type in LEARNED_POSITIONS + ENCODERS else 1
+    work = [0.0] * lookups + [float(n) for n in params[lookups:-1]] + [params[-1] * target_share]
+    return params, work
 
 
 def _layer_param_counts(config) -> list[int]:
@@ -186,7 +210,8 @@ def _layer_param_counts(config) -> list[int]:
         layer = 4 * h * h + 2 * h * inter + 9 * h + inter
     n = num_layers(text)
     extra = [h * 1024] if mtype in LEARNED_POSITIONS else [h * 512] if mtype in ENCODERS else []
-    return [v * h, *extra, *([layer] * n), 2 * h if mtype not in ENCODERS else h * h + 3 * h, v * h]
+    final = h if mtype in ROTARY else 2 * h if mtype in LEARNED_POSITIONS else h * h + 3 * h  # RMSNorm, LayerNorm, MLM
+    return [v * h, *extra, *([layer] * n), final, v * h]
 
 
 def is_pipeline_checkpoint(ckpt) -> bool:

@@ -593,18 +593,20 @@ def image_tokens_per_image(cfg: RunConfig, config) -> tuple[int, str]:
 
 
 def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int) -> list[str]:
-    """The plan's pipeline section (``parallel.pipeline_parallel_size`` > 1): each stage's parameters as DeepSpeed's
-    ``partition_method="parameters"`` balances them (:func:`finetune.parallel.pipeline.stage_parameters`), its model
+    """The plan's pipeline section (``parallel.pipeline_parallel_size`` > 1): each stage's parameters under the run's
+    ``parallel.pipeline_partition_method`` (:func:`finetune.parallel.pipeline.stage_parameters`), its model
     states at ZeRO 0 (weights, gradients and AdamW's fp32 state: 16 bytes a parameter, 4 + 4 + 8 in fp32 and
     2 + 2 + 12 with bf16/fp16 master weights), its activations (1F1B keeps at most ``P - s`` micro-batches in flight on
     stage ``s``, each its layers' share of :func:`activation_bytes`), and the bubble fraction
     (:func:`finetune.parallel.pipeline.bubble_fraction`)."""
     pp, m = cfg.parallel.pipeline_parallel_size, cfg.train.gradient_accumulation_steps
     config = load_model_config(cfg, get_recipe(cfg.recipe))
-    counts = pipeline.stage_parameters(config, pp)
+    method = cfg.parallel.pipeline_partition_method
+    share = cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0  # where the head runs
+    counts = pipeline.stage_parameters(config, pp, method, share)
     act = activation_bytes(shape, cfg.train.micro_batch_size, seq, 4 if precision == "fp32" else 2,
                            cfg.model.gradient_checkpointing)["activations"] / max(shape.layers, 1)
-    layers = pipeline.stage_layers(config, pp)
+    layers = pipeline.stage_layers(config, pp, method, share)
     stages = [f"stage {s}: {n:,} parameters, {_fmt(16 * n)} model states + {_fmt(act * k * min(pp - s, m))} "
               f"activations ({k} layer(s), {min(pp - s, m)} micro batch(es) in flight)"
               for s, (n, k) in enumerate(zip(counts, layers))]
