@@ -30,7 +30,7 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     rows = {r["name"]: r for r in report["rows"]}
     assert list(rows) == list(selftest.CHECKS)
     for name in ("collectives", "chunked_head", "bf16_forward", "sdpa_packing", "zero2_step", "zero3_step",
-                 "sequence_parallel", "expert_parallel"):
+                 "sequence_parallel", "expert_parallel", "pipeline"):
         assert rows[name]["status"] == "pass", rows[name]
         assert rows[name]["measured"] <= rows[name]["tolerance"]
     assert "gloo, 2 rank(s)" in rows["collectives"]["detail"]
@@ -47,7 +47,9 @@ def test_selftest_cpu_subset_on_two_ranks(tmp_path):
     # DeepSpeed AutoEP over both ranks (2 experts each) against transformers' MoE in one process
     assert "EP = 2 (2 MoE layers replaced, 4 experts" in rows["expert_parallel"]["detail"], rows["expert_parallel"]
     assert "sdpa's math kernel vs the examples alone through its flash_attention kernel" in rows["sdpa_packing"]["detail"]
-    assert "8 passed, 0 failed, 5 skipped" in proc.stdout
+    # DeepSpeed's pipeline engine, 2 stages over both ranks, against the whole batch in one process
+    assert "2 stages x 1 data-parallel, 1F1B over 2 micro-batches" in rows["pipeline"]["detail"], rows["pipeline"]
+    assert "9 passed, 0 failed, 5 skipped" in proc.stdout
     assert proc.stdout.count("check              status") == 1  # rank 0 prints the table
 
 
