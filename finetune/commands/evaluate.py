@@ -134,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         check_output_file("--out", out, command="evaluate: ")
         with tempfile.TemporaryDirectory(prefix="finetune-evaluate-") as scratch:
             # train.grpo.beta: the evaluation computes no KL term, and beta > 0 is refused without the LoRA base
-            # an export does not have (read by grpo alone; the other recipes ignore train.grpo)
+            # an export does not have (read by grpo alone; the other recipes ignore train.grpo); a pipeline run's
+            # config evaluates its export data-parallel (the engine without an optimizer is no pipeline)
             pinned = [f"model.path={export}", f"model.tokenizer_path={export}", "model.init=pretrained",
                       "model.lora=null", "model.config_overrides={}", "export=false", "output_root=",
-                      f"output_dir={Path(scratch) / 'run'}", "train.grpo.beta=0"]
+                      f"output_dir={Path(scratch) / 'run'}", "train.grpo.beta=0", "parallel.pipeline_parallel_size=1"]
             wrong = architecture_problem(export, load_run_config(args.config, [*args.overrides, *pinned], []).recipe)
             if wrong:  # before the other checks: the tokenizer of another task's export has its own complaints
                 raise ConfigError(f"evaluate: {wrong}")

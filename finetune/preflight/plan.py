@@ -592,7 +592,7 @@ def image_tokens_per_image(cfg: RunConfig, config) -> tuple[int, str]:
         return 0, ""
 
 
-def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int) -> list[str]:
+def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int, world: int) -> list[str]:
     """The plan's pipeline section (``parallel.pipeline_parallel_size`` > 1): each stage's parameters under the run's
     ``parallel.pipeline_partition_method`` (:func:`finetune.parallel.pipeline.stage_parameters`), its model
     states at ZeRO 0 (weights, gradients and AdamW's fp32 state: 16 bytes a parameter, 4 + 4 + 8 in fp32 and
@@ -600,6 +600,7 @@ def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int) 
     stage ``s``, each its layers' share of :func:`activation_bytes`), and the bubble fraction
     (:func:`finetune.parallel.pipeline.bubble_fraction`)."""
     pp, m = cfg.parallel.pipeline_parallel_size, cfg.train.gradient_accumulation_steps
+    lay_dp = world // pp
     config = load_model_config(cfg, get_recipe(cfg.recipe))
     method = cfg.parallel.pipeline_partition_method
     share = cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0  # where the head runs
@@ -611,7 +612,8 @@ def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int) 
               f"activations ({k} layer(s), {min(pp - s, m)} micro batch(es) in flight)"
               for s, (n, k) in enumerate(zip(counts, layers))]
     return [f"pipeline parallelism {pp} (DeepSpeed's 1F1B schedule, {m} micro batches a step): bubble (P - 1) / "
-            f"(m + P - 1) = {pipeline.bubble_fraction(pp, m):.3f} of each stage's time idle; per rank at ZeRO 0:",
+            f"(m + P - 1) = {pipeline.bubble_fraction(pp, m):.3f} of each stage's time idle; per rank (model states at "
+            f"ZeRO 0; ZeRO 1 splits the optimizer state over the stage's {max(1, lay_dp)} data-parallel rank(s)):",
             *[f"  {line}" for line in stages],
             "  (the table below is for the whole model on one rank; a stage holds its share of it)"]
 
@@ -664,7 +666,7 @@ def render(cfg: RunConfig, shape: ModelShape, ds: dict, options: list[Estimate],
                      f"{_fmt(gen['forward'])} (one layer at a time, no gradients), plus the whole model gathered under "
                      f"ZeRO 3 (train.grpo.gather_for_generation); 'activ.' holds the larger of training and generation")
     if cfg.parallel.pipeline_parallel_size > 1:
-        lines += pipeline_lines(cfg, shape, precision, seq)
+        lines += pipeline_lines(cfg, shape, precision, seq, nodes * gpus_per_node)
     if tp > 1:
         lines.append(f"tensor parallelism {tp}: not modelled; the table is for tensor-parallel size 1 (AutoTP splits "
                      f"the layers' weights and most activations by about {tp})")
