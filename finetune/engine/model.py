@@ -267,7 +267,7 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
         logger.info(muon.tag(model))
         keep.append(muon.keep_tags())
     if lay.pp > 1:  # the stages' layers, built from this model's modules (finetune.engine.pipeline)
-        model = pipeline.to_pipeline(model, cfg, lay.world)
+        model = pipeline.to_pipeline(model, cfg, lay.world, recipe.target_fraction(cfg.data))
         if zero_stage(ds) == 0:  # the norm, the clipping and the skip of non-finite steps over all stages: ours
             ds = {**ds, "gradient_clipping": 0.0}
         logger.info(f"pipeline parallelism: {lay.pp} stages x {lay.dp} data-parallel; this rank holds layers "

@@ -319,8 +319,8 @@ def _pipe_class():
 
 def compute_weights(specs: list, target_share: float) -> list[float]:
     """Each pipeline layer's matrix-multiply work per token, for the ``compute`` partition: a transformer layer's
-    parameters, the head's ``vocab x hidden`` times the share of positions that are targets (1 for a causal LM,
-    ``data.mlm_probability`` for a masked LM: the head runs at the targets only), the final norm's parameters; 0 for
+    parameters, the head's ``vocab x hidden`` times the share of positions that are targets (the recipe's
+    ``target_fraction``: the head runs at the targets only), the final norm's parameters; 0 for
     the embeddings (lookups). Balancing parameters instead puts the embedding's ``vocab x hidden`` on the first stage
     as if it cost a head's work."""
     out = []
@@ -337,11 +337,13 @@ def compute_weights(specs: list, target_share: float) -> list[float]:
     return out
 
 
-def to_pipeline(model: nn.Module, cfg: RunConfig, world: int):
+def to_pipeline(model: nn.Module, cfg: RunConfig, world: int, target_share: float = 1.0):
     """The ``PipelineModule`` of ``model`` for ``parallel.pipeline_parallel_size`` stages over ``world`` ranks
     (``PipeDataParallelTopology``: data-parallel index inner), partitioned by ``parallel.pipeline_partition_method``
     (``compute``: :func:`compute_weights` balanced by DeepSpeed's ``partition_balanced``; or DeepSpeed's own
     ``parameters``, ``uniform``, ``type:<regex>``), ``dynamic_shape`` on (padded micro-batches differ in length).
+    ``target_share``: the share of positions that are loss targets (the recipe's ``target_fraction``), which the
+    ``compute`` split weighs the head by.
 
     Returns:
         The ``PipelineModule``, with ``finetune_shared`` (:class:`_Shared`), ``finetune_loss`` (:class:`StageLoss`) and
@@ -357,8 +359,7 @@ def to_pipeline(model: nn.Module, cfg: RunConfig, world: int):
     specs, records = layer_specs(model, shared)
     loss = StageLoss(cfg.train.gradient_accumulation_steps, dp)
     method = cfg.parallel.pipeline_partition_method
-    weights = compute_weights(specs, 1.0 if shared.shift else cfg.data.mlm_probability) if method == "compute" \
-        else None
+    weights = compute_weights(specs, target_share) if method == "compute" else None
     pipe = _pipe_class()(layers=specs, loss_fn=loss, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
                          partition_method="parameters" if method == "compute" else method, dynamic_shape=True,
                          weights=weights)

@@ -603,7 +603,7 @@ def pipeline_lines(cfg: RunConfig, shape: ModelShape, precision: str, seq: int, 
     lay_dp = world // pp
     config = load_model_config(cfg, get_recipe(cfg.recipe))
     method = cfg.parallel.pipeline_partition_method
-    share = cfg.data.mlm_probability if cfg.recipe == "bert_mlm" else 1.0  # where the head runs
+    share = shape.target_fraction  # the share of positions the head runs at
     counts = pipeline.stage_parameters(config, pp, method, share)
     act = activation_bytes(shape, cfg.train.micro_batch_size, seq, 4 if precision == "fp32" else 2,
                            cfg.model.gradient_checkpointing)["activations"] / max(shape.layers, 1)
