@@ -8,6 +8,7 @@ of the run's and ``finetune export``'s of a checkpoint); ``finetune plan``'s bub
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ def _assert_equal(run, ref, steps: int, weighted: bool = True) -> None:
     assert not weighted or max(abs(a - b) / b for a, b in zip(ref.micro_batch_losses, ref.token_losses)) > 1e-5
     losses, norms = logged(run, "train/loss"), logged(run, "train/grad_norm")
     assert len(losses) == steps, losses
+    print(f"pipeline parity: losses max rel {max_rel(losses, ref.losses):.2e}, grad norms max rel "
+          f"{max_rel(norms, ref.grad_norms):.2e}", file=sys.__stdout__)  # the figures docs/parallelism.md quotes
     assert max_rel(losses, ref.losses) <= 1e-5, (losses, ref.losses)
     assert max_rel(norms, ref.grad_norms) <= 1e-4, (norms, ref.grad_norms)
 
