@@ -141,17 +141,21 @@ VARIANTS = {"gpt2": GPT2, "bert": BERT,
             "sft_padded": ["data.packing=false", "train.max_steps=3", "train.save_every=0", "export=false"],
             "zero1": ["ds.zero_optimization.stage=1", "train.max_steps=3", "train.save_every=0", "export=false"],
             "compute_split": ["parallel.pipeline_partition_method=compute", "train.max_steps=3", "train.save_every=0",
-                              "export=false"]}
+                              "export=false"],
+            "qwen3": ["model.path=data/models/tiny-qwen3", "model.config_overrides={}", "train.max_steps=3",
+                      "train.save_every=0"]}
 """Extended runs on 2 stages besides the default one: GPT-2 and BERT, LoRA (the adapters trained on both stages, the
 export merged and checked), padded rows, ZeRO-1 (DeepSpeed's optimizer takes the norm and the clipping), the default
-``compute`` split (the layers on the first stage, the tied head alone on the second)."""
+``compute`` split (the layers on the first stage, the tied head alone on the second), Qwen3 (q/k norms, tied head; its
+export checked too)."""
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_more_two_stage_runs_equal_one_device(variant, tmp_path):
     """GPT-2 (packed blocks), BERT's masked LM (padded rows; the head's own bias beside the tied decoder weight),
-    sft with LoRA, sft on padded rows and at ZeRO-1, each on 2 stages: 3 steps equal one device."""
+    sft with LoRA, on padded rows, at ZeRO-1, with the compute split and on Qwen3, each on 2 stages: 3 steps equal one
+    device."""
     over = VARIANTS[variant]
     run = tmp_path / variant
     ok(launch(CONFIG, [*over, f"output_dir={run}"]))

@@ -47,10 +47,6 @@ class _Named(nn.Module):
                          if module is not None and id(module) in names}
 
 
-def _embed_out(h, rest):
-    return (h, *rest)
-
-
 class Embedding(_Named):
     """The token embedding: on the first stage ``(input_ids, *rest) -> (embeddings, *rest)``; as the tied head on the
     last stage (``head=True``) it runs the vocabulary projection with the same weight (:class:`Head`'s forward)."""
@@ -67,7 +63,7 @@ class Embedding(_Named):
     def forward(self, inputs):
         if self.is_head:
             return _head_forward(self.shared, inputs, self.embed.weight, getattr(self, "bias", None))
-        return _embed_out(self.embed(inputs[0]), inputs[1:])
+        return (self.embed(inputs[0]), *inputs[1:])
 
 
 class Head(_Named):
@@ -548,6 +544,15 @@ def install_step_guard(engine, max_norm: float) -> None:
     optimizer.step = guarded
     optimizer.overflow = False
     engine.finetune_grad_norm = None
+
+
+def total_parameters(engine) -> int:
+    """The whole model's parameters, every stage's (a tied weight once), for MFU's FLOPs per token: each device runs
+    its stage's share of them on every token of its pipeline. All ranks call it (an all-reduce over the pipe group)."""
+    n = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "ds_pipe_replicated", False))
+    total = torch.tensor(float(n), dtype=torch.float64, device=engine.device)
+    dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
+    return int(total.item())
 
 
 def grad_norm(engine) -> float | None:

@@ -1,6 +1,6 @@
 """Pipeline parallelism (``parallel.pipeline_parallel_size: P``) on DeepSpeed's ``PipelineModule`` / ``PipelineEngine``:
-what it is, what it accepts (:func:`check`) and its plan (:func:`bubble_fraction`, :func:`stage_memory`); the model
-and its engine hooks are :mod:`finetune.engine.pipeline`.
+what it is, what it accepts (:func:`check`) and its plan (:func:`bubble_fraction`, :func:`stage_parameters`); the
+model and its engine hooks are :mod:`finetune.engine.pipeline`.
 
 Each of ``P`` pipeline stages holds a contiguous slice of the model's layers; the micro-batches of an optimizer step
 flow through them on DeepSpeed's 1F1B schedule (``TrainSchedule``: each stage alternates one forward and one
@@ -8,7 +8,7 @@ backward once the pipe is full; Narayanan et al. 2021, "Efficient Large-Scale La
 Using Megatron-LM"). The ranks are ``P x dp`` with the data-parallel index inner (DeepSpeed's
 ``PipeDataParallelTopology``: stage ``s`` holds ranks ``[s x dp, (s + 1) x dp)``).
 
-**The model** (:func:`finetune.engine.pipeline.to_pipeline`) is built from the transformers model's own modules, never copies of their code:
+**The model** (:func:`finetune.engine.pipeline.to_pipeline`) is built from the transformers model's own modules:
 
 * decoders (:data:`ROTARY`: Llama, Qwen2, Qwen3, Mistral; :data:`LEARNED_POSITIONS`: GPT-2): the token embedding
   (and GPT-2's position embedding and dropout), each decoder layer, the final norm, and the LM head;
@@ -23,21 +23,24 @@ and the step's targets. Each layer rebuilds its attention mask and rotary embedd
 ``create_causal_mask`` / ``create_sliding_window_causal_mask`` / ``create_bidirectional_mask`` and the model's
 ``rotary_emb``; a batch without padding passes no mask, so packed rows (``position_ids`` restarting at 0) get the
 block-diagonal mask transformers derives from ``position_ids`` on every stage: packed rows never attend across
-examples. Mistral's sliding window and Qwen's ``layer_types`` are read per layer, as their models do.
+examples. Mistral's sliding window and Qwen's ``layer_types`` are read per layer, as their models do. The layers are
+split into stages of equal matrix-multiply work per token by default (``parallel.pipeline_partition_method:
+compute``).
 
 **The loss** is the exact mean over the global batch's targets, as for every other layout: the last layer runs the
-head and the cross-entropy at target positions only, chunked (:func:`finetune.recipes.lm_loss.chunked_cross_entropy`),
-and returns the micro-batch's loss sum; :class:`finetune.engine.pipeline.StageLoss` scales it by ``gas x dp / N`` (``N``: the step's global
-target count from the loop's one all-reduce), so that after DeepSpeed's ``1 / gas`` and the data-parallel average the
-gradient is that of ``sum / N`` over the whole global batch. Decoders predict the next token (labels shifted by one,
-:func:`finetune.recipes.common.targets.shift_labels`), BERT the masked tokens (labels as they are).
+head and the cross-entropy at target positions only (:mod:`finetune.recipes.lm_loss`'s fused or chunked path) and
+returns the micro-batch's loss sum; :class:`finetune.engine.pipeline.StageLoss` scales it by ``gas x dp / N`` (``N``:
+the step's global target count from the loop's one all-reduce), so that after DeepSpeed's ``1 / gas`` and the
+data-parallel average the gradient is that of ``sum / N`` over the whole global batch. Decoders predict the next token
+(labels shifted by one, :func:`finetune.recipes.common.targets.shift_labels`), BERT the masked tokens (labels as they
+are).
 
 **Gradient norm, clipping and non-finite steps** (ZeRO 0): DeepSpeed's own clipping is turned off for the pipeline
-engine (``gradient_clipping: 0``) and :func:`finetune.engine.pipeline.install_step_guard` wraps the optimizer's ``step``: it computes the global
-gradient norm (each stage's squares, the tied weight counted once: DeepSpeed's ``ds_pipe_replicated``; all-reduced
-over the pipe group), clips by ``train.max_grad_norm`` as ``torch.nn.utils.clip_grad_norm_`` does, and skips a step
-whose norm is not finite on every rank alike. ZeRO 1 leaves all three to DeepSpeed's ZeRO optimizer, which reduces
-over the pipeline grid.
+engine (``gradient_clipping: 0``) and :func:`finetune.engine.pipeline.install_step_guard` wraps the optimizer's
+``step``: it computes the global gradient norm (each stage's squares, the tied weight counted once: DeepSpeed's
+``ds_pipe_replicated``; all-reduced over the pipe group), clips by ``train.max_grad_norm`` as
+``torch.nn.utils.clip_grad_norm_`` does, and skips a step whose norm is not finite on every rank alike. ZeRO 1 leaves
+all three to DeepSpeed's ZeRO optimizer, which reduces over the pipeline grid.
 
 **Not offered**: ZeRO 2-3 (DeepSpeed's ``PipelineEngine`` asserts ZeRO < 2), sequence, tensor and expert
 parallelism together with it, the interleaved (virtual-stage) schedule (DeepSpeed's engine has only 1F1B), recipes

@@ -55,7 +55,7 @@ def model_flops_per_token(model, seq_len: float, n_params: int | None = None) ->
         n_params: ``N`` when already counted.
     """
     n = n_params if n_params is not None else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    config = getattr(model, "config", None)
+    config = getattr(model, "config", None) or getattr(model, "finetune_config", None)  # a pipeline: the model's
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0) or 0
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0
     return 6.0 * n + 12.0 * layers * hidden * seq_len
