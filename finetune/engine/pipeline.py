@@ -370,7 +370,12 @@ def to_pipeline(model: nn.Module, cfg: RunConfig, world: int, target_share: floa
 
 def is_pipeline(engine) -> bool:
     """True when ``engine`` is DeepSpeed's ``PipelineEngine`` over a module :func:`to_pipeline` built."""
-    return hasattr(getattr(engine, "module", None), "finetune_shared")
+    return is_pipeline_module(getattr(engine, "module", None))
+
+
+def is_pipeline_module(module) -> bool:
+    """True when ``module`` is a ``PipelineModule`` :func:`to_pipeline` built."""
+    return hasattr(module, "finetune_shared")
 
 
 # ------------------------------------------------------------------------------------------------------------ batches
@@ -546,12 +551,13 @@ def install_step_guard(engine, max_norm: float) -> None:
     engine.finetune_grad_norm = None
 
 
-def total_parameters(engine) -> int:
+def total_parameters(module, device) -> int:
     """The whole model's parameters, every stage's (a tied weight once), for MFU's FLOPs per token: each device runs
-    its stage's share of them on every token of its pipeline. All ranks call it (an all-reduce over the pipe group)."""
-    n = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "ds_pipe_replicated", False))
-    total = torch.tensor(float(n), dtype=torch.float64, device=engine.device)
-    dist.all_reduce(total, group=engine.grid.get_pipe_parallel_group())
+    its stage's share of them on every token of its pipeline. ``module``: this stage's ``PipelineModule``. All ranks
+    call it (an all-reduce over the pipe group)."""
+    n = sum(p.numel() for p in module.parameters() if not getattr(p, "ds_pipe_replicated", False))
+    total = torch.tensor(float(n), dtype=torch.float64, device=device)
+    dist.all_reduce(total, group=module._grid.get_pipe_parallel_group())
     return int(total.item())
 
 

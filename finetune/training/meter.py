@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from finetune.engine import pipeline
 from finetune.data.batch import real_tokens
 from finetune.parallel import sequence
 
@@ -87,6 +88,8 @@ class StepMeter:
         self.model, self.device, self.world = model, device, world
         self.peak = peak_flops(device, half_precision)
         self.n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) if self.peak else 0
+        if pipeline.is_pipeline_module(model):  # MFU: every stage's weights run on every token (a collective)
+            self.n_params = pipeline.total_parameters(model, device)
         self.sampling = False
         self.split = dict.fromkeys(self.PHASES, 0.0)
         self._t = 0.0

@@ -665,8 +665,6 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
     meter = StepMeter(engine.module, engine.device, lay.world, engine_precision(engine) != "fp32")
-    if pipeline.is_pipeline(engine):  # MFU: every stage's weights run on every token of the pipeline
-        meter.n_params = pipeline.total_parameters(engine)
     pbar = tqdm(total=total_steps, initial=state.step, disable=not dist_utils.is_main(), desc="train", dynamic_ncols=True)
     cadence, guard, saver = Cadence(cfg, total_steps), Guard(cfg.train.max_bad_steps, run_dir), \
         Saver(engine, run_dir, cfg, state, resume_from, recipe)
