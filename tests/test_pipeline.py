@@ -165,6 +165,18 @@ def test_more_two_stage_runs_equal_one_device(variant, tmp_path):
 
 
 @pytest.mark.extended
+def test_four_stages_equal_one_device(tmp_path):
+    """4 stages on 4 CPU ranks (the middle ones receive activations and send them on, and send gradients back):
+    3 steps equal one device."""
+    run = tmp_path / "pp4"
+    over = ["parallel.pipeline_parallel_size=4", "train.max_steps=3", "train.save_every=0"]
+    proc = ok(launch(CONFIG, [*over, f"output_dir={run}"], nproc=4))
+    assert "layout: world 4 = pipeline stages 4 x data-parallel 1" in proc.stdout
+    _assert_equal(run, _reference(over, 1, 3), 3)
+    assert json.loads((run / "export_check.json").read_text())["max_abs_logit_diff"] <= 1e-5
+
+
+@pytest.mark.extended
 def test_two_stages_by_two_data_parallel_equal_one_device(tmp_path):
     """2 stages x 2 data-parallel ranks on 4 CPU ranks (the global batch twice as large): 3 steps equal one device on
     the same 16 rows a step."""
