@@ -261,19 +261,9 @@ def layer_specs(model: nn.Module, shared: _Shared) -> tuple[list, list[dict]]:
     else:
         raise ValueError(f"{SIZE_KEYS['pp']}: model type '{mtype}' is not split into pipeline stages (supported: "
                          f"{', '.join(SUPPORTED)})")
-    records = []
-    for spec in specs:  # the names each layer will hold, without building it
-        probe = _names_of(spec)
-        records.append({"tied": getattr(spec, "key", None), "names": probe})
+    # the names each layer holds: a built wrapper only references the model's modules, so building one is cheap
+    records = [{"tied": getattr(spec, "key", None), "names": dict(spec.build().hf_names)} for spec in specs]
     return specs, records
-
-
-def _names_of(spec) -> dict:
-    """``{short name: Hugging Face prefix}`` of a layer spec, as its built layer's ``hf_names`` will be."""
-    layer = spec.typename.__new__(spec.typename)
-    nn.Module.__init__(layer)
-    spec.typename.__init__(layer, *spec.module_args, **spec.module_kwargs)
-    return dict(layer.hf_names)
 
 
 class StageLoss:
@@ -580,8 +570,8 @@ def hf_state_dict(engine) -> dict[str, torch.Tensor] | None:
     mine: dict[str, torch.Tensor] = {}
     if engine.grid.data_parallel_id == 0:
         mine = stage_state(module)
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)  # to rank 0 only: the other ranks never hold the whole model
     if dist.get_rank() != 0:
         return None
     out: dict[str, torch.Tensor] = {}
