@@ -1,0 +1,144 @@
+"""A GGUF file checked by llama.cpp itself against the Hugging Face export it was written from.
+
+llama.cpp runs in process through ``xllamacpp`` (a prebuilt CPU llama.cpp: ``Server(CommonParams)``,
+``handle_completions``, ``handle_chat_completions``), the program that will serve the file. For each prompt (token
+ids, so both sides read the same tokens) llama.cpp continues greedily with ``n_probs`` and returns each token's
+log-probability; transformers continues the same prompt greedily on the export, and scores llama.cpp's continuation
+with one teacher-forced forward, so the log-probabilities compare at the same positions even after the two
+continuations part.
+
+* ``agree``: prompts whose greedy continuations are equal token for token;
+* ``mean_abs_logprob_diff``: the mean absolute difference of the log-probabilities of llama.cpp's tokens (nats);
+* ``chat``: llama.cpp's chat endpoint (the file's ``tokenizer.chat_template``) replies what transformers replies
+  greedily to the same messages through ``apply_chat_template``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+PROMPTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "Photosynthesis is the process by which",
+    "The quick brown fox",
+    "In 1969, the first humans",
+    "A list of prime numbers: 2, 3, 5,",
+)
+"""Ten prompts no shipped data set holds: what a user would try on the served model first."""
+
+
+def available() -> bool:
+    """True when ``xllamacpp`` (llama.cpp) can be imported."""
+    try:
+        import xllamacpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, lora_scale: float = 1.0,
+           threads: int | None = None):
+    """llama.cpp serving ``path`` in process (one slot, CPU), with a GGUF LoRA adapter when ``lora`` is given."""
+    import xllamacpp
+
+    p = xllamacpp.CommonParams()
+    p.model.path = str(path)
+    p.n_ctx = n_ctx
+    p.n_parallel = 1
+    p.warmup = False
+    p.cpuparams.n_threads = threads or max(1, min(4, os.cpu_count() or 1))
+    p.cpuparams_batch.n_threads = p.cpuparams.n_threads
+    p.sampling.seed = 0
+    if lora is not None:
+        info = xllamacpp.CommonAdapterLoraInfo(str(lora), lora_scale)
+        p.lora_adapters = [info]
+    srv = xllamacpp.Server(p)
+    try:
+        yield srv
+    finally:
+        del srv
+
+
+def llama_greedy(srv, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy continuation of the token ids ``prompt`` (``n`` tokens at most) and each token's
+    log-probability (before sampling)."""
+    r = srv.handle_completions({"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1, "n_probs": 1,
+                                "cache_prompt": False, "samplers": ["top_k"]})
+    if "error" in r:
+        raise RuntimeError(f"llama.cpp: {r['error']}")
+    content = r["choices"][0]["logprobs"]["content"]
+    return [c["id"] for c in content], [c["logprob"] for c in content]
+
+
+def hf_greedy(model, prompt: list[int], n: int, eos: list[int]) -> list[int]:
+    """transformers' greedy continuation (``generate``, ``do_sample=False``), stopping at ``eos`` as llama.cpp does
+    (the end-of-generation token included, as llama.cpp returns it)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             eos_token_id=eos or None, pad_token_id=(eos or [0])[0])
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probabilities of ``tokens`` after ``prompt`` (one teacher-forced forward)."""
+    if not tokens:
+        return []
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+
+
+def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int = 32, chat: bool = True,
+            lora: str | Path | None = None) -> dict:
+    """llama.cpp on ``gguf_path`` against transformers on the Hugging Face ``folder`` (module docstring).
+
+    Returns:
+        ``{"prompts", "agree", "mean_abs_logprob_diff", "max_abs_logprob_diff", "tokens", "chat"}``; ``chat`` is
+        None when the tokenizer has no chat template or ``chat`` is false, else ``{"equal", "llama_cpp",
+        "transformers"}``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    try:
+        gen = GenerationConfig.from_pretrained(folder, local_files_only=True)
+        eos = gen.eos_token_id
+    except OSError:
+        eos = tokenizer.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    agree, diffs = 0, []
+    reply = None
+    with server(gguf_path, lora=lora) as srv:
+        for text in prompts:
+            prompt = tokenizer(text, add_special_tokens=True)["input_ids"] if isinstance(text, str) else list(text)
+            ours, logps = llama_greedy(srv, prompt, n)
+            theirs = hf_greedy(model, prompt, n, eos)
+            agree += ours == theirs
+            diffs += [abs(a - b) for a, b in zip(logps, hf_logprobs(model, prompt, ours))]
+        if chat and tokenizer.chat_template:
+            messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+            r = srv.handle_chat_completions({"messages": messages, "max_tokens": 16, "temperature": 0.0,
+                                             "top_k": 1, "samplers": ["top_k"]})
+            llama_reply = r["choices"][0]["message"]["content"]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+            hf_tokens = hf_greedy(model, list(ids), 16, eos)
+            hf_reply = tokenizer.decode(hf_tokens, skip_special_tokens=True)
+            reply = {"equal": llama_reply.strip() == hf_reply.strip(), "llama_cpp": llama_reply,
+                     "transformers": hf_reply}
+    return {"prompts": len(prompts), "agree": agree, "tokens": len(diffs),
+            "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)), "max_abs_logprob_diff": max(diffs, default=0.0),
+            "chat": reply}
