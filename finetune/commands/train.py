@@ -26,7 +26,7 @@ import sys
 from finetune import patches
 from finetune.lifecycle import checkpoint as ckpt_utils
 from finetune.parallel import distributed as dist_utils
-from finetune.lifecycle import health
+from finetune.lifecycle import gguf_export, health
 from finetune.parallel import layout, sequence
 from finetune.data.dataset import build_train_data
 from finetune.engine.ds_config import describe_precision
@@ -202,6 +202,11 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
                 step, chosen_by = export_step(engine, run_dir, state, cfg, ds)
                 export_and_verify(engine, run_dir, step, data.splits.validation, data.collator, ds, recipe,
                                   chosen_by=chosen_by)
+        if rank == 0 and cfg.export and cfg.export_gguf:  # llama.cpp's file beside the checked export
+            try:
+                gguf_export.export_gguf(run_dir / "export", run_dir / "export", cfg.export_gguf)
+            except ConfigError as e:
+                raise RunFailure(f"{e}; the Hugging Face export in {run_dir / 'export'} is complete and checked")
         if rank == 0:
             summary = write_run_report(run_dir)
             if summary:

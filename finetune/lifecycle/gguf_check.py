@@ -7,7 +7,8 @@ log-probability; transformers continues the same prompt greedily on the export, 
 with one teacher-forced forward, so the log-probabilities compare at the same positions even after the two
 continuations part.
 
-* ``agree``: prompts whose greedy continuations are equal token for token;
+* ``agree``: prompts whose greedy continuations are the same text (llama.cpp's server leaves a token that ends
+  inside a UTF-8 character out of its token list, so the text is what both give whole);
 * ``mean_abs_logprob_diff``: the mean absolute difference of the log-probabilities of llama.cpp's tokens (nats);
 * ``chat``: llama.cpp's chat endpoint (the file's ``tokenizer.chat_template``) replies what transformers replies
   greedily to the same messages through ``apply_chat_template``.
@@ -38,11 +39,9 @@ PROMPTS = (
 
 def available() -> bool:
     """True when ``xllamacpp`` (llama.cpp) can be imported."""
-    try:
-        import xllamacpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("xllamacpp") is not None
 
 
 @contextlib.contextmanager
@@ -69,15 +68,36 @@ def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, l
         del srv
 
 
-def llama_greedy(srv, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """llama.cpp's greedy continuation of the token ids ``prompt`` (``n`` tokens at most) and each token's
-    log-probability (before sampling)."""
+def llama_greedy(srv, prompt: list[int], n: int) -> tuple[str, list[int], list[float], bool]:
+    """llama.cpp's greedy continuation of the token ids ``prompt`` (``n`` tokens at most): its text, the ids and
+    log-probabilities (before sampling) llama.cpp reports, and whether it reported every token. The server leaves
+    out a token that ends inside a UTF-8 character (a byte token), so the ids are then not the whole continuation."""
     r = srv.handle_completions({"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1, "n_probs": 1,
                                 "cache_prompt": False, "samplers": ["top_k"]})
     if "error" in r:
         raise RuntimeError(f"llama.cpp: {r['error']}")
-    content = r["choices"][0]["logprobs"]["content"]
-    return [c["id"] for c in content], [c["logprob"] for c in content]
+    choice = r["choices"][0]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    complete = len(content) == r["usage"]["completion_tokens"]
+    return choice["text"], [c["id"] for c in content], [c["logprob"] for c in content], complete
+
+
+def paired_logprobs(model, prompt: list[int], ids: list[int], logps: list[float], complete: bool,
+                    theirs: list[int], partial: set[int]) -> list[float]:
+    """``|llama.cpp's - transformers'|`` log-probability of each token llama.cpp reported: scored on llama.cpp's own
+    continuation when it reported every token, else along transformers' continuation while the two agree (skipping
+    the byte tokens llama.cpp leaves out, ``partial``)."""
+    if complete:
+        return [abs(a - b) for a, b in zip(logps, hf_logprobs(model, prompt, ids))]
+    ref, out, j = hf_logprobs(model, prompt, theirs), [], 0
+    for token, logp in zip(ids, logps):
+        while j < len(theirs) and theirs[j] != token and theirs[j] in partial:
+            j += 1
+        if j == len(theirs) or theirs[j] != token:
+            break
+        out.append(abs(logp - ref[j]))
+        j += 1
+    return out
 
 
 def hf_greedy(model, prompt: list[int], n: int, eos: list[int]) -> list[int]:
@@ -101,13 +121,19 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
 
 
 def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int = 32, chat: bool = True,
-            lora: str | Path | None = None) -> dict:
+            lora: str | Path | None = None, as_written=None) -> dict:
     """llama.cpp on ``gguf_path`` against transformers on the Hugging Face ``folder`` (module docstring).
 
+    Args:
+        as_written: ``f(model)`` that rounds the reference's weights in place to what the file holds (its float16,
+            bfloat16 or quantized blocks, dequantized): the continuations and log-probabilities then compare the
+            conversion (names, layouts, metadata, tokenizer) apart from the precision the user chose, which
+            ``mean_abs_logprob_diff_unrounded`` (llama.cpp's tokens scored by the unrounded export) measures.
+
     Returns:
-        ``{"prompts", "agree", "mean_abs_logprob_diff", "max_abs_logprob_diff", "tokens", "chat"}``; ``chat`` is
-        None when the tokenizer has no chat template or ``chat`` is false, else ``{"equal", "llama_cpp",
-        "transformers"}``.
+        ``{"prompts", "agree", "mean_abs_logprob_diff", "max_abs_logprob_diff", "mean_abs_logprob_diff_unrounded",
+        "tokens", "chat"}``; ``chat`` is None when the tokenizer has no chat template or ``chat`` is false, else
+        ``{"equal", "llama_cpp", "transformers"}``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -119,15 +145,21 @@ def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int =
     except OSError:
         eos = tokenizer.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    agree, diffs = 0, []
+    full = None
+    if as_written is not None:
+        full = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+        as_written(model)
+    agree, diffs, unrounded = 0, [], []
     reply = None
     with server(gguf_path, lora=lora) as srv:
         for text in prompts:
             prompt = tokenizer(text, add_special_tokens=True)["input_ids"] if isinstance(text, str) else list(text)
-            ours, logps = llama_greedy(srv, prompt, n)
+            said, ours, logps, complete = llama_greedy(srv, prompt, n)
             theirs = hf_greedy(model, prompt, n, eos)
-            agree += ours == theirs
-            diffs += [abs(a - b) for a, b in zip(logps, hf_logprobs(model, prompt, ours))]
+            agree += said == tokenizer.decode(theirs, skip_special_tokens=True)
+            partial = {t for t in theirs if "\ufffd" in tokenizer.decode([t])}
+            diffs += paired_logprobs(model, prompt, ours, logps, complete, theirs, partial)
+            unrounded += paired_logprobs(full or model, prompt, ours, logps, complete, theirs, partial)
         if chat and tokenizer.chat_template:
             messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
             r = srv.handle_chat_completions({"messages": messages, "max_tokens": 16, "temperature": 0.0,
@@ -141,4 +173,5 @@ def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int =
                      "transformers": hf_reply}
     return {"prompts": len(prompts), "agree": agree, "tokens": len(diffs),
             "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)), "max_abs_logprob_diff": max(diffs, default=0.0),
+            "mean_abs_logprob_diff_unrounded": sum(unrounded) / max(1, len(unrounded)),
             "chat": reply}

@@ -262,6 +262,24 @@ def tensor_type(name: str, shape: tuple, qtype: str):
     return wanted if shape[-1] % block == 0 else t.F16
 
 
+def as_written(model, qtype: str) -> None:
+    """Round ``model``'s weights in place to what :func:`write_gguf` writes for them under ``qtype`` (each matrix
+    quantized with gguf-py's quantizer and dequantized; float32 tensors unchanged): transformers' reference for
+    llama.cpp on the file (:func:`finetune.lifecycle.gguf_check.compare`)."""
+    import gguf
+
+    arch = check_family(model.config.model_type, "GGUF check")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], model.config.num_hidden_layers)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+            kind = tensor_type(name or key, tuple(p.shape), qtype)
+            if kind != gguf.GGMLQuantizationType.F32:
+                data = gguf.quants.quantize(p.detach().float().numpy(), kind)
+                p.copy_(torch.from_numpy(np.asarray(gguf.quants.dequantize(data, kind), dtype=np.float32))
+                        .reshape(p.shape))
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the folder's ``*.safetensors`` files, float32."""
     from safetensors import safe_open
@@ -454,3 +472,83 @@ def write_modelfile(folder: str | Path, gguf_file: str | Path, out_dir: str | Pa
             lines.append(f"PARAMETER {ollama} {gen[key]}")
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+BOUNDS = {"f32": 2e-2, "f16": 2e-2, "bf16": 2e-2, "q8_0": 7e-2, "q4_0": 0.1, "q4_1": 0.1}
+"""The largest mean absolute log-probability difference (nats) between llama.cpp on the file and transformers on the
+export's weights as the file holds them that the check accepts, per type (docs/checkpoints.md gives the measured
+differences)."""
+
+AGREE = ("f32", "f16")
+"""Types whose greedy continuations must equal transformers' for 9 prompts in 10. llama.cpp multiplies bfloat16 and
+quantized matrices with activations rounded to the same precision (its ``vec_dot`` kernels), which parts greedy paths
+at near-ties; those files are held to their log-probability bound alone."""
+
+
+def verify_gguf(path: Path, folder: Path, qtype: str, base: Path | None = None, adapter: Path | None = None,
+                prompts: int = 10) -> dict:
+    """llama.cpp (``xllamacpp``) on ``path`` (or on ``base`` with the GGUF LoRA ``adapter``) against transformers on
+    ``folder`` (:func:`finetune.lifecycle.gguf_check.compare`); the result is written to ``<path>.check.json``.
+
+    Raises:
+        ConfigError: the difference exceeds :data:`BOUNDS` or, for a float type, fewer than 9 in 10 prompts continue
+            alike; the file is renamed ``*.failed.gguf`` first (it is not one to serve).
+    """
+    from finetune.lifecycle import gguf_check
+
+    model = base if adapter is not None else path
+    result = gguf_check.compare(model, folder, gguf_check.PROMPTS[:prompts], lora=adapter,
+                                as_written=lambda m: as_written(m, qtype))
+    result |= {"file": path.name, "type": qtype, "bound": BOUNDS[qtype], "checked_by": "llama.cpp (xllamacpp)"}
+    ok = result["mean_abs_logprob_diff"] <= BOUNDS[qtype] and (
+        qtype not in AGREE or result["agree"] >= math.ceil(0.9 * result["prompts"]))
+    result["passed"] = ok
+    Path(str(path) + ".check.json").write_text(json.dumps(result, indent=1) + "\n")
+    logger.info(f"GGUF check (llama.cpp): {result['agree']}/{result['prompts']} greedy continuations as transformers', "
+                f"log-probabilities {result['mean_abs_logprob_diff']:.2e} nats apart on average (bound "
+                f"{BOUNDS[qtype]:g})" + (f"; chat reply equal: {result['chat']['equal']}" if result["chat"] else ""))
+    if not ok:
+        failed = path.with_suffix(".failed" + GGUF_SUFFIX)
+        path.rename(failed)
+        raise ConfigError(f"GGUF check: llama.cpp on '{failed.name}' differs from transformers on '{folder}' "
+                          f"({result['agree']}/{result['prompts']} continuations alike, {result['mean_abs_logprob_diff']:.3g} "
+                          f"nats mean, bound {BOUNDS[qtype]:g}); the file was renamed, see its .check.json")
+    return result
+
+
+def export_gguf(folder: str | Path, out_dir: str | Path, qtype: str, adapter: bool = False, check: bool = True,
+                base: str | Path | None = None) -> list[Path]:
+    """The GGUF files of the Hugging Face export ``folder`` in ``out_dir``: ``model-<type>.gguf`` (merged) and Ollama's
+    ``Modelfile``; with ``adapter``, the folder's LoRA adapter (``adapter/``) as ``adapter-<type>.gguf`` instead.
+    With ``check`` and ``xllamacpp`` importable, llama.cpp checks each file (:func:`verify_gguf`; an adapter over
+    ``base``: the base model's ``.gguf``, or its folder, written to ``base-<type>.gguf``).
+
+    Raises:
+        ConfigError: the checks of :func:`write_gguf` / :func:`write_adapter_gguf` / :func:`verify_gguf`.
+    """
+    from finetune.lifecycle import gguf_check
+
+    folder, out_dir = Path(folder), Path(out_dir)
+    check_type(qtype)
+    config = json.loads((folder / "config.json").read_text())
+    check_family(config.get("model_type"), f"GGUF export of '{folder}'")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not adapter:
+        path = write_gguf(folder, out_dir / file_name(qtype), qtype)
+        written = [path, write_modelfile(folder, path, out_dir)]
+        if check and gguf_check.available():
+            verify_gguf(path, folder, qtype)
+        elif check:
+            logger.warning("GGUF: not checked by llama.cpp (pip install xllamacpp to check the file where it runs)")
+        return written
+    if not (folder / "adapter" / "adapter_config.json").is_file():
+        raise ConfigError(f"--gguf-adapter: '{folder}' has no adapter/ folder (a LoRA run's export has one)")
+    path = write_adapter_gguf(folder / "adapter", config, out_dir / f"adapter-{qtype}{GGUF_SUFFIX}", qtype)
+    written = [path]
+    if check and gguf_check.available() and base is not None:
+        base = Path(base)
+        if base.suffix.lower() != GGUF_SUFFIX:
+            base = write_gguf(base, out_dir / f"base-{qtype}{GGUF_SUFFIX}", qtype)
+            written.append(base)
+        verify_gguf(path, folder, qtype, base=base, adapter=path)
+    return written

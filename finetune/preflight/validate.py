@@ -23,7 +23,7 @@ from finetune.engine import freeze, gguf, lora, moe, muon, quantize
 from finetune.engine.model import meta_model
 from finetune.data import mixture
 from finetune.parallel import checks, expert, layout, pipeline, sequence, tensor
-from finetune.lifecycle import run_folder
+from finetune.lifecycle import gguf_export, run_folder
 from finetune.lifecycle import resume as resume_policy
 from finetune.config import RunConfig, config_to_dict, dump_yaml, load_run_config
 from finetune.data import tokenization
@@ -157,6 +157,12 @@ def _check_compatibility(cfg: RunConfig, problems: list[str]):
                         f"{' '.join(str(e).split())[:300]}")
         return None
     where = f"'{model_dir}/config.json' (model_type {config.model_type})"
+    if cfg.export_gguf:
+        try:
+            gguf_export.check_type(cfg.export_gguf, "export_gguf")
+            gguf_export.check_family(config.model_type, "export_gguf")
+        except ConfigError as e:
+            problems.append(str(e))
     for key, value in cfg.model.config_overrides.items():
         if not hasattr(config, str(key)):
             close = difflib.get_close_matches(str(key), list(config.to_dict()) + list(config.attribute_map), n=1)
