@@ -1,9 +1,10 @@
 """GGUF in (issue 69, item 1): a ``.gguf`` ``model.path`` is converted once by transformers' GGUF loader into a cached
 Hugging Face folder that every rank and verb reads.
 
-* A tiny Llama written here with the ``gguf`` package's ``GGUFWriter`` (f32 tensors, the byte-level BPE tokenizer of
-  ``data/models/gsm8k-bpe-8k`` and a chat template in its metadata) trains its first step to the very loss of the
-  folder transformers itself converts the file into (two 1-rank launches, the loss compared with ``==``).
+* A tiny Llama written by finetune's own GGUF export (``finetune.lifecycle.gguf_export``: f32 tensors, the byte-level
+  BPE tokenizer of ``data/models/gsm8k-bpe-8k`` and a chat template in its metadata) trains its first step to the
+  very loss of the folder transformers itself converts the file into (two 1-rank launches, the loss compared with
+  ``==``). The refusals' odd files (another architecture, no tokenizer) are written here with ``GGUFWriter``.
 * Two processes that start on the same file at once convert it once; the other waits and takes the same folder.
 * Refused before any process group, one line each, exit 2: a file that is no GGUF, a truncated one, an architecture
   transformers' loader cannot read, a file without a tokenizer.
@@ -27,15 +28,12 @@ from conftest import CONFIGS, REPO, check_here, cpu_env, finetune_here, launch, 
 
 gguf = pytest.importorskip("gguf")
 
+from finetune.lifecycle.gguf_export import permute, write_gguf as export_gguf  # noqa: E402
+
 TOKENIZER = REPO / "data" / "models" / "gsm8k-bpe-8k" / "tokenizer.json"
 TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")
 REAL = REPO.parent / "shared" / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's q/k row order (``convert_hf_to_gguf.py``, ``LlamaModel.permute``), which transformers undoes."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def tiny_llama():
@@ -89,8 +87,8 @@ def write_gguf(path: Path, model, arch: str = "llama", tokenizer: bool = True) -
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
-        w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
@@ -108,8 +106,14 @@ def write_gguf(path: Path, model, arch: str = "llama", tokenizer: bool = True) -
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, object]:
     """``(the tiny GGUF file, the model written into it)``."""
-    model = tiny_llama()
-    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.f32.gguf", model), model
+    from transformers import AutoTokenizer
+
+    model, root = tiny_llama(), tmp_path_factory.mktemp("gguf")
+    model.save_pretrained(root / "tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER.parent)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(root / "tiny-llama")
+    return export_gguf(root / "tiny-llama", root / "tiny-llama.f32.gguf", "f32"), model  # finetune's GGUF out
 
 
 def transformers_folder(path: Path, out: Path) -> Path:

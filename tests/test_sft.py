@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CONFIGS, REPO, check_here, launch, ok, read_metrics
+from conftest import CONFIGS, REPO, check_here, finetune_here, launch, ok, read_metrics
 
 TOKENIZER = REPO / "data" / "models" / "tiny-gpt2"
 CHATML = REPO / "data" / "chat_templates" / "chatml.jinja"
@@ -313,12 +313,13 @@ def test_model_families_train_and_export(tmp_path, model, recipe, stage):
     _run_and_check_export(tmp_path, model, recipe, stage)
 
 
-def test_sft_chat_two_ranks_qwen3(tmp_path):
+def test_sft_chat_two_ranks_qwen3(tmp_path, capsys):
     """The chat form on 2 ranks (Qwen3 architecture, ZeRO-2, packing): trains, logs the row/truncation/fill-ratio
     summary once per split, evaluates answer-token loss and perplexity, exports packed-row logits that match; the
     export generates with a KV cache (its config.json and generation_config.json keep the source's use_cache: true)
     though packing trained without one."""
-    out = _run_and_check_export(tmp_path, "tiny-qwen3", "sft", "z2", f"data.cache_dir={tmp_path / 'cache'}")
+    out = _run_and_check_export(tmp_path, "tiny-qwen3", "sft", "z2", f"data.cache_dir={tmp_path / 'cache'}",
+                                "export_gguf=q8_0")
     assert json.loads((out / "model_config" / "config.json").read_text())["use_cache"] is False  # training's
     assert json.loads((out / "export" / "config.json").read_text())["use_cache"] is True
     assert json.loads((out / "export" / "generation_config.json").read_text()).get("use_cache", True) is True
@@ -337,3 +338,15 @@ def test_sft_chat_two_ranks_qwen3(tmp_path):
     losses = [r["train/loss"] for r in metrics if "train/loss" in r]
     assert len(losses) == 4 and all(0 < v < 20 for v in losses)
     assert (out / "checkpoints" / "step4" / "COMPLETE").is_file()
+    # export_gguf: llama.cpp's file and Ollama's Modelfile beside the export, checked by llama.cpp (xllamacpp)
+    gguf_file = out / "export" / "model-q8_0.gguf"
+    assert gguf_file.is_file() and (out / "export" / "Modelfile").read_text().startswith("FROM ./model-q8_0.gguf\n")
+    gguf_check = json.loads((out / "export" / "model-q8_0.gguf.check.json").read_text())
+    assert gguf_check["passed"] and gguf_check["prompts"] == 10, gguf_check
+    # finetune export <checkpoint> <new folder> --gguf: the Hugging Face folder, then the file (f16, checked)
+    code, printed = finetune_here(["export", out / "checkpoints" / "step4", tmp_path / "cli", "--gguf", "f16"],
+                                  capsys)
+    assert code == 0, printed
+    assert (tmp_path / "cli" / "model.safetensors").is_file() and (tmp_path / "cli" / "model-f16.gguf").is_file()
+    cli_check = json.loads((tmp_path / "cli" / "model-f16.gguf.check.json").read_text())
+    assert cli_check["passed"] and cli_check["mean_abs_logprob_diff"] <= 2e-2, cli_check

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--gguf-adapter needs --gguf TYPE (the adapter's tensor type, e.g. --gguf f16)")
         if args.gguf is not None:
             gguf_export.check_type(args.gguf)
-        if (source / "config.json").is_file() or (source / CONFIG_FILE).is_file():  # an export, or a run's
+        run_folder = (source / CONFIG_FILE).is_file() and (source / "checkpoints").is_dir()
+        if (source / "config.json").is_file() or run_folder:  # an export, or a run's
             hf = source if (source / "config.json").is_file() else source / "export"
             if args.gguf is None:
                 raise ConfigError(f"export: '{source}' is {'an export' if hf == source else 'a run folder'}, not a "
