@@ -221,3 +221,28 @@ def test_run_config_export_gguf_refused_before_any_model():
                                                                               "export_gguf=q3"))
     assert any("export_gguf: GGUF export supports the model types" in p
                for p in refusals(CONFIGS / "tiny_gpt.yaml", "export_gguf=f16"))
+
+
+@needs_llama_cpp
+@pytest.mark.extended
+def test_real_smollm2_in_llama_cpp(tmp_path):
+    """The shared SmolLM2-135M-Instruct (its Q4_1 file dequantized by transformers into a folder): f16 continues the
+    10 prompts as transformers does on at least 9 (log-probabilities within 2e-2 nats, the ChatML reply equal);
+    q8_0 within 5e-2 nats of the export; q4_1 of the dequantized Q4_1 weights within the 4-bit bound."""
+    from conftest import smollm2_gguf
+
+    from finetune.engine import gguf as gguf_in
+
+    folder = tmp_path / "smollm2"
+    gguf_in.convert(smollm2_gguf(), folder)
+    results = {}
+    for qtype in ("f16", "q8_0", "q4_1"):
+        path = gguf_export.write_gguf(folder, tmp_path / gguf_export.file_name(qtype), qtype)
+        results[qtype] = gguf_export.verify_gguf(path, folder, qtype)
+        path.unlink()
+    f16, q8, q4 = results["f16"], results["q8_0"], results["q4_1"]
+    assert f16["agree"] >= 9 and f16["mean_abs_logprob_diff_unrounded"] <= 2e-2 and f16["chat"]["equal"], f16
+    assert q8["mean_abs_logprob_diff_unrounded"] <= 5e-2 and q8["chat"]["equal"], q8
+    assert q4["mean_abs_logprob_diff"] <= gguf_export.BOUNDS["q4_1"], q4
+    meta = gguf.GGUFReader(smollm2_gguf()).fields  # the file llama.cpp users keep names the same pre-tokenizer
+    assert bytes(meta["tokenizer.ggml.pre"].parts[-1]).decode() == "smollm"
