@@ -79,7 +79,7 @@ def main() -> int:
                                               base=args.adapter_base)
             check = Path(str(written[0]) + ".check.json").read_text()
             print(f"adapter over {args.adapter_base}: {check}")
-    print(f"| type | MiB | agree | as written | vs export | vs f16 file | chat equal |")
+    print("| type | MiB | agree | as written | vs export | vs f16 file | chat equal |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for qtype, mib, agree, written, export, f16, chat, _ in rows:
         print(f"| {qtype} | {mib:.0f} | {agree}/10 | {written:.2e} | {export:.2e} | {f16:.2e} | {chat} |")

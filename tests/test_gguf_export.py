@@ -2,8 +2,10 @@
 
 llama.cpp runs in process (``xllamacpp``). Each family is a seeded tiny model of the conformance matrix's kinds
 (Llama, Llama 3's rope scaling, Qwen2.5's tied head and q/k/v biases, Qwen3's q/k norms, Mistral), 2 layers, hidden
-64, with the byte-level BPE tokenizer of ``data/models/gsm8k-bpe-8k`` and a chat template; its weights are scaled up
-(the embedding and the head at standard deviation 1) so that greedy choices are not near-ties of a random model.
+64, with the byte-level BPE tokenizer of ``data/models/gsm8k-bpe-8k`` and a chat template; its weights are scaled so
+that greedy choices are not near-ties of a random model (an untied head at standard deviation 1; a tied one behind a
+final norm of about 20, so it does not predict its input token) and attention is sharp (queries and keys at 0.3), so
+a rotary layout written wrongly shows.
 
 * **Every family, f16**: llama.cpp's greedy continuations of 10 prompts (32 tokens, token-id prompts) equal
   transformers' on the export for at least 9 and its log-probabilities of its tokens are within 2e-2 nats (mean
@@ -46,7 +48,7 @@ COMMON = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden
               eos_token_id=0, pad_token_id=0)
 FAMILIES = {
     "llama": ("llama", dict(tie_word_embeddings=False)),
-    "llama3": ("llama", dict(tie_word_embeddings=True, rope_parameters={
+    "llama3": ("llama", dict(tie_word_embeddings=False, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
     "qwen2.5": ("qwen2", dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default",
@@ -70,10 +72,19 @@ def tiny_folder(root: Path, family: str, lora: dict | None = None) -> Path:
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **(COMMON | own)), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and name != "model.norm.weight":
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.3)
+            elif "q_proj" in name or "k_proj" in name:
+                p.normal_(0, 0.3)  # sharp attention: the rotary embedding's layout shows
+            elif model.config.tie_word_embeddings:  # a tied head predicts its input token unless the layers and
+                if "embed_tokens" in name:  # the final norm outweigh the embedding
+                    p.normal_(0, 0.05)
+                elif "o_proj" in name or "down_proj" in name:
+                    p.normal_(0, 0.2)
+                elif name == "model.norm.weight":
+                    p.normal_(20.0, 2.0)
             elif "embed_tokens" in name or "lm_head" in name:
                 p.normal_(0, 1.0)  # peaked logits: greedy choices that are not near-ties
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
@@ -246,3 +257,25 @@ def test_real_smollm2_in_llama_cpp(tmp_path):
     assert q4["mean_abs_logprob_diff"] <= gguf_export.BOUNDS["q4_1"], q4
     meta = gguf.GGUFReader(smollm2_gguf()).fields  # the file llama.cpp users keep names the same pre-tokenizer
     assert bytes(meta["tokenizer.ggml.pre"].parts[-1]).decode() == "smollm"
+
+
+@needs_llama_cpp
+def test_the_check_fails_a_file_written_wrongly(models, tmp_path, monkeypatch):
+    """The check can fail: llama.cpp on a Llama 3 file without its ``rope_freqs`` (written from the config with the
+    scaling removed: 2 of 10 continuations alike, 5.4e-2 nats, where the right file has 10 and 4.9e-4), or on a Llama
+    file without the Q/K permutation (3 of 10, 8.9e-2 nats), fails the f16 check and is renamed."""
+    folder = tiny_folder(models, "llama3")
+    unscaled = tmp_path / "unscaled"
+    shutil.copytree(folder, unscaled)
+    config = json.loads((unscaled / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (unscaled / "config.json").write_text(json.dumps(config))
+    path = gguf_export.write_gguf(unscaled, tmp_path / "unscaled.gguf", "f16")
+    with pytest.raises(gguf_export.ConfigError, match="GGUF check: llama.cpp on 'unscaled.failed.gguf' differs"):
+        gguf_export.verify_gguf(path, folder, "f16")
+
+    monkeypatch.setattr(gguf_export, "PERMUTED", set())
+    path = gguf_export.write_gguf(tiny_folder(models, "llama"), tmp_path / "unpermuted.gguf", "f16")
+    with pytest.raises(gguf_export.ConfigError, match="GGUF check: llama.cpp on 'unpermuted.failed.gguf' differs"):
+        gguf_export.verify_gguf(path, tiny_folder(models, "llama"), "f16")
+    assert (tmp_path / "unpermuted.failed.gguf").is_file() and not path.exists()

@@ -58,6 +58,7 @@ def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, l
     p.cpuparams.n_threads = threads or max(1, min(4, os.cpu_count() or 1))
     p.cpuparams_batch.n_threads = p.cpuparams.n_threads
     p.sampling.seed = 0
+    p.verbosity = -1  # llama.cpp's per-request log lines stay out of the run's output
     if lora is not None:
         info = xllamacpp.CommonAdapterLoraInfo(str(lora), lora_scale)
         p.lora_adapters = [info]

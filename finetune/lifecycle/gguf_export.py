@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from loguru import logger
 
+from finetune.engine import gguf as gguf_in
 from finetune.errors import ConfigError
 
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
@@ -485,10 +486,23 @@ quantized matrices with activations rounded to the same precision (its ``vec_dot
 at near-ties; those files are held to their log-probability bound alone."""
 
 
+def file_type_of(path: Path) -> str | None:
+    """The :data:`TYPES` name of a GGUF file's ``general.file_type`` (None for another type, or none recorded)."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get("general.file_type")
+    if field is None:
+        return None
+    value = int(field.parts[-1][0])
+    return next((t for t in TYPES if gguf_type(t)[1] == value), None)
+
+
 def verify_gguf(path: Path, folder: Path, qtype: str, base: Path | None = None, adapter: Path | None = None,
                 prompts: int = 10) -> dict:
     """llama.cpp (``xllamacpp``) on ``path`` (or on ``base`` with the GGUF LoRA ``adapter``) against transformers on
-    ``folder`` (:func:`finetune.lifecycle.gguf_check.compare`); the result is written to ``<path>.check.json``.
+    ``folder`` (:func:`finetune.lifecycle.gguf_check.compare`); the result is written to ``<path>.check.json``. An
+    adapter is held to the larger of its type's bound and its base file's (a user's 4-bit base computes at 4 bits,
+    and the run trained on that base dequantized: the merged export's weights), against the unrounded export.
 
     Raises:
         ConfigError: the difference exceeds :data:`BOUNDS` or, for a float type, fewer than 9 in 10 prompts continue
@@ -497,8 +511,11 @@ def verify_gguf(path: Path, folder: Path, qtype: str, base: Path | None = None, 
     from finetune.lifecycle import gguf_check
 
     model = base if adapter is not None else path
+    if adapter is not None:  # the base's own type bounds the check (a user's Q4_1 file computes at 4 bits)
+        base_type = file_type_of(base) or "q4_0"
+        qtype = max((qtype, base_type), key=lambda t: BOUNDS[t])
     result = gguf_check.compare(model, folder, gguf_check.PROMPTS[:prompts], lora=adapter,
-                                as_written=lambda m: as_written(m, qtype))
+                                as_written=None if adapter is not None else lambda m: as_written(m, qtype))
     result |= {"file": path.name, "type": qtype, "bound": BOUNDS[qtype], "checked_by": "llama.cpp (xllamacpp)"}
     ok = result["mean_abs_logprob_diff"] <= BOUNDS[qtype] and (
         qtype not in AGREE or result["agree"] >= math.ceil(0.9 * result["prompts"]))
@@ -521,7 +538,8 @@ def export_gguf(folder: str | Path, out_dir: str | Path, qtype: str, adapter: bo
     """The GGUF files of the Hugging Face export ``folder`` in ``out_dir``: ``model-<type>.gguf`` (merged) and Ollama's
     ``Modelfile``; with ``adapter``, the folder's LoRA adapter (``adapter/``) as ``adapter-<type>.gguf`` instead.
     With ``check`` and ``xllamacpp`` importable, llama.cpp checks each file (:func:`verify_gguf`; an adapter over
-    ``base``: the base model's ``.gguf``, or its folder, written to ``base-<type>.gguf``).
+    ``base``: the base model's ``.gguf`` (also the file a converted folder came from: the one the user serves), or
+    its folder, written to ``base-<type>.gguf``).
 
     Raises:
         ConfigError: the checks of :func:`write_gguf` / :func:`write_adapter_gguf` / :func:`verify_gguf`.
@@ -547,6 +565,9 @@ def export_gguf(folder: str | Path, out_dir: str | Path, qtype: str, adapter: bo
     written = [path]
     if check and gguf_check.available() and base is not None:
         base = Path(base)
+        source = gguf_in.source_of(base)  # a run from a .gguf trained on its converted folder: the file itself
+        if source and Path(source.get("source", "")).is_file():
+            base = Path(source["source"])
         if base.suffix.lower() != GGUF_SUFFIX:
             base = write_gguf(base, out_dir / f"base-{qtype}{GGUF_SUFFIX}", qtype)
             written.append(base)
