@@ -7,8 +7,9 @@ log-probability; transformers continues the same prompt greedily on the export, 
 with one teacher-forced forward, so the log-probabilities compare at the same positions even after the two
 continuations part.
 
-* ``agree``: prompts whose greedy continuations are the same text (llama.cpp's server leaves a token that ends
-  inside a UTF-8 character out of its token list, so the text is what both give whole);
+* ``agree``: prompts whose greedy continuations are the same tokens (llama.cpp's server leaves a token that ends
+  inside a UTF-8 character out of its token list: the reported ones must then be transformers' in order, the others
+  such byte tokens, and the counts equal);
 * ``mean_abs_logprob_diff``: the mean absolute difference of the log-probabilities of llama.cpp's tokens (nats);
 * ``chat``: llama.cpp's chat endpoint (the file's ``tokenizer.chat_template``) replies what transformers replies
   greedily to the same messages through ``apply_chat_template``.
@@ -69,18 +70,17 @@ def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, l
         del srv
 
 
-def llama_greedy(srv, prompt: list[int], n: int) -> tuple[str, list[int], list[float], bool]:
+def llama_greedy(srv, prompt: list[int], n: int) -> tuple[str, list[int], list[float], int]:
     """llama.cpp's greedy continuation of the token ids ``prompt`` (``n`` tokens at most): its text, the ids and
-    log-probabilities (before sampling) llama.cpp reports, and whether it reported every token. The server leaves
-    out a token that ends inside a UTF-8 character (a byte token), so the ids are then not the whole continuation."""
+    log-probabilities (before sampling) llama.cpp reports, and how many tokens it generated. The server leaves out
+    a token that ends inside a UTF-8 character (a byte token), so the ids may be fewer than the tokens."""
     r = srv.handle_completions({"prompt": prompt, "n_predict": n, "temperature": 0.0, "top_k": 1, "n_probs": 1,
                                 "cache_prompt": False, "samplers": ["top_k"]})
     if "error" in r:
         raise RuntimeError(f"llama.cpp: {r['error']}")
     choice = r["choices"][0]
     content = (choice.get("logprobs") or {}).get("content") or []
-    complete = len(content) == r["usage"]["completion_tokens"]
-    return choice["text"], [c["id"] for c in content], [c["logprob"] for c in content], complete
+    return choice["text"], [c["id"] for c in content], [c["logprob"] for c in content], r["usage"]["completion_tokens"]
 
 
 def paired_logprobs(model, prompt: list[int], ids: list[int], logps: list[float], complete: bool,
@@ -155,11 +155,13 @@ def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int =
     with server(gguf_path, lora=lora) as srv:
         for text in prompts:
             prompt = tokenizer(text, add_special_tokens=True)["input_ids"] if isinstance(text, str) else list(text)
-            said, ours, logps, complete = llama_greedy(srv, prompt, n)
+            _, ours, logps, generated = llama_greedy(srv, prompt, n)
             theirs = hf_greedy(model, prompt, n, eos)
-            agree += said == tokenizer.decode(theirs, skip_special_tokens=True)
-            partial = {t for t in theirs if "\ufffd" in tokenizer.decode([t])}
-            diffs += paired_logprobs(model, prompt, ours, logps, complete, theirs, partial)
+            complete = len(ours) == generated
+            partial = {t for t in theirs if "\ufffd" in tokenizer.decode([t]) or not tokenizer.decode([t])}
+            pairs = paired_logprobs(model, prompt, ours, logps, complete, theirs, partial)
+            agree += (ours == theirs) if complete else (len(pairs) == len(ours) and generated == len(theirs))
+            diffs += pairs
             unrounded += paired_logprobs(full or model, prompt, ours, logps, complete, theirs, partial)
         if chat and tokenizer.chat_template:
             messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

@@ -136,16 +136,30 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def pre_tokenizer(tokenizer, tokenizer_json: dict) -> str:
-    """llama.cpp's name for the tokenizer's pre-tokenizer (``get_vocab_base_pre``); GPT-2's byte-level regex with no
-    normalizer is ``gpt-2``. Raises ConfigError (one line, with the hash) for one llama.cpp would not know."""
+QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+               "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+"""Qwen2's pre-tokenizer regular expression (transformers' ``Qwen2Tokenizer``, llama.cpp's ``qwen2``)."""
+
+
+def pre_tokenizer(tokenizer) -> str:
+    """llama.cpp's name for the pre-tokenizer of ``tokenizer`` as transformers loads it (``get_vocab_base_pre``: the
+    hash of the check text's tokenization, :data:`PRE_TOKENIZERS`); for a vocabulary of one's own, its form: GPT-2's
+    byte-level regex with no normalizer is ``gpt-2``, Qwen2's split (``Qwen2Tokenizer``, which transformers builds
+    for the qwen2 model type) is ``qwen2``. Raises ConfigError (one line, with the hash) for another one, which
+    llama.cpp would tokenize differently."""
     digest = sha256(str(tokenizer.encode(CHECK_TEXT)).encode()).hexdigest()
     if digest in PRE_TOKENIZERS:
         return PRE_TOKENIZERS[digest]
-    pre = tokenizer_json.get("pre_tokenizer") or {}
+    backend = json.loads(tokenizer.backend_tokenizer.to_str())
+    pre, norm = backend.get("pre_tokenizer") or {}, backend.get("normalizer")
     if (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
-            and tokenizer_json.get("normalizer") is None):
+            and norm is None):
         return "gpt-2"
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if (len(steps) == 2 and steps[0].get("type") == "Split" and steps[0].get("pattern", {}).get("Regex") == QWEN2_SPLIT
+            and steps[1].get("type") == "ByteLevel" and not steps[1].get("use_regex", True)
+            and (norm is None or norm.get("type") == "NFC")):
+        return "qwen2"
     raise ConfigError(f"GGUF export: this tokenizer's pre-tokenizer is not one llama.cpp knows (check hash {digest}, "
                       f"llama.cpp's convert_hf_to_gguf.py get_vocab_base_pre); the file would tokenize differently "
                       f"in llama.cpp. Export the Hugging Face folder and convert it with a llama.cpp that knows it")
@@ -203,7 +217,7 @@ def add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
             types.append(gguf.TokenType.NORMAL)
         tokens.append(token)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer(tokenizer, tj))
+    writer.add_tokenizer_pre(pre_tokenizer(tokenizer))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
