@@ -1,7 +1,9 @@
 """GGUF out (issue 73): ``finetune export --gguf`` writes what llama.cpp runs, checked by llama.cpp itself.
 
 llama.cpp runs in process (``xllamacpp``). Each family is a seeded tiny model of the conformance matrix's kinds
-(Llama, Llama 3's rope scaling, Qwen2.5's tied head and q/k/v biases, Qwen3's q/k norms, Mistral), 2 layers, hidden
+(Llama, Llama 3's rope scaling, Qwen2.5's tied head and q/k/v biases, Qwen3's q/k norms, Mistral with a
+SentencePiece-style tokenizer too, Gemma-2's soft-caps and alternating 16-token windows, Gemma-3's 6-layer pattern and
+local RoPE base), 2 layers (Gemma-3: 6), hidden
 64, with the byte-level BPE tokenizer of ``data/models/gsm8k-bpe-8k`` and a chat template; its weights are scaled so
 that greedy choices are not near-ties of a random model (an untied head at standard deviation 1; a tied one behind a
 final norm of about 20, so it does not predict its input token) and attention is sharp (queries and keys at 0.3), so
@@ -55,6 +57,9 @@ FAMILIES = {
                                                                           "rope_theta": 1000000.0})),
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),  # transformers' GGUF loader assumes 128
     "mistral": ("mistral", dict(sliding_window=None)),
+    "gemma2": ("gemma2", dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
+                              query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("gemma3_text", dict(sliding_window=16, query_pre_attn_scalar=16, num_hidden_layers=6)),
     "mistral-spm": ("mistral", dict(sliding_window=None, vocab_size=1000, bos_token_id=1, eos_token_id=2,
                                     pad_token_id=2)),  # a SentencePiece-style tokenizer.json (spm_tokenizer)
 }
@@ -233,7 +238,7 @@ def _one_line(args, capsys) -> str:
 def test_refusals(models, tmp_path, capsys):
     llama = tiny_folder(models, "llama")
     gpt2 = REPO / "data" / "models" / "tiny-gpt2"
-    assert "supports the model types llama, mistral, qwen2, qwen3" in _one_line(
+    assert "supports the model types gemma2, gemma3_text, llama, mistral, qwen2, qwen3" in _one_line(
         ["export", gpt2, tmp_path / "a", "--gguf", "f16"], capsys)
     assert "'q5_k' is not a GGUF type" in _one_line(["export", llama, tmp_path / "b", "--gguf", "q5_k"], capsys)
     assert "add --gguf TYPE" in _one_line(["export", llama, tmp_path / "c"], capsys)
@@ -252,6 +257,19 @@ def test_refusals(models, tmp_path, capsys):
     cfg = json.loads((dora / "adapter" / "adapter_config.json").read_text())
     (dora / "adapter" / "adapter_config.json").write_text(json.dumps(cfg | {"use_dora": True}))
     assert "uses DoRA" in _one_line(["export", dora, tmp_path / "g", "--gguf", "f16", "--gguf-adapter"], capsys)
+    from transformers import AutoConfig
+
+    for name, config, words in [  # layouts llama.cpp's Gemma graphs fix otherwise: refused before any weight is read
+            ("g2", dict(model_type="gemma2", attn_logit_softcapping=None, query_pre_attn_scalar=16),
+             "without attn_logit_softcapping"),
+            ("g3", dict(model_type="gemma3_text", query_pre_attn_scalar=16,
+                        layer_types=["sliding_attention", "full_attention"]),
+             "differ from llama.cpp's fixed pattern"),
+            ("g3q", dict(model_type="gemma3_text", query_pre_attn_scalar=256), "query_pre_attn_scalar 256")]:
+        kind = config.pop("model_type")
+        AutoConfig.for_model(kind, **(COMMON | config)).save_pretrained(tmp_path / name)
+        with pytest.raises(gguf_export.ConfigError, match=words):
+            gguf_export.write_gguf(tmp_path / name, tmp_path / name / "model-f16.gguf", "f16")
     assert not list(tmp_path.glob("*/*.gguf*")), list(tmp_path.glob("*/*.gguf*"))
 
 

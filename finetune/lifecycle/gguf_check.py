@@ -48,7 +48,8 @@ def available() -> bool:
 @contextlib.contextmanager
 def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, lora_scale: float = 1.0,
            threads: int | None = None):
-    """llama.cpp serving ``path`` in process (one slot, CPU), with a GGUF LoRA adapter when ``lora`` is given."""
+    """llama.cpp serving ``path`` in process (one slot, CPU, attention without flash attention and a float32 KV
+    cache), with a GGUF LoRA adapter when ``lora`` is given."""
     import xllamacpp
 
     p = xllamacpp.CommonParams()
@@ -60,6 +61,11 @@ def server(path: str | Path, n_ctx: int = 512, lora: str | Path | None = None, l
     p.cpuparams_batch.n_threads = p.cpuparams.n_threads
     p.sampling.seed = 0
     p.verbosity = -1  # llama.cpp's per-request log lines stay out of the run's output
+    # exact attention: llama.cpp's CPU flash attention and its default float16 KV cache round queries, keys and
+    # values to float16, noise that parts the greedy paths of sharp small models; the check is of the file
+    p.flash_attn_type = 0
+    p.cache_type_k = xllamacpp.ggml_type.GGML_TYPE_F32
+    p.cache_type_v = xllamacpp.ggml_type.GGML_TYPE_F32
     if lora is not None:
         info = xllamacpp.CommonAdapterLoraInfo(str(lora), lora_scale)
         p.lora_adapters = [info]

@@ -6,7 +6,10 @@ ggml-org's ``gguf`` package (gguf-py: ``GGUFWriter``, ``TensorNameMap``, ``Speci
 * **Families** (:data:`FAMILIES`): Llama (Llama 2/3, SmolLM2) and Mistral as llama.cpp's ``llama`` architecture, the
   query and key rows permuted as ``LlamaModel.permute`` does (llama.cpp's rotary embedding pairs neighbouring
   dimensions, transformers' pairs the two halves); Qwen2/2.5 (``qwen2``, the q/k/v biases) and Qwen3 (``qwen3``,
-  the q/k norms), not permuted (llama.cpp runs them with the NeoX rotary layout, as transformers does).
+  the q/k norms), not permuted (llama.cpp runs them with the NeoX rotary layout, as transformers does); Gemma-2
+  (``gemma2``: the logit soft-caps, the sliding window on alternate layers) and Gemma-3's text model (``gemma3``:
+  the local RoPE base, every 6th layer global), their norms written as ``1 + weight`` (``Gemma2Model``,
+  ``Gemma3Model``).
 * **Metadata**: context length, embedding and feed-forward sizes, blocks, heads and KV heads, key/value length, RoPE
   base and scaling (linear, YaRN; Llama 3's scaling as the ``rope_freqs`` tensor ``LlamaModel`` writes), RMS norm
   epsilon, vocabulary size, file type.
@@ -46,8 +49,16 @@ from finetune.errors import ConfigError
 TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 """The tensor types ``--gguf`` writes: gguf-py's writers (float) and numpy quantizers (``Q8_0``, ``Q4_0``, ``Q4_1``)."""
 
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3_text": "gemma3"}
 """Hugging Face ``model_type`` -> llama.cpp architecture."""
+
+NORM_SHIFTED = {"gemma2", "gemma3"}
+"""llama.cpp architectures whose RMS norms multiply by the weight where transformers' multiply by ``1 + weight``
+(``Gemma2RMSNorm``, ``Gemma3RMSNorm``): the converter writes ``weight + 1``."""
+
+GEMMA3_SWA_PATTERN = 6
+"""llama.cpp's Gemma 3 layer pattern: every 6th layer global, the others sliding-window (``set_swa_pattern(6)``)."""
 
 PERMUTED = {"llama"}
 """llama.cpp architectures whose query/key rows the converter permutes (``LlamaModel.permute``)."""
@@ -94,7 +105,7 @@ def check_family(model_type: str | None, where: str) -> str:
     """The llama.cpp architecture of ``model_type``; raises ConfigError (one line, naming the supported families)."""
     if model_type not in FAMILIES:
         raise ConfigError(f"{where}: GGUF export supports the model types {', '.join(sorted(FAMILIES))} (Llama 2/3, "
-                          f"SmolLM2, Mistral, Qwen2/2.5, Qwen3); this model is '{model_type}'. Export the Hugging "
+                          f"SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma-2, Gemma-3 text); this model is '{model_type}'. Export the Hugging "
                           f"Face folder and convert it with llama.cpp's convert_hf_to_gguf.py")
     return FAMILIES[model_type]
 
@@ -104,9 +115,12 @@ def file_name(qtype: str) -> str:
     return f"model-{qtype}{GGUF_SUFFIX}"
 
 
-def rope_parameters(config: dict) -> dict:
-    """The config's RoPE parameters (transformers 5's ``rope_parameters``, or ``rope_scaling`` + ``rope_theta``)."""
+def rope_parameters(config: dict, layer_type: str = "full_attention") -> dict:
+    """The config's RoPE parameters (transformers 5's ``rope_parameters``, per layer type where a model has them (Gemma
+    3: ``layer_type``'s), or ``rope_scaling`` + ``rope_theta``)."""
     rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if layer_type in rope and isinstance(rope[layer_type], dict):
+        rope = dict(rope[layer_type])
     rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
     rope.setdefault("rope_type", rope.get("type", "default"))
     return rope
@@ -244,6 +258,8 @@ def add_hyperparameters(writer, config: dict, arch: str, name: str, file_type) -
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if arch in NORM_SHIFTED:
+        add_gemma(writer, config, arch, head_dim)
     rope = rope_parameters(config)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = rope["rope_type"]
@@ -261,6 +277,36 @@ def add_hyperparameters(writer, config: dict, arch: str, name: str, file_type) -
         raise ConfigError(f"GGUF export: RoPE scaling '{kind}' is not written for llama.cpp's '{arch}' (default, "
                           f"linear, yarn and llama3 are)")
     return None
+
+
+def add_gemma(writer, config: dict, arch: str, head_dim: int) -> None:
+    """Gemma-2/3's metadata (``Gemma2Model`` / ``Gemma3Model`` in ``convert_hf_to_gguf.py``): the logit soft-caps and
+    the sliding window; Gemma 3's local RoPE base. Raises ConfigError for a layout llama.cpp's graph would not run
+    as transformers does: a query scale other than ``head_dim ** -0.5`` (llama.cpp takes it from the head size) or,
+    for Gemma 3, sliding and global layers in another pattern than every 6th layer global."""
+    scalar = config.get("query_pre_attn_scalar", head_dim)
+    if scalar != head_dim:
+        raise ConfigError(f"GGUF export: {arch} with query_pre_attn_scalar {scalar} != head_dim {head_dim} is not "
+                          f"written (llama.cpp scales queries by the head size)")
+    if arch == "gemma2":  # llama.cpp's Gemma 2 graph always soft-caps the attention logits
+        if config.get("attn_logit_softcapping") is None:
+            raise ConfigError("GGUF export: gemma2 without attn_logit_softcapping is not written (llama.cpp's Gemma 2 "
+                              "always soft-caps attention logits, at 50 unless told)")
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+    if config.get("final_logit_softcapping") is not None:
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(int(config["sliding_window"]))
+    types = config.get("layer_types") or []
+    if arch == "gemma2":
+        want = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(types))]
+    else:
+        want = ["full_attention" if (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+                for i in range(len(types))]
+        writer.add_rope_freq_base_swa(float(rope_parameters(config, "sliding_attention")["rope_theta"]))
+    if types and types != want:
+        raise ConfigError(f"GGUF export: {arch}'s layer_types {types} differ from llama.cpp's fixed pattern "
+                          f"({'alternating, sliding first' if arch == 'gemma2' else 'every 6th layer global'})")
 
 
 def tensor_type(name: str, shape: tuple, qtype: str):
@@ -373,7 +419,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
         heads = config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
         state = read_safetensors(folder)
-        if config.get("tie_word_embeddings", False):
+        if config.get("tie_word_embeddings", arch in NORM_SHIFTED):
             state.pop("lm_head.weight", None)
         if rope_freqs is not None:
             _add_tensor(writer, "rope_freqs.weight", rope_freqs, gguf.GGMLQuantizationType.F32)
@@ -386,6 +432,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
                 data = permute(data, heads)
             elif arch in PERMUTED and key.endswith(("k_proj.weight", "k_proj.bias")):
                 data = permute(data, kv_heads)
+            elif arch in NORM_SHIFTED and key.endswith("norm.weight"):
+                data = data + 1.0
             _add_tensor(writer, name, data, tensor_type(name, data.shape, qtype))
     except BaseException:
         writer.close()
