@@ -58,8 +58,9 @@ FAMILIES = {
     "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=128)),  # transformers' GGUF loader assumes 128
     "mistral": ("mistral", dict(sliding_window=None)),
     "gemma2": ("gemma2", dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
-                              query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
-    "gemma3": ("gemma3_text", dict(sliding_window=16, query_pre_attn_scalar=16, num_hidden_layers=6)),
+                              head_dim=256, query_pre_attn_scalar=256,  # Gemma's: the GGUF loader assumes 256
+                              layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("gemma3_text", dict(sliding_window=16, head_dim=256, query_pre_attn_scalar=256, num_hidden_layers=6)),
     "mistral-spm": ("mistral", dict(sliding_window=None, vocab_size=1000, bos_token_id=1, eos_token_id=2,
                                     pad_token_id=2)),  # a SentencePiece-style tokenizer.json (spm_tokenizer)
 }
@@ -180,7 +181,7 @@ def test_each_type_within_its_bound(qtype, models, tmp_path):
     assert types["output.weight"] == ("Q8_0" if qtype.startswith("q4") else want), types
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2.5", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2.5", "qwen3", "mistral", "gemma2", "gemma3"])
 def test_round_trip_through_transformers_gguf_loader(family, models, tmp_path):
     """f32 out, transformers' ``gguf_file=`` in: the same logits as the export (1e-5), the same tokenization."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
