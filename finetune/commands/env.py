@@ -30,9 +30,10 @@ from pathlib import Path
 import finetune
 
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "datasets", "huggingface_hub", "tokenizers",
-             "safetensors", "accelerate", "trl", "mpi4py", "liger-kernel", "flash-attn")
+             "safetensors", "accelerate", "gguf", "trl", "mpi4py", "liger-kernel", "flash-attn", "xllamacpp")
 """Distributions whose versions are listed (``not installed`` when absent): finetune's dependencies, then the
-optional ones it uses (``mpi4py``, ``liger-kernel``, ``flash-attn``) and the neighbours a report often involves."""
+optional ones it uses (``mpi4py``, ``liger-kernel``, ``flash-attn``, ``xllamacpp``) and the neighbours a report
+often involves."""
 
 ENV_NAMES = ("CROSS_RANK", "CROSS_SIZE", "GLIBC_TUNABLES", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_OFFLINE",
              "LD_PRELOAD", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy",
