@@ -570,6 +570,8 @@ class RunConfig:
     """Write a Hugging Face export (``output_dir/export``) at the end of training."""
     export_gguf: str = ""
     """Also write the export as the GGUF file llama.cpp and Ollama run: ``f16``, ``bf16``, ``f32``, ``q8_0``, ``q4_0`` or ``q4_1`` (``export/model-<type>.gguf`` and an Ollama ``Modelfile``; a LoRA run's merged model), checked by llama.cpp when ``xllamacpp`` is installed; Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma-2, Gemma-3. Empty: none (``finetune export --gguf`` writes one later)."""
+    export_gguf_check: bool = True
+    """Check ``export_gguf``'s file with llama.cpp (``xllamacpp``) against the export: transformers on the CPU generates 320 tokens and scores them, with the model in float32 in host memory (false: written unchecked; ``finetune export --gguf`` checks it later)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model and tokenizer."""
     data: DataConfig = field(default_factory=DataConfig)

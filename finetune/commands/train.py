@@ -204,7 +204,8 @@ def train(cfg, resolved: Resolved, launcher: str, stop: StopSignal) -> int:
                                   chosen_by=chosen_by)
         if rank == 0 and cfg.export and cfg.export_gguf:  # llama.cpp's file beside the checked export
             try:
-                gguf_export.export_gguf(run_dir / "export", run_dir / "export", cfg.export_gguf)
+                gguf_export.export_gguf(run_dir / "export", run_dir / "export", cfg.export_gguf,
+                                        check=cfg.export_gguf_check)
             except ConfigError as e:
                 raise RunFailure(f"{e}; the Hugging Face export in {run_dir / 'export'} is complete and checked")
         if rank == 0:

@@ -152,34 +152,37 @@ def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int =
     except OSError:
         eos = tokenizer.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
-    full = None
-    if as_written is not None:
-        full = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
-        as_written(model)
-    agree, diffs, unrounded = 0, [], []
-    reply = None
-    with server(gguf_path, lora=lora) as srv:
-        for text in prompts:
-            prompt = tokenizer(text, add_special_tokens=True)["input_ids"] if isinstance(text, str) else list(text)
-            _, ours, logps, generated = llama_greedy(srv, prompt, n)
-            theirs = hf_greedy(model, prompt, n, eos)
-            complete = len(ours) == generated
-            partial = {t for t in theirs if "\ufffd" in tokenizer.decode([t]) or not tokenizer.decode([t])}
-            pairs = paired_logprobs(model, prompt, ours, logps, complete, theirs, partial)
-            agree += (ours == theirs) if complete else (len(pairs) == len(ours) and generated == len(theirs))
-            diffs += pairs
-            unrounded += paired_logprobs(full or model, prompt, ours, logps, complete, theirs, partial)
-        if chat and tokenizer.chat_template:
-            messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    prompts = [tokenizer(t, add_special_tokens=True)["input_ids"] if isinstance(t, str) else list(t) for t in prompts]
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    chat = chat and bool(tokenizer.chat_template)
+    with server(gguf_path, lora=lora) as srv:  # llama.cpp first, then freed: one model in memory at a time
+        runs = [llama_greedy(srv, prompt, n) for prompt in prompts]
+        if chat:
             r = srv.handle_chat_completions({"messages": messages, "max_tokens": 16, "temperature": 0.0,
                                              "top_k": 1, "samplers": ["top_k"]})
             llama_reply = r["choices"][0]["message"]["content"]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
-            hf_tokens = hf_greedy(model, list(ids), 16, eos)
-            hf_reply = tokenizer.decode(hf_tokens, skip_special_tokens=True)
-            reply = {"equal": llama_reply.strip() == hf_reply.strip(), "llama_cpp": llama_reply,
-                     "transformers": hf_reply}
+    unrounded = []
+    partial = {t for t in range(len(tokenizer)) if not tokenizer.decode([t]) or "\ufffd" in tokenizer.decode([t])}
+    if as_written is not None:  # the unrounded export's log-probabilities of llama.cpp's tokens, then rounded in place
+        for prompt, (_, ours, logps, generated) in zip(prompts, runs):
+            theirs = hf_greedy(model, prompt, n, eos) if len(ours) != generated else []
+            unrounded += paired_logprobs(model, prompt, ours, logps, len(ours) == generated, theirs, partial)
+        as_written(model)
+    agree, diffs = 0, []
+    for prompt, (_, ours, logps, generated) in zip(prompts, runs):
+        theirs = hf_greedy(model, prompt, n, eos)
+        complete = len(ours) == generated
+        pairs = paired_logprobs(model, prompt, ours, logps, complete, theirs, partial)
+        agree += (ours == theirs) if complete else (len(pairs) == len(ours) and generated == len(theirs))
+        diffs += pairs
+    if as_written is None:
+        unrounded = diffs
+    reply = None
+    if chat:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        hf_reply = tokenizer.decode(hf_greedy(model, list(ids), 16, eos), skip_special_tokens=True)
+        reply = {"equal": llama_reply.strip() == hf_reply.strip(), "llama_cpp": llama_reply, "transformers": hf_reply}
     return {"prompts": len(prompts), "agree": agree, "tokens": len(diffs),
             "mean_abs_logprob_diff": sum(diffs) / max(1, len(diffs)), "max_abs_logprob_diff": max(diffs, default=0.0),
             "mean_abs_logprob_diff_unrounded": sum(unrounded) / max(1, len(unrounded)),
