@@ -105,8 +105,9 @@ def check_family(model_type: str | None, where: str) -> str:
     """The llama.cpp architecture of ``model_type``; raises ConfigError (one line, naming the supported families)."""
     if model_type not in FAMILIES:
         raise ConfigError(f"{where}: GGUF export supports the model types {', '.join(sorted(FAMILIES))} (Llama 2/3, "
-                          f"SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma-2, Gemma-3 text); this model is '{model_type}'. Export the Hugging "
-                          f"Face folder and convert it with llama.cpp's convert_hf_to_gguf.py")
+                          f"SmolLM2, Mistral, Qwen2/2.5, Qwen3, Gemma-2, Gemma-3 text); this model is "
+                          f"'{model_type}'. Export the Hugging Face folder and convert it with llama.cpp's "
+                          f"convert_hf_to_gguf.py")
     return FAMILIES[model_type]
 
 
@@ -185,6 +186,19 @@ def _looks_special(token: str) -> bool:
             or (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<unused") and token.endswith(">")))
 
 
+def prepends_space(tokenizer_json: dict) -> bool:
+    """Whether a SentencePiece-style tokenizer puts ``▁`` before the text (Llama 2, Mistral: a ``Prepend`` normalizer
+    or a ``Metaspace`` that prepends; Gemma: neither), llama.cpp's ``tokenizer.ggml.add_space_prefix``."""
+    def steps(node: dict | None, kind: str) -> list[dict]:
+        node = node or {}
+        return node.get(kind, []) if node.get("type") == "Sequence" else [node]
+
+    norm = steps(tokenizer_json.get("normalizer"), "normalizers")
+    pre = steps(tokenizer_json.get("pre_tokenizer"), "pretokenizers")
+    return (any(n.get("type") == "Prepend" and n.get("prepend") == "\u2581" for n in norm)
+            or any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never" for p in pre))
+
+
 def add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
     """The tokenizer's metadata (module docstring); raises ConfigError for a tokenizer llama.cpp cannot read."""
     import gguf
@@ -204,6 +218,7 @@ def add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
         writer.add_token_list(list(tokens))
         writer.add_token_scores(list(scores))
         writer.add_token_types(list(types))
+        writer.add_add_space_prefix(prepends_space(tj))
         gguf.SpecialVocab(folder, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
         return
     if model.get("type") != "BPE":
