@@ -18,6 +18,7 @@ continuations part.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from pathlib import Path
 
@@ -90,15 +91,15 @@ def llama_greedy(srv, prompt: list[int], n: int) -> tuple[str, list[int], list[f
 
 
 def paired_logprobs(model, prompt: list[int], ids: list[int], logps: list[float], complete: bool,
-                    theirs: list[int], partial: set[int]) -> list[float]:
+                    theirs: list[int], partial) -> list[float]:
     """``|llama.cpp's - transformers'|`` log-probability of each token llama.cpp reported: scored on llama.cpp's own
     continuation when it reported every token, else along transformers' continuation while the two agree (skipping
-    the byte tokens llama.cpp leaves out, ``partial``)."""
+    the byte tokens llama.cpp leaves out: ``partial(token)`` is true for them)."""
     if complete:
         return [abs(a - b) for a, b in zip(logps, hf_logprobs(model, prompt, ids))]
     ref, out, j = hf_logprobs(model, prompt, theirs), [], 0
     for token, logp in zip(ids, logps):
-        while j < len(theirs) and theirs[j] != token and theirs[j] in partial:
+        while j < len(theirs) and theirs[j] != token and partial(theirs[j]):
             j += 1
         if j == len(theirs) or theirs[j] != token:
             break
@@ -162,7 +163,7 @@ def compare(gguf_path: str | Path, folder: str | Path, prompts=PROMPTS, n: int =
                                              "top_k": 1, "samplers": ["top_k"]})
             llama_reply = r["choices"][0]["message"]["content"]
     unrounded = []
-    partial = {t for t in range(len(tokenizer)) if not tokenizer.decode([t]) or "\ufffd" in tokenizer.decode([t])}
+    partial = functools.cache(lambda t: not tokenizer.decode([t]) or "\ufffd" in tokenizer.decode([t]))
     if as_written is not None:  # the unrounded export's log-probabilities of llama.cpp's tokens, then rounded in place
         for prompt, (_, ours, logps, generated) in zip(prompts, runs):
             theirs = hf_greedy(model, prompt, n, eos) if len(ours) != generated else []
