@@ -264,7 +264,8 @@ TEACHER_TINY = ("{num_hidden_layers: 2, hidden_size: 128, intermediate_size: 256
 
 LLAMA_1B = ("{hidden_size: 2048, intermediate_size: 8192, num_hidden_layers: 16, num_attention_heads: 32, "
             "num_key_value_heads: 8, head_dim: 64, vocab_size: 128256, tie_word_embeddings: true, "
-            "rope_theta: 500000.0, rms_norm_eps: 1.0e-5, max_position_embeddings: 1048576}")
+            "rope_parameters: {rope_type: default, rope_theta: 500000.0}, rms_norm_eps: 1.0e-5, "
+            "max_position_embeddings: 1048576}")
 """Llama-3.2-1B's shape (its ``config.json``; 1.24 B parameters, the embedding tied to the head) as run-config
 overrides of ``data/models/tiny-llama``: random weights, no download (the ``llama1b`` preset, scripts/gpu_check.py)."""
 LLAMA_TINY = ("{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 1, num_attention_heads: 4, "

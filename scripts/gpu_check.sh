@@ -49,6 +49,10 @@ else
   # shellcheck source=scripts/gpu_install.sh
   . scripts/gpu_install.sh .whl || { echo "gpu_check.sh: the install from .whl/ failed (scripts/gpu_wheels.sh builds it)"; exit 1; }
   echo "gpu_check.sh: installed in $(( $(date +%s) - start )) s"
+  # DeepSpeed's JIT op builds parse TORCH_CUDA_ARCH_LIST as numbers: an image's "9.0a" stops every build (FusedAdam
+  # too), so the card's own capability is given instead
+  TORCH_CUDA_ARCH_LIST=$("$py" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null) \
+    && export TORCH_CUDA_ARCH_LIST
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
