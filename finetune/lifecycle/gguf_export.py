@@ -33,6 +33,7 @@ base model's GGUF. :func:`write_modelfile` writes Ollama's ``Modelfile`` beside 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -356,19 +357,31 @@ def as_written(model, qtype: str) -> None:
                         .reshape(p.shape))
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's ``*.safetensors`` files, float32."""
+def safetensors_items(folder: Path):
+    """``(name, float32 numpy array)`` for each tensor of the folder's ``*.safetensors`` files, one at a time (a large
+    export is never held whole in float32)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"GGUF export: '{folder}' has no *.safetensors weights")
-    out = {}
     for f in files:
         with safe_open(f, framework="pt") as fh:
             for k in fh.keys():
-                out[k] = fh.get_tensor(k).float()
-    return out
+                yield k, fh.get_tensor(k).float().numpy()
+
+
+def llama_cpp_rows(arch: str, key: str, data: np.ndarray, config: dict) -> np.ndarray:
+    """A Hugging Face tensor (or a LoRA ``B`` of it, named by its base weight) in llama.cpp's layout: the Llama
+    family's query/key rows permuted (:func:`permute`), Gemma's norms as ``1 + weight``."""
+    heads = config["num_attention_heads"]
+    if arch in PERMUTED and key.endswith(("q_proj.weight", "q_proj.bias")):
+        return permute(data, heads)
+    if arch in PERMUTED and key.endswith(("k_proj.weight", "k_proj.bias")):
+        return permute(data, config.get("num_key_value_heads") or heads)
+    if arch in NORM_SHIFTED and key.endswith("norm.weight"):
+        return data + 1.0
+    return data
 
 
 def _add_tensor(writer, name: str, data: np.ndarray, kind) -> None:
@@ -377,25 +390,28 @@ def _add_tensor(writer, name: str, data: np.ndarray, kind) -> None:
     writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
 
-def _writer(out: Path, arch: str):
+@contextlib.contextmanager
+def _writing(out: Path, arch: str):
+    """A ``GGUFWriter`` for ``out``: written as ``<out>.partial`` when the block ends, then renamed; nothing is left
+    when the block or the write fails. Raises ConfigError when ``out`` exists."""
     import gguf
 
     if out.exists():
         raise ConfigError(f"GGUF export: '{out}' exists; finetune never overwrites a file, choose a new path")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return gguf.GGUFWriter(str(out) + ".partial", arch)
-
-
-def _finish(writer, out: Path) -> None:
+    partial = Path(str(out) + ".partial")
+    writer = gguf.GGUFWriter(str(partial), arch)
     try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
     except BaseException:
-        Path(str(out) + ".partial").unlink(missing_ok=True)
+        writer.close()
+        partial.unlink(missing_ok=True)
         raise
-    os.replace(str(out) + ".partial", out)
+    os.replace(partial, out)
 
 
 def model_type_of(folder: Path) -> str | None:
@@ -425,36 +441,22 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str) -> Path:
     check_type(qtype)
     config = json.loads((folder / "config.json").read_text())
     arch = check_family(config.get("model_type"), f"GGUF export of '{folder}'")
-    kind, file_type = gguf_type(qtype)
-    writer = _writer(out, arch)
-    try:
+    file_type = gguf_type(qtype)[1]
+    tied = config.get("tie_word_embeddings", arch in NORM_SHIFTED)
+    with _writing(out, arch) as writer:
         rope_freqs = add_hyperparameters(writer, config, arch, folder.resolve().name, file_type)
         add_tokenizer(writer, folder, config["vocab_size"])
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
-        heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        state = read_safetensors(folder)
-        if config.get("tie_word_embeddings", arch in NORM_SHIFTED):
-            state.pop("lm_head.weight", None)
         if rope_freqs is not None:
             _add_tensor(writer, "rope_freqs.weight", rope_freqs, gguf.GGMLQuantizationType.F32)
-        for key, value in state.items():
+        for key, data in safetensors_items(folder):
+            if tied and key == "lm_head.weight":
+                continue
             name = names.get_name(key, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise ConfigError(f"GGUF export: tensor '{key}' of '{folder}' has no llama.cpp name for '{arch}'")
-            data = value.numpy()
-            if arch in PERMUTED and key.endswith(("q_proj.weight", "q_proj.bias")):
-                data = permute(data, heads)
-            elif arch in PERMUTED and key.endswith(("k_proj.weight", "k_proj.bias")):
-                data = permute(data, kv_heads)
-            elif arch in NORM_SHIFTED and key.endswith("norm.weight"):
-                data = data + 1.0
+            data = llama_cpp_rows(arch, key, data, config)
             _add_tensor(writer, name, data, tensor_type(name, data.shape, qtype))
-    except BaseException:
-        writer.close()
-        Path(str(out) + ".partial").unlink(missing_ok=True)
-        raise
-    _finish(writer, out)
     logger.info(f"GGUF: {folder} -> {out} ({qtype}, llama.cpp architecture {arch}, "
                 f"{out.stat().st_size / 2**20:.1f} MiB)")
     return out
@@ -491,14 +493,11 @@ def write_adapter_gguf(adapter: str | Path, base_config: dict, out: str | Path, 
     if lcfg.get("use_rslora"):
         alpha *= math.sqrt(r)
     kind = gguf.GGMLQuantizationType.F32 if qtype == "f32" else gguf.GGMLQuantizationType.F16
-    writer = _writer(out, arch)
-    try:
+    with _writing(out, arch) as writer:
         writer.add_string(gguf.Keys.General.TYPE, gguf.GGUFType.ADAPTER)
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
         names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], base_config["num_hidden_layers"])
-        heads = base_config["num_attention_heads"]
-        kv_heads = base_config.get("num_key_value_heads") or heads
         state = load_file(str(adapter / "adapter_model.safetensors"))
         for key in sorted(k for k in state if ".lora_A." in k):
             base_key = key.replace("base_model.model.", "", 1).replace(".lora_A.weight", ".weight")
@@ -508,17 +507,9 @@ def write_adapter_gguf(adapter: str | Path, base_config: dict, out: str | Path, 
                                   f"for")
             a = state[key].float().numpy()
             b = state[key.replace(".lora_A.", ".lora_B.")].float().numpy()
-            if arch in PERMUTED and base_key.endswith("q_proj.weight"):
-                b = permute(b, heads)
-            elif arch in PERMUTED and base_key.endswith("k_proj.weight"):
-                b = permute(b, kv_heads)
+            b = llama_cpp_rows(arch, base_key, b, base_config)  # B's rows are the base matrix's rows
             _add_tensor(writer, name + ".lora_a", a, kind)
             _add_tensor(writer, name + ".lora_b", b, kind)
-    except BaseException:
-        writer.close()
-        Path(str(out) + ".partial").unlink(missing_ok=True)
-        raise
-    _finish(writer, out)
     logger.info(f"GGUF adapter: {adapter} -> {out} (r {r}, alpha {alpha:g}, llama.cpp architecture {arch})")
     return out
 
