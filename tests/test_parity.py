@@ -280,6 +280,10 @@ def test_zero_stage_matches_single_device(runs, reference, name):
     check_losses(run, ref, rtol=1e-5)
     check_grad_norms(run, ref, rtol=1e-4 if name.endswith("z0") else 1e-5)
     check_weights(run, ref, tol=1e-5)
+    # stage 0 in fp32 with both ranks on this node: the gradients were averaged by finetune through DeepSpeed's
+    # shared-memory all-reduce, not by DeepSpeed over gloo (finetune.parallel.distributed.all_reduce_gradients)
+    shm = "shared-memory all-reduce" in (run / "logs" / "rank0.log").read_text()
+    assert shm == name.endswith("z0"), f"{name}: shared-memory gradient all-reduce {'used' if shm else 'not used'}"
 
 
 @pytest.mark.parametrize("name", ["cls-z0", "cls-z3"])

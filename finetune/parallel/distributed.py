@@ -365,6 +365,54 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def shared_memory_gradients(engine) -> bool:
+    """Whether :func:`all_reduce_gradients` replaces DeepSpeed's stage-0 gradient all-reduce on this run.
+
+    DeepSpeed's CPU backend maps a shared-memory all-reduce in ``init_distributed`` when every rank is on this
+    node (``LOCAL_SIZE`` = the world size): ``deepspeed.comm.inference_all_reduce``, the kernel of its AutoTP
+    inference on CPU. It sums a tensor in place through the mapped pages, where DeepSpeed's training path
+    flattens every gradient into one buffer, all-reduces it over gloo's sockets and copies it back (the step
+    time saved: docs/performance.md, "Token classification").
+
+    It applies where DeepSpeed's own path is its plain average: ZeRO stage 0 in fp32 (no fp16/bf16 optimizer
+    wrapper), the default averaging (no ``prescale_gradients``, ``gradient_predivide_factor`` 1, fp32
+    communication), one data-parallel group of every rank (no model-parallel unit: no sequence, tensor or
+    pipeline parallelism) and no MoE layers.
+    """
+    return (on_cpu() and dist.is_initialized() and dist.get_world_size() > 1
+            and os.environ.get("LOCAL_SIZE") == str(dist.get_world_size())
+            and hasattr(torch.ops, "deepspeed") and hasattr(torch.ops.deepspeed, "inference_all_reduce_")
+            and engine.zero_optimization_stage() == 0 and engine.mpu is None
+            and not getattr(engine, "pipeline_parallelism", False) and not engine.has_moe_layers
+            and not (engine.fp16_enabled() or engine.bfloat16_enabled())
+            and engine.gradient_average and engine.postscale_gradients()
+            and engine.gradient_predivide_factor() == 1.0 and engine.communication_data_type == torch.float32)
+
+
+def all_reduce_gradients(engine) -> None:
+    """Average every parameter's gradient over the ranks in place, as DeepSpeed's stage-0 ``allreduce_gradients``
+    does (the sum, then x 1/ranks; a trainable parameter without a gradient gets zeros, so that every rank reduces
+    the same tensors), one tensor at a time through DeepSpeed's shared-memory all-reduce
+    (:func:`shared_memory_gradients` says when). A sparse gradient is made dense first (the optimizers take dense
+    ones); one that is not float32 goes through the process group's all-reduce, on every rank alike.
+    """
+    from deepspeed import comm as ds_dist
+
+    scale = 1.0 / dist.get_world_size()
+    for p in engine.module.parameters():
+        if not p.requires_grad or p.numel() == 0:
+            continue
+        g = torch.zeros_like(p) if p.grad is None else p.grad
+        g = g.to_dense() if g.is_sparse else g.contiguous()  # the kernel sums a dense buffer (no copy when it is)
+        if g is not p.grad:
+            p.grad = g
+        if g.dtype == torch.float32:
+            ds_dist.inference_all_reduce(g)
+        else:
+            dist.all_reduce(g)
+        g.mul_(scale)
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if ``flag`` is True on at least one rank (one all-reduce)."""
     t = torch.tensor([1.0 if flag else 0.0], device=device)
