@@ -11,6 +11,8 @@ optimizer (torch AdamW), LR schedule and number of optimizer steps. Contenders:
 * ``hf``: ``Trainer`` as users run it by default (``scripts/bench_hf.py``; random sampler, per-batch padding);
 * ``hf_grouped``: ``Trainer`` with ``train_sampling_strategy="group_by_length"`` (``group_by_length=True`` of
   transformers 4; ``LengthGroupedSampler``, per rank; unpacked presets only);
+* ``hf_ddp``: ``hf_grouped`` under torch's ``DistributedDataParallel`` (gloo on CPU ranks, NCCL on GPUs)
+  instead of the DeepSpeed dict: ``Trainer`` without ``deepspeed=``, its other way to use several ranks;
 * ``hf_rebalance``: ``Trainer`` with ``train_sampling_strategy="batch_rebalance"`` (new in transformers 5: balances
   padded cost across ranks and accumulation steps of each global batch; unpacked presets only);
 * ``finetune[<optimizer>]`` (``--optimizer adamw,muon``, instead of the preset's contenders): ``finetune`` with
@@ -304,22 +306,22 @@ PRESETS: dict[str, dict] = {
     # the last step (ours: eval/f1; HF: run_ner.py's compute_metrics on trainer.predict; neither timed). ``real``:
     # the weights come from ../shared/models/all-minilm-l6-v2 (or model.path=...), so not part of ``--preset all``.
     "token_cls": {"config": "finetune/recipes/configs/token_cls_wnut17.yaml", "heldout": True, "real": True,
-                  "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
-                  "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
+                  "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero0.json"],
+                  "contenders": ["finetune", "hf", "hf_grouped", "hf_ddp"], "tiny": []},
     # Question answering on the real all-MiniLM-L6-v2 (issue 71): qa_squad.yaml (SQuAD-form questions, micro 16
     # questions per rank) against HF Trainer with run_qa.py's windows and labels and DataCollatorWithPadding
     # (``hf_grouped``: length-grouped) from the same weights; ``heldout``: the SQuAD F1 of the 96 held-out questions
     # after the last step (ours: eval/f1; HF: run_qa.py's post-processing on trainer.predict; neither timed).
     "qa": {"config": "finetune/recipes/configs/qa_squad.yaml", "heldout": True, "real": True,
-           "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero2.json"],
-           "contenders": ["finetune", "hf", "hf_grouped"], "tiny": []},
+           "heldout_key": "eval/f1", "overrides": ["deepspeed=ds_configs/zero0.json"],
+           "contenders": ["finetune", "hf", "hf_grouped", "hf_ddp"], "tiny": []},
     # Sentence embeddings on the real all-MiniLM-L6-v2 (issue 71): embed_stsb.yaml (STS-B pairs, micro 32 pairs per
     # rank, each anchor against every positive of both ranks) against sentence-transformers' SentenceTransformerTrainer
     # with MultipleNegativesRankingLoss from the same folder (``st``: its defaults, each rank's own negatives; ``st_gather``:
     # gather_across_devices, the same negatives as ours); ``heldout``: retrieval NDCG@10 on the STS-B dev pairs after
     # the last step (both scored by finetune.recipes.embed.retrieval; not timed).
     "embed": {"config": "finetune/recipes/configs/embed_stsb.yaml", "heldout": True, "real": True,
-              "heldout_key": "eval/ndcg_at_10", "overrides": ["deepspeed=ds_configs/zero2.json"],
+              "heldout_key": "eval/ndcg_at_10", "overrides": ["deepspeed=ds_configs/zero0.json"],
               "contenders": ["finetune", "st", "st_gather"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
     # trains one example per row, padded per batch (answer-only labels in both).
@@ -767,7 +769,8 @@ def ours(preset: dict, overrides: list[str], args, out: Path, env: dict) -> dict
             "pipeline_idle": [r["train/pipeline_idle"] for r in rows if "train/pipeline_idle" in r]}
 
 
-HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance"}
+HF_SAMPLING = {"hf": "random", "hf_grouped": "group_by_length", "hf_rebalance": "batch_rebalance",
+               "hf_ddp": "group_by_length"}
 
 
 def rank_records(out: Path, start: float, peaks: dict, nproc: int, gas: int, steps: int) -> dict:
@@ -1464,8 +1467,9 @@ def main(argv: list[str] | None = None) -> int:
                             runs[c].append(trl(spec, TRL_VARIANTS[c], args, out, env))
                         elif c == "bare":
                             runs[c].append(bare(preset, overrides, args, out, env, t.gradient_accumulation_steps))
-                        else:
-                            runs[c].append(hf(spec, HF_SAMPLING[c], args, out, env))
+                        else:  # hf_ddp: torch's DistributedDataParallel instead of the DeepSpeed dict
+                            runs[c].append(hf({**spec, "hf_deepspeed": None} if c == "hf_ddp" else spec,
+                                              HF_SAMPLING[c], args, out, env))
                     finally:
                         clean_shm(before)
                     print(f"  round {rnd} {c:<10}: {time.perf_counter() - t0:6.1f} s", flush=True)

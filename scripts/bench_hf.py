@@ -237,7 +237,7 @@ def main() -> None:
     losses: dict[int, float] = {}
 
     torch.manual_seed(spec["seed"])
-    if spec["hf_deepspeed"].get("zero_optimization", {}).get("stage") == 3:
+    if (spec["hf_deepspeed"] or {}).get("zero_optimization", {}).get("stage") == 3:
         # from_config builds the model under deepspeed.zero.Init (partitioned as it is built), whose config needs
         # the world size: DeepSpeed's process group up first (it adopts the one Trainer's arguments started)
         import deepspeed
