@@ -209,6 +209,32 @@ def test_answers_are_run_qas_postprocessing(version_2):
     assert len(set(got)) > 50 and (0 < got.count("") < 150 if version_2 else "" not in got)
 
 
+def test_short_windows_run_at_their_own_width():
+    """A micro-batch whose short windows would be mostly padding runs them as a second, narrower pass: the same
+    logits on every real token as one pass over the whole micro-batch, the float32 minimum on the padding."""
+    from transformers import BertConfig, BertForQuestionAnswering
+
+    from finetune.recipes.qa import span_logits, width_groups
+
+    assert width_groups([256, 256, 100]) == [([0, 1], 256), ([2], 104)]
+    assert width_groups([256, 250, 240]) == [([0, 1, 2], 256)]  # would save under 10% of the positions: one pass
+    torch.manual_seed(0)
+    model = BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
+                                                num_attention_heads=2, intermediate_size=32)).eval()
+    mask = torch.zeros(3, 40, dtype=torch.long)
+    for i, n in enumerate([40, 3, 40]):
+        mask[i, :n] = 1
+    batch = {"input_ids": torch.randint(1, 50, (3, 40)) * mask, "attention_mask": mask,
+             "token_type_ids": torch.zeros_like(mask)}
+    with torch.no_grad():
+        start, end = span_logits(model, batch)
+        whole = model(**batch)
+    real = mask.bool()
+    torch.testing.assert_close(start[real], whole.start_logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(end[real], whole.end_logits[real], rtol=1e-5, atol=1e-5)
+    assert (start[~real] == torch.finfo(torch.float32).min).all() and (end[~real] == start[~real]).all()
+
+
 def test_squad_answer_comparison():
     """The official SQuAD 2.0 script's normalization and scores on known cases."""
     from finetune.recipes.qa import normalize_answer, scores
