@@ -315,13 +315,21 @@ def _best(value: float | None, step: int | None = None) -> str:
 
 def _grad_norm_stage0(engine) -> float:
     """Global gradient norm of the all-reduced gradients: torch's ``get_total_norm`` (fp32, one fused pass) over
-    blocks of 65,536 elements. A float32 norm of a whole embedding-sized gradient drifts by ~1e-3 of its value
-    (one running sum over millions of squares); per block it stays within ~1e-7, at a small fraction of the cost of
-    an fp64 copy of every gradient."""
+    blocks of 65,536 elements. A float32 norm of a whole embedding-sized gradient on CPU drifts by ~1e-3 of its
+    value (one running sum over millions of squares); per block it stays within ~1e-7, at a small fraction of the
+    cost of an fp64 copy of every gradient."""
     blocks = [b for p in engine.module.parameters() if p.grad is not None for b in p.grad.reshape(-1).split(1 << 16)]
     if not blocks:
         return 0.0
     return float(torch.nn.utils.get_total_norm(blocks, norm_type=2.0, foreach=True))
+
+
+def _shared_memory_gradients(engine) -> bool:
+    """:func:`finetune.parallel.distributed.shared_memory_gradients`, said once in the log when it applies."""
+    if use := dist_utils.shared_memory_gradients(engine):
+        logger.info("gradients: averaged through DeepSpeed's shared-memory all-reduce (every rank on this node, "
+                    "ZeRO stage 0)")
+    return use
 
 
 def _skip_update_stage0(engine) -> None:
@@ -670,7 +678,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
     """
     if _stopped_early(cfg, state):  # a launch after the stop (a requeue, a resume): the export follows
         return state
-    lay, offload = layout.layout(cfg), cfg.model.offload_activations  # rows and loss scaling count in lay.dp
+    lay, offload, shm = layout.layout(cfg), cfg.model.offload_activations, _shared_memory_gradients(engine)  # rows, loss scaling: lay.dp
     gas, by_token = cfg.train.gradient_accumulation_steps, cfg.train.loss_weighting == "token"
     step_rows = cfg.train.micro_batch_size * gas  # rows per rank per optimizer step
     sink = MetricsSink(engine, run_dir, enabled=dist_utils.is_main(), launch=launch)
@@ -680,9 +688,6 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
         Saver(engine, run_dir, cfg, state, resume_from, recipe)
     window = LogWindow(engine, sink, meter, lay.world, train_dl.sampler.num_samples, pbar, lay.dp, lay.replicas)
     evals = Evaluations(engine, eval_dl, recipe, cfg, sink, saver, generation)
-    if shm_grads := dist_utils.shared_memory_gradients(engine):
-        logger.info("gradients: averaged through DeepSpeed's shared-memory all-reduce (every rank on this node, "
-                    "ZeRO stage 0)")
     engine.train()
     if cfg.train.eval_on_start and state.step == 0 and resume_from is None:
         evals.run(state, "eval before training, step")
@@ -699,8 +704,7 @@ def fit(cfg: RunConfig, engine, recipe, train_dl, eval_dl, state: TrainState, to
                     saver.save(state, unless_saved=True)
                     logger.warning(f"stop requested: checkpoint of step {state.step} saved, leaving the loop")
                     return state
-                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, by_token, lay.dp, meter, offload,
-                                                      shm_grads)
+                loss, grad_norm, metrics = train_step(engine, recipe, micro, targets, by_token, lay.dp, meter, offload, shm)
                 state.step, state.samples_in_epoch = state.step + 1, state.samples_in_epoch + step_rows * lay.dp
                 pbar.update(1)
                 if guard.check(engine, state):
