@@ -386,15 +386,12 @@ def width_groups(lengths: list[int], min_saving: float = 0.1) -> list[tuple[list
     """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     widest = lengths[order[0]]
-    whole = best = len(order) * widest
-    k = len(order)
-    for split in range(1, len(order)):
-        positions = split * widest + (len(order) - split) * min(widest, -(-lengths[order[split]] // 8) * 8)
-        if positions < best:
-            best, k = positions, split
-    if best > (1 - min_saving) * whole:
+    width = [min(widest, -(-lengths[i] // 8) * 8) for i in order]  # each window's width were it the group's longest
+    positions, k = min((split * widest + (len(order) - split) * width[split], split) for split in range(1, len(order))) \
+        if len(order) > 1 else (widest, 1)
+    if positions > (1 - min_saving) * len(order) * widest:
         return [(list(range(len(lengths))), widest)]
-    return [(sorted(order[:k]), widest), (sorted(order[k:]), min(widest, -(-lengths[order[k]] // 8) * 8))]
+    return [(sorted(order[:k]), widest), (sorted(order[k:]), width[k])]
 
 
 def span_logits(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
