@@ -114,7 +114,7 @@ class ModelConfig:
     freeze: list = field(default_factory=list)
     """Parts of the model that do not train (no gradient, no optimizer state, exported as loaded): ``vision_tower``, ``projector``, ``language_model`` (a multimodal model's parts, resolved per architecture as LLaMA-Factory's ``freeze_*`` keys are: finetune.engine.freeze) or any dotted module path; empty: everything trains."""
     fused_kernels: bool = True
-    """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.engine.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; false keeps the model's own modules."""
+    """Replace modules that transformers computes as a chain of Python ops with one fused kernel of the same function before training (GPT-2's ``gelu_new`` -> ``F.gelu(approximate="tanh")``, :mod:`finetune.engine.kernels`): same values up to the run's own rounding (fp32: 4.8e-7 at most; bf16/fp16: one unit in the last place, the fused kernel being the more accurate), less activation memory; on CPU ranks also ``sdpa`` attention with dropout through :class:`finetune.engine.kernels.DropoutAttention` (SDPA's function, 5 bytes per attention score kept for the backward instead of 12); false keeps the model's own modules and attention."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass instead of keeping them (transformers' non-reentrant gradient checkpointing): less memory, about a third more compute."""
     offload_activations: bool = False

@@ -6,8 +6,9 @@ where the change depends on the library's internals, that the version is one the
 is undone by :meth:`Patch.restore`:
 
 * transformers' attention table (``transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS``): DeepSpeed's Ulysses
-  attention and the packed-row ``sdpa`` under sequence parallelism (:mod:`finetune.parallel.sequence`), and the
-  self-test's reference attention;
+  attention and the packed-row ``sdpa`` under sequence parallelism (:mod:`finetune.parallel.sequence`), ``sdpa``
+  with dropout on CPU ranks (:func:`finetune.engine.kernels.lighten_attention_dropout`), and the self-test's
+  reference attention;
 * the ``forward`` of model instances: tiled MLPs (DeepSpeed's ``TiledMLP``, :mod:`finetune.parallel.sequence`);
 * attributes that DeepSpeed's Ulysses forward overwrites on attention modules (``num_key_value_groups``):
   watched, not set, so that whole-sequence work can put them back;

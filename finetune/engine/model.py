@@ -17,7 +17,8 @@
   the LR schedule is transformers' ``get_scheduler``, handed to ``deepspeed.initialize`` so that
   ``engine.step()`` advances it once per optimizer step and checkpoints carry its state.
 * ``model.fused_kernels`` (default on) replaces Python-written activations with fused kernels of the same
-  function (:func:`finetune.engine.kernels.fuse`), before LoRA and ``deepspeed.initialize``.
+  function (:func:`finetune.engine.kernels.fuse`), before LoRA and ``deepspeed.initialize``, and on CPU ranks
+  runs ``sdpa`` attention with dropout through :class:`finetune.engine.kernels.DropoutAttention`.
 * ``model.lora`` / ``model.gradient_checkpointing`` are applied to the built model before
   ``deepspeed.initialize`` (:func:`finetune.engine.lora.apply`); only trainable parameters reach the optimizer.
 * Under ZeRO-3 the sparse blocks of a mixture-of-experts model are DeepSpeed leaf modules, gathered whole
@@ -47,7 +48,7 @@ from finetune.engine import kernels
 
 from finetune.engine import freeze, gguf, lora, moe, muon, neftune, pipeline, quantize
 
-from finetune.parallel import expert, layout, sequence
+from finetune.parallel import distributed, expert, layout, sequence
 from finetune.config import RunConfig
 from finetune.data.batch import flattens
 from finetune.engine.ds_config import precision_of, zero_stage
@@ -223,6 +224,9 @@ def build_engine(cfg: RunConfig, recipe, model_config, ds: dict, total_steps: in
                 f"{zero_stage(ds)}, attention {attn}")
     if cfg.model.fused_kernels:
         logger.info(f"fused kernels: {kernels.fuse(model)}")
+        if optimizer and getattr(model.config, "_attn_implementation", None) == "sdpa" and distributed.on_cpu() \
+                and kernels.attention_dropout(model.config) and (note := kernels.lighten_attention_dropout()):
+            logger.info(f"fused kernels: {note}")
     if zero_stage(ds) == 3 and (leaves := moe.mark_leaf_modules(model)):  # before deepspeed.initialize
         logger.info(f"mixture of experts: ZeRO-3 gathers each {', '.join(leaves)} whole (leaf modules: a rank that "
                     f"routes no token to an expert still joins every all-gather)")
