@@ -131,6 +131,33 @@ def test_gradient_cache_equals_the_plain_loss_with_dropout():
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(plain, unreplayed))
 
 
+def test_short_and_long_texts_run_at_their_own_widths():
+    """Short queries beside long passages run as two forwards, each at its own width: the same embeddings and
+    gradients as one forward over the batch padded to its longest text."""
+    from finetune.data.batch import model_inputs
+    from finetune.recipes.common.widths import width_groups
+    from finetune.recipes.embed import embed, pool
+
+    rows = pq.read_table(TRAIN).slice(0, 6).to_pylist()
+    rows = [{"anchor": r["anchor"].split()[0], "positive": " ".join([r["positive"]] * 4)} for r in rows]
+    batch = _batch(_cfg("data.score_column="), rows)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert [len(g) for g, _ in width_groups(lengths)] == [6, 6] and max(lengths[:6]) < min(lengths[6:])
+
+    def run(grouped: bool):
+        model = _tiny_bert(dropout=0.0).train()
+        emb = embed(model, batch, "mean") if grouped else pool(
+            model(**model_inputs(batch)).last_hidden_state, batch["attention_mask"], "mean")
+        (emb * torch.linspace(-1, 1, emb.numel()).view_as(emb)).sum().backward()
+        return emb.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    (one, one_grads), (two, two_grads) = run(False), run(True)
+    torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
+    assert len(one_grads) == len(two_grads)
+    for a, b in zip(one_grads, two_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_metrics_are_scipys_and_a_direct_count():
     """``spearman`` equals SciPy's ``spearmanr`` (ties included); MRR@10, NDCG@10 and accuracy@1 equal a direct
     ranking of each query's passage."""

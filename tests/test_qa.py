@@ -214,7 +214,8 @@ def test_short_windows_run_at_their_own_width():
     logits on every real token as one pass over the whole micro-batch, the float32 minimum on the padding."""
     from transformers import BertConfig, BertForQuestionAnswering
 
-    from finetune.recipes.qa import span_logits, width_groups
+    from finetune.recipes.common.widths import width_groups
+    from finetune.recipes.qa import span_logits
 
     assert width_groups([256, 256, 100]) == [([0, 1], 256), ([2], 104)]
     assert width_groups([256, 250, 240]) == [([0, 1, 2], 256)]  # would save under 10% of the positions: one pass

@@ -56,6 +56,7 @@ from finetune.data.batch import LossOutput, model_inputs, to_device
 from finetune.data.dataset import file_schemas, missing_columns
 from finetune.errors import ConfigError
 from finetune.recipes import Capabilities, Recipe, pad_with_eos
+from finetune.recipes.common.widths import by_width
 
 MODEL_CLASS = AutoModel
 
@@ -306,9 +307,16 @@ def count_targets(batch: dict) -> torch.Tensor:
 # -- loss --------------------------------------------------------------------------------------------------------------
 
 def embed(model, batch: dict, mode: str) -> torch.Tensor:
-    """Embeddings ``[S x B, H]`` float32 of the batch's texts (anchors, positives, negatives)."""
-    out = model(**model_inputs(batch))
-    return pool(out.last_hidden_state, batch["attention_mask"], mode)
+    """Embeddings ``[S x B, H]`` float32 of the batch's texts (anchors, positives, negatives).
+
+    Short texts beside long ones (queries and passages) run as a second forward at their own width
+    (:func:`finetune.recipes.common.widths.by_width`): the same embeddings, fewer padded positions."""
+    parts = [(index, pool(out.last_hidden_state, part, mode))
+             for index, part, out in by_width(model, model_inputs(batch), batch["attention_mask"])]
+    if len(parts) == 1:
+        return parts[0][1]
+    (first, a), (second, b) = parts
+    return torch.cat([a, b]).index_select(0, torch.argsort(torch.cat([first, second])))
 
 
 def _world(gather: bool) -> int:

@@ -46,6 +46,7 @@ from finetune.data.batch import LossOutput, model_inputs
 from finetune.data.dataset import file_schemas, missing_columns
 from finetune.recipes import Capabilities, Recipe
 from finetune.recipes.common.fast_tokenizer import require_fast
+from finetune.recipes.common.widths import by_width
 
 MODEL_CLASS = AutoModelForQuestionAnswering
 
@@ -373,42 +374,19 @@ def count_targets(batch: dict) -> torch.Tensor:
     return real_windows(batch).sum()
 
 
-def width_groups(lengths: list[int], min_saving: float = 0.1) -> list[tuple[list[int], int]]:
-    """The windows as one or two groups ``(indices, width)``, each padded only to its own longest window (rounded up
-    to a multiple of 8, for tensor cores).
-
-    A question's windows stay in one micro-batch, and its last window is usually short: padded to the micro-batch's
-    longest, those windows are mostly padding. The split (the longest ``k`` windows, then the rest) is the one with
-    the fewest padded positions; it is taken only when it saves at least ``min_saving`` of them.
-
-    Args:
-        lengths: real tokens of each window.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    widest = lengths[order[0]]
-    width = [min(widest, -(-lengths[i] // 8) * 8) for i in order]  # each window's width were it the group's longest
-    positions, k = min((split * widest + (len(order) - split) * width[split], split) for split in range(1, len(order))) \
-        if len(order) > 1 else (widest, 1)
-    if positions > (1 - min_saving) * len(order) * widest:
-        return [(list(range(len(lengths))), widest)]
-    return [(sorted(order[:k]), widest), (sorted(order[k:]), width[k])]
-
-
 def span_logits(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Start and end logits ``[W, T]`` (float32) of the micro-batch's windows, padding positions at the float32
     minimum (no probability), so that a window's softmax does not depend on the micro-batch's width.
 
-    The model runs once per :func:`width_groups` group, each group's windows cut to its own width: the same
-    logits on the real tokens (a window's tokens attend only to its own), fewer padded positions computed."""
+    A question's windows stay in one micro-batch, and a long context's last window is usually short: the model
+    runs once per :func:`finetune.recipes.common.widths.width_groups` group, each group's windows cut to its own
+    width: the same logits on the real tokens, fewer padded positions computed."""
     mask = batch["attention_mask"]
-    inputs = model_inputs(batch)
     low = torch.finfo(torch.float32).min
     start = torch.full(mask.shape, low, dtype=torch.float32, device=mask.device)
     end = torch.full(mask.shape, low, dtype=torch.float32, device=mask.device)
-    for rows, width in width_groups(mask.sum(1).tolist()):
-        index = torch.tensor(rows, device=mask.device)
-        out = model(**{k: v.index_select(0, index)[:, :width] for k, v in inputs.items()})
-        real = mask.index_select(0, index)[:, :width] != 0
+    for index, part, out in by_width(model, model_inputs(batch), mask):
+        width, real = part.shape[1], part != 0
         start[index, :width] = out.start_logits.float().masked_fill(~real, low)
         end[index, :width] = out.end_logits.float().masked_fill(~real, low)
     return start, end

@@ -15,6 +15,8 @@ through a borrowed helper, and a reader of a recipe opens only the recipe and th
 * :mod:`~finetune.recipes.common.labels`: class names in the model config (``seq_cls``, ``token_cls``).
 * :mod:`~finetune.recipes.common.fast_tokenizer`: the fast tokenizer the tag and span recipes need (``token_cls``,
   ``qa``).
+* :mod:`~finetune.recipes.common.widths`: a micro-batch's short rows run as a second forward at their own width
+  (``qa``, ``embed``).
 
 The chunked LM head itself is :mod:`finetune.recipes.lm_loss`, beside this package.
 """
