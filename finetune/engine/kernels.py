@@ -30,8 +30,7 @@ with attention dropout, in training) runs its composite math path, where autogra
 the same computation (scale, mask, softmax, dropout, product with the values) with a hand-written backward that
 keeps the softmax output and a 1-byte keep mask: 5 bytes per score instead of 12. Its mask is drawn as
 ``at::dropout`` draws it (``bernoulli_(1 - p)`` over the same shape from the same generator: the same positions
-are dropped for the same seed), and its outputs and gradients equal SDPA's to float32 rounding
-(``tests/test_kernels.py``). The substitution is a patch of transformers' attention table for ``sdpa``
+are dropped for the same seed), and its outputs and gradients are SDPA's bit for bit (``tests/test_kernels.py``). The substitution is a patch of transformers' attention table for ``sdpa``
 (:func:`finetune.patches.attention_function`; transformers' ``AttentionInterface.register`` under a new name would
 change ``config._attn_implementation``, which transformers' mask builders key on): calls on GPUs (whose SDPA kernels
 apply dropout inside the kernel), without dropout, without gradients, or with grouped key/value heads, a

@@ -39,12 +39,14 @@ def width_groups(lengths: list[int], min_saving: float = 0.1) -> list[tuple[list
 def agreed_groups(model, lengths: list[int]) -> list[tuple[list[int], int]]:
     """:func:`width_groups`, the same number of forwards on every rank where a forward is a collective call.
 
-    Under ZeRO-3 every forward all-gathers the parameters, so a rank that ran one forward where another ran two
-    would leave the other waiting. There the ranks agree (one all-reduce of two flags): two forwards everywhere when
-    any rank's rows gain from a split and every rank has at least two rows to split, else one."""
+    Under ZeRO-3 every forward all-gathers the parameters (and a mixture of experts sends tokens between ranks), so
+    a rank that ran one forward where another ran two would leave the other waiting. There the ranks agree (one
+    all-reduce of two flags): two forwards everywhere when any rank's rows gain from a split and every rank has at
+    least two rows to split, else one."""
     groups = width_groups(lengths)
     stage = getattr(model, "zero_optimization_stage", None)
-    if not callable(stage) or stage() != 3 or not dist.is_initialized() or dist.get_world_size() == 1:
+    collective = (callable(stage) and stage() == 3) or bool(getattr(model, "has_moe_layers", False))
+    if not collective or not dist.is_initialized() or dist.get_world_size() == 1:
         return groups
     device = getattr(model, "device", None) or torch.device("cpu")
     flags = torch.tensor([len(groups) > 1, len(lengths) < 2], dtype=torch.int64, device=device)
