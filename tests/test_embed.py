@@ -154,8 +154,9 @@ def test_short_and_long_texts_run_at_their_own_widths():
     (one, one_grads), (two, two_grads) = run(False), run(True)
     torch.testing.assert_close(two, one, rtol=1e-5, atol=1e-6)
     assert len(one_grads) == len(two_grads)
+    scale = max(a.abs().max().item() for a in one_grads)  # sums over every position: float32 rounding of that scale
     for a, b in zip(one_grads, two_grads):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_metrics_are_scipys_and_a_direct_count():
