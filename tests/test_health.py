@@ -131,11 +131,18 @@ def test_cpu_allocator_tuning_stops_page_fault_churn_and_yields_to_the_environme
 
     said, tuned = faults("tune")
     assert said == "mallopt M_MMAP_THRESHOLD=33554432 M_TRIM_THRESHOLD=134217728"
+    # at most two thirds of the default's faults: ~102-332 vs ~917-1,500 per step on an AMD EPYC VM, but ~102 vs ~203
+    # on a 2.1 GHz Xeon VM, where halving was the line itself (102.4 vs 203.2 failed once). glibc's default raises its
+    # mmap threshold after the first frees, and in about one run in three here it has done so before the measured
+    # steps and faults no more than the tuning (102.4 vs 128.0). So every one of three tuned runs must stay under
+    # two thirds of the default's churn, the most of up to four default runs (an allocator setting that did nothing
+    # would churn in one of three runs with probability 26/27).
+    tuned = max([tuned] + [faults("tune")[1] for _ in range(2)])
     _, default = faults("default")
-    # at most two thirds of the default's faults: ~205 vs ~917 per step on an AMD EPYC VM, but ~102 vs ~203 on a
-    # 2.1 GHz Xeon VM, where halving was the line itself (102.4 vs 203.2 failed once)
-    if not tuned < default * 2 / 3:  # a launch beside this test can fault pages of either: the better of two each
-        tuned, default = min(tuned, faults("tune")[1]), min(default, faults("default")[1])
+    for _ in range(3):
+        if tuned < default * 2 / 3:
+            break
+        default = max(default, faults("default")[1])
     assert tuned < default * 2 / 3, (tuned, default)
     said, _ = faults("tune", MALLOC_TOP_PAD_="0")
     assert said == "left to the environment (MALLOC_TOP_PAD_)"
