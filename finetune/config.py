@@ -364,6 +364,8 @@ class EmbedConfig:
     """Also the loss of each positive retrieving its anchor among the batch's anchors, the two averaged (sentence-transformers' ``MultipleNegativesSymmetricRankingLoss``; CLIP's symmetric loss)."""
     gather_across_ranks: bool = True
     """The in-batch negatives of every anchor are the positives (and hard negatives) of every data-parallel rank's micro-batch, gathered with their gradient (``torch.distributed.nn.all_gather``; sentence-transformers' ``gather_across_devices``): 8 ranks give 8x the negatives. false: each rank's micro-batch alone."""
+    mask_duplicates: bool = True
+    """A candidate that is the same text as an anchor's own positive (one paragraph answering several questions of the batch; the same tokens after truncation) is no negative for that anchor: its logit is left out of the anchor's softmax, and with ``symmetric`` so is an anchor that repeats a positive's own anchor. sentence-transformers keeps such false negatives in its loss and avoids them by sampling instead (``BatchSamplers.NO_DUPLICATES``). false: every other candidate is a negative."""
     cached: bool = False
     """Gradient cache (Gao et al. 2021, "Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup"; sentence-transformers' ``CachedMultipleNegativesRankingLoss``): the negatives are the whole global batch (every micro-batch of the step on every rank), at the memory of one micro-batch: a first pass without gradients embeds every micro-batch, the loss's gradient with respect to each embedding is computed once, then each micro-batch runs again with its gradient. Costs one more forward per micro-batch; dropout draws the same masks in both passes."""
     pooling: Pooling = "auto"

@@ -323,6 +323,14 @@ PRESETS: dict[str, dict] = {
     "embed": {"config": "finetune/recipes/configs/embed_stsb.yaml", "heldout": True, "real": True,
               "heldout_key": "eval/ndcg_at_10", "overrides": ["deepspeed=ds_configs/zero0.json"],
               "contenders": ["finetune", "st", "st_gather"], "tiny": []},
+    # The same from the same folder on question-to-passage retrieval: embed_squad.yaml (SQuAD questions, each to the
+    # paragraph that answers it; micro 32 pairs per rank, paragraphs up to 256 tokens); ``heldout``: NDCG@10 of the 96
+    # held-out questions among their article's 39 paragraphs after the last step. A paragraph answers 5 questions on
+    # average, so a batch holds copies of a positive: finetune leaves them out of the softmax (train.embed.
+    # mask_duplicates); ``st_nodup`` draws batches without them (BatchSamplers.NO_DUPLICATES), the others keep them.
+    "embed_squad": {"config": "finetune/recipes/configs/embed_squad.yaml", "heldout": True, "real": True,
+                    "heldout_key": "eval/ndcg_at_10", "overrides": [],
+                    "contenders": ["finetune", "st", "st_gather", "st_nodup"], "tiny": []},
     # The shipped GSM8K SFT (Llama 2 layers, hidden 64): ours best-fit packs examples into 256-token rows; HF Trainer
     # trains one example per row, padded per batch (answer-only labels in both).
     "sft": {"config": "finetune/recipes/configs/sft_gsm8k.yaml",
@@ -816,9 +824,9 @@ def hf(spec: dict, sampling: str, args, out: Path, env: dict) -> dict:
     return trainer_launch("scripts/bench_hf.py", {**spec, "sampling": sampling}, args, out, env)
 
 
-ST_VARIANTS = {"st": "defaults", "st_gather": "gather"}
-"""Contender -> ``scripts/bench_st.py``'s ``variant`` (sentence-transformers' defaults, or its negatives gathered
-across ranks)."""
+ST_VARIANTS = {"st": "defaults", "st_gather": "gather", "st_nodup": "gather_nodup"}
+"""Contender -> ``scripts/bench_st.py``'s ``variant`` (sentence-transformers' defaults; its negatives gathered
+across ranks; gathered, with its no-duplicates batch sampler)."""
 
 
 def st(spec: dict, variant: str, args, out: Path, env: dict) -> dict:

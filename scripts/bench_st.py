@@ -5,7 +5,8 @@ Written as a user of sentence-transformers writes it: ``datasets`` reads the par
 loads the model folder (its ``modules.json``: Transformer, Pooling, Normalize), ``MultipleNegativesRankingLoss``
 (with both directions, sentence-transformers 6's symmetric form, when the spec says symmetric) with ``gather_across_devices`` as the
 variant says (``defaults``: off, sentence-transformers' default; ``gather``: on, every rank's positives as
-negatives, the toolkit's default), and ``SentenceTransformerTrainer(args=SentenceTransformerTrainingArguments(
+negatives, the toolkit's default; ``gather_nodup``: on, and batches drawn by ``BatchSamplers.NO_DUPLICATES``, no text
+twice in a rank's micro-batch: sentence-transformers' way to keep a repeated positive from being a negative), and ``SentenceTransformerTrainer(args=SentenceTransformerTrainingArguments(
 deepspeed=<dict>))`` trains with the spec's batch layout, ZeRO stage, optimizer (torch AdamW), schedule, seed and
 steps. The model's ``max_seq_length`` is the run config's ``data.max_seq_len``.
 
@@ -40,6 +41,7 @@ def main() -> None:
     import transformers
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
                                        SentenceTransformerTrainingArguments)
+    from sentence_transformers.base.sampler import BatchSamplers
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     transformers.logging.set_verbosity_error()
@@ -54,7 +56,8 @@ def main() -> None:
         lr_scheduler_type=spec["lr_scheduler"], max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
         logging_steps=spec.get("log_every", 1), save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True,
         dataloader_num_workers=0, bf16=half == "bf16", fp16=half == "fp16", deepspeed=spec["hf_deepspeed"],
-        use_cpu=not torch.cuda.is_available())
+        use_cpu=not torch.cuda.is_available(),
+        batch_sampler=BatchSamplers.NO_DUPLICATES if spec["variant"] == "gather_nodup" else BatchSamplers.BATCH_SAMPLER)
     columns = [spec["anchor_column"], spec["positive_column"]] + ([spec["negative_column"]]
                                                                    if spec["negative_column"] else [])
     data_start = time.time()
@@ -73,7 +76,7 @@ def main() -> None:
     symmetric = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"} \
         if spec["embed"]["symmetric"] else {}  # sentence-transformers 6's form of MultipleNegativesSymmetricRankingLoss
     loss = MultipleNegativesRankingLoss(model, scale=spec["embed"]["scale"],
-                                        gather_across_devices=spec["variant"] == "gather", **symmetric)
+                                        gather_across_devices=spec["variant"] != "defaults", **symmetric)
 
     counts: list[tuple[int, int]] = []  # (non-pad tokens, positions) of each collated micro-batch, in order
     step_ends: list[float] = []

@@ -131,6 +131,37 @@ def test_gradient_cache_equals_the_plain_loss_with_dropout():
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(plain, unreplayed))
 
 
+def test_a_repeated_text_is_no_negative_of_itself():
+    """Questions that share their paragraph (SQuAD's form): each anchor's softmax leaves out the other copies of its
+    own positive, and with the symmetric loss each positive leaves out the other copies of its own anchor; the loss
+    is then that of the candidates with the copies removed. ``mask_duplicates=false``: sentence-transformers' loss."""
+    from finetune.config import EmbedConfig
+    from finetune.recipes.embed import pair_losses, ranking_losses
+
+    para = pq.read_table(TRAIN).slice(0, 3).to_pylist()
+    rows = [{"anchor": f"question {i}?", "positive": para[i % 3]["positive"]} for i in range(6)] + [
+        {"anchor": "question 0?", "positive": para[2]["anchor"]}]
+    batch = _batch(_cfg("data.score_column="), rows)
+    b, key = len(rows), batch["text_key"]
+    assert key[b:2 * b].tolist()[:3] == key[b + 3:b + 6].tolist() and len(set(key[b:2 * b].tolist())) == 4
+    assert key[0] == key[6] and len(set(key[:b].tolist())) == 6
+    torch.manual_seed(0)
+    emb = torch.randn(2 * b, 16)
+    a, p = emb[:b], emb[b:]
+
+    def without_copies(q, cands, ks, i):  # the plain loss of query i against the candidates left
+        keep = [j for j in range(len(cands)) if j == i or ks[j] != ks[i]]
+        return ranking_losses(q[i:i + 1], cands[keep], cands[:0], keep.index(i), 20.0)[0]
+
+    want = torch.stack([without_copies(a, p, key[b:].tolist(), i) for i in range(b)])
+    torch.testing.assert_close(pair_losses(emb, b, EmbedConfig(), False, key), want)
+    back = torch.stack([without_copies(p, a, key[:b].tolist(), i) for i in range(b)])
+    torch.testing.assert_close(pair_losses(emb, b, EmbedConfig(symmetric=True), False, key), (want + back) / 2)
+    plain = ranking_losses(a, p, p[:0], 0, 20.0)
+    torch.testing.assert_close(pair_losses(emb, b, EmbedConfig(), False, None), plain)
+    assert bool((plain[:6] > want[:6]).all()) and plain[6].item() == pytest.approx(want[6].item())
+
+
 def test_short_and_long_texts_run_at_their_own_widths():
     """Short queries beside long passages run as two forwards, each at its own width: the same embeddings and
     gradients as one forward over the batch padded to its longest text."""
@@ -274,7 +305,9 @@ def _reference(cached: bool):
         n = len(anchors)
         labels = torch.cat([m["labels"] for m in group]).tolist()
         own = torch.tensor([i for i, pos in enumerate(labels) if pos == 1], dtype=torch.long)
-        return F.cross_entropy(20.0 * cos_sim(emb[:n], emb[n:]), own, reduction="sum")
+        copies = torch.tensor([[j != i and positives[j] == positives[i] for j in range(len(positives))] for i in own])
+        logits = (20.0 * cos_sim(emb[:n], emb[n:])).masked_fill(copies, float("-inf"))  # mask_duplicates
+        return F.cross_entropy(logits, own, reduction="sum")
 
     return reference_run(cfg, 2, cfg.train.max_steps, loss_fn=loss_sum, before_step=tag)
 

@@ -18,13 +18,13 @@ import torch.nn.functional as F
 NOT_MODEL_INPUTS = ("labels", "shift_labels", "row_targets", "num_tokens", "reference_logps", "margin", "desirable",
                     "kto_kl", "word_starts", "window_prefix", "window_suffix", "start_positions", "end_positions",
                     "window_row", "offsets", "context_chars", "answer_chars", "pair_score", "eval_row", "eval_rows",
-                    "embed_grad", "embed_loss", "_rng")
+                    "text_key", "embed_grad", "embed_loss", "_rng")
 """Keys of a collated batch that never reach the model: the loss targets (``shift_labels``: next-token targets of a
 sequence-parallel slice, and ``row_targets``: the whole rows' target counts, :mod:`finetune.parallel.sequence`), the
 real-token count of packed rows, the reference model's log-probabilities of preference pairs, the pairs' margins
 (``reward``), ``kto``'s row labels and KL estimate, ``token_cls``'s word starts and window tokens, and ``qa``'s span
-labels, windows' rows, character offsets, contexts and gold answers, and ``embed``'s pair scores, validation row
-indices and gradient cache."""
+labels, windows' rows, character offsets, contexts and gold answers, and ``embed``'s pair scores, texts' keys,
+validation row indices and gradient cache."""
 
 
 def model_inputs(batch: dict) -> dict:

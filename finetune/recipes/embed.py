@@ -262,7 +262,8 @@ def tokenize_function(tokenizer, data_cfg: DataConfig) -> Tokenize:
 def make_collator(tokenizer, data_cfg: DataConfig, relevant_score: float = 0.8):
     """Collates ``B`` rows into one batch of all their texts, anchors first, then positives, then hard negatives,
     padded to the longest (``data.pad_to_multiple_of``): ``input_ids``, ``attention_mask`` int64 ``[S x B, T]``
-    (``S``: 2 or 3 sides); ``labels`` int64 ``[B]``: 1 for a positive pair, 0 for a pair scored below
+    (``S``: 2 or 3 sides); ``text_key`` int64 ``[S x B]`` (a hash of each text's token ids: equal texts, equal keys;
+    :func:`ranking_losses`); ``labels`` int64 ``[B]``: 1 for a positive pair, 0 for a pair scored below
     ``relevant_score`` (-100 marks evaluation filler rows); with scores ``pair_score`` float32 ``[B]``; in
     evaluation ``eval_row`` int64 ``[B]`` (each row's index in the validation split) and ``eval_rows`` (0-dim: the
     split's rows)."""
@@ -283,7 +284,8 @@ def make_collator(tokenizer, data_cfg: DataConfig, relevant_score: float = 0.8):
         for i, t in enumerate(texts):
             ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
             mask[i, :len(t)] = 1
-        batch = {"input_ids": ids, "attention_mask": mask}
+        batch = {"input_ids": ids, "attention_mask": mask,
+                 "text_key": torch.tensor([hash(tuple(t)) for t in texts], dtype=torch.long)}
         if "pair_score" in rows[0]:
             score = torch.tensor([row["pair_score"] for row in rows], dtype=torch.float32)
             batch["pair_score"] = score
@@ -334,26 +336,52 @@ def gather_with_grad(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
     return torch.cat(all_gather(x.contiguous())), dist.get_rank() * x.shape[0]
 
 
-def ranking_losses(a: torch.Tensor, p: torch.Tensor, n: torch.Tensor, offset: int, scale: float) -> torch.Tensor:
+def gather_keys(x: torch.Tensor, gather: bool) -> torch.Tensor:
+    """Every data-parallel rank's ``x`` (no gradient, e.g. ``text_key``) concatenated in rank order; with ``gather``
+    off or one process, ``x``."""
+    if _world(gather) == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def ranking_losses(a: torch.Tensor, p: torch.Tensor, n: torch.Tensor, offset: int, scale: float,
+                   keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Multiple-negatives ranking loss of each anchor ``a`` ``[B, H]``, ``[B]``: the cross-entropy of
     ``scale x cos(a_i, c)`` over the candidates ``c`` = the positives ``p`` ``[P, H]`` then the negatives ``n``
-    ``[M, H]``, the target ``p[offset + i]``."""
+    ``[M, H]``, the target ``p[offset + i]``.
+
+    ``keys`` (``train.embed.mask_duplicates``): ``(target keys [B], candidate keys [P + M])``, int64 text keys
+    (:func:`make_collator`); a candidate other than the target whose key is the target's is left out of that
+    anchor's softmax (its logit -inf): the same text is no negative of itself."""
     cands = F.normalize(torch.cat([p, n]), dim=-1)
     logits = scale * F.normalize(a, dim=-1) @ cands.T
     target = torch.arange(a.shape[0], device=a.device) + offset
+    if keys is not None:
+        same = keys[0][:, None] == keys[1][None, :]
+        same[torch.arange(a.shape[0], device=a.device), target] = False
+        logits = logits.masked_fill(same, float("-inf"))
     return F.cross_entropy(logits, target, reduction="none")
 
 
-def pair_losses(emb: torch.Tensor, b: int, e: EmbedConfig, gather: bool) -> torch.Tensor:
+def pair_losses(emb: torch.Tensor, b: int, e: EmbedConfig, gather: bool,
+                text_key: torch.Tensor | None = None) -> torch.Tensor:
     """Per-anchor loss ``[B]`` of one batch's embeddings ``[S x B, H]`` (anchors, positives, negatives), the
-    candidates gathered over ranks when ``gather``."""
+    candidates gathered over ranks when ``gather``; with ``text_key`` ``[S x B]`` a candidate that repeats the
+    target's text is no negative (:func:`ranking_losses`)."""
     a, p, n = emb[:b], emb[b:2 * b], emb[2 * b:]
     p_all, offset = gather_with_grad(p, gather)
     n_all = gather_with_grad(n, gather)[0] if n.shape[0] else n
-    loss = ranking_losses(a, p_all, n_all, offset, e.scale)
+    forward_keys = back_keys = None
+    if text_key is not None:
+        k_a, k_p, k_n = text_key[:b], text_key[b:2 * b], text_key[2 * b:]
+        forward_keys = (k_p, torch.cat([gather_keys(k_p, gather)] + ([gather_keys(k_n, gather)] if n.shape[0] else [])))
+        back_keys = (k_a, gather_keys(k_a, gather)) if e.symmetric else None
+    loss = ranking_losses(a, p_all, n_all, offset, e.scale, forward_keys)
     if e.symmetric:  # each positive retrieves its anchor among every rank's anchors
         a_all = gather_with_grad(a, gather)[0]
-        back = ranking_losses(p, a_all, a_all[:0], offset, e.scale)
+        back = ranking_losses(p, a_all, a_all[:0], offset, e.scale, back_keys)
         loss = (loss + back) / 2
     return loss
 
@@ -382,7 +410,7 @@ def forward(model, batch: dict, metrics: bool = False, *, settings: EmbedConfig 
         surrogate = (emb * batch["embed_grad"]).sum()
         return LossOutput(batch["embed_loss"].sum() + surrogate - surrogate.detach(), positive.sum())
     emb = embed(model, batch, mode)
-    per_anchor = pair_losses(emb, b, e, gather)
+    per_anchor = pair_losses(emb, b, e, gather, batch.get("text_key") if e.mask_duplicates else None)
     loss = torch.where(positive, per_anchor, torch.zeros_like(per_anchor)).sum()
     if not metrics or "eval_row" not in batch:
         return LossOutput(loss, positive.sum())
@@ -444,11 +472,17 @@ def before_step(engine, micro: list[dict], cfg: RunConfig, *, settings: EmbedCon
         p_all = gather_with_grad(p, gather)[0]
         n_all = gather_with_grad(n, gather)[0] if n.shape[0] else n
         labels_all = gather_with_grad(labels, gather)[0]
+    forward_keys = back_keys = None
+    if e.mask_duplicates:  # every text's key, in the order of the gathered embeddings
+        k_a, k_p, k_n = (gather_keys(torch.cat([batch["text_key"][k * b:(k + 1) * b] for batch, b in zip(micro, sizes)])
+                                     .to(device), gather) for k in range(3))
+        forward_keys = (k_p, torch.cat([k_p, k_n]))
+        back_keys = (k_a, k_a)
     leaves = [t.detach().requires_grad_(True) for t in (a_all, p_all, n_all)]
     with torch.enable_grad():
-        per_anchor = ranking_losses(leaves[0], leaves[1], leaves[2], 0, e.scale)
+        per_anchor = ranking_losses(leaves[0], leaves[1], leaves[2], 0, e.scale, forward_keys)
         if e.symmetric:
-            back = ranking_losses(leaves[1], leaves[0], leaves[0][:0], 0, e.scale)
+            back = ranking_losses(leaves[1], leaves[0], leaves[0][:0], 0, e.scale, back_keys)
             per_anchor = (per_anchor + back) / 2
         per_anchor = torch.where(labels_all == 1, per_anchor, torch.zeros_like(per_anchor))
         per_anchor.sum().backward()
