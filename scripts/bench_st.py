@@ -6,9 +6,9 @@ loads the model folder (its ``modules.json``: Transformer, Pooling, Normalize), 
 (with both directions, sentence-transformers 6's symmetric form, when the spec says symmetric) with ``gather_across_devices`` as the
 variant says (``defaults``: off, sentence-transformers' default; ``gather``: on, every rank's positives as
 negatives, the toolkit's default; ``gather_nodup``: on, and batches drawn by ``BatchSamplers.NO_DUPLICATES``, no text
-twice in a rank's micro-batch: sentence-transformers' way to keep a repeated positive from being a negative), and ``SentenceTransformerTrainer(args=SentenceTransformerTrainingArguments(
-deepspeed=<dict>))`` trains with the spec's batch layout, ZeRO stage, optimizer (torch AdamW), schedule, seed and
-steps. The model's ``max_seq_length`` is the run config's ``data.max_seq_len``.
+twice in a rank's micro-batch: sentence-transformers' way to keep a repeated positive from being a negative), and
+``SentenceTransformerTrainer(args=SentenceTransformerTrainingArguments(deepspeed=<dict>))`` trains with the spec's
+batch layout, ZeRO stage, optimizer (torch AdamW), schedule, seed and steps. The model's ``max_seq_length`` is the run config's ``data.max_seq_len``.
 
 Measured, per rank, into ``<out>/rank<r>.json``: the wall time at the end of each optimizer step, the non-pad tokens
 and positions of each collated micro-batch (every column's), and (rank 0) the logged loss of each step; after

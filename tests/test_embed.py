@@ -11,9 +11,10 @@ naming file, row and column.
 Launched (extended: 4 launches of ``tests/configs/parity_embed.yaml``, 2 CPU ranks, micro-batch 4 x accumulation 2):
 the negatives gathered across ranks at ZeRO 0 and ZeRO 3, and the gradient cache at ZeRO 2, each against one device
 running every anchor of a group (a micro-step's rows of both ranks; with the cache the whole global batch) against
-every positive of it in one forward, a copy of its own positive left out (the runs' seed puts one in a group) (losses 1e-5, grad norms 1e-4 / 1e-5, exported weights 1e-5 at ZeRO 3); the
-step-0 evaluation against sentence-transformers' ``SentenceTransformer`` on the same weights; a resume from step 3
-that repeats steps 4-6; the export loaded by ``SentenceTransformer`` embedding as the engine did.
+every positive of it in one forward, a copy of its own positive left out (the runs' seed puts one in a group):
+losses 1e-5, grad norms 1e-4 / 1e-5, exported weights 1e-5 at ZeRO 3; the step-0 evaluation against
+sentence-transformers' ``SentenceTransformer`` on the same weights; a resume from step 3 that repeats steps 4-6; the
+export loaded by ``SentenceTransformer`` embedding as the engine did.
 """
 
 from __future__ import annotations
