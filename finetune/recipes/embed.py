@@ -336,14 +336,16 @@ def gather_with_grad(x: torch.Tensor, gather: bool) -> tuple[torch.Tensor, int]:
     return torch.cat(all_gather(x.contiguous())), dist.get_rank() * x.shape[0]
 
 
-def gather_keys(x: torch.Tensor, gather: bool) -> torch.Tensor:
-    """Every data-parallel rank's ``x`` (no gradient, e.g. ``text_key``) concatenated in rank order; with ``gather``
-    off or one process, ``x``."""
-    if _world(gather) == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
+def gather_keys(keys: torch.Tensor, gather: bool) -> list[torch.Tensor]:
+    """Each side's text keys over every data-parallel rank, in the order :func:`gather_with_grad` concatenates the
+    embeddings: ``keys`` int64 ``[S, B]`` (this rank's, side by side) -> ``S`` tensors ``[ranks x B]``, each side's
+    keys of rank 0, then rank 1, ... One all-gather without gradient; with ``gather`` off or one process, the rows
+    of ``keys``."""
+    if _world(gather) > 1:
+        parts = [torch.empty_like(keys) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, keys.contiguous())
+        keys = torch.cat(parts, dim=1)  # [S, ranks x B]
+    return list(keys)
 
 
 def ranking_losses(a: torch.Tensor, p: torch.Tensor, n: torch.Tensor, offset: int, scale: float,
@@ -375,9 +377,9 @@ def pair_losses(emb: torch.Tensor, b: int, e: EmbedConfig, gather: bool,
     n_all = gather_with_grad(n, gather)[0] if n.shape[0] else n
     forward_keys = back_keys = None
     if text_key is not None:
-        k_a, k_p, k_n = text_key[:b], text_key[b:2 * b], text_key[2 * b:]
-        forward_keys = (k_p, torch.cat([gather_keys(k_p, gather)] + ([gather_keys(k_n, gather)] if n.shape[0] else [])))
-        back_keys = (k_a, gather_keys(k_a, gather)) if e.symmetric else None
+        every = gather_keys(text_key.view(-1, b), gather)  # anchors', positives', negatives' keys of every rank
+        forward_keys = (text_key[b:2 * b], torch.cat(every[1:]))
+        back_keys = (text_key[:b], every[0])
     loss = ranking_losses(a, p_all, n_all, offset, e.scale, forward_keys)
     if e.symmetric:  # each positive retrieves its anchor among every rank's anchors
         a_all = gather_with_grad(a, gather)[0]
@@ -474,10 +476,10 @@ def before_step(engine, micro: list[dict], cfg: RunConfig, *, settings: EmbedCon
         labels_all = gather_with_grad(labels, gather)[0]
     forward_keys = back_keys = None
     if e.mask_duplicates:  # every text's key, in the order of the gathered embeddings
-        k_a, k_p, k_n = (gather_keys(torch.cat([batch["text_key"][k * b:(k + 1) * b] for batch, b in zip(micro, sizes)])
-                                     .to(device), gather) for k in range(3))
-        forward_keys = (k_p, torch.cat([k_p, k_n]))
-        back_keys = (k_a, k_a)
+        local = torch.cat([batch["text_key"].view(-1, b) for batch, b in zip(micro, sizes)], dim=1)  # [S, rows]
+        every = gather_keys(local.to(device), gather)
+        forward_keys = (every[1], torch.cat(every[1:]))
+        back_keys = (every[0], every[0])
     leaves = [t.detach().requires_grad_(True) for t in (a_all, p_all, n_all)]
     with torch.enable_grad():
         per_anchor = ranking_losses(leaves[0], leaves[1], leaves[2], 0, e.scale, forward_keys)
